@@ -1,0 +1,89 @@
+"""`mlxcel generate`: one prompt in, text streamed out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from . import options as opt
+from .errors import fail, reported_errors
+
+
+def _read_prompt(prompt: Optional[str]) -> str:
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read()
+    if prompt is None:
+        raise fail("no prompt: pass -p TEXT, or '-p -' / a pipe to read it from stdin")
+    return prompt
+
+
+def _print_stats(stats, verbose: bool) -> None:
+    err = sys.stderr
+    print(f"prompt: {stats.prompt_tokens} tokens, {stats.prefill_tps:.2f} tok/s", file=err)
+    print(f"generation: {stats.generated_tokens} tokens, {stats.decode_tps:.2f} tok/s", file=err)
+    print(f"peak memory: {stats.peak_memory_gb:.3f} GB", file=err)
+    if verbose:
+        print(f"prefill: {stats.prefill_s * 1000:.1f} ms, decode: {stats.decode_s * 1000:.1f} ms", file=err)
+
+
+def generate(
+    prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt text; '-' reads stdin (so does a pipe).")] = None,
+    model: opt.Model = None,
+    max_tokens: opt.MaxTokens = 256,
+    temp: opt.Temp = 0.0,
+    top_k: opt.TopK = 0,
+    top_p: opt.TopP = 1.0,
+    min_p: opt.MinP = 0.0,
+    seed: opt.Seed = None,
+    stop: opt.Stop = None,
+    no_chat_template: opt.NoChatTemplate = False,
+    system: opt.System = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Print one JSON object (text, token ids, finish_reason, usage, timings) instead of streaming.")] = False,
+    verbose: opt.Verbose = False,
+) -> None:
+    """Generate text for one prompt. Text streams to stdout; statistics go to stderr."""
+    with reported_errors(verbose):
+        text = _read_prompt(prompt)
+        params = opt.sampling_params(max_tokens, temp, top_k, top_p, min_p, seed, stop)
+        if not text.strip():
+            raise fail("prompt is empty")
+
+        from mlxcel_core.api import prepare_prompt, stream_generate
+        from mlxcel_core.loading import load_model
+
+        loaded = load_model(model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr))
+        print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
+        prompt_ids = prepare_prompt(loaded.tokenizer, text, system, chat_template=not no_chat_template)
+        if verbose:
+            print(f"mlxcel: prompt tokens: {len(prompt_ids)}", file=sys.stderr)
+
+        pieces, tokens, last = [], [], None
+        for chunk in stream_generate(loaded, prompt_ids, params):
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            pieces.append(chunk.text)
+            if not as_json and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+            last = chunk
+        stats = last.stats
+        if as_json:
+            print(json.dumps({
+                "text": "".join(pieces),
+                "token_ids": tokens,
+                "finish_reason": last.finish_reason,
+                "usage": {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+                          "total_tokens": stats.prompt_tokens + stats.generated_tokens},
+                "timings": {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
+                            "prefill_tokens_per_s": stats.prefill_tps, "decode_tokens_per_s": stats.decode_tps,
+                            "peak_memory_gb": stats.peak_memory_gb},
+                "model": loaded.source.origin,
+            }, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        _print_stats(stats, verbose)

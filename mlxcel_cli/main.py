@@ -1,0 +1,70 @@
+"""The `mlxcel` command. Subcommand modules import mlx only inside their functions (fast --help)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE
+from .generate import generate
+
+app = typer.Typer(
+    name="mlxcel",
+    help="Run large language models on MLX.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("generate")(generate)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            mlx_version = version("mlx")
+        except PackageNotFoundError:
+            mlx_version = "not installed"
+        print(f"mlxcel {__version__} (mlx {mlx_version})")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    version: Annotated[Optional[bool], typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+) -> None:
+    """Run large language models on MLX: generate text from the terminal."""
+
+
+# Typer vendors click in recent releases and re-exports only some of its exceptions.
+_UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: click errors become one line on stderr with exit code 2."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="mlxcel", standalone_mode=False)
+    except _UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # bare `mlxcel`: show the help
+            print(exc.ctx.get_help(), file=sys.stderr)
+            return EXIT_USAGE
+        where = exc.ctx.command_path if exc.ctx else "mlxcel"
+        print(f"mlxcel: error: {exc.format_message()} (see '{where} --help')", file=sys.stderr)
+        return EXIT_USAGE
+    except typer.Exit as exc:
+        return exc.exit_code
+    except typer.Abort:
+        return EXIT_INTERRUPTED
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

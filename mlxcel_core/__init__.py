@@ -1,0 +1,33 @@
+"""mlxcel's engine: models, weights, tokenizer, cache, sampling, engine.
+
+Public API (imported lazily so `mlxcel_core.errors` stays cheap to import)::
+
+    from mlxcel_core import load_model, generate, stream_generate, prepare_prompt, SamplingParams
+    lm = load_model()                       # default model; or a path, .gguf, or Hub repo id
+    print(generate(lm, "What is the capital of France?").text)
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "load_model": "mlxcel_core.loading",
+    "LoadedModel": "mlxcel_core.loading",
+    "generate": "mlxcel_core.api",
+    "stream_generate": "mlxcel_core.api",
+    "prepare_prompt": "mlxcel_core.api",
+    "GenerationResult": "mlxcel_core.api",
+    "GenerationChunk": "mlxcel_core.api",
+    "GenerationStats": "mlxcel_core.api",
+    "SamplingParams": "mlxcel_core.sampling",
+    "Engine": "mlxcel_core.engine",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'mlxcel_core' has no attribute {name!r}")

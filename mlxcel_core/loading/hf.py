@@ -1,0 +1,50 @@
+"""Hugging Face model directories: config.json + safetensors (single, sharded, or MLX-quantized)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from ..errors import CorruptModelError, InputError
+from .weights import read_arrays
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise InputError(f"{model_dir} is not a model directory: it has no config.json")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CorruptModelError(f"{path} is not valid JSON: {exc}") from exc
+    # Multimodal checkpoints nest the language model's config.
+    if "text_config" in config and "hidden_size" not in config:
+        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", config.get("model_type"))}
+    return config
+
+
+def weight_files(model_dir: Path, warn: Callable[[str], None]) -> list[Path]:
+    present = sorted(model_dir.glob("*.safetensors"))
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            named = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CorruptModelError(f"{index_path} is not a valid safetensors index: {exc}") from exc
+        missing = [n for n in named if not (model_dir / n).is_file()]
+        if not missing:
+            return [model_dir / n for n in named]
+        warn(f"index names {len(missing)} missing shard(s) ({', '.join(missing[:3])}); loading the *.safetensors present")
+    if not present:
+        raise CorruptModelError(f"{model_dir} has no *.safetensors weight files")
+    return present
+
+
+def load_hf_weights(model_dir: Path, warn: Callable[[str], None]) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for path in weight_files(model_dir, warn):
+        weights.update(read_arrays(path))
+    return weights

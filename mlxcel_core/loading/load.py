@@ -1,0 +1,44 @@
+"""load_model: resolve a spec, read config/weights/tokenizer, build the model."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..tokenizer import Tokenizer, load_hf_tokenizer
+from .gguf import load_gguf
+from .hf import load_hf_weights, read_config
+from .resolve import ModelSource, resolve_model
+from .weights import build_model
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: dict[str, Any]
+    source: ModelSource
+
+
+def _stderr(msg: str) -> None:
+    print(f"mlxcel: {msg}", file=sys.stderr)
+
+
+def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr) -> LoadedModel:
+    """Load a model from a directory, a .gguf file, a Hub repo id, or (None) the default model."""
+    source = resolve_model(spec, log)
+    if source.kind == "gguf":
+        config, weights, tokenizer = load_gguf(source.path)
+        # GGUF scales are fp16; on the CPU fp32 is both faster and closer to the reference.
+        dtype = mx.float32 if mx.default_device() == mx.cpu else None
+    else:
+        config = read_config(source.path)
+        weights = load_hf_weights(source.path, warn=log)
+        tokenizer = load_hf_tokenizer(source.path, config)
+        dtype = None
+    model = build_model(config, weights, dtype)
+    return LoadedModel(model, tokenizer, config, source)

@@ -1,0 +1,56 @@
+"""Build a model from config + weights, quantizing exactly the layers that ship quantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import CorruptModelError
+from ..models import model_class_for
+
+
+def read_arrays(path: Path) -> dict[str, mx.array]:
+    """mx.load with a one-line error for unreadable (e.g. truncated) files."""
+    try:
+        return mx.load(str(path))
+    except Exception as exc:  # mx.load raises RuntimeError/ValueError with C++ messages
+        raise CorruptModelError(f"cannot read weights file {path}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _quantization_of(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict | bool:
+    """Per-layer group size and bits, read off the packed shapes (works for GGUF and MLX checkpoints)."""
+    scales = weights.get(f"{path}.scales")
+    if scales is None or not hasattr(module, "to_quantized"):
+        return False
+    in_dims = module.weight.shape[-1]
+    packed = weights[f"{path}.weight"].shape[-1]
+    return {"group_size": in_dims // scales.shape[-1], "bits": packed * 32 // in_dims}
+
+
+def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None) -> nn.Module:
+    model_cls, args_cls = model_class_for(config)
+    try:
+        args = args_cls.from_dict(config)
+    except TypeError as exc:
+        raise CorruptModelError(f"config.json is incomplete for {config.get('model_type')}: {exc}") from exc
+    model = model_cls(args)
+    weights = model.sanitize(weights)
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    if any(k.endswith(".scales") for k in weights):
+        nn.quantize(model, class_predicate=lambda p, m: _quantization_of(p, m, weights))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise CorruptModelError(f"weights do not match the {config['model_type']} architecture: {_first_line(exc)}") from exc
+    mx.eval(model.parameters())
+    model.eval()
+    return model

@@ -1,0 +1,33 @@
+"""Model registry keyed by config.json's `model_type`; one module per family."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import UnsupportedModelError
+
+# model_type -> module under mlxcel_core.models
+REGISTRY: dict[str, str] = {
+    "llama": "llama",
+    "mistral": "llama",
+    "smollm2": "llama",
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def model_class_for(config: dict[str, Any]):
+    """Return (Model, ModelArgs) for a config dict; raise a clear error for unknown families."""
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise UnsupportedModelError("config.json has no 'model_type'")
+    module_name = REGISTRY.get(model_type)
+    if module_name is None:
+        raise UnsupportedModelError(
+            f"model_type '{model_type}' is not supported (supported: {', '.join(supported_model_types())})"
+        )
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return module.Model, module.ModelArgs
