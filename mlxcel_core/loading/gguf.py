@@ -77,6 +77,9 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str,
     head_dim = get("attention.key_length")
     if head_dim is not None:
         config["head_dim"] = int(head_dim)
+    rope_dims = get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != config.get("head_dim", hidden // heads):
+        raise UnsupportedModelError("GGUF with partial rotary embedding (rope.dimension_count < head_dim) is not supported")
     scaling = get("rope.scaling.type")
     if scaling in ("linear",):
         config["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor"))}
@@ -134,8 +137,10 @@ def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
             pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
-    else:
+    elif pre in ("default", "gpt2"):
         backend.pre_tokenizer = byte_level
+    else:  # another split regex we do not know would tokenize differently, silently
+        raise UnsupportedModelError(f"GGUF pre-tokenizer '{pre}' is not supported (supported: default, gpt2, smollm, llama-bpe)")
     backend.decoder = decoders.ByteLevel()
 
     types = meta.get("tokenizer.ggml.token_type")

@@ -7,6 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..errors import CorruptModelError
 from ..models import model_class_for
@@ -35,6 +36,16 @@ def _quantization_of(path: str, module: nn.Module, weights: dict[str, mx.array])
     return {"group_size": in_dims // scales.shape[-1], "bits": packed * 32 // in_dims}
 
 
+def _check_names(model: nn.Module, weights: dict[str, mx.array], model_type: str) -> None:
+    expected = {name for name, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - weights.keys())
+    unexpected = sorted(weights.keys() - expected)
+    for kind, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise CorruptModelError(f"checkpoint does not match the {model_type} architecture: {kind} tensors {shown}")
+
+
 def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None) -> nn.Module:
     model_cls, args_cls = model_class_for(config)
     try:
@@ -47,10 +58,12 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     if any(k.endswith(".scales") for k in weights):
         nn.quantize(model, class_predicate=lambda p, m: _quantization_of(p, m, weights))
+    _check_names(model, weights, config["model_type"])
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise CorruptModelError(f"weights do not match the {config['model_type']} architecture: {_first_line(exc)}") from exc
+        message = " ".join(str(exc).split())
+        raise CorruptModelError(f"weights do not match the {config['model_type']} architecture: {message}") from exc
     mx.eval(model.parameters())
     model.eval()
     return model
