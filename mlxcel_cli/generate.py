@@ -51,6 +51,8 @@ def generate(
         params = opt.sampling_params(max_tokens, temp, top_k, top_p, min_p, seed, stop)
         if not text.strip():
             raise fail("prompt is empty")
+        if system and no_chat_template:
+            raise fail("a system prompt needs the chat template, but --no-chat-template was given")
 
         from mlxcel_core.api import prepare_prompt, stream_generate
         from mlxcel_core.loading import load_model

@@ -30,10 +30,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InputError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise InputError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InputError(f"top-k must be an integer >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise InputError(f"top-p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:

@@ -165,7 +165,7 @@ def test_filtered_logits_returns_float32():
 # ---------------------------------------------------------------- SamplingParams validation
 
 @pytest.mark.parametrize("kwargs", [
-    dict(temperature=-0.01), dict(top_k=-1), dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.0001),
+    dict(temperature=-0.01), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_k=2.5), dict(top_k=-1), dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.0001),
     dict(min_p=-0.1), dict(min_p=1.5), dict(max_tokens=0), dict(max_tokens=-3),
     dict(stop=("",)), dict(stop=("ok", "")),
 ])
