@@ -34,6 +34,11 @@ def reported_errors(verbose: bool):
         if verbose:
             traceback.print_exc()
         raise fail(str(exc), exc.exit_code) from None
+    except BrokenPipeError:  # `mlxcel generate ... | head`: the reader left; stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(EXIT_RUNTIME) from None
     except KeyboardInterrupt:
         print("\nmlxcel: interrupted", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED) from None

@@ -19,8 +19,13 @@ class ModelRunner:
         padding = [longest - len(p) for p in prompts]
         rows = [[0] * pad + p for pad, p in zip(padding, prompts)]
         self.cache = make_cache(len(self.model.layers), padding)
-        logits = self.model(mx.array(rows), self.cache)
-        return logits[:, -1, :]
+        tokens = mx.array(rows)
+        if longest > 1:
+            # Only the cache is evaluated here, so the LM head never runs on the prompt body
+            # (on a 49k vocabulary that head costs ~20% of the prefill).
+            self.model(tokens[:, :-1], self.cache)
+            mx.eval([c.state for c in self.cache])
+        return self.model(tokens[:, -1:], self.cache)[:, -1, :]
 
     def decode(self, tokens: mx.array) -> mx.array:
         """One step for every row: `tokens` [B] -> logits [B, V]."""

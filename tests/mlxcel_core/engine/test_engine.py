@@ -10,7 +10,8 @@ from mlxcel_core.errors import InputError
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
 
-PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [64, 128, 11], [200, 31, 9, 8, 7, 6, 5, 4, 3, 2, 1]]
+# Different lengths, including a 1-token prompt whose row is all padding during the prompt-body pass.
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7], [64, 128, 11], [200, 31, 9, 8, 7, 6, 5, 4, 3, 2, 1], [9]]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_single_sequence_matches_plain_recompute(loaded):
 
 
 def test_batch_rows_match_solo_runs(loaded):
-    limits = [12, 5, 9]  # rows finish at different steps and leave the batch
+    limits = [12, 5, 9, 6]  # rows finish at different steps and leave the batch
     engine = Engine(loaded.model, loaded.tokenizer)
     ids = [engine.open(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, limits)]
     batched = run(engine)
