@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .models.base import causal_mask
+from .models.base import causal_mask, scaled_dot_product_attention
 
 
 class KVCache:
@@ -21,9 +21,11 @@ class KVCache:
         self.offset = 0
         self.left_padding = mx.array(left_padding) if left_padding and any(left_padding) else None
 
-    def attention_mask(self, query_len: int) -> mx.array | str | None:
-        """Mask for the next `query_len` tokens; call before `update_and_fetch`."""
-        return causal_mask(query_len, self.offset + query_len, self.left_padding)
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+               window: int | None = None, softcap: float | None = None) -> mx.array:
+        mask = causal_mask(queries.shape[2], self.offset + keys.shape[2], self.left_padding, window)
+        keys, values = self.update_and_fetch(keys, values)
+        return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         batch, heads, length, _ = keys.shape

@@ -1,4 +1,4 @@
-"""Pieces every model family shares: config dataclass base, the model protocol, attention masks."""
+"""Pieces every model family shares: config dataclass base, the model/cache protocols, attention."""
 
 from __future__ import annotations
 
@@ -20,13 +20,15 @@ class BaseModelArgs:
 
 
 class LayerCache(Protocol):
-    """What attention needs from a per-layer KV cache (see mlxcel_core.cache)."""
+    """Per-layer KV storage. It owns how attention reads it (dense, quantized, paged)."""
 
-    offset: int
+    @property
+    def offset(self) -> int | mx.array:
+        """Position of the next token: an int, or one per batch row."""
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]: ...
-
-    def attention_mask(self, query_len: int) -> mx.array | str | None: ...
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+               window: int | None = None, softcap: float | None = None) -> mx.array:
+        """Store the new keys/values [B, Hkv, L, D] and return attention output [B, Hq, L, D]."""
 
 
 class CausalLM(Protocol):
@@ -38,16 +40,53 @@ class CausalLM(Protocol):
     def __call__(self, inputs: mx.array, cache: Sequence[LayerCache] | None = None) -> mx.array: ...
 
 
-def causal_mask(query_len: int, key_len: int, left_padding: mx.array | None = None) -> mx.array | str | None:
+def causal_mask(query_len: int, key_len: int, left_padding: mx.array | None = None,
+                window: int | None = None) -> mx.array | str | None:
     """Mask for `query_len` new tokens attending to `key_len` keys (the last query_len are the new ones).
 
     Returns None or "causal" when MLX's fused attention can build it itself, else a boolean
-    [B, 1, L, S] array that also hides each row's left padding.
+    [B or 1, 1, L, S] array that also hides each row's left padding and keys outside the window
+    (a query sees keys with q - k < window, as transformers' sliding-window mask).
     """
-    if left_padding is None:
+    if left_padding is None and (window is None or window >= key_len):
         return "causal" if query_len > 1 else None
     q_pos = mx.arange(key_len - query_len, key_len)[:, None]
     k_pos = mx.arange(key_len)[None, :]
-    mask = (k_pos <= q_pos)[None, None]
-    not_pad = k_pos[None, None] >= left_padding[:, None, None, None]
-    return mx.logical_and(mask, not_pad)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mx.logical_and(mask, k_pos > q_pos - window)
+    mask = mask[None, None]
+    if left_padding is not None:
+        mask = mx.logical_and(mask, k_pos[None, None] >= left_padding[:, None, None, None])
+    return mask
+
+
+def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
+                                 softcap: float | None = None) -> mx.array:
+    """MLX's fused attention, or the explicit form when logits are soft-capped (Gemma 2)."""
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    n_rep = queries.shape[1] // keys.shape[1]
+    if n_rep > 1:
+        keys = mx.repeat(keys, n_rep, axis=1)
+        values = mx.repeat(values, n_rep, axis=1)
+    scores = (queries * scale) @ keys.swapaxes(-1, -2)
+    scores = mx.tanh(scores / softcap) * softcap
+    if isinstance(mask, str):
+        mask = causal_mask(queries.shape[2], keys.shape[2])
+    if mask is not None and not isinstance(mask, str):
+        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+    return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: LayerCache | None, scale: float,
+              window: int | None = None, softcap: float | None = None) -> mx.array:
+    """What every family's attention calls after projecting q/k/v and applying RoPE."""
+    if cache is not None:
+        return cache.attend(queries, keys, values, scale, window=window, softcap=softcap)
+    mask = causal_mask(queries.shape[2], keys.shape[2], None, window)
+    return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
+
+
+def cache_offset(cache: LayerCache | None) -> int | mx.array:
+    return 0 if cache is None else cache.offset

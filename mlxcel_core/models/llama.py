@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
-from .base import BaseModelArgs, LayerCache
+from .base import BaseModelArgs, LayerCache, attention, cache_offset
 from .rope import initialize_rope, rope_base, rope_scaling_config
 
 
@@ -59,18 +59,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
         self.rope = initialize_rope(self.head_dim, args.rope_base, args.rope_traditional, args.rope_scaling)
+        self.window = args.sliding_window  # Mistral v0.1; None = full attention
 
-    def __call__(self, x: mx.array, mask, cache: LayerCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q = self.rope(q, offset)
-        k = self.rope(k, offset)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        offset = cache_offset(cache)
+        out = attention(self.rope(q, offset), self.rope(k, offset), v, cache, self.scale, window=self.window)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -94,8 +91,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, mask, cache: LayerCache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -108,13 +105,8 @@ class LlamaModel(nn.Module):
 
     def __call__(self, inputs: mx.array, cache) -> mx.array:
         h = self.embed_tokens(inputs)
-        if cache is None:
-            cache = [None] * len(self.layers)
-            mask = "causal" if inputs.shape[1] > 1 else None
-        else:
-            mask = cache[0].attention_mask(inputs.shape[1])
-        for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, mask, layer_cache)
+        for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
+            h = layer(h, layer_cache)
         return self.norm(h)
 
 
@@ -126,8 +118,7 @@ class Model(nn.Module):
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # Past the sliding window, full attention would no longer match the checkpoint's training.
-        self.max_context_length = min(args.max_position_embeddings, args.sliding_window or 1 << 62)
+        self.max_context_length = args.max_position_embeddings
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         h = self.model(inputs, cache)
