@@ -1,0 +1,1 @@
+"""Paged KV-cache storage and attention over it."""

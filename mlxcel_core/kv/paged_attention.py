@@ -1,0 +1,131 @@
+"""Decode attention over a paged KV pool, split along the key axis (flash-decoding style).
+
+A pool holds ``num_blocks`` blocks of ``block_size`` token slots; each sequence owns a list of
+block ids (its row of ``block_tables``). Decode attention gathers a row's blocks, cuts the key
+axis into ``num_splits`` contiguous chunks, reduces each chunk independently (max, sum of exp,
+weighted V) and merges the partials with log-sum-exp rescaling. ``num_splits`` only changes how
+the work is partitioned, never the result, so a tuner may pick it freely.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+
+def _check_int(name: str, a: mx.array) -> None:
+    if not mx.issubdtype(a.dtype, mx.integer):
+        raise ValueError(f"{name} must be an integer array, got {a.dtype}")
+
+
+def _check_pools(k_pool: mx.array, v_pool: mx.array) -> None:
+    if k_pool.ndim != 4:
+        raise ValueError(f"k_pool must be [num_blocks, block_size, Hkv, D], got shape {k_pool.shape}")
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"v_pool shape {v_pool.shape} != k_pool shape {k_pool.shape}")
+
+
+def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
+                           scale: float | None = None) -> mx.array:
+    """One decode step of attention for B rows. q: [B, Hq, D]; pools: [num_blocks, block_size, Hkv, D];
+    block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens, current one included).
+    Returns [B, Hq, D] in q's dtype. A row with context_len 0 yields zeros."""
+    _check_pools(k_pool, v_pool)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
+    B, Hq, D = q.shape
+    _, block_size, Hkv, Dk = k_pool.shape
+    if Dk != D:
+        raise ValueError(f"head dim mismatch: q has D={D}, pools have D={Dk}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be [B={B}, max_blocks], got shape {block_tables.shape}")
+    if context_lens.shape != (B,):
+        raise ValueError(f"context_lens must be [B={B}], got shape {context_lens.shape}")
+    _check_int("block_tables", block_tables)
+    _check_int("context_lens", context_lens)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    n_rep = Hq // Hkv
+    scale = D ** -0.5 if scale is None else scale
+    S = num_splits
+
+    # Gather each row's blocks into a dense token axis: [B, T, Hkv, D].
+    T = block_tables.shape[1] * block_size
+    k = k_pool[block_tables].reshape(B, T, Hkv, D)
+    v = v_pool[block_tables].reshape(B, T, Hkv, D)
+    # Pad T so it splits evenly; the padding is masked out below like any position >= context_len.
+    chunk = max(1, -(-T // S))
+    pad = chunk * S - T
+    if pad:
+        k = mx.pad(k, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        v = mx.pad(v, [(0, 0), (0, pad), (0, 0), (0, 0)])
+
+    # float32 throughout: the partial sums and the rescaling are where low precision hurts.
+    f32 = mx.float32
+    # [B, Hkv, S, chunk, D]: one contiguous key chunk per split, per kv head.
+    k = k.astype(f32).reshape(B, S, chunk, Hkv, D).transpose(0, 3, 1, 2, 4)
+    v = v.astype(f32).reshape(B, S, chunk, Hkv, D).transpose(0, 3, 1, 2, 4)
+    # GQA without repeating K/V: query heads of one kv head share its keys. [B, Hkv, 1, n_rep, D]
+    qg = (q.astype(f32) * scale).reshape(B, Hkv, 1, n_rep, D)
+
+    scores = qg @ k.swapaxes(-1, -2)  # [B, Hkv, S, n_rep, chunk]
+    # Clamp to T so a too-large context_len cannot pull padding zeros into the softmax.
+    lens = mx.minimum(context_lens.astype(mx.int32), T)
+    valid = mx.arange(S * chunk).reshape(1, S, chunk) < lens.reshape(B, 1, 1)
+    scores = mx.where(valid.reshape(B, 1, S, 1, chunk), scores, -mx.inf)
+
+    # Per-split partials. An all-masked split has max -inf; shift by 0 instead so exp() gives 0, not NaN.
+    m = scores.max(axis=-1, keepdims=True)  # [B, Hkv, S, n_rep, 1]
+    empty = m == -mx.inf
+    p = mx.exp(scores - mx.where(empty, 0.0, m))
+    l = p.sum(axis=-1, keepdims=True)  # [B, Hkv, S, n_rep, 1]
+    o = p @ v  # [B, Hkv, S, n_rep, D]
+
+    # Merge splits: rescale each partial by exp(m_s - M); empty splits get weight 0.
+    M = m.max(axis=2, keepdims=True)
+    alpha = mx.where(empty, 0.0, mx.exp(m - mx.where(M == -mx.inf, 0.0, M)))
+    L = (alpha * l).sum(axis=2)  # [B, Hkv, n_rep, 1]
+    O = (alpha * o).sum(axis=2)  # [B, Hkv, n_rep, D]
+    out = mx.where(L > 0, O / mx.where(L > 0, L, 1.0), 0.0)
+    return out.reshape(B, Hq, D).astype(q.dtype)
+
+
+def write_kv(k_pool, v_pool, slots, k, v) -> tuple[mx.array, mx.array]:
+    """Scatter k/v [N, Hkv, D] into flat slots (block_id * block_size + offset); returns new pools."""
+    _check_pools(k_pool, v_pool)
+    nb, bs, Hkv, D = k_pool.shape
+    _check_int("slots", slots)
+    if slots.ndim != 1:
+        raise ValueError(f"slots must be [N], got shape {slots.shape}")
+    want = (slots.shape[0], Hkv, D)
+    if k.shape != want or v.shape != want:
+        raise ValueError(f"k and v must be {want}, got {k.shape} and {v.shape}")
+    # Reshape makes a new array, so the assignment below leaves the caller's pools untouched.
+    k_flat = k_pool.reshape(nb * bs, Hkv, D)
+    v_flat = v_pool.reshape(nb * bs, Hkv, D)
+    k_flat[slots] = k.astype(k_pool.dtype)
+    v_flat[slots] = v.astype(v_pool.dtype)
+    return k_flat.reshape(k_pool.shape), v_flat.reshape(v_pool.shape)
+
+
+def gather_kv(k_pool, v_pool, block_table, length: int) -> tuple[mx.array, mx.array]:
+    """One sequence's first `length` tokens as ([1, Hkv, length, D], same) for prefill attention."""
+    _check_pools(k_pool, v_pool)
+    _, bs, Hkv, D = k_pool.shape
+    _check_int("block_table", block_table)
+    if block_table.ndim == 2 and block_table.shape[0] == 1:
+        block_table = block_table[0]
+    if block_table.ndim != 1:
+        raise ValueError(f"block_table must be [max_blocks], got shape {block_table.shape}")
+    n = math.ceil(length / bs) if isinstance(length, int) and length >= 0 else -1
+    if n < 0 or n > block_table.shape[0]:
+        raise ValueError(f"length {length!r} needs to be in [0, {block_table.shape[0] * bs}]")
+    ids = block_table[:n]
+
+    def take(pool):
+        return pool[ids].reshape(n * bs, Hkv, D)[:length].transpose(1, 0, 2)[None]
+
+    return take(k_pool), take(v_pool)
