@@ -7,8 +7,8 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .engine import Engine, FinishReason
-from .errors import InputError
+from .engine import Engine, EngineConfig, FinishReason
+from .errors import InputError, RuntimeFailure
 from .loading import LoadedModel
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -62,10 +62,11 @@ def prepare_prompt(tokenizer: Tokenizer, prompt: str, system: str | None = None,
     return tokenizer.encode(prompt)
 
 
-def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationChunk]:
+def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams,
+                    engine_config: EngineConfig | None = None) -> Iterator[GenerationChunk]:
     """Yield text as it is generated; the last chunk has the finish reason and statistics."""
     mx.reset_peak_memory()
-    engine = Engine(loaded.model, loaded.tokenizer, max_batch_size=1)
+    engine = Engine(loaded.model, loaded.tokenizer, engine_config or EngineConfig(max_batch_size=1))
     seq_id = engine.open(prompt_ids, params)
     try:
         while engine.has_work():
@@ -81,18 +82,20 @@ def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: Sampling
                     decode_s=seq.timings.decode_s,
                     peak_memory_gb=mx.get_peak_memory() / 1e9,
                 )
+                if out.finish_reason == "error":
+                    raise RuntimeFailure(f"generation failed: {out.error}")
                 yield GenerationChunk(out.text, out.token, out.finish_reason, stats)
     finally:
         engine.close(seq_id)
 
 
 def generate(loaded: LoadedModel, prompt: str, params: SamplingParams | None = None, *, system: str | None = None,
-             chat_template: bool = True) -> GenerationResult:
+             chat_template: bool = True, engine_config: EngineConfig | None = None) -> GenerationResult:
     """Generate a whole completion for a text prompt."""
     params = params or SamplingParams()
     prompt_ids = prepare_prompt(loaded.tokenizer, prompt, system, chat_template)
     pieces, tokens = [], []
-    for chunk in stream_generate(loaded, prompt_ids, params):
+    for chunk in stream_generate(loaded, prompt_ids, params, engine_config):
         pieces.append(chunk.text)
         if chunk.token is not None:
             tokens.append(chunk.token)

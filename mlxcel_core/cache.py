@@ -1,8 +1,11 @@
-"""Dense per-layer KV cache for a batch of rows that share one timeline.
+"""Dense KV caches: one per layer, holding a batch of rows that share one column axis.
 
-Rows of different prompt lengths are left-padded so they line up; `left_padding` hides the pad
-keys from attention. RoPE only sees relative positions, so the shift the padding introduces does
-not change any row's result.
+Rows of different lengths are left-padded so their newest tokens line up in the last column;
+`left_padding` hides the pad columns from attention and RoPE gets each row's true position, so a
+row's numbers are the same whether it decodes alone or in a batch.
+
+With `kv_bits` (8 or 4) keys and values are stored quantized (group size 64 along the head
+dimension) and dequantized when read: the memory shrinks, the attention maths stays in full precision.
 """
 
 from __future__ import annotations
@@ -11,52 +14,148 @@ import mlx.core as mx
 
 from .models.base import causal_mask, scaled_dot_product_attention
 
+KV_GROUP_SIZE = 64
+
+
+def kv_group_size(head_dim: int) -> int:
+    """64 as asked for; 32 for heads too small for it (tiny test models). MLX supports no smaller."""
+    for group in (KV_GROUP_SIZE, 32):
+        if head_dim % group == 0:
+            return group
+    raise ValueError(f"quantized KV needs a head dimension divisible by 32, got {head_dim}")
+
 
 class KVCache:
     step = 256  # grow the buffers in chunks so decode does not reallocate every token
 
-    def __init__(self, left_padding: list[int] | None = None):
-        self.keys: mx.array | None = None
+    def __init__(self, left_padding: list[int] | None = None, kv_bits: int | None = None):
+        self.keys: mx.array | None = None  # [B, H, capacity, D] (or packed, when quantized)
         self.values: mx.array | None = None
-        self.offset = 0
+        self.columns = 0  # columns in use, padding included
         self.left_padding = mx.array(left_padding) if left_padding and any(left_padding) else None
+        self.kv_bits = kv_bits
+        self._scales: list[mx.array] | None = None  # k scales, k biases, v scales, v biases
+
+    # -- LayerCache protocol -----------------------------------------------------------------------
+    @property
+    def offset(self) -> int | mx.array:
+        """Each row's position for the next token."""
+        return self.columns if self.left_padding is None else self.columns - self.left_padding
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
                window: int | None = None, softcap: float | None = None) -> mx.array:
-        mask = causal_mask(queries.shape[2], self.offset + keys.shape[2], self.left_padding, window)
+        mask = causal_mask(queries.shape[2], self.columns + keys.shape[2], self.left_padding, window)
         keys, values = self.update_and_fetch(keys, values)
         return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
 
+    # -- storage -------------------------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        batch, heads, length, _ = keys.shape
-        start = self.offset
-        if self.keys is None or start + length > self.keys.shape[2]:
-            grow = (length + self.step - 1) // self.step * self.step
-            new_k = mx.zeros((batch, heads, grow, keys.shape[3]), keys.dtype)
-            new_v = mx.zeros((batch, heads, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys[..., :start, :], new_k], axis=2)
-                self.values = mx.concatenate([self.values[..., :start, :], new_v], axis=2)
-        self.offset += length
-        self.keys[..., start:self.offset, :] = keys
-        self.values[..., start:self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        batch, heads, length, dim = keys.shape
+        start = self.columns
+        if self.keys is None or start + length > self.capacity:
+            self._grow(batch, heads, dim, length, keys.dtype)
+        self.columns += length
+        if self.kv_bits is None:
+            self.keys[..., start:self.columns, :] = keys
+            self.values[..., start:self.columns, :] = values
+            return self.keys[..., : self.columns, :], self.values[..., : self.columns, :]
+        for packed, scales, biases, new in ((self.keys, *self._scales[:2], keys), (self.values, *self._scales[2:], values)):
+            q, s, b = mx.quantize(new, group_size=kv_group_size(dim), bits=self.kv_bits)
+            packed[..., start:self.columns, :] = q
+            scales[..., start:self.columns, :] = s
+            biases[..., start:self.columns, :] = b
+        return self._dequantized(keys.dtype)
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop the batch rows not listed (a sequence finished)."""
-        idx = mx.array(rows)
-        if self.keys is not None:
-            self.keys = self.keys[idx]
-            self.values = self.values[idx]
-        if self.left_padding is not None:
-            self.left_padding = self.left_padding[idx]
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def _grow(self, batch: int, heads: int, dim: int, length: int, dtype: mx.Dtype) -> None:
+        grow = (length + self.step - 1) // self.step * self.step
+        if self.kv_bits is None:
+            shapes = [(dim, dtype), (dim, dtype)]
+        else:
+            packed = dim * self.kv_bits // 32
+            groups = dim // kv_group_size(dim)
+            shapes = [(packed, mx.uint32), (packed, mx.uint32)] + [(groups, dtype)] * 4
+        fresh = [mx.zeros((batch, heads, grow, d), t) for d, t in shapes]
+        old = self._arrays()
+        if old:
+            fresh = [mx.concatenate([o[..., : self.columns, :], f], axis=2) for o, f in zip(old, fresh)]
+        self.keys, self.values = fresh[0], fresh[1]
+        self._scales = fresh[2:] if self.kv_bits is not None else None
+
+    def _arrays(self) -> list[mx.array]:
+        if self.keys is None:
+            return []
+        return [self.keys, self.values] + (self._scales or [])
+
+    def _set_arrays(self, arrays: list[mx.array]) -> None:
+        self.keys, self.values = arrays[0], arrays[1]
+        if self.kv_bits is not None:
+            self._scales = arrays[2:]
+
+    def _dequantized(self, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        n = self.columns
+        ks, kb, vs, vb = (a[..., :n, :] for a in self._scales)
+        group = self.keys.shape[-1] * 32 // self.kv_bits // ks.shape[-1]
+        k = mx.dequantize(self.keys[..., :n, :], ks, kb, group_size=group, bits=self.kv_bits)
+        v = mx.dequantize(self.values[..., :n, :], vs, vb, group_size=group, bits=self.kv_bits)
+        return k.astype(dtype), v.astype(dtype)
 
     @property
     def state(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
+        return [a[..., : self.columns, :] for a in self._arrays()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._arrays())
+
+    # -- batch membership --------------------------------------------------------------------------
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop the batch rows not listed, then the pad columns no remaining row needs."""
+        idx = mx.array(rows)
+        self._set_arrays([a[idx] for a in self._arrays()])
+        if self.left_padding is None:
+            return
+        self.left_padding = self.left_padding[idx]
+        trim = int(mx.min(self.left_padding).item())
+        if trim > 0:
+            self._set_arrays([a[..., trim:, :] for a in self._arrays()])
+            self.columns -= trim
+            self.left_padding = self.left_padding - trim
+        if not mx.any(self.left_padding).item():
+            self.left_padding = None
+
+    def append_rows(self, other: "KVCache") -> None:
+        """Add `other`'s rows to this batch, left-padding whichever side is shorter."""
+        if self.keys is None:
+            self._set_arrays(other.state)
+            self.columns, self.left_padding = other.columns, other.left_padding
+            return
+        mine, theirs = self.columns, other.columns
+        width = max(mine, theirs)
+        pad_mine = _padding(self.left_padding, self.keys.shape[0]) + (width - mine)
+        pad_theirs = _padding(other.left_padding, other.keys.shape[0]) + (width - theirs)
+        merged = [mx.concatenate([_left_pad(a, width - mine), _left_pad(b, width - theirs)], axis=0)
+                  for a, b in zip(self.state, other.state)]
+        self._set_arrays(merged)
+        self.columns = width
+        padding = mx.concatenate([pad_mine, pad_theirs])
+        self.left_padding = padding if mx.any(padding).item() else None
 
 
-def make_cache(num_layers: int, left_padding: list[int] | None = None) -> list[KVCache]:
-    return [KVCache(left_padding) for _ in range(num_layers)]
+def _padding(left_padding: mx.array | None, rows: int) -> mx.array:
+    return mx.zeros((rows,), mx.int32) if left_padding is None else left_padding.astype(mx.int32)
+
+
+def _left_pad(a: mx.array, columns: int) -> mx.array:
+    if columns == 0:
+        return a
+    return mx.concatenate([mx.zeros((*a.shape[:2], columns, a.shape[3]), a.dtype), a], axis=2)
+
+
+def make_cache(num_layers: int, left_padding: list[int] | None = None, kv_bits: int | None = None) -> list[KVCache]:
+    if kv_bits not in (None, 4, 8):
+        raise ValueError(f"kv_bits must be 4 or 8, got {kv_bits}")
+    return [KVCache(left_padding, kv_bits) for _ in range(num_layers)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 
@@ -28,6 +29,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
+    # (tokens so far, logits [1, V]) -> logits; applied first, in order (e.g. penalties, logit bias)
+    logits_processors: tuple[Callable[[list[int], mx.array], mx.array], ...] = ()
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
@@ -46,6 +49,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that needs the row on its own: rows like this share one argmax."""
+        return self.greedy and not self.logits_processors
 
 
 def apply_temperature(logits: mx.array, temperature: float) -> mx.array:
@@ -104,7 +112,9 @@ class RowSampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._key = mx.random.key(seed)
 
-    def __call__(self, logits: mx.array) -> mx.array:
+    def __call__(self, logits: mx.array, tokens: list[int] | None = None) -> mx.array:
+        for processor in self.params.logits_processors:
+            logits = processor(tokens or [], logits)
         if self.params.greedy:
             return sample(logits, self.params, None)
         self._key, sub = mx.random.split(self._key)

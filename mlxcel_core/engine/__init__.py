@@ -1,6 +1,6 @@
 """The one generation engine: a single sequence is a batch of one."""
 
 from .engine import Engine
-from .types import FinishReason, StepOutput
+from .types import EngineConfig, FinishReason, StepOutput
 
-__all__ = ["Engine", "StepOutput", "FinishReason"]
+__all__ = ["Engine", "EngineConfig", "StepOutput", "FinishReason"]

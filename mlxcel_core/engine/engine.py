@@ -1,15 +1,15 @@
-"""Engine: open sequences, step the running batch, close them.
+"""Engine: the one decode loop behind generate, run and serve. A single sequence is a batch of one.
 
-v0 scheduling: sequences opened while no batch runs are prefilled together as one batch, which
-then decodes until every row has finished; sequences opened meanwhile wait for the next batch.
-
-Each step is pipelined one token ahead: step n+1's forward is submitted (mx.async_eval) before the
-host reads step n's tokens, so the device never idles while Python checks stops and detokenizes.
+Each `step()`: ask the scheduler for a plan (plain data), run it through the model runner (decode all
+rows in one forward, plus at most one prefill chunk), sample every row with its own sampler, then
+read the *previous* step's tokens on the host while the device computes this one (lookahead
+pipelining), and apply stops. A failing row ends with finish_reason "error"; the others go on.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import mlx.core as mx
@@ -20,46 +20,61 @@ from ..models.base import CausalLM
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from .runner import ModelRunner
-from .types import FinishReason, Sequence, StepOutput
+from .scheduler import BatchScheduler, SchedulerConfig
+from .storage import DenseStorage, KVStorage
+from .types import EngineConfig, FinishReason, Sequence, StepOutput
 
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees so the first word keeps its space
 
 
+def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
+    if config.resolved_storage == "paged":
+        from .paged import PagedStorage
+
+        return PagedStorage(len(model.layers), block_size=config.block_size, kv_budget_tokens=config.kv_budget_tokens,
+                            kv_bits=config.kv_bits, prefix_cache=config.prefix_cache)
+    return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
+
+
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, max_batch_size: int = 8):
-        self.runner = ModelRunner(model)
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.max_context = model.max_context_length
-        self.max_batch_size = max_batch_size
+        self.storage = make_storage(model, self.config)
+        self.runner = ModelRunner(model, self.storage)
+        self.scheduler = BatchScheduler(SchedulerConfig(
+            max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
+            prefill_grant_interval=self.config.prefill_grant_interval,
+            kv_budget_tokens=self.config.kv_budget_tokens), on_admit=self._admit)
+        self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
         self._ids = itertools.count()
-        self._waiting: list[Sequence] = []
-        self._running: list[Sequence] = []
         self._sequences: dict[int, Sequence] = {}
-        self._next_tokens: mx.array | None = None  # submitted, not yet read: one token per running row
+        self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
+        self._unread: dict[int, tuple[mx.array, mx.array]] = {}  # seq -> (token, logits-were-NaN)
 
     # -- public API -------------------------------------------------------------------------
     def open(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if not prompt_ids:
             raise InputError("prompt is empty")
-        if len(prompt_ids) >= self.max_context:
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
             raise InputError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         seq = Sequence(
-            seq_id=next(self._ids),
-            prompt_ids=list(prompt_ids),
-            params=params,
-            sampler=RowSampler(params),
+            seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
+            max_tokens=min(params.max_tokens, room), sampler=RowSampler(params),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
             stop_matcher=StopMatcher(params.stop),
         )
+        self.scheduler.add(seq.seq_id, len(prompt_ids), seq.max_tokens)
         self._sequences[seq.seq_id] = seq
-        self._waiting.append(seq)
         return seq.seq_id
 
     def close(self, seq_id: int) -> None:
-        """Cancel a sequence; its row is dropped at the next step."""
+        """Cancel a sequence; its resources are freed at the next step."""
         seq = self._sequences.get(seq_id)
         if seq is not None and seq.finish_reason is None:
-            seq.cancel_requested = True
+            self.scheduler.cancel(seq_id)
 
     def sequence(self, seq_id: int) -> Sequence:
         return self._sequences[seq_id]
@@ -69,109 +84,103 @@ class Engine:
         self._sequences.pop(seq_id, None)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_work() or bool(self._unread)
 
     def step(self) -> list[StepOutput]:
-        outputs = self._drop_cancelled()
-        if not self._running:
-            if not self._waiting:
-                return outputs
-            self._start_batch()
-        current = self._next_tokens
-        if self._may_continue():
-            self._next_tokens = self._sample(self.runner.decode(current))
-            mx.async_eval(self._next_tokens)
-        else:
-            self._next_tokens = None
-        outputs += self._commit(current.tolist())
+        sync = not self.lookahead or any(s.params.logits_processors for s in self._live())
+        outputs = self._commit() if sync else []  # processors must see every token so far
+        batch = self.scheduler.schedule()
+        for seq_id in batch.cancelled:
+            outputs.append(self._end(self._sequences[seq_id], "cancelled", token=None))
+        produced: dict[int, tuple[mx.array, mx.array]] = {}
+        if batch.decode:
+            tokens = mx.concatenate([self._latest[s].reshape(1) for s in batch.decode])
+            outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens))
+        if batch.prefill is not None:
+            work = batch.prefill
+            seq = self._sequences[work.seq_id]
+            seq.timings.prefill_start = seq.timings.prefill_start or time.perf_counter()
+            run = lambda: self.runner.prefill(work.seq_id, seq.prompt_ids[work.start:work.end], work.start, work.last)
+            outputs += self._run((work.seq_id,), produced, run, sample=work.last)
+        mx.async_eval([a for pair in produced.values() for a in pair])
+        self._latest.update({s: token for s, (token, _) in produced.items()})
+        if sync:
+            self._unread = produced
+            return outputs + self._commit()
+        outputs += self._commit()
+        self._unread = produced
         return outputs
 
     # -- internals ----------------------------------------------------------------------------
-    def _start_batch(self) -> None:
-        self._running, self._waiting = self._waiting[: self.max_batch_size], self._waiting[self.max_batch_size:]
+    def _live(self):
+        return (s for s in self._sequences.values() if s.finish_reason is None)
+
+    def _admit(self, seq_id: int) -> int:
+        seq = self._sequences[seq_id]
+        seq.cached_tokens = self.storage.add(seq_id, seq.prompt_ids)
+        return seq.cached_tokens
+
+    def _run(self, seq_ids, produced, forward, sample: bool = True) -> list[StepOutput]:
+        """Run one forward and sample its rows; a raised error ends exactly the rows it concerns."""
+        try:
+            logits = forward()
+        except Exception as exc:  # the model or storage failed: every row of this forward is lost
+            return [self._end(self._sequences[s], "error", None, f"{type(exc).__name__}: {exc}") for s in seq_ids]
+        if not sample:
+            return []
+        outputs = []
+        nan = mx.isnan(logits).any(axis=-1)
+        seqs = [self._sequences[s] for s in seq_ids]
+        if all(s.params.plain_greedy for s in seqs):
+            tokens = mx.argmax(logits, axis=-1)
+            produced.update({s.seq_id: (tokens[i], nan[i]) for i, s in enumerate(seqs)})
+            return outputs
+        for i, seq in enumerate(seqs):
+            try:
+                token = seq.sampler(logits[i : i + 1], seq.prompt_ids + seq.output_ids)
+                produced[seq.seq_id] = (token.reshape(()), nan[i])
+            except Exception as exc:  # a bad logits processor ends its own row only
+                outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _commit(self) -> list[StepOutput]:
+        unread, self._unread = self._unread, {}
+        outputs = []
         now = time.perf_counter()
-        for seq in self._running:
-            seq.timings.prefill_start = now
-        logits = self.runner.prefill([s.prompt_ids for s in self._running])
-        self._next_tokens = self._sample(logits)
-        mx.async_eval(self._next_tokens)
-
-    def _sample(self, logits: mx.array) -> mx.array:
-        if all(s.params.greedy for s in self._running):
-            return mx.argmax(logits, axis=-1)
-        return mx.concatenate([s.sampler(logits[i : i + 1]) for i, s in enumerate(self._running)])
-
-    def _may_continue(self) -> bool:
-        """False when every row is certain to finish on the token being read now."""
-        return any(not self._at_length_limit(s, extra=1) for s in self._running)
-
-    def _at_length_limit(self, seq: Sequence, extra: int = 0) -> bool:
-        generated = len(seq.output_ids) + extra
-        return generated >= seq.params.max_tokens or len(seq.prompt_ids) + generated >= self.max_context
-
-    def _commit(self, tokens: list[int]) -> list[StepOutput]:
-        outputs, keep = [], []
-        now = time.perf_counter()
-        for row, (seq, token) in enumerate(zip(self._running, tokens)):
+        for seq_id, (token, nan) in unread.items():
+            seq = self._sequences.get(seq_id)
+            if seq is None or seq.finish_reason is not None:
+                continue  # a lookahead token of a row that has already ended
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
-            out = self._append(seq, token)
-            outputs.append(out)
-            if out.finished:
-                seq.timings.finished = now
-            else:
-                keep.append(row)
-        self._keep_rows(keep)
+            if nan.item():
+                outputs.append(self._end(seq, "error", None, "the model produced NaN logits"))
+                continue
+            outputs.append(self._append(seq, token.item()))
         return outputs
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)
-        reason: FinishReason | None = None
         if token in self.tokenizer.eos_token_ids:
-            reason, text = "stop", self._flush(seq)
-        else:
-            text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
-            if stopped:
-                reason = "stop"  # the stop string and anything after it are never emitted
-            elif self._at_length_limit(seq):
-                reason = "length"
-                text += self._flush(seq)
-        seq.finish_reason = reason
-        return StepOutput(seq.seq_id, token, text, reason)
+            return self._end(seq, "stop", token, text=self._flush(seq))
+        text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
+        if stopped:  # the stop string and anything after it are never emitted
+            return self._end(seq, "stop", token, text=text)
+        if len(seq.output_ids) >= seq.max_tokens:
+            return self._end(seq, "length", token, text=text + self._flush(seq))
+        return StepOutput(seq.seq_id, token, text)
+
+    def _end(self, seq: Sequence, reason: FinishReason, token: int | None, error: str | None = None,
+             text: str = "") -> StepOutput:
+        seq.finish_reason, seq.error = reason, error
+        seq.timings.finished = time.perf_counter()
+        self.scheduler.finish(seq.seq_id)
+        self.storage.free(seq.seq_id, seq.prompt_ids + seq.output_ids)
+        self._latest.pop(seq.seq_id, None)
+        return StepOutput(seq.seq_id, token, text, reason, error)
 
     @staticmethod
     def _flush(seq: Sequence) -> str:
         """Text held back for a possible stop string or partial character, now that no more follows."""
         text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
         return text if stopped else text + seq.stop_matcher.flush()
-
-    def _drop_cancelled(self) -> list[StepOutput]:
-        outputs = []
-        for seq in list(self._waiting):
-            if seq.cancel_requested:
-                self._waiting.remove(seq)
-                seq.finish_reason = "cancelled"
-                outputs.append(StepOutput(seq.seq_id, None, "", "cancelled"))
-        keep = []
-        for row, seq in enumerate(self._running):
-            if seq.cancel_requested:
-                seq.finish_reason = "cancelled"
-                seq.timings.finished = time.perf_counter()
-                outputs.append(StepOutput(seq.seq_id, None, "", "cancelled"))
-            else:
-                keep.append(row)
-        if len(keep) != len(self._running):
-            self._keep_rows(keep)
-        return outputs
-
-    def _keep_rows(self, keep: list[int]) -> None:
-        if len(keep) == len(self._running):
-            return
-        self._running = [self._running[i] for i in keep]
-        if not keep:
-            self._next_tokens = None
-            self.runner.release()
-            return
-        self.runner.keep_rows(keep)
-        if self._next_tokens is not None:
-            self._next_tokens = self._next_tokens[mx.array(keep)]

@@ -1,4 +1,4 @@
-"""Plain data passed between the engine, its runner and callers."""
+"""Plain data passed between the engine, its scheduler, its runner and callers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,26 @@ from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..sampling import RowSampler, SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+StorageKind = Literal["auto", "dense", "paged"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 1
+    prefill_chunk_size: int = 2048
+    prefill_grant_interval: int = 16
+    storage: StorageKind = "auto"  # auto: dense at batch 1, paged when batching
+    kv_bits: int | None = None  # 8 or 4: quantized KV cache
+    block_size: int = 32
+    kv_budget_tokens: int | None = None  # None: as much as memory allows
+    prefix_cache: bool = True  # paged storage only
+    lookahead: bool = True  # submit step n+1 before reading step n (MLXCEL_LOOKAHEAD=0 turns it off)
+
+    @property
+    def resolved_storage(self) -> str:
+        if self.storage == "auto":
+            return "dense" if self.max_batch_size == 1 else "paged"
+        return self.storage
 
 
 @dataclass
@@ -17,9 +37,10 @@ class StepOutput:
     """What one engine step produced for one sequence."""
 
     seq_id: int
-    token: int | None  # None when the sequence ended without a new token (cancel)
+    token: int | None  # None when the sequence ended without a new token (cancel, error)
     text: str  # newly completed text, stop strings removed
     finish_reason: FinishReason | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -47,10 +68,12 @@ class Sequence:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
+    max_tokens: int  # params.max_tokens, capped by the model's context
     sampler: RowSampler
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopMatcher
     output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
     finish_reason: FinishReason | None = None
-    cancel_requested: bool = False
+    error: str | None = None
     timings: SequenceTimings = field(default_factory=SequenceTimings)

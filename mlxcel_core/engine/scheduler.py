@@ -1,0 +1,161 @@
+"""BatchScheduler: admission, chunked prefill and decode policy. No MLX here: plain data in and out.
+
+Each call to `schedule()` plans one engine step:
+- admit waiting requests (FIFO) while the batch has room and their KV reservation fits the budget;
+  a request that could never fit is refused when it is added;
+- decode every row that has produced a token and has not reached its token limit, in one forward;
+- give at most one prefill chunk (`prefill_chunk_size` tokens) to the oldest unfinished prefill:
+  always when nothing decodes or when the request has not started yet (so a new arrival stalls running
+  decodes for one chunk at most), otherwise once every `prefill_grant_interval` decode steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 8
+    prefill_chunk_size: int = 2048
+    prefill_grant_interval: int = 16
+    kv_budget_tokens: int | None = None  # None: no limit
+
+    def __post_init__(self):
+        if self.max_batch_size < 1 or self.prefill_chunk_size < 1 or self.prefill_grant_interval < 1:
+            raise InputError("max_batch_size, prefill_chunk_size and prefill_grant_interval must be >= 1")
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    seq_id: int
+    start: int  # first prompt position to compute
+    end: int  # one past the last
+    last: bool  # the chunk that ends the prompt: its logits give the first token
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    decode: tuple[int, ...] = ()
+    prefill: PrefillWork | None = None
+    admitted: tuple[int, ...] = ()
+    cancelled: tuple[int, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill or self.admitted or self.cancelled)
+
+
+@dataclass
+class _Request:
+    seq_id: int
+    prompt_len: int
+    max_tokens: int
+    computed: int = 0  # prompt tokens in the KV cache (computed or reused from the prefix cache)
+    produced: int = 0  # tokens sampled so far, read or not
+    started: bool = False
+    cancelled: bool = False
+
+    @property
+    def reservation(self) -> int:
+        return self.prompt_len + self.max_tokens
+
+
+class BatchScheduler:
+    def __init__(self, config: SchedulerConfig, on_admit: Callable[[int], int] = lambda seq_id: 0):
+        """`on_admit(seq_id)` sets up the sequence's storage and returns its prompt tokens already cached."""
+        self.config = config
+        self._on_admit = on_admit
+        self._waiting: deque[_Request] = deque()
+        self._active: dict[int, _Request] = {}  # admitted, in admission order
+        self._reserved = 0
+        self._decode_steps_since_prefill = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, seq_id: int, prompt_len: int, max_tokens: int) -> None:
+        request = _Request(seq_id, prompt_len, max_tokens)
+        budget = self.config.kv_budget_tokens
+        if budget is not None and request.reservation > budget:
+            raise InputError(f"request needs {request.reservation} KV tokens (prompt {prompt_len} + max_tokens "
+                             f"{max_tokens}) but the KV budget holds {budget}")
+        self._waiting.append(request)
+
+    def cancel(self, seq_id: int) -> None:
+        for request in list(self._waiting) + list(self._active.values()):
+            if request.seq_id == seq_id:
+                request.cancelled = True
+
+    def finish(self, seq_id: int) -> None:
+        """The engine ended this sequence (stop, length, error): free its slot and reservation."""
+        request = self._active.pop(seq_id, None)
+        if request is not None:
+            self._reserved -= request.reservation
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    # -- planning ----------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        cancelled = self._drop_cancelled()
+        admitted = self._admit()
+        decode = tuple(r.seq_id for r in self._active.values()
+                       if r.computed == r.prompt_len and 0 < r.produced < r.max_tokens)
+        prefill = self._next_prefill(bool(decode))
+        for seq_id in decode:
+            self._active[seq_id].produced += 1
+        if prefill is not None:
+            self._decode_steps_since_prefill = 0
+        elif decode:
+            self._decode_steps_since_prefill += 1
+        return ScheduledBatch(decode, prefill, admitted, cancelled)
+
+    def _drop_cancelled(self) -> tuple[int, ...]:
+        gone = [r.seq_id for r in self._waiting if r.cancelled]
+        self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        for request in [r for r in self._active.values() if r.cancelled]:
+            gone.append(request.seq_id)
+            self.finish(request.seq_id)
+        return tuple(gone)
+
+    def _admit(self) -> tuple[int, ...]:
+        admitted = []
+        budget = self.config.kv_budget_tokens
+        while self._waiting and len(self._active) < self.config.max_batch_size:
+            head = self._waiting[0]
+            if budget is not None and self._reserved + head.reservation > budget:
+                break  # it fits once running rows finish; FIFO keeps arrival order fair
+            self._waiting.popleft()
+            self._active[head.seq_id] = head
+            self._reserved += head.reservation
+            # Keep at least the last prompt token to compute: its logits give the first token.
+            head.computed = min(self._on_admit(head.seq_id), head.prompt_len - 1)
+            admitted.append(head.seq_id)
+        return tuple(admitted)
+
+    def _next_prefill(self, decoding: bool) -> PrefillWork | None:
+        request = next((r for r in self._active.values() if r.computed < r.prompt_len), None)
+        if request is None:
+            return None
+        granted = (not decoding or not request.started
+                   or self._decode_steps_since_prefill >= self.config.prefill_grant_interval)
+        if not granted:
+            return None
+        start = request.computed
+        end = min(request.prompt_len, start + self.config.prefill_chunk_size)
+        request.computed, request.started = end, True
+        last = end == request.prompt_len
+        if last:
+            request.produced = 1
+        return PrefillWork(request.seq_id, start, end, last)
