@@ -12,6 +12,7 @@ REGISTRY: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "smollm2": "llama",
+    "phi3": "phi3",
 }
 
 
