@@ -112,10 +112,17 @@ class RowSampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._key = mx.random.key(seed)
 
-    def __call__(self, logits: mx.array, tokens: list[int] | None = None) -> mx.array:
+    def process(self, logits: mx.array, tokens: list[int] | None = None) -> mx.array:
+        """Apply the row's logits processors (penalties, biases, ...) in order."""
         for processor in self.params.logits_processors:
             logits = processor(tokens or [], logits)
+        return logits
+
+    def draw(self, logits: mx.array) -> mx.array:
         if self.params.greedy:
             return sample(logits, self.params, None)
         self._key, sub = mx.random.split(self._key)
         return sample(logits, self.params, sub)
+
+    def __call__(self, logits: mx.array, tokens: list[int] | None = None) -> mx.array:
+        return self.draw(self.process(logits, tokens))

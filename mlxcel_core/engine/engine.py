@@ -32,7 +32,8 @@ def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
         from .paged import PagedStorage
 
         return PagedStorage(len(model.layers), block_size=config.block_size, kv_budget_tokens=config.kv_budget_tokens,
-                            kv_bits=config.kv_bits, prefix_cache=config.prefix_cache)
+                            kv_bits=config.kv_bits, prefix_cache=config.prefix_cache,
+                            num_splits=config.num_splits, max_batch_size=config.max_batch_size)
     return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
 
 
@@ -46,7 +47,7 @@ class Engine:
         self.scheduler = BatchScheduler(SchedulerConfig(
             max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
             prefill_grant_interval=self.config.prefill_grant_interval,
-            kv_budget_tokens=self.config.kv_budget_tokens), on_admit=self._admit)
+            kv_budget_tokens=self.config.effective_kv_budget_tokens), on_admit=self._admit)
         self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
@@ -137,8 +138,8 @@ class Engine:
             return outputs
         for i, seq in enumerate(seqs):
             try:
-                token = seq.sampler(logits[i : i + 1], seq.prompt_ids + seq.output_ids)
-                produced[seq.seq_id] = (token.reshape(()), nan[i])
+                row = seq.sampler.process(logits[i : i + 1], seq.prompt_ids + seq.output_ids)
+                produced[seq.seq_id] = (seq.sampler.draw(row).reshape(()), mx.isnan(row).any())
             except Exception as exc:  # a bad logits processor ends its own row only
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
@@ -154,7 +155,7 @@ class Engine:
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
             if nan.item():
-                outputs.append(self._end(seq, "error", None, "the model produced NaN logits"))
+                outputs.append(self._end(seq, "error", None, "NaN logits (from the model or a logits processor)"))
                 continue
             outputs.append(self._append(seq, token.item()))
         return outputs

@@ -12,20 +12,21 @@ class ModelRunner:
     def __init__(self, model: CausalLM, storage: KVStorage):
         self.model = model
         self.storage = storage
+        self.prefill_tokens = 0  # prompt tokens actually computed (prefix-cache hits are not)
 
     def prefill(self, seq_id: int, tokens: list[int], start: int, last: bool) -> mx.array | None:
         """Compute prompt positions [start, start + len(tokens)); return [1, V] logits if this ends the prompt."""
-        caches = self.storage.prefill_caches(seq_id, start, len(tokens))
-        inputs = mx.array([tokens])
-        if not last:
+        body = tokens[:-1] if last else tokens
+        self.prefill_tokens += len(tokens)
+        if body:
             # Only the cache is evaluated, so the LM head never runs on the prompt body.
-            self.model(inputs, caches)
+            caches = self.storage.prefill_caches(seq_id, start, len(body))
+            self.model(mx.array([body]), caches)
             mx.eval([c.state for c in caches])
+        if not last:
             return None
-        if len(tokens) > 1:
-            self.model(inputs[:, :-1], caches)
-            mx.eval([c.state for c in caches])
-        logits = self.model(inputs[:, -1:], caches)[:, -1, :]
+        caches = self.storage.prefill_caches(seq_id, start + len(body), 1)
+        logits = self.model(mx.array([tokens[-1:]]), caches)[:, -1, :]
         self.storage.finish_prefill(seq_id)
         return logits
 

@@ -24,6 +24,16 @@ class EngineConfig:
     kv_budget_tokens: int | None = None  # None: as much as memory allows
     prefix_cache: bool = True  # paged storage only
     lookahead: bool = True  # submit step n+1 before reading step n (MLXCEL_LOOKAHEAD=0 turns it off)
+    num_splits: int = 1  # split-K factor of paged decode attention (what `mlxcel tune` will choose)
+
+    @property
+    def effective_kv_budget_tokens(self) -> int | None:
+        """Paged storage always has a finite pool, so admission must respect it."""
+        if self.kv_budget_tokens is None and self.resolved_storage == "paged":
+            from .paged import DEFAULT_KV_BUDGET_TOKENS
+
+            return DEFAULT_KV_BUDGET_TOKENS
+        return self.kv_budget_tokens
 
     @property
     def resolved_storage(self) -> str:

@@ -72,9 +72,10 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
         values = mx.repeat(values, n_rep, axis=1)
     scores = (queries * scale) @ keys.swapaxes(-1, -2)
     scores = mx.tanh(scores / softcap) * softcap
-    if isinstance(mask, str):
-        mask = causal_mask(queries.shape[2], keys.shape[2])
-    if mask is not None and not isinstance(mask, str):
+    if isinstance(mask, str):  # "causal": spell it out, the explicit path has no built-in form
+        query_len, key_len = queries.shape[2], keys.shape[2]
+        mask = mx.arange(key_len)[None, :] <= mx.arange(key_len - query_len, key_len)[:, None]
+    if mask is not None:
         scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
     return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
 

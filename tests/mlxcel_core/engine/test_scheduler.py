@@ -1,0 +1,79 @@
+"""BatchScheduler policy, without a model: admission, chunked prefill, grant interval, budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxcel_core.engine.scheduler import BatchScheduler, PrefillWork, SchedulerConfig
+from mlxcel_core.errors import InputError
+
+
+def make(**kw):
+    return BatchScheduler(SchedulerConfig(**kw))
+
+
+def test_single_request_prefills_in_chunks_then_decodes_to_its_limit():
+    s = make(prefill_chunk_size=4)
+    s.add(0, prompt_len=10, max_tokens=3)
+    plans = [s.schedule() for _ in range(5)]
+    assert [p.prefill for p in plans[:3]] == [PrefillWork(0, 0, 4, False), PrefillWork(0, 4, 8, False),
+                                              PrefillWork(0, 8, 10, True)]
+    assert plans[0].admitted == (0,)
+    assert [p.decode for p in plans] == [(), (), (), (0,), (0,)]
+    assert s.schedule().decode == ()  # 3 tokens produced: 1 from prefill + 2 decodes
+    s.finish(0)
+    assert not s.has_work()
+
+
+def test_new_arrival_gets_one_chunk_then_waits_for_the_grant_interval():
+    s = make(prefill_chunk_size=4, prefill_grant_interval=3)
+    s.add(0, prompt_len=2, max_tokens=100)
+    s.schedule()  # prefill of request 0, whole prompt
+    s.add(1, prompt_len=20, max_tokens=5)
+    plans = [s.schedule() for _ in range(9)]
+    prefills = [(i, p.prefill.start) for i, p in enumerate(plans) if p.prefill]
+    # First chunk at once (new arrival), then one chunk after every 3 decode-only steps.
+    assert prefills == [(0, 0), (4, 4), (8, 8)]
+    assert all(p.decode[:1] == (0,) for p in plans)
+
+
+def test_max_batch_size_and_fifo_admission():
+    s = make(max_batch_size=2)
+    for i in range(3):
+        s.add(i, prompt_len=3, max_tokens=2)
+    assert s.schedule().admitted == (0, 1)
+    assert s.num_waiting == 1
+    s.finish(0)
+    assert s.schedule().admitted == (2,)
+
+
+def test_kv_budget_refuses_the_impossible_and_queues_what_fits_later():
+    s = make(max_batch_size=4, kv_budget_tokens=100)
+    with pytest.raises(InputError, match="KV budget holds 100"):
+        s.add(9, prompt_len=90, max_tokens=20)
+    s.add(0, prompt_len=50, max_tokens=30)
+    s.add(1, prompt_len=10, max_tokens=20)  # 80 + 30 > 100: waits
+    assert s.schedule().admitted == (0,)
+    assert s.schedule().admitted == ()
+    s.finish(0)
+    assert s.schedule().admitted == (1,)
+
+
+def test_cancel_of_waiting_and_running_requests():
+    s = make(max_batch_size=1)
+    s.add(0, prompt_len=3, max_tokens=5)
+    s.add(1, prompt_len=3, max_tokens=5)
+    s.schedule()
+    s.cancel(0)
+    s.cancel(1)
+    plan = s.schedule()
+    assert sorted(plan.cancelled) == [0, 1]
+    assert not s.has_work()
+
+
+def test_prefix_cache_hits_skip_prompt_tokens_but_never_the_last():
+    s = BatchScheduler(SchedulerConfig(), on_admit=lambda seq_id: {0: 64, 1: 96}[seq_id])
+    s.add(0, prompt_len=100, max_tokens=1)
+    s.add(1, prompt_len=96, max_tokens=1)
+    assert s.schedule().prefill == PrefillWork(0, 64, 100, True)
+    assert s.schedule().prefill == PrefillWork(1, 95, 96, True)
