@@ -41,6 +41,9 @@ def generate(
     stop: opt.Stop = None,
     no_chat_template: opt.NoChatTemplate = False,
     system: opt.System = None,
+    kv_bits: opt.KvBits = None,
+    storage: opt.StorageBackend = "auto",
+    prefill_chunk_size: opt.PrefillChunk = 2048,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token ids, finish_reason, usage, timings) instead of streaming.")] = False,
     verbose: opt.Verbose = False,
@@ -49,6 +52,7 @@ def generate(
     with reported_errors(verbose):
         text = _read_prompt(prompt)
         params = opt.sampling_params(max_tokens, temp, top_k, top_p, min_p, seed, stop)
+        engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size)
         if not text.strip():
             raise fail("prompt is empty")
         if system and no_chat_template:
@@ -64,7 +68,7 @@ def generate(
             print(f"mlxcel: prompt tokens: {len(prompt_ids)}", file=sys.stderr)
 
         pieces, tokens, last = [], [], None
-        for chunk in stream_generate(loaded, prompt_ids, params):
+        for chunk in stream_generate(loaded, prompt_ids, params, engine_config):
             if chunk.token is not None:
                 tokens.append(chunk.token)
             pieces.append(chunk.text)

@@ -29,3 +29,23 @@ def sampling_params(max_tokens: int, temp: float, top_k: int, top_p: float, min_
 
     return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                           max_tokens=max_tokens, stop=tuple(stop or ()))
+KvBits = Annotated[Optional[int], typer.Option(
+    "--kv-bits", help="Store the KV cache quantized to 8 or 4 bits (group size 64): less memory, slightly different numbers.")]
+StorageBackend = Annotated[str, typer.Option(
+    "--decode-storage-backend", help="KV storage: auto (dense at batch 1, paged when batching), dense or paged.")]
+PrefillChunk = Annotated[int, typer.Option(
+    "--prefill-chunk-size", help="Prompt tokens computed per forward pass (bounds memory on long prompts).")]
+
+
+def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, prefill_chunk_size: int):
+    from mlxcel_core.engine import EngineConfig
+    from mlxcel_core.errors import InputError
+
+    if kv_bits not in (None, 4, 8):
+        raise InputError(f"--kv-bits must be 4 or 8, got {kv_bits}")
+    if storage not in ("auto", "dense", "paged"):
+        raise InputError(f"--decode-storage-backend must be auto, dense or paged, got '{storage}'")
+    if prefill_chunk_size < 1:
+        raise InputError(f"--prefill-chunk-size must be >= 1, got {prefill_chunk_size}")
+    return EngineConfig(max_batch_size=max_batch_size, kv_bits=kv_bits, storage=storage,
+                        prefill_chunk_size=prefill_chunk_size)

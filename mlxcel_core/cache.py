@@ -127,6 +127,18 @@ class KVCache:
         if not mx.any(self.left_padding).item():
             self.left_padding = None
 
+    def trim(self, columns: int) -> None:
+        """Forget everything after the first `columns` columns (a single-row cache with no padding)."""
+        self.columns = min(self.columns, columns)
+
+    def row(self, row: int) -> "KVCache":
+        """A single-row copy of one batch row, without its left padding."""
+        pad = 0 if self.left_padding is None else int(self.left_padding[row].item())
+        single = KVCache(kv_bits=self.kv_bits)
+        single._set_arrays([a[row : row + 1, :, pad : self.columns, :] for a in self._arrays()])
+        single.columns = self.columns - pad
+        return single
+
     def append_rows(self, other: "KVCache") -> None:
         """Add `other`'s rows to this batch, left-padding whichever side is shorter."""
         if self.keys is None:

@@ -21,7 +21,7 @@ from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, SchedulerConfig
-from .storage import DenseStorage, KVStorage
+from .storage import Conversation, DenseStorage, KVStorage
 from .types import EngineConfig, FinishReason, Sequence, StepOutput
 
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees so the first word keeps its space
@@ -53,9 +53,11 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
         self._unread: dict[int, tuple[mx.array, mx.array]] = {}  # seq -> (token, logits-were-NaN)
+        self._conversations: dict[int, Conversation | None] = {}
 
     # -- public API -------------------------------------------------------------------------
-    def open(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def open(self, prompt_ids: list[int], params: SamplingParams, conversation: Conversation | None = None) -> int:
+        """Queue a sequence. With a `conversation`, KV state of earlier turns is reused and kept for the next."""
         if not prompt_ids:
             raise InputError("prompt is empty")
         room = self.max_context - len(prompt_ids)
@@ -69,6 +71,7 @@ class Engine:
         )
         self.scheduler.add(seq.seq_id, len(prompt_ids), seq.max_tokens)
         self._sequences[seq.seq_id] = seq
+        self._conversations[seq.seq_id] = conversation
         return seq.seq_id
 
     def close(self, seq_id: int) -> None:
@@ -118,7 +121,7 @@ class Engine:
 
     def _admit(self, seq_id: int) -> int:
         seq = self._sequences[seq_id]
-        seq.cached_tokens = self.storage.add(seq_id, seq.prompt_ids)
+        seq.cached_tokens = self.storage.add(seq_id, seq.prompt_ids, self._conversations.pop(seq_id, None))
         return seq.cached_tokens
 
     def _run(self, seq_ids, produced, forward, sample: bool = True) -> list[StepOutput]:
@@ -174,6 +177,7 @@ class Engine:
     def _end(self, seq: Sequence, reason: FinishReason, token: int | None, error: str | None = None,
              text: str = "") -> StepOutput:
         seq.finish_reason, seq.error = reason, error
+        self._conversations.pop(seq.seq_id, None)  # never admitted: nothing to keep
         seq.timings.finished = time.perf_counter()
         self.scheduler.finish(seq.seq_id)
         self.storage.free(seq.seq_id, seq.prompt_ids + seq.output_ids)

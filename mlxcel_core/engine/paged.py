@@ -35,7 +35,8 @@ class PagedStorage:
         self.prompts: dict[int, list[int]] = {}
 
     # -- KVStorage ----------------------------------------------------------------------------
-    def add(self, seq_id: int, prompt_ids: list[int]) -> int:
+    def add(self, seq_id: int, prompt_ids: list[int], conversation=None) -> int:
+        """`conversation` is not needed here: the prefix cache finds earlier turns by their blocks."""
         table = BlockTable(self.pool)
         cached = table.match_prefix(prompt_ids)
         self.tables[seq_id], self.lengths[seq_id], self.prompts[seq_id] = table, cached, prompt_ids

@@ -7,14 +7,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from ..cache import KVCache, make_cache
 from ..models.base import LayerCache
 
 
+@dataclass
+class Conversation:
+    """KV state carried from one chat turn to the next, so a turn prefills only what is new.
+
+    `tokens` are the tokens whose keys/values `caches` hold. The next turn's prompt is matched
+    against them token by token: the common prefix is reused, the cache is trimmed after it.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    caches: list[KVCache] | None = None
+
+    def reusable(self, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens already in the cache (never the whole prompt: its last token is computed)."""
+        n = 0
+        for a, b in zip(self.tokens, prompt_ids[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+
 class KVStorage(Protocol):
-    def add(self, seq_id: int, prompt_ids: list[int]) -> int:
+    def add(self, seq_id: int, prompt_ids: list[int], conversation: Conversation | None = None) -> int:
         """Prepare a sequence; return how many leading prompt tokens are already cached."""
 
     def prefill_caches(self, seq_id: int, start: int, length: int) -> Sequence[LayerCache]:
@@ -39,10 +61,19 @@ class DenseStorage:
         self._prefilling: dict[int, list[KVCache]] = {}
         self._batch: list[KVCache] = make_cache(num_layers, kv_bits=kv_bits)
         self._rows: list[int] = []  # seq id of each batch row
+        self._conversations: dict[int, Conversation] = {}
 
-    def add(self, seq_id: int, prompt_ids: list[int]) -> int:
-        self._prefilling[seq_id] = make_cache(self.num_layers, kv_bits=self.kv_bits)
-        return 0
+    def add(self, seq_id: int, prompt_ids: list[int], conversation: Conversation | None = None) -> int:
+        reused = 0
+        caches = None
+        if conversation is not None:
+            self._conversations[seq_id] = conversation
+            if conversation.caches is not None:
+                reused, caches, conversation.caches = conversation.reusable(prompt_ids), conversation.caches, None
+                for layer in caches:
+                    layer.trim(reused)
+        self._prefilling[seq_id] = caches or make_cache(self.num_layers, kv_bits=self.kv_bits)
+        return reused
 
     def prefill_caches(self, seq_id: int, start: int, length: int) -> list[KVCache]:
         return self._prefilling[seq_id]
@@ -58,9 +89,15 @@ class DenseStorage:
         return self._batch
 
     def free(self, seq_id: int, tokens: list[int]) -> None:
-        if self._prefilling.pop(seq_id, None) is not None or seq_id not in self._rows:
-            return
-        self._select_rows([i for i, s in enumerate(self._rows) if s != seq_id])
+        conversation = self._conversations.pop(seq_id, None)
+        caches = self._prefilling.pop(seq_id, None)
+        if caches is None and seq_id in self._rows:
+            row = self._rows.index(seq_id)
+            caches = [layer.row(row) for layer in self._batch] if conversation is not None else None
+            self._select_rows([i for i in range(len(self._rows)) if i != row])
+        if conversation is not None and caches is not None:
+            conversation.caches = caches
+            conversation.tokens = tokens[: caches[0].columns]
 
     def _select_rows(self, rows: list[int]) -> None:
         if not rows:
