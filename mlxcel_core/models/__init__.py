@@ -13,6 +13,10 @@ REGISTRY: dict[str, str] = {
     "mistral": "llama",
     "smollm2": "llama",
     "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 
 
