@@ -31,6 +31,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     # (tokens so far, logits [1, V]) -> logits; applied first, in order (e.g. penalties, logit bias)
     logits_processors: tuple[Callable[[list[int], mx.array], mx.array], ...] = ()
+    logprobs: int | None = None  # report the chosen token's logprob and this many top alternatives
 
     def __post_init__(self):
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
@@ -43,6 +44,8 @@ class SamplingParams:
             raise InputError(f"min-p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise InputError(f"max-tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InputError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(s == "" for s in self.stop):
             raise InputError("stop strings must not be empty")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -25,6 +26,18 @@ from .storage import Conversation, DenseStorage, KVStorage
 from .types import EngineConfig, FinishReason, Sequence, StepOutput
 
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees so the first word keeps its space
+
+
+@dataclass
+class _Sampled:
+    """A row's sampled token, still lazy until the host reads it."""
+
+    token: mx.array
+    nan: mx.array
+    logprobs: mx.array | None = None  # the row's log-softmax [V] when the request asked for logprobs
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.token, self.nan, self.logprobs) if a is not None]
 
 
 def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
@@ -52,7 +65,7 @@ class Engine:
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
-        self._unread: dict[int, tuple[mx.array, mx.array]] = {}  # seq -> (token, logits-were-NaN)
+        self._unread: dict[int, _Sampled] = {}
         self._conversations: dict[int, Conversation | None] = {}
 
     # -- public API -------------------------------------------------------------------------
@@ -96,7 +109,7 @@ class Engine:
         batch = self.scheduler.schedule()
         for seq_id in batch.cancelled:
             outputs.append(self._end(self._sequences[seq_id], "cancelled", token=None))
-        produced: dict[int, tuple[mx.array, mx.array]] = {}
+        produced: dict[int, _Sampled] = {}
         if batch.decode:
             tokens = mx.concatenate([self._latest[s].reshape(1) for s in batch.decode])
             outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens))
@@ -106,8 +119,8 @@ class Engine:
             seq.timings.prefill_start = seq.timings.prefill_start or time.perf_counter()
             run = lambda: self.runner.prefill(work.seq_id, seq.prompt_ids[work.start:work.end], work.start, work.last)
             outputs += self._run((work.seq_id,), produced, run, sample=work.last)
-        mx.async_eval([a for pair in produced.values() for a in pair])
-        self._latest.update({s: token for s, (token, _) in produced.items()})
+        mx.async_eval([a for sampled in produced.values() for a in sampled.arrays()])
+        self._latest.update({s: sampled.token for s, sampled in produced.items()})
         if sync:
             self._unread = produced
             return outputs + self._commit()
@@ -135,14 +148,18 @@ class Engine:
         outputs = []
         nan = mx.isnan(logits).any(axis=-1)
         seqs = [self._sequences[s] for s in seq_ids]
-        if all(s.params.plain_greedy for s in seqs):
+        if all(s.params.plain_greedy and s.params.logprobs is None for s in seqs):
             tokens = mx.argmax(logits, axis=-1)
-            produced.update({s.seq_id: (tokens[i], nan[i]) for i, s in enumerate(seqs)})
+            produced.update({s.seq_id: _Sampled(tokens[i], nan[i]) for i, s in enumerate(seqs)})
             return outputs
         for i, seq in enumerate(seqs):
             try:
                 row = seq.sampler.process(logits[i : i + 1], seq.prompt_ids + seq.output_ids)
-                produced[seq.seq_id] = (seq.sampler.draw(row).reshape(()), mx.isnan(row).any())
+                logprobs = None
+                if seq.params.logprobs is not None:  # of the model's distribution, before sampling filters
+                    raw = logits[i].astype(mx.float32)
+                    logprobs = raw - mx.logsumexp(raw)
+                produced[seq.seq_id] = _Sampled(seq.sampler.draw(row).reshape(()), mx.isnan(row).any(), logprobs)
             except Exception as exc:  # a bad logits processor ends its own row only
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
@@ -151,16 +168,20 @@ class Engine:
         unread, self._unread = self._unread, {}
         outputs = []
         now = time.perf_counter()
-        for seq_id, (token, nan) in unread.items():
+        for seq_id, sampled in unread.items():
             seq = self._sequences.get(seq_id)
             if seq is None or seq.finish_reason is not None:
                 continue  # a lookahead token of a row that has already ended
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
-            if nan.item():
+            if sampled.nan.item():
                 outputs.append(self._end(seq, "error", None, "NaN logits (from the model or a logits processor)"))
                 continue
-            outputs.append(self._append(seq, token.item()))
+            token = sampled.token.item()
+            out = self._append(seq, token)
+            if sampled.logprobs is not None:
+                out.logprob, out.top_logprobs = _token_logprobs(sampled.logprobs, token, seq.params.logprobs)
+            outputs.append(out)
         return outputs
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
@@ -189,3 +210,13 @@ class Engine:
         """Text held back for a possible stop string or partial character, now that no more follows."""
         text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
         return text if stopped else text + seq.stop_matcher.flush()
+
+
+def _token_logprobs(logprobs: mx.array, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    chosen = logprobs[token].item()
+    if top == 0:
+        return chosen, []
+    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    values = logprobs[ids]
+    order = mx.argsort(-values)
+    return chosen, list(zip(ids[order].tolist(), values[order].tolist()))

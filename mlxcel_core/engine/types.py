@@ -51,6 +51,8 @@ class StepOutput:
     text: str  # newly completed text, stop strings removed
     finish_reason: FinishReason | None = None
     error: str | None = None
+    logprob: float | None = None  # of `token`, when the request asked for logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # most likely alternatives, best first
 
     @property
     def finished(self) -> bool:
