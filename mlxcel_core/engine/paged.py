@@ -4,15 +4,18 @@ Keys and values of every layer live in pools [num_blocks, block_size, Hkv, D]. A
 writes its tokens' slots and attends over the sequence gathered back from its blocks; a decode
 step writes one slot per row and runs `paged_decode_attention` over the block tables.
 Prompts that start with blocks another request already computed reuse them (prefix cache).
+
+With `kv_bits`, each pool is stored quantized (packed values + scales + biases per slot, grouped
+along the head dimension) and dequantized after gathering a step's blocks.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from ..errors import InputError
+from ..cache import kv_group_size
 from ..kv.block_pool import BlockPool, BlockTable
-from ..kv.paged_attention import gather_kv, paged_decode_attention, write_kv
+from ..kv.paged_attention import paged_decode_attention
 from ..models.base import causal_mask, scaled_dot_product_attention
 
 DEFAULT_KV_BUDGET_TOKENS = 16384
@@ -21,15 +24,13 @@ DEFAULT_KV_BUDGET_TOKENS = 16384
 class PagedStorage:
     def __init__(self, num_layers: int, block_size: int = 32, kv_budget_tokens: int | None = None,
                  kv_bits: int | None = None, prefix_cache: bool = True, num_splits: int = 1, max_batch_size: int = 1):
-        if kv_bits is not None:
-            raise InputError("quantized KV (--kv-bits) works with dense storage only for now; "
-                             "use --decode-storage-backend dense")
+        self.kv_bits = kv_bits
         budget = kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
         # One spare block per row: partial last blocks and the lookahead step's extra token.
         self.pool = BlockPool(-(-budget // block_size) + max_batch_size + 1, block_size, enable_prefix_cache=prefix_cache)
         self.num_splits = num_splits
-        self.k_pools: list[mx.array | None] = [None] * num_layers
-        self.v_pools: list[mx.array | None] = [None] * num_layers
+        # Per layer: [keys, values] or, quantized, [k packed, k scales, k biases, v packed, v scales, v biases].
+        self.pools: list[list[mx.array] | None] = [None] * num_layers
         self.tables: dict[int, BlockTable] = {}
         self.lengths: dict[int, int] = {}  # tokens written per sequence
         self.prompts: dict[int, list[int]] = {}
@@ -48,7 +49,7 @@ class PagedStorage:
         self.lengths[seq_id] = start + length
         slots = mx.array([table.slot(p) for p in range(start, start + length)])
         blocks = mx.array(table.blocks)
-        return [_PrefillView(self, layer, slots, blocks, start) for layer in range(len(self.k_pools))]
+        return [_PrefillView(self, layer, slots, blocks, start) for layer in range(len(self.pools))]
 
     def finish_prefill(self, seq_id: int) -> None:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
@@ -65,7 +66,7 @@ class PagedStorage:
         block_tables = mx.array([t + [0] * (width - len(t)) for t in tables])
         slots = mx.array([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)])
         positions = mx.array(positions)
-        return [_DecodeView(self, layer, slots, block_tables, positions) for layer in range(len(self.k_pools))]
+        return [_DecodeView(self, layer, slots, block_tables, positions) for layer in range(len(self.pools))]
 
     def free(self, seq_id: int, tokens: list[int]) -> None:
         table = self.tables.pop(seq_id, None)
@@ -83,15 +84,31 @@ class PagedStorage:
                 "evictions": s.evictions}
 
     # -- pools -----------------------------------------------------------------------------------
-    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> list[mx.array]:
         """keys/values [N, Hkv, D] into `slots`; returns the layer's updated pools."""
-        if self.k_pools[layer] is None:
-            shape = (self.pool.num_blocks, self.pool.block_size, keys.shape[1], keys.shape[2])
-            self.k_pools[layer] = mx.zeros(shape, keys.dtype)
-            self.v_pools[layer] = mx.zeros(shape, values.dtype)
-        k_pool, v_pool = write_kv(self.k_pools[layer], self.v_pools[layer], slots, keys, values)
-        self.k_pools[layer], self.v_pools[layer] = k_pool, v_pool
-        return k_pool, v_pool
+        parts = [keys, values]
+        if self.kv_bits is not None:
+            group = kv_group_size(keys.shape[-1])
+            parts = [p for x in parts for p in mx.quantize(x, group_size=group, bits=self.kv_bits)]
+        if self.pools[layer] is None:
+            size = (self.pool.num_blocks, self.pool.block_size)
+            self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
+        updated = []
+        for pool, part in zip(self.pools[layer], parts):
+            flat = pool.reshape(-1, *pool.shape[2:])
+            flat[slots] = part.astype(pool.dtype)
+            updated.append(flat.reshape(pool.shape))
+        self.pools[layer] = updated
+        return updated
+
+    def gather(self, pools: list[mx.array], block_tables: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Rows' blocks as dense [B, Hkv, T, D] keys and values (T = blocks per row x block size)."""
+        batch, width = block_tables.shape
+        dense = [p[block_tables].reshape(batch, width * self.pool.block_size, *p.shape[2:]) for p in pools]
+        if self.kv_bits is not None:
+            group = dense[0].shape[-1] * 32 // self.kv_bits // dense[1].shape[-1]
+            dense = [mx.dequantize(*dense[i:i + 3], group_size=group, bits=self.kv_bits) for i in (0, 3)]
+        return tuple(d.transpose(0, 2, 1, 3).astype(dtype) for d in dense)
 
 
 class _PrefillView:
@@ -102,18 +119,16 @@ class _PrefillView:
 
     @property
     def state(self) -> list[mx.array]:
-        pools = [self.storage.k_pools[self.layer], self.storage.v_pools[self.layer]]
-        return [p for p in pools if p is not None]
+        return self.storage.pools[self.layer] or []
 
     def attend(self, queries, keys, values, scale, window=None, softcap=None):
         length = keys.shape[2]
-        k_pool, v_pool = self.storage.write(self.layer, self.slots, keys[0].transpose(1, 0, 2),
-                                            values[0].transpose(1, 0, 2))
+        pools = self.storage.write(self.layer, self.slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         total = self.offset + length
-        all_keys, all_values = gather_kv(k_pool, v_pool, self.blocks, total)
+        all_keys, all_values = self.storage.gather(pools, self.blocks[None], queries.dtype)
         mask = causal_mask(length, total, None, window)
-        return scaled_dot_product_attention(queries, all_keys.astype(queries.dtype),
-                                            all_values.astype(queries.dtype), scale, mask, softcap)
+        return scaled_dot_product_attention(queries, all_keys[:, :, :total], all_values[:, :, :total], scale,
+                                            mask, softcap)
 
 
 class _DecodeView:
@@ -125,26 +140,19 @@ class _DecodeView:
 
     @property
     def state(self) -> list[mx.array]:
-        return [self.storage.k_pools[self.layer], self.storage.v_pools[self.layer]]
+        return self.storage.pools[self.layer] or []
 
     def attend(self, queries, keys, values, scale, window=None, softcap=None):
-        k_pool, v_pool = self.storage.write(self.layer, self.slots, keys[:, :, 0], values[:, :, 0])
+        pools = self.storage.write(self.layer, self.slots, keys[:, :, 0], values[:, :, 0])
         context_lens = self.offset + 1
-        if window is None and softcap is None:
-            out = paged_decode_attention(queries[:, :, 0], k_pool, v_pool, self.block_tables, context_lens,
+        if window is None and softcap is None and self.storage.kv_bits is None:
+            out = paged_decode_attention(queries[:, :, 0], pools[0], pools[1], self.block_tables, context_lens,
                                          num_splits=self.storage.num_splits, scale=scale)
             return out[:, :, None, :]
-        # Sliding-window or soft-capped layers: gather the rows densely and mask per row.
-        batch, width = self.block_tables.shape
-        size = width * self.storage.pool.block_size
-
-        def dense(pool):
-            return pool[self.block_tables].reshape(batch, size, *pool.shape[2:]).transpose(0, 2, 1, 3)
-
-        k_pos = mx.arange(size)[None, :]
+        # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
+        all_keys, all_values = self.storage.gather(pools, self.block_tables, queries.dtype)
+        k_pos = mx.arange(all_keys.shape[2])[None, :]
         mask = k_pos < context_lens[:, None]
         if window is not None:
             mask = mx.logical_and(mask, k_pos > self.offset[:, None] - window)
-        mask = mask[:, None, None, :]
-        return scaled_dot_product_attention(queries, dense(k_pool).astype(queries.dtype),
-                                            dense(v_pool).astype(queries.dtype), scale, mask, softcap)
+        return scaled_dot_product_attention(queries, all_keys, all_values, scale, mask[:, None, None, :], softcap)

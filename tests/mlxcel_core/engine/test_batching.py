@@ -175,3 +175,13 @@ def test_quantized_kv_round_trip_error_is_within_one_step():
         error = mx.abs(stored - keys).reshape(2, 3, 40, 1, 64).max(axis=-1)
         assert mx.all(error <= step + 1e-5).item()
         assert mx.abs(stored - keys).mean().item() < mx.mean(step).item() / 3
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_batched_paged_equals_solo_dense(loaded, bits):
+    """Both storages quantize each token the same way, so batching and paging change nothing."""
+    solo_q = solo(loaded, EngineConfig(max_batch_size=1, kv_bits=bits))
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=8, storage="paged", kv_bits=bits,
+                                                                 block_size=8))
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+    assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == solo_q
