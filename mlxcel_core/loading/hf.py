@@ -22,7 +22,12 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise CorruptModelError(f"{path} is not valid JSON: {exc}") from exc
     # Multimodal checkpoints nest the language model's config.
     if "text_config" in config and "hidden_size" not in config:
-        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", config.get("model_type"))}
+        outer = config
+        config = {**outer["text_config"], "model_type": outer["text_config"].get("model_type", outer.get("model_type"))}
+        # The multimodal wrapper decides these for the whole model (e.g. it ties the LM head).
+        for key in ("tie_word_embeddings", "eos_token_id"):
+            if key in outer:
+                config[key] = outer[key]
     return config
 
 

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import CorruptModelError
 from ..models import model_class_for
+from ..models.base import Quantizable
 
 
 def read_arrays(path: Path) -> dict[str, mx.array]:
@@ -29,7 +30,7 @@ def _first_line(exc: BaseException) -> str:
 def _quantization_of(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict | bool:
     """Per-layer group size and bits, read off the packed shapes (works for GGUF and MLX checkpoints)."""
     scales = weights.get(f"{path}.scales")
-    if scales is None or not hasattr(module, "to_quantized"):
+    if scales is None or not isinstance(module, Quantizable):
         return False
     in_dims = module.weight.shape[-1]
     packed = weights[f"{path}.weight"].shape[-1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
@@ -17,6 +17,15 @@ class BaseModelArgs:
     def from_dict(cls, params: dict[str, Any]):
         fields = inspect.signature(cls).parameters
         return cls(**{k: v for k, v in params.items() if k in fields})
+
+
+@runtime_checkable
+class Quantizable(Protocol):
+    """A layer MLX can swap for its quantized form (Linear, Embedding, the MoE expert banks)."""
+
+    weight: mx.array
+
+    def to_quantized(self, group_size: int, bits: int, mode: str = "affine"): ...
 
 
 class LayerCache(Protocol):
