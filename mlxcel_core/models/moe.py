@@ -13,6 +13,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from .activations import swiglu
+
 # Fewer routed (token, expert) pairs than this (decode): skip sorting tokens by expert.
 SORT_THRESHOLD = 64
 
@@ -104,7 +106,7 @@ class SwitchGLU(nn.Module):
             inverse = mx.argsort(order)
             x = x.reshape(-1, 1, x.shape[-1])[order // k]
             indices = flat[order]
-        h = nn.silu(self.gate_proj(x, indices, do_sort)) * self.up_proj(x, indices, do_sort)
+        h = swiglu(self.gate_proj(x, indices, do_sort), self.up_proj(x, indices, do_sort))
         y = self.down_proj(h, indices, do_sort)
         if do_sort:
             y = y[inverse].reshape(*lead, k, 1, y.shape[-1])

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
+from .activations import swiglu
 from .base import BaseModelArgs, LayerCache, attention, cache_offset
 from .rope import initialize_rope, rope_base, rope_scaling_config
 
@@ -93,7 +94,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):

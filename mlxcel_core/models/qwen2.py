@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
+from .activations import swiglu
 from .base import BaseModelArgs, LayerCache, attention, cache_offset
 from .rope import initialize_rope, rope_base, rope_scaling_config
 
@@ -101,7 +102,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
