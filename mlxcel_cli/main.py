@@ -10,6 +10,7 @@ import typer
 from . import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE
 from .generate import generate
+from .serve import serve
 
 app = typer.Typer(
     name="mlxcel",
@@ -21,6 +22,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("generate")(generate)
+app.command("serve")(serve)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,137 @@
+"""`mlxcel serve`: the OpenAI-compatible HTTP server. Parses flags, binds the socket, runs uvicorn.
+
+The model loads in the background once the socket is up (/health says 503 until it is ready); if it
+fails to load, the server stops and the command exits with the load error's exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from . import options as opt
+from .errors import fail, reported_errors
+
+
+def _opt(*names: str, env: str, help: str, **kw):
+    return typer.Option(*names, envvar=env, help=help, **kw)
+
+
+Model = Annotated[Optional[str], _opt("-m", "--model", env="MLXCEL_MODEL", metavar="MODEL",
+                                      help="Model directory, .gguf file or Hugging Face repo id. "
+                                           "Default: SmolLM2-135M-Instruct.")]
+Host = Annotated[str, _opt("--host", env="MLXCEL_HOST", help="Address to listen on.")]
+Port = Annotated[int, _opt("--port", env="MLXCEL_PORT", min=0, max=65535,
+                           help="Port to listen on; 0 picks a free one (printed on stderr).")]
+ApiKey = Annotated[Optional[str], _opt("--api-key", env="MLXCEL_API_KEY", show_default=False,
+                                       help="Require 'Authorization: Bearer KEY' on every route but /health.")]
+Parallel = Annotated[int, _opt("--parallel", "--n-parallel", env="MLXCEL_PARALLEL", min=1,
+                               help="Sequences decoded together in one batch.")]
+MaxBatch = Annotated[Optional[int], _opt("--max-batch-size", env="MLXCEL_MAX_BATCH_SIZE", min=1,
+                                         help="Rows per engine step (overrides --parallel). Default: --parallel.")]
+MaxQueue = Annotated[int, _opt("--max-queue-depth", env="MLXCEL_MAX_QUEUE_DEPTH", min=0,
+                               help="Sequences that may wait for a batch slot; more get 503.")]
+PrefillChunk = Annotated[int, _opt("--prefill-chunk-size", env="MLXCEL_PREFILL_CHUNK_SIZE", min=1,
+                                   help="Prompt tokens computed per forward pass.")]
+Storage = Annotated[str, _opt("--decode-storage-backend", env="MLXCEL_DECODE_STORAGE_BACKEND",
+                              help="KV storage: auto (dense at batch 1, paged when batching), dense or paged.")]
+CtxSize = Annotated[int, _opt("--ctx-size", env="MLXCEL_CTX_SIZE", min=0,
+                              help="Cap the context (prompt + completion tokens); 0 = the model's.")]
+MaxN = Annotated[int, _opt("--max-n", env="MLXCEL_MAX_N", min=1, help="Largest `n` (choices) a request may ask for.")]
+KvBits = Annotated[Optional[int], _opt("--kv-bits", env="MLXCEL_KV_BITS",
+                                       help="Store the KV cache quantized to 8 or 4 bits.")]
+LogFormat = Annotated[str, _opt("--log-format", env="MLXCEL_LOG_FORMAT",
+                                help="Log lines on stderr as text or json (one object per line).")]
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name,
+                 "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def _configure_logging(log_format: str, verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("mlxcel", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler] if name in ("mlxcel", "uvicorn") else []
+        logger.propagate = name not in ("mlxcel", "uvicorn")
+        logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    from mlxcel_core.errors import InputError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def serve(
+    model: Model = None,
+    host: Host = "127.0.0.1",
+    port: Port = 8080,
+    api_key: ApiKey = None,
+    parallel: Parallel = 4,
+    max_batch_size: MaxBatch = None,
+    max_queue_depth: MaxQueue = 32,
+    prefill_chunk_size: PrefillChunk = 2048,
+    storage: Storage = "auto",
+    ctx_size: CtxSize = 0,
+    max_n: MaxN = 4,
+    kv_bits: KvBits = None,
+    log_format: LogFormat = "text",
+    verbose: opt.Verbose = False,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API.
+
+    Routes: POST /v1/completions, POST /v1/chat/completions (stream: true for server-sent events),
+    GET /v1/models, GET /health, GET /metrics (Prometheus), POST /tokenize, POST /detokenize.
+    Every option can also come from the MLXCEL_* environment variable named in --help.
+    """
+    with reported_errors(verbose):
+        if log_format not in ("text", "json"):
+            raise fail(f"--log-format must be text or json, got '{log_format}'")
+        engine_config = opt.engine_config(max_batch_size or parallel, kv_bits, storage, prefill_chunk_size)
+        _configure_logging(log_format, verbose)
+
+        import uvicorn
+
+        from mlxcel_core.server import ServerConfig, create_app
+
+        config = ServerConfig(model=model, engine=engine_config, api_key=api_key or None,
+                              max_queue_depth=max_queue_depth, max_n=max_n, ctx_size=ctx_size or None)
+        failed: list[BaseException] = []
+        holder: dict = {}
+
+        def on_load_failed(exc: BaseException) -> None:  # engine thread: stop serving, report after
+            failed.append(exc)
+            holder["server"].should_exit = True
+
+        app = create_app(config, on_load_failed=on_load_failed)
+        sock = _bind(host, port)
+        server = holder["server"] = uvicorn.Server(uvicorn.Config(
+            app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=30))
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        print(f"mlxcel: listening on http://{shown}:{bound_port} (model loading in the background)",
+              file=sys.stderr, flush=True)
+        server.run(sockets=[sock])
+        if failed:
+            raise failed[0]

@@ -1,0 +1,261 @@
+"""EngineLoop: the one thread that owns the model and the Engine (MLX is used from this thread only).
+
+It loads the model, then loops: drain the inbox (new jobs, cancellations), run `engine.step()`, and
+push each StepOutput to its request's asyncio queue with `loop.call_soon_threadsafe` (the `emit`
+callback of a Job). Events a request receives, per job (one job per choice of `n`):
+
+    ("opened")  the engine accepted the sequence        ("error")  it did not (bad parameters, ...)
+    ("token")   a StepOutput that is not the last one   ("final")  the last StepOutput plus usage
+
+A cancelled job (client gone) is closed in the engine; its KV blocks are freed at the next step.
+If `step()` itself raises, every live job gets a final error and a fresh Engine takes over; after
+`max_failures` failures in a row the thread stops and health turns 503.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..engine import Engine, EngineConfig, StepOutput
+from ..sampling import SamplingParams
+from .errors import APIError
+from .metrics import ServerMetrics
+
+log = logging.getLogger("mlxcel.server")
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Event:
+    kind: str  # "opened" | "error" | "token" | "final"
+    index: int  # the choice this job serves
+    output: StepOutput | None = None
+    usage: Usage | None = None
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    prompt_ids: list[int]
+    make_params: Callable[[], SamplingParams]  # called on the engine thread (processors hold MLX arrays)
+    index: int
+    emit: Callable[[Event], None]  # thread-safe: hands the event to the request's event loop
+    seq_id: int | None = None
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, load: Callable, engine_config: EngineConfig, metrics: ServerMetrics,
+                 ctx_size: int | None = None, capacity: int = 64, max_failures: int = 3,
+                 on_load_failed: Callable[[BaseException], None] | None = None):
+        self._load, self.engine_config, self.metrics = load, engine_config, metrics
+        self.ctx_size, self.capacity, self.max_failures = ctx_size, capacity, max_failures
+        self._on_load_failed = on_load_failed
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.error: BaseException | None = None
+        self.loaded = None  # LoadedModel, once loaded
+        self.engine: Engine | None = None
+        self.max_context = 0
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._in_flight = 0  # jobs submitted and not finished (waiting or running)
+        self._jobs: dict[int, Job] = {}  # seq_id -> job, engine thread only
+        self._thread = threading.Thread(target=self._run, name="mlxcel-engine", daemon=True)
+
+    # -- called from the event loop ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready" and self._thread.is_alive()
+
+    def health(self) -> str | None:
+        """None when healthy, else why not."""
+        if self.ready:
+            return None
+        if self.state == "loading":
+            return "Loading model"
+        if self.state == "failed":
+            return f"The engine is not running: {self.error}"
+        return "The server is shutting down"
+
+    @property
+    def queue_depth(self) -> int:
+        return max(0, self._in_flight - (self.engine.scheduler.num_running if self.engine else 0))
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue jobs for the engine; 503 when the engine is down or the queue is full."""
+        reason = self.health()
+        if reason is not None:
+            raise APIError(503, reason)
+        with self._lock:
+            if self._in_flight + len(jobs) > self.capacity:
+                self.metrics.rejected.inc()
+                raise APIError(503, f"The server is busy: {self._in_flight} sequences running or queued "
+                                    f"(limit {self.capacity}). Retry later.")
+            self._in_flight += len(jobs)
+        for job in jobs:
+            self._inbox.put(("submit", job))
+        self._wake.set()
+
+    def cancel(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._inbox.put(("cancel", job))
+        self._wake.set()
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _new_engine(self) -> Engine:
+        engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config)
+        ctx = engine.max_context
+        if self.ctx_size:
+            ctx = min(ctx, self.ctx_size)
+        budget = self.engine_config.effective_kv_budget_tokens
+        if budget:  # a request must fit the KV budget on its own
+            ctx = min(ctx, budget)
+        engine.max_context = self.max_context = ctx
+        return engine
+
+    def _run(self) -> None:
+        try:
+            self.loaded = self._load()
+            self.engine = self._new_engine()
+        except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
+            self.state, self.error = "failed", exc
+            log.error("model failed to load: %s", exc)
+            if self._on_load_failed is not None:
+                self._on_load_failed(exc)
+            return
+        self.state = "ready"
+        log.info("model ready: context %d tokens, batch %d, %s KV storage", self.max_context,
+                 self.engine_config.max_batch_size, self.engine_config.resolved_storage)
+        failures = 0
+        while not self._stopping:
+            self._wake.clear()
+            self._drain()
+            if not self.engine.has_work():
+                self._publish()
+                self._wake.wait(0.5)
+                continue
+            try:
+                outputs = self.engine.step()
+                failures = 0
+            except Exception as exc:  # the engine itself broke (not one row): fail everyone, start over
+                failures += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                self._fail_all(f"inference backend error: {type(exc).__name__}: {exc}")
+                if failures >= self.max_failures:
+                    self.state, self.error = "failed", exc
+                    return
+                self.engine = self._new_engine()
+                self.metrics.reset_engine_counters()
+                continue
+            self._dispatch(outputs)
+            self._publish()
+        self.state = "stopped"
+        self._fail_all("The server is shutting down")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, job = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._open(job)
+            else:
+                job.cancelled = True
+                if job.seq_id is not None:
+                    self.engine.close(job.seq_id)
+
+    def _open(self, job: Job) -> None:
+        try:
+            params = job.make_params()
+            job.seq_id = self.engine.open(job.prompt_ids, params)
+        except Exception as exc:  # invalid parameters (InputError) or a bug: this job only
+            self._finished(job)
+            job.emit(Event("error", job.index, error=exc))
+            return
+        self._jobs[job.seq_id] = job
+        job.emit(Event("opened", job.index))
+
+    def _finished(self, job: Job) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        now = time.perf_counter()
+        produced = 0
+        for out in outputs:
+            job = self._jobs.get(out.seq_id)
+            if job is None:
+                continue
+            if out.token is not None:
+                produced += 1
+                if job.first_token is None:
+                    job.first_token = now
+                    self.metrics.ttft.observe(now - job.submitted)
+            if not out.finished:
+                job.emit(Event("token", job.index, out))
+                continue
+            seq = self.engine.sequence(out.seq_id)
+            usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
+            decode_s = seq.timings.decode_s
+            tps = (usage.completion_tokens - 1) / decode_s if usage.completion_tokens > 1 and decode_s > 0 else 0.0
+            if tps:
+                self.metrics.decode_tps.observe(tps)
+            self.metrics.requests.labels(out.finish_reason).inc()
+            ttft_ms = (job.first_token - job.submitted) * 1000 if job.first_token else float("nan")
+            log.info("seq %d: %s, prompt %d tokens (%d cached), completion %d tokens, ttft %.1f ms, %.1f tok/s%s",
+                     out.seq_id, out.finish_reason, usage.prompt_tokens, usage.cached_tokens,
+                     usage.completion_tokens, ttft_ms, tps, f" ({out.error})" if out.error else "")
+            self.engine.release(out.seq_id)
+            del self._jobs[out.seq_id]
+            self._finished(job)
+            job.emit(Event("final", job.index, out, usage))
+        if produced:
+            self.metrics.tokens_predicted.inc(produced)
+
+    def _publish(self) -> None:
+        engine = self.engine
+        stats = engine.storage.stats() if self.engine_config.resolved_storage == "paged" else {}
+        self.metrics.record_step(running=engine.scheduler.num_running, waiting=self.queue_depth,
+                                 prefill_tokens=engine.runner.prefill_tokens, storage_stats=stats)
+
+    def _fail_all(self, message: str) -> None:
+        """End every job (live or still in the inbox) with an error."""
+        for seq_id, job in list(self._jobs.items()):
+            seq = self.engine.sequence(seq_id) if self.engine else None
+            usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens) if seq else None
+            self._finished(job)
+            job.emit(Event("final", job.index, StepOutput(seq_id, None, "", "error", message), usage))
+        self._jobs.clear()
+        while True:
+            try:
+                kind, job = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._finished(job)
+                job.emit(Event("error", job.index, error=APIError(503, message)))

@@ -1,0 +1,204 @@
+"""OpenAI response shapes: whole completions, server-sent event chunks, usage and logprobs.
+
+A Reply turns one request's engine events (engine_loop.Event, one job per choice) into JSON:
+- completions: choices[].text, choices[].logprobs {tokens, token_logprobs, top_logprobs, text_offset};
+- chat: choices[].message / delta, choices[].logprobs.content[{token, logprob, bytes, top_logprobs}];
+- usage {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens}; with
+  stream_options.include_usage, every chunk carries "usage": null and a last chunk has it with no choices.
+A choice that ends in error fails the whole reply: an APIError, or mid-stream an error event then [DONE].
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte, inverted."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenFormatter:
+    """A token id as the bytes it stands for, and as text (OpenAI's "bytes:\\xNN" form when not UTF-8)."""
+
+    def __init__(self, tokenizer):
+        self.backend = tokenizer.backend
+        decoder = self.backend.decoder
+        self.byte_level = decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode()
+        self._cache: dict[int, tuple[bytes, str]] = {}
+
+    def _bytes(self, token: int) -> bytes:
+        piece = self.backend.id_to_token(token)
+        if piece is None:
+            return b""
+        if self.byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return piece.encode()
+        match = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # SentencePiece byte fallback
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    def get(self, token: int) -> tuple[bytes, str]:
+        if token not in self._cache:
+            raw = self._bytes(token)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._cache[token] = (raw, text)
+        return self._cache[token]
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    entries: list[tuple] = field(default_factory=list)  # (token, logprob, top alternatives)
+    finish_reason: str | None = None
+    usage: object = None
+
+
+class Reply:
+    def __init__(self, server, chat: bool, model: str, logprobs: bool, include_usage: bool, n: int):
+        self.chat, self.model, self.logprobs, self.include_usage, self.n = chat, model, logprobs, include_usage, n
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.fmt = server.formatter
+        self.eos = server.engine.loaded.tokenizer.eos_token_ids
+        # completions' text_offset: characters of the choice's text before each token (bytes decoded as a stream)
+        self._offsets = [0] * n
+        self._decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(n)]
+
+    # -- pieces -------------------------------------------------------------------------------------
+    @staticmethod
+    def _entries(out) -> list[tuple]:
+        if out.token is None or out.logprob is None:
+            return []
+        return [(out.token, out.logprob, out.top_logprobs or [])]
+
+    def _logprobs(self, index: int, entries: list[tuple]) -> dict | None:
+        if not self.logprobs:
+            return None
+        entries = [e for e in entries if e[0] not in self.eos]  # the end-of-sequence token is not text
+        if self.chat:
+            def item(token, logprob):
+                raw, text = self.fmt.get(token)
+                return {"token": text, "logprob": _lp(logprob), "bytes": list(raw)}
+
+            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]}
+                                for t, lp, top in entries]}
+        tokens, offsets = [], []
+        for token, _, _ in entries:
+            raw, text = self.fmt.get(token)
+            tokens.append(text)
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(self._decoders[index].decode(raw))
+        return {"tokens": tokens, "token_logprobs": [_lp(lp) for _, lp, _ in entries],
+                "top_logprobs": [{self.fmt.get(a)[1]: _lp(alp) for a, alp in top} for _, _, top in entries],
+                "text_offset": offsets}
+
+    @staticmethod
+    def _error(out) -> APIError:
+        if out.finish_reason == "cancelled":
+            return APIError(503, "The request was cancelled by the server.")
+        return APIError(500, f"Generation failed: {out.error or 'unknown error'}")
+
+    @staticmethod
+    def usage(usages) -> dict:
+        prompt = usages[0].prompt_tokens  # the prompt is shared by every choice
+        completion = sum(u.completion_tokens for u in usages)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": min(u.cached_tokens for u in usages)}}
+
+    def _body(self, choices: list[dict]) -> dict:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        body = self._body(choices)
+        if self.chat:
+            body["object"] = "chat.completion.chunk"
+        if self.include_usage:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    # -- whole replies ------------------------------------------------------------------------------
+    async def collect(self, events) -> dict:
+        choices = [_Choice() for _ in range(self.n)]
+        left = self.n
+        while left:
+            event = await events.get()
+            out, choice = event.output, choices[event.index]
+            if event.kind == "final" and out.finish_reason not in ("stop", "length"):
+                raise self._error(out)
+            choice.text.append(out.text)
+            choice.entries += self._entries(out)
+            if event.kind == "final":
+                choice.finish_reason, choice.usage = out.finish_reason, event.usage
+                left -= 1
+        shaped = []
+        for i, c in enumerate(choices):
+            text = "".join(c.text)
+            body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            shaped.append({"index": i, **body, "logprobs": self._logprobs(i, c.entries),
+                           "finish_reason": c.finish_reason})
+        return {**self._body(shaped), "usage": self.usage([c.usage for c in choices])}
+
+    async def stream(self, events):
+        usages = [None] * self.n
+        left = self.n
+        if self.chat:
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(self.n)])
+        while left:
+            event = await events.get()
+            out, i = event.output, event.index
+            final = event.kind == "final"
+            if final and out.finish_reason not in ("stop", "length"):
+                yield self._error(out).sse()
+                yield DONE
+                return
+            logprobs = self._logprobs(i, self._entries(out))
+            has_logprobs = bool(logprobs and (logprobs.get("content") or logprobs.get("tokens")))
+            if self.chat:
+                if out.text or has_logprobs:
+                    yield self._chunk([{"index": i, "delta": {"content": out.text}, "logprobs": logprobs,
+                                        "finish_reason": None}])
+                if final:
+                    yield self._chunk([{"index": i, "delta": {}, "logprobs": None,
+                                        "finish_reason": out.finish_reason}])
+            elif out.text or has_logprobs or final:
+                yield self._chunk([{"index": i, "text": out.text, "logprobs": logprobs,
+                                    "finish_reason": out.finish_reason if final else None}])
+            if final:
+                usages[i] = event.usage
+                left -= 1
+        if self.include_usage:
+            yield self._chunk([], usage=self.usage(usages))
+        yield DONE

@@ -1,0 +1,137 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic v2, validated from the raw JSON bytes).
+
+Strict types (a string is never coerced into a number), finite floats only, unknown fields ignored
+(clients send extras such as `user`). Ranges follow OpenAI where it has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .errors import bad_request
+
+MAX_STOP_STRINGS = 16
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None  # absent: the served model
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)  # -1 or 0: off
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = Field(None, validate_default=True)  # -> list[str]
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    user: Optional[str] = None  # accepted, ignored
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+
+    def single_prompt(self) -> Union[str, list[int]]:
+        """One prompt: a string or token ids (a batch of exactly one is unwrapped)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise bad_request("Batched prompts are not supported: send one prompt per request "
+                                  "(use `n` for several completions).", "prompt")
+            prompt = prompt[0]
+        if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
+            raise bad_request("The prompt is empty.", "prompt")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, ... pass through
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self, index: int) -> str:
+        """The message text; content parts must all be text."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        pieces = []
+        for j, part in enumerate(self.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"Only text content parts are supported (got type {part.get('type')!r}).",
+                                  f"messages[{index}].content[{j}]")
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def template_messages(self) -> list[dict]:
+        if not self.messages:
+            raise bad_request("'messages' must contain at least one message.", "messages")
+        if self.tools:
+            raise bad_request("Tools are not supported by this server.", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
+        out = []
+        for i, m in enumerate(self.messages):
+            extra = {k: v for k, v in (m.model_extra or {}).items() if k in ("name", "tool_calls", "tool_call_id")}
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text(i), **extra})
+        return out
+
+    @property
+    def completion_limit(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+class TokenizeRequest(_Body):
+    content: str
+    add_special: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int]
