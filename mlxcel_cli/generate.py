@@ -58,38 +58,48 @@ def generate(
         if system and no_chat_template:
             raise fail("a system prompt needs the chat template, but --no-chat-template was given")
 
-        from mlxcel_core.api import prepare_prompt, stream_generate
-        from mlxcel_core.loading import load_model
+        answer_once(text, model, params, engine_config, system, chat_template=not no_chat_template,
+                    as_json=as_json, verbose=verbose)
 
-        loaded = load_model(model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr))
-        print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
-        prompt_ids = prepare_prompt(loaded.tokenizer, text, system, chat_template=not no_chat_template)
-        if verbose:
-            print(f"mlxcel: prompt tokens: {len(prompt_ids)}", file=sys.stderr)
 
-        pieces, tokens, last = [], [], None
-        for chunk in stream_generate(loaded, prompt_ids, params, engine_config):
-            if chunk.token is not None:
-                tokens.append(chunk.token)
-            pieces.append(chunk.text)
-            if not as_json and chunk.text:
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-            last = chunk
-        stats = last.stats
-        if as_json:
-            print(json.dumps({
-                "text": "".join(pieces),
-                "token_ids": tokens,
-                "finish_reason": last.finish_reason,
-                "usage": {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-                          "total_tokens": stats.prompt_tokens + stats.generated_tokens},
-                "timings": {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
-                            "prefill_tokens_per_s": stats.prefill_tps, "decode_tokens_per_s": stats.decode_tps,
-                            "peak_memory_gb": stats.peak_memory_gb},
-                "model": loaded.source.origin,
-            }, ensure_ascii=False))
-        else:
-            sys.stdout.write("\n")
+def answer_once(text: str, model: Optional[str], params, engine_config, system: Optional[str], *,
+                chat_template: bool = True, as_json: bool = False, verbose: bool = False) -> None:
+    """Load the model, answer one prompt (streamed, or one JSON object) and print statistics on stderr.
+
+    The body of `mlxcel generate`; `mlxcel run -p` calls it too, so both print exactly the same.
+    """
+    from mlxcel_core.api import prepare_prompt, stream_generate
+    from mlxcel_core.loading import load_model
+
+    loaded = load_model(model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr))
+    print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
+    prompt_ids = prepare_prompt(loaded.tokenizer, text, system, chat_template=chat_template)
+    if verbose:
+        print(f"mlxcel: prompt tokens: {len(prompt_ids)}", file=sys.stderr)
+
+    pieces, tokens, last = [], [], None
+    for chunk in stream_generate(loaded, prompt_ids, params, engine_config):
+        if chunk.token is not None:
+            tokens.append(chunk.token)
+        pieces.append(chunk.text)
+        if not as_json and chunk.text:
+            sys.stdout.write(chunk.text)
             sys.stdout.flush()
-        _print_stats(stats, verbose)
+        last = chunk
+    stats = last.stats
+    if as_json:
+        print(json.dumps({
+            "text": "".join(pieces),
+            "token_ids": tokens,
+            "finish_reason": last.finish_reason,
+            "usage": {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+                      "total_tokens": stats.prompt_tokens + stats.generated_tokens},
+            "timings": {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
+                        "prefill_tokens_per_s": stats.prefill_tps, "decode_tokens_per_s": stats.decode_tps,
+                        "peak_memory_gb": stats.peak_memory_gb},
+            "model": loaded.source.origin,
+        }, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    _print_stats(stats, verbose)

@@ -10,6 +10,7 @@ import typer
 from . import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE
 from .generate import generate
+from .run import run
 from .serve import serve
 
 app = typer.Typer(
@@ -23,6 +24,7 @@ app = typer.Typer(
 )
 app.command("generate")(generate)
 app.command("serve")(serve)
+app.command("run")(run)
 
 
 def _version(value: bool) -> None:
