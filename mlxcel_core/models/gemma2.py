@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gemma_common import FULL, SLIDING, Attention, GemmaArgs, GemmaCausalLM
+from .gemma_common import FULL, SLIDING, GemmaArgs, GemmaCausalLM
 from .rope import initialize_rope, rope_base, rope_scaling_config
 
 
@@ -25,8 +25,4 @@ class Model(GemmaCausalLM):
     def __init__(self, args: ModelArgs):
         scaling = rope_scaling_config(args.rope_scaling, args.rope_parameters)
         rope = initialize_rope(args.head_dim, rope_base(args.rope_theta, args.rope_parameters), False, scaling)
-
-        def make_attention(index: int, layer_type: str) -> Attention:
-            return Attention(args, layer_type, rope, qk_norm=False, softcap=args.attn_logit_softcapping)
-
-        super().__init__(args, make_attention)
+        super().__init__(args, {SLIDING: rope, FULL: rope}, qk_norm=False, attn_softcap=args.attn_logit_softcapping)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .gemma_common import FULL, SLIDING, Attention, GemmaArgs, GemmaCausalLM
+from .gemma_common import FULL, SLIDING, GemmaArgs, GemmaCausalLM
 from .rope import initialize_rope, rope_base, rope_scaling_config
 
 
@@ -65,8 +65,4 @@ class Model(GemmaCausalLM):
             params = args.rope_for(layer_type)
             ropes[layer_type] = initialize_rope(args.head_dim, rope_base(None, params), False,
                                                 rope_scaling_config(None, params))
-
-        def make_attention(index: int, layer_type: str) -> Attention:
-            return Attention(args, layer_type, ropes[layer_type], qk_norm=True, softcap=None)
-
-        super().__init__(args, make_attention)
+        super().__init__(args, ropes, qk_norm=True, attn_softcap=None)

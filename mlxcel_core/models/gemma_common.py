@@ -3,22 +3,24 @@
 Both families: embeddings scaled by sqrt(hidden_size) (in the embedding's dtype), RMSNorm with a
 (1 + weight) gain, a GeGLU MLP (tanh GELU), sandwich norms (pre + post around attention and around the
 MLP), alternating sliding-window / global attention layers, the attention scale from
-`query_pre_attn_scalar`, tied embeddings and optional final-logit soft-capping. The family modules
-supply the config dataclass and the per-layer attention (RoPE base, q/k norms, attention soft-capping).
+`query_pre_attn_scalar`, tied embeddings and optional final-logit soft-capping. Attention, the gated
+MLP and the embed -> layers -> norm -> head wrapper are transformer.py's; the family modules supply the
+config dataclass, a RoPE per layer type, and whether attention has q/k norms and soft-capping.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
 from .activations import geglu, softcap
-from .base import BaseModelArgs, LayerCache, attention, cache_offset
+from .base import BaseModelArgs, LayerCache
 from .rope import RoPE
+from .transformer import Attention, GatedMLP, TransformerLM
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # All name the same tanh approximation of GELU (transformers' GELUTanh / NewGELU / FastGELU).
@@ -91,57 +93,18 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class MLP(nn.Module):
-    def __init__(self, args: GemmaArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
-
-
-class Attention(nn.Module):
-    """GQA attention; sliding layers see the last `sliding_window` keys (the cache builds the mask)."""
-
-    def __init__(self, args: GemmaArgs, layer_type: str, rope: RoPE, qk_norm: bool, softcap: float | None):
-        super().__init__()
-        self.n_heads = args.num_attention_heads
-        self.n_kv_heads = args.num_key_value_heads
-        self.head_dim = args.head_dim
-        self.scale = float(args.query_pre_attn_scalar) ** -0.5
-        self.window = args.sliding_window if layer_type == SLIDING else None
-        self.softcap = softcap
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=bias)
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        self.qk_norm = qk_norm
-        self.rope = rope
-
-    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        offset = cache_offset(cache)
-        out = attention(self.rope(q, offset), self.rope(k, offset), v, cache, self.scale,
-                        window=self.window, softcap=self.softcap)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+def gemma_attention(args: GemmaArgs, layer_type: str, rope: RoPE, qk_norm: bool, softcap: float | None) -> Attention:
+    """Scaled by `query_pre_attn_scalar`; sliding layers see the last `sliding_window` keys (the cache masks)."""
+    window = args.sliding_window if layer_type == SLIDING else None
+    return Attention(args, rope, bias=args.attention_bias, window=window, softcap=softcap,
+                     scale=float(args.query_pre_attn_scalar) ** -0.5, qk_norm=RMSNorm if qk_norm else None)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: GemmaArgs, self_attn: Attention):
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = MLP(args)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, activation=geglu)
         dims, eps = args.hidden_size, args.rms_norm_eps
         self.input_layernorm = RMSNorm(dims, eps)
         self.post_attention_layernorm = RMSNorm(dims, eps)
@@ -153,54 +116,29 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, args: GemmaArgs, make_attention: Callable[[int, str], Attention]):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, make_attention(i, t)) for i, t in enumerate(args.layer_types)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.embed_scale = args.hidden_size**0.5
+class GemmaCausalLM(TransformerLM):
+    """`ropes` by layer type; `qk_norm` (Gemma 3) and `attn_softcap` (Gemma 2) as gemma_attention takes them."""
 
-    def __call__(self, inputs: mx.array, cache) -> mx.array:
-        h = self.embed_tokens(inputs)
-        h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the embedding dtype, as transformers
-        for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
-            h = layer(h, layer_cache)
-        return self.norm(h)
-
-
-class GemmaCausalLM(nn.Module):
-    def __init__(self, args: GemmaArgs, make_attention: Callable[[int, str], Attention]):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = GemmaModel(args, make_attention)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.max_context_length = args.max_position_embeddings
+    def __init__(self, args: GemmaArgs, ropes: dict[str, RoPE], qk_norm: bool, attn_softcap: float | None):
+        layers = [DecoderLayer(args, gemma_attention(args, layer_type, ropes[layer_type], qk_norm, attn_softcap))
+                  for layer_type in args.layer_types]
+        super().__init__(args, layers, norm=RMSNorm, embed_scale=args.hidden_size**0.5)
         self.final_logit_softcapping = args.final_logit_softcapping
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        h = self.model(inputs, cache)
-        logits = self.model.embed_tokens.as_linear(h) if self.args.tie_word_embeddings else self.lm_head(h)
+        logits = super().__call__(inputs, cache)
         if self.final_logit_softcapping:
             logits = softcap(logits, self.final_logit_softcapping)
         return logits
 
-    @property
-    def layers(self):
-        return self.model.layers
-
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Multimodal checkpoints: the text tower's weights renamed, the vision tower's dropped."""
         out = {}
         for name, value in weights.items():
             for old, new in _RENAMES:
                 if name.startswith(old):
                     name = new + name[len(old):]
                     break
-            if name.startswith(_DROPPED) or "rotary_emb.inv_freq" in name:
-                continue
-            if self.args.tie_word_embeddings and name.startswith("lm_head."):
-                continue
-            out[name] = value
-        return out
+            if not name.startswith(_DROPPED):
+                out[name] = value
+        return super().sanitize(out)

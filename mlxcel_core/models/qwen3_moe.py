@@ -10,38 +10,21 @@ With `use_sliding_window`, every layer attends to the last `sliding_window` keys
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
-from ..errors import UnsupportedModelError
 from . import qwen3
-from .base import BaseModelArgs
 from .moe import SparseMoeBlock, stack_experts
-from .qwen2 import MLP
-from .rope import rope_base, rope_scaling_config
+from .transformer import GatedMLP, TransformerArgs
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(TransformerArgs):
     model_type: str = "qwen3_moe"
-    rms_norm_eps: float = 1e-6
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
     max_position_embeddings: int = 32768
-    rope_theta: float | None = None
-    rope_parameters: dict[str, Any] | None = None
-    rope_scaling: dict[str, Any] | None = None
     attention_bias: bool = False
-    tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
     use_sliding_window: bool = False
-    sliding_window: int | None = None
     # Hub checkpoints write num_experts; transformers 5 saves it as num_local_experts (attribute_map).
     num_experts: int | None = None
     num_local_experts: int | None = None
@@ -52,17 +35,10 @@ class ModelArgs(BaseModelArgs):
     mlp_only_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"hidden_act '{self.hidden_act}' is not supported for {self.model_type}")
+        super().__post_init__()
         if self.num_experts is None:
             self.num_experts = self.num_local_experts if self.num_local_experts is not None else 128
         self.mlp_only_layers = list(self.mlp_only_layers or [])
-        self.rope_base = rope_base(self.rope_theta, self.rope_parameters)
-        self.rope_scaling = rope_scaling_config(self.rope_scaling, self.rope_parameters)
         window = self.sliding_window if self.use_sliding_window else None
         self.windows = [window] * self.num_hidden_layers
 
@@ -73,13 +49,11 @@ class ModelArgs(BaseModelArgs):
 
 class Model(qwen3.Model):
     @staticmethod
-    def make_layer(args: ModelArgs, layer_idx: int) -> qwen3.DecoderLayer:
+    def make_mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
         if args.is_sparse(layer_idx):
-            mlp = SparseMoeBlock(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                 args.num_experts_per_tok, args.norm_topk_prob)
-        else:
-            mlp = MLP(args.hidden_size, args.intermediate_size)
-        return qwen3.DecoderLayer(args, args.windows[layer_idx], mlp)
+            return SparseMoeBlock(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                  args.num_experts_per_tok, args.norm_topk_prob)
+        return GatedMLP(args.hidden_size, args.intermediate_size)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)

@@ -1,0 +1,193 @@
+"""The decoder-only transformer every family is built from; each family module keeps only what differs.
+
+A family module (one per model_type, as in mlx-lm) declares its config on `TransformerArgs` (Gemma has its
+own), builds its attention from `Attention` (biases, q/k norms, scale, window, soft-capping and the RoPE
+are arguments), its feed-forward block (`GatedMLP`, a fused variant or a MoE block) and its decoder layers
+(`DecoderLayer`, or Gemma's sandwich-norm layer), and hands them to `TransformerLM`, which owns the
+embeddings, the final norm, the LM head or tied embedding, `layers`, `max_context_length` and `sanitize`.
+
+Attribute names are the checkpoints' parameter names (`model.layers.0.self_attn.q_proj.weight`, ...),
+so Hugging Face and mlx-lm checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UnsupportedModelError
+from .activations import swiglu
+from .base import BaseModelArgs, LayerCache, attention, cache_offset
+from .rope import RoPE, rope_base, rope_scaling_config
+
+
+@dataclass
+class TransformerArgs(BaseModelArgs):
+    """config.json fields the SiLU-gated families share (Llama, Qwen, Phi-3, Mixtral) and what they derive:
+    KV heads default to the query heads, head_dim to hidden_size // heads, `rope_base` / `rope_scaling`
+    from either transformers 4's or 5's keys. Families add fields and override defaults."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    model_type: str = "llama"
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float | None = None
+    rope_parameters: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+
+    default_rope_theta: ClassVar[float] = 10000.0  # the family's transformers default when config.json has none
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise UnsupportedModelError(f"hidden_act '{self.hidden_act}' is not supported for {self.model_type}")
+        self.rope_base = rope_base(self.rope_theta, self.rope_parameters, default=self.default_rope_theta)
+        self.rope_scaling = rope_scaling_config(self.rope_scaling, self.rope_parameters)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE over q/k/v/o projections (reads the head counts and head_dim from args).
+
+    What families vary is an argument: projection biases (`o_bias` defaults to `bias`), per-head q/k norms
+    (`qk_norm`, a norm class, applied before RoPE), the scale (default head_dim**-0.5), a sliding `window`,
+    attention-logit `softcap`. A fused checkpoint layout (Phi-3) overrides `init_projections` and `project`.
+    """
+
+    def __init__(self, args, rope: RoPE, *, bias: bool = False, o_bias: bool | None = None,
+                 window: int | None = None, scale: float | None = None, softcap: float | None = None,
+                 qk_norm: type[nn.Module] | None = None):
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self.init_projections(args.hidden_size, bias, bias if o_bias is None else o_bias)
+        self.qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = qk_norm(self.head_dim, eps=args.rms_norm_eps)
+        self.rope = rope
+        self.window = window  # None = full attention
+        self.softcap = softcap
+
+    def init_projections(self, hidden_size: int, bias: bool, o_bias: bool) -> None:
+        self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden_size, bias=o_bias)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys, values [B, L, heads * head_dim]."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
+        B, L, _ = x.shape
+        q, k, v = self.project(x)
+        q = q.reshape(B, L, self.n_heads, self.head_dim)
+        k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        v = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        offset = cache_offset(cache)
+        out = attention(self.rope(q, offset), self.rope(k, offset), v, cache, self.scale,
+                        window=self.window, softcap=self.softcap)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)); act is the fused SwiGLU (SiLU families) or GeGLU (Gemma)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: Callable[[mx.array, mx.array], mx.array] = swiglu):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual layer: h = x + attn(norm(x)); out = h + mlp(norm(h)), with RMSNorm.
+
+    `mlp_name` is the feed-forward block's checkpoint name (Mixtral's is `block_sparse_moe`)."""
+
+    def __init__(self, args, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self[self.mlp_name](self.post_attention_layernorm(h))
+
+
+class TransformerModel(nn.Module):
+    """embed -> layers -> final norm (the checkpoint's `model.`); Gemma scales the embeddings."""
+
+    def __init__(self, args, layers: list[nn.Module], norm: type[nn.Module] = nn.RMSNorm,
+                 embed_scale: float | None = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = layers
+        self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
+        self.embed_scale = embed_scale
+
+    def __call__(self, inputs: mx.array, cache) -> mx.array:
+        h = self.embed_tokens(inputs)
+        if self.embed_scale is not None:
+            h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the embedding dtype, as transformers
+        for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
+            h = layer(h, layer_cache)
+        return self.norm(h)
+
+
+class TransformerLM(nn.Module):
+    """The causal LM the engine runs (base.CausalLM): `model` plus `lm_head`, or the tied embedding."""
+
+    def __init__(self, args, layers: list[nn.Module], **model_options):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = TransformerModel(args, layers, **model_options)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.max_context_length = args.max_position_embeddings
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        h = self.model(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drop what transformers saves but the model computes: rotary inv_freq, a tied LM head."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
