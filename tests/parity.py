@@ -1,4 +1,5 @@
-"""Parity harness shared by every model family's test: transformers (fp32, CPU) vs our loader + engine."""
+"""Parity harness shared by every model family's test: transformers (fp32, CPU) vs our loader + engine,
+and the checks every family's 4-bit copy goes through."""
 
 from __future__ import annotations
 
@@ -30,6 +31,23 @@ def prompt_ids(length: int, vocab: int = 320, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, size=length).tolist()
 
 
+def load_quiet(path: Path):
+    """load_model as the CLI calls it, without the progress log."""
+    from mlxcel_core.loading import load_model
+
+    return load_model(str(path), log=lambda m: None)
+
+
+def logits(model, prompt: list[int] | None = None) -> np.ndarray:
+    """Our fp32 logits [L, vocab] for `prompt` (default: prompt_ids(64)), one forward without a cache."""
+    prompt = prompt_ids(64) if prompt is None else prompt
+    return np.array(model(mx.array([prompt])).astype(mx.float32))[0]
+
+
+def checkpoint_logits(path: Path, prompt: list[int] | None = None) -> np.ndarray:
+    return logits(load_quiet(path).model, prompt)
+
+
 def reference(path: Path, prompt: list[int], steps: int):
     """transformers' logits for every prompt position and its greedy continuation (EOS ignored)."""
     import torch
@@ -38,23 +56,22 @@ def reference(path: Path, prompt: list[int], steps: int):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        logits = model(ids).logits[0].float().numpy()
+        ref_logits = model(ids).logits[0].float().numpy()
         out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
-    return logits, out[0, len(prompt):].tolist()
+    return ref_logits, out[0, len(prompt):].tolist()
 
 
 def ours(path: Path, prompt: list[int], steps: int):
     """Our logits (one forward, no cache) and greedy tokens through the engine, loaded like the CLI does."""
     from mlxcel_core.api import stream_generate
-    from mlxcel_core.loading import load_model
     from mlxcel_core.sampling import SamplingParams
 
-    loaded = load_model(str(path), log=lambda m: None)
-    logits = np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
-    loaded.tokenizer.eos_token_ids = set()
+    loaded = load_quiet(path)
+    forward = logits(loaded.model, prompt)
+    loaded.tokenizer.eos_token_ids = set()  # random weights: compare all `steps` tokens
     tokens = [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=steps)) if c.token is not None]
-    return logits, tokens
+    return forward, tokens
 
 
 def assert_parity(path: Path, prompt_len: int = 64, steps: int = 32, atol: float = 1e-4) -> None:
@@ -64,3 +81,52 @@ def assert_parity(path: Path, prompt_len: int = 64, steps: int = 32, atol: float
     diff = float(np.abs(logits - ref_logits).max())
     assert diff <= atol, f"max-abs logit difference {diff:.3g} > {atol}"
     assert tokens == ref_tokens
+
+
+def quantize_4bit(src: Path, dst: Path) -> Path:
+    """The project's quantize_checkpoint at 4 bits, group 64 (MoE expert banks included)."""
+    from mlxcel_core.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(src, dst, bits=4, group_size=64)
+
+
+def dequantized_logits(src: Path, quantized_model) -> np.ndarray:
+    """The fp32 architecture run on the dequantized 4-bit weights: what the quantized kernels must compute."""
+    from mlx.utils import tree_flatten
+
+    flat = dict(tree_flatten(quantized_model.parameters()))
+    weights = {}
+    for name, value in flat.items():
+        base = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")):
+            continue
+        if name.endswith(".weight") and f"{base}.scales" in flat:
+            layer = dict(quantized_model.named_modules())[base]
+            value = mx.dequantize(value, flat[f"{base}.scales"], flat[f"{base}.biases"],
+                                  group_size=layer.group_size, bits=layer.bits)
+        weights[name] = value
+    model = load_quiet(src).model
+    model.load_weights(list(weights.items()), strict=True)
+    return logits(model)
+
+
+def assert_4bit_close(src: Path, quantized_model, max_abs: float, rel_rms: float) -> None:
+    """The quantized kernels compute the dequantized fp32 architecture (to 1e-4), and the 4-bit logits stay
+    within `max_abs` and `rel_rms` (RMS of the error over RMS of the logits) of fp32's."""
+    ours, fp32 = logits(quantized_model), checkpoint_logits(src)
+    np.testing.assert_allclose(ours, dequantized_logits(src, quantized_model), atol=1e-4, rtol=0)
+    assert np.abs(ours - fp32).max() <= max_abs
+    assert np.sqrt(np.mean((ours - fp32) ** 2) / np.mean(fp32**2)) <= rel_rms
+
+
+def assert_4bit_near_fp32(src: Path, dst: Path, max_abs: float, mean_abs: float, min_corr: float) -> None:
+    """`dst`, a 4-bit copy of `src`: attention and embedding quantized; logits near fp32's (max, mean, correlation)."""
+    import mlx.nn as nn
+
+    model = load_quiet(dst).model
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    fp32, q4 = checkpoint_logits(src), logits(model)
+    diff = np.abs(q4 - fp32)
+    assert diff.max() <= max_abs and diff.mean() <= mean_abs, (diff.max(), diff.mean())
+    assert np.corrcoef(q4.ravel(), fp32.ravel())[0, 1] >= min_corr

@@ -6,15 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 
-import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
 from mlxcel_cli.main import main
-from mlxcel_core.loading import load_model
 from mlxcel_core.quantize import quantize_checkpoint
-from parity import assert_parity, prompt_ids, reference, save_tiny_checkpoint
+from parity import assert_4bit_near_fp32, assert_parity, checkpoint_logits, prompt_ids, reference, save_tiny_checkpoint
 
 CONFIG = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -41,11 +38,6 @@ def checkpoints(tmp_path_factory):
             for name, extra in VARIANTS.items()}
 
 
-def _logits(path, prompt):
-    loaded = load_model(str(path), log=lambda m: None)
-    return np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_and_greedy_match_transformers(checkpoints, variant):
     assert_parity(checkpoints[variant])
@@ -61,7 +53,7 @@ def test_config_knobs_all_matter(checkpoints, tmp_path):
                    {"query_pre_attn_scalar": 16}, {"layer_types": ["full_attention"] * 4}):
         changed = shutil.copytree(path, tmp_path / next(iter(change)))
         (changed / "config.json").write_text(json.dumps({**config, **change}))
-        assert np.abs(_logits(changed, prompt) - ref).max() > 1e-2, change
+        assert np.abs(checkpoint_logits(changed, prompt) - ref).max() > 1e-2, change
 
 
 def test_layer_types_default_alternates_from_sliding(checkpoints, tmp_path):
@@ -72,21 +64,13 @@ def test_layer_types_default_alternates_from_sliding(checkpoints, tmp_path):
     config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
     (path / "config.json").write_text(json.dumps(config))
     prompt = prompt_ids(64)
-    np.testing.assert_array_equal(_logits(path, prompt), _logits(checkpoints["untied"], prompt))
+    np.testing.assert_array_equal(checkpoint_logits(path, prompt), checkpoint_logits(checkpoints["untied"], prompt))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_4bit_quantized_logits_near_fp32(checkpoints, tmp_path, variant):
     src = checkpoints[variant]
-    path = quantize_checkpoint(src, tmp_path / "q4")
-    loaded = load_model(str(path), log=lambda m: None)
-    assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
-    assert isinstance(loaded.model.model.embed_tokens, nn.QuantizedEmbedding)
-    prompt = prompt_ids(64)
-    fp32, q4 = _logits(src, prompt), _logits(path, prompt)
-    diff = np.abs(q4 - fp32)
-    assert diff.max() <= Q4_MAX_ABS and diff.mean() <= Q4_MEAN_ABS, (diff.max(), diff.mean())
-    assert np.corrcoef(q4.ravel(), fp32.ravel())[0, 1] >= Q4_MIN_CORR
+    assert_4bit_near_fp32(src, quantize_checkpoint(src, tmp_path / "q4"), Q4_MAX_ABS, Q4_MEAN_ABS, Q4_MIN_CORR)
 
 
 def test_cli_generate(checkpoints, tmp_path, capsys):

@@ -8,14 +8,12 @@ import json
 import shutil
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
 from mlxcel_cli.main import main
-from mlxcel_core.loading import load_model
 from mlxcel_core.quantize import quantize_checkpoint
-from parity import assert_parity, prompt_ids, reference, save_tiny_checkpoint
+from parity import assert_4bit_near_fp32, assert_parity, checkpoint_logits, prompt_ids, reference, save_tiny_checkpoint
 
 TEXT = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -61,11 +59,6 @@ def multimodal(tmp_path_factory):
                                 vision_config=VISION, mm_tokens_per_image=4, tie_word_embeddings=False, **IDS)
 
 
-def _logits(path, prompt):
-    loaded = load_model(str(path), log=lambda m: None)
-    return np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
-
-
 def _edit_config(src, dst, edit):
     path = shutil.copytree(src, dst)
     config = json.loads((path / "config.json").read_text())
@@ -94,11 +87,11 @@ def test_pre_transformers5_config_keys(checkpoints, tmp_path):
                       rope_scaling={"type": "linear", "factor": 8.0})
 
     old = _edit_config(path, tmp_path / "old", old_style)
-    assert np.abs(_logits(old, prompt) - ref).max() <= 1e-4
+    assert np.abs(checkpoint_logits(old, prompt) - ref).max() <= 1e-4
     # Each RoPE is read from its own key: the defaults (10k local, unscaled global) give other logits.
     for key, value in (("rope_local_base_freq", 10_000.0), ("rope_scaling", None)):
         changed = _edit_config(old, tmp_path / key, lambda c: c.update({key: value}))
-        assert np.abs(_logits(changed, prompt) - ref).max() > 1e-2, key
+        assert np.abs(checkpoint_logits(changed, prompt) - ref).max() > 1e-2, key
 
 
 def test_config_knobs_all_matter(checkpoints, tmp_path):
@@ -107,7 +100,7 @@ def test_config_knobs_all_matter(checkpoints, tmp_path):
     ref, _ = reference(path, prompt, 1)
     for change in ({"final_logit_softcapping": None}, {"sliding_window": 4096}, {"query_pre_attn_scalar": 16}):
         changed = _edit_config(path, tmp_path / next(iter(change)), lambda c: c.update(change))
-        assert np.abs(_logits(changed, prompt) - ref).max() > 1e-2, change
+        assert np.abs(checkpoint_logits(changed, prompt) - ref).max() > 1e-2, change
 
 
 def test_multimodal_checkpoint_matches_transformers(multimodal):
@@ -144,21 +137,14 @@ def test_multimodal_transformers5_layout_same_logits(multimodal, tmp_path):
         renamed[name] = value
     mx.save_safetensors(str(path / "model.safetensors"), renamed)
     prompt = prompt_ids(64)
-    np.testing.assert_allclose(_logits(path, prompt), _logits(multimodal, prompt), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(checkpoint_logits(path, prompt), checkpoint_logits(multimodal, prompt),
+                               rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_4bit_quantized_logits_near_fp32(checkpoints, tmp_path, variant):
     src = checkpoints[variant]
-    path = quantize_checkpoint(src, tmp_path / "q4")
-    loaded = load_model(str(path), log=lambda m: None)
-    assert isinstance(loaded.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
-    assert isinstance(loaded.model.model.embed_tokens, nn.QuantizedEmbedding)
-    prompt = prompt_ids(64)
-    fp32, q4 = _logits(src, prompt), _logits(path, prompt)
-    diff = np.abs(q4 - fp32)
-    assert diff.max() <= Q4_MAX_ABS and diff.mean() <= Q4_MEAN_ABS, (diff.max(), diff.mean())
-    assert np.corrcoef(q4.ravel(), fp32.ravel())[0, 1] >= Q4_MIN_CORR
+    assert_4bit_near_fp32(src, quantize_checkpoint(src, tmp_path / "q4"), Q4_MAX_ABS, Q4_MEAN_ABS, Q4_MIN_CORR)
 
 
 def test_cli_generate(checkpoints, multimodal, tmp_path, capsys):

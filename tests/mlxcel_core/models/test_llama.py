@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
-import torch
 
 from conftest import save_tiny_llama
-from mlxcel_core.api import stream_generate
-from mlxcel_core.loading import load_model
-from mlxcel_core.sampling import SamplingParams
+from parity import ours, reference
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31]
 STEPS = 32
@@ -28,31 +24,11 @@ VARIANTS = {
 }
 
 
-def _reference(path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        logits = model(ids).logits[0].numpy()
-        out = model.generate(ids, max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0,
-                             min_new_tokens=STEPS)
-    return logits, out[0, len(PROMPT):].tolist()
-
-
-def _ours(path):
-    loaded = load_model(str(path), log=lambda m: None)
-    logits = np.array(loaded.model(mx.array([PROMPT])).astype(mx.float32))[0]
-    loaded.tokenizer.eos_token_ids = set()  # random weights: compare all STEPS tokens
-    tokens = [c.token for c in stream_generate(loaded, PROMPT, SamplingParams(max_tokens=STEPS)) if c.token is not None]
-    return logits, tokens
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_and_greedy_match_transformers(tmp_path, variant):
     path = save_tiny_llama(tmp_path, **VARIANTS[variant])
-    ref_logits, ref_tokens = _reference(path)
-    logits, tokens = _ours(path)
+    ref_logits, ref_tokens = reference(path, PROMPT, STEPS)
+    logits, tokens = ours(path, PROMPT, STEPS)
     assert np.abs(logits - ref_logits).max() <= 1e-4
     assert tokens == ref_tokens
 
@@ -60,14 +36,14 @@ def test_logits_and_greedy_match_transformers(tmp_path, variant):
 def test_rope_theta_read_from_either_config_key(tmp_path):
     """transformers 5 writes rope_parameters.rope_theta, older versions a top-level rope_theta."""
     path = save_tiny_llama(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    ref_logits, _ = _reference(path)
+    ref_logits, _ = reference(path, PROMPT, STEPS)
     config = json.loads((path / "config.json").read_text())
     config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
     (path / "config.json").write_text(json.dumps(config))
-    logits, _ = _ours(path)
+    logits, _ = ours(path, PROMPT, STEPS)
     assert np.abs(logits - ref_logits).max() <= 1e-4
     # And the theta matters: the default 10000 would give different logits.
     config["rope_theta"] = 10000.0
     (path / "config.json").write_text(json.dumps(config))
-    wrong, _ = _ours(path)
+    wrong, _ = ours(path, PROMPT, STEPS)
     assert np.abs(wrong - ref_logits).max() > 1e-3

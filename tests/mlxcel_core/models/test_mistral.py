@@ -8,9 +8,8 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from mlxcel_cli.main import main
-from mlxcel_core.loading import load_model
 from mlxcel_core.quantize import quantize_checkpoint
-from parity import assert_parity, prompt_ids, save_tiny_checkpoint
+from parity import assert_parity, load_quiet, prompt_ids, save_tiny_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
@@ -25,8 +24,8 @@ def test_the_window_matters(tmp_path):
     windowed = save_tiny_checkpoint(tmp_path / "w", MistralConfig, MistralForCausalLM, sliding_window=16, **TINY)
     full = save_tiny_checkpoint(tmp_path / "f", MistralConfig, MistralForCausalLM, sliding_window=None, **TINY)
     ids = mx.array([prompt_ids(64)])
-    a = load_model(str(windowed), log=lambda m: None).model(ids)
-    b = load_model(str(full), log=lambda m: None).model(ids)
+    a = load_quiet(windowed).model(ids)
+    b = load_quiet(full).model(ids)
     assert mx.abs(a - b).max().item() > 1e-2
 
 
@@ -40,8 +39,8 @@ def test_4bit_copy_generates_from_the_cli_and_stays_close(tmp_path, family):
     src = save_tiny_checkpoint(tmp_path / "fp32", config_cls, model_cls, **TINY, **extra)
     dst = quantize_checkpoint(src, tmp_path / "q4", bits=4, group_size=64)
     ids = mx.array([prompt_ids(32)])
-    full = np.array(load_model(str(src), log=lambda m: None).model(ids))
-    quant = np.array(load_model(str(dst), log=lambda m: None).model(ids))
+    full = np.array(load_quiet(src).model(ids))
+    quant = np.array(load_quiet(dst).model(ids))
     # Random weights quantize worse than trained ones; measured max-abs 0.1-0.3 on logits of about +-3.
     assert np.abs(full - quant).max() < 0.6
     assert np.corrcoef(full.ravel(), quant.ravel())[0, 1] > 0.95

@@ -12,9 +12,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_core.loading import load_model
 from mlxcel_core.models.rope import LongRoPE
-from parity import assert_parity, prompt_ids, reference, save_tiny_checkpoint
+from parity import assert_parity, load_quiet, prompt_ids, reference, save_tiny_checkpoint
 
 SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.1]
 LONG = [1.2, 1.9, 3.1, 4.6, 7.2, 9.8, 14.0, 19.5]
@@ -54,10 +53,10 @@ def test_phi3_matches_transformers(tmp_path, variant):
 def test_variants_exercise_what_they_claim(tmp_path):
     """The longrope checkpoints use LongRoPE with a real attention factor; the window changes transformers' logits."""
     path = save(tmp_path / "long", **VARIANTS["longrope-long"])
-    rope = load_model(str(path), log=lambda m: None).model.layers[0].self_attn.rope
+    rope = load_quiet(path).model.layers[0].self_attn.rope
     assert isinstance(rope, LongRoPE) and rope.mscale > 1.0 and rope.original_max_position_embeddings == 32
     partial = save(tmp_path / "partial", **VARIANTS["longrope-partial-tied"])
-    assert load_model(str(partial), log=lambda m: None).model.layers[0].self_attn.rope.dims == 8
+    assert load_quiet(partial).model.layers[0].self_attn.rope.dims == 8
 
     windowed = save(tmp_path / "window", **VARIANTS["sliding-window-16"])
     full = save(tmp_path / "full", **VARIANTS["longrope-long"])
@@ -75,7 +74,7 @@ def test_su_alias_and_top_level_original_max(tmp_path):
     config["rope_scaling"] = {"type": "su", "short_factor": params["short_factor"], "long_factor": params["long_factor"]}
     config["original_max_position_embeddings"] = 32
     (path / "config.json").write_text(json.dumps(config))
-    model = load_model(str(path), log=lambda m: None).model
+    model = load_quiet(path).model
     logits = np.array(model(mx.array([prompt_ids(64)])))[0]
     assert np.abs(logits - ref_logits).max() <= 1e-4
 
@@ -101,9 +100,9 @@ def test_quantized_phi3_round_trip(tmp_path):
     from mlxcel_core.quantize import quantize_checkpoint, quantize_model
 
     src = save(tmp_path / "fp32", **VARIANTS["longrope-long"])
-    loaded = load_model(str(quantize_checkpoint(src, tmp_path / "q8", bits=8)), log=lambda m: None).model
+    loaded = load_quiet(quantize_checkpoint(src, tmp_path / "q8", bits=8)).model
     assert isinstance(loaded.layers[0].self_attn.qkv_proj, nn.QuantizedLinear)
     assert isinstance(loaded.layers[0].mlp.gate_up_proj, nn.QuantizedLinear)
     x = mx.array([prompt_ids(64)])
-    expected = quantize_model(load_model(str(src), log=lambda m: None).model, bits=8)(x)
+    expected = quantize_model(load_quiet(src).model, bits=8)(x)
     np.testing.assert_array_equal(np.array(loaded(x)), np.array(expected))

@@ -3,59 +3,23 @@ a 4-bit copy, and the CLI on it."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mlxcel_cli.main import main
-from mlxcel_core.loading import load_model
-from mlxcel_core.quantize import quantize_checkpoint
-from parity import assert_parity, prompt_ids, save_tiny_checkpoint
+from parity import assert_4bit_close, assert_parity, checkpoint_logits, load_quiet, quantize_4bit, save_tiny_checkpoint
 
 # head_dim 32 != hidden / heads (16); tied LM head; layer 1 slides over 16 keys of the 64-token prompt.
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, initializer_range=0.1,
               use_sliding_window=True, sliding_window=16, max_window_layers=1)
-PROMPT = mx.array([prompt_ids(64)])
 # 4-bit group-64 vs fp32, on a checkpoint with transformers' default init (0.02; logits within about +-1.2).
 # Measured: max-abs 0.16, relative RMS 0.19. Random weights quantize worse than trained ones.
 Q4_MAX_ABS, Q4_REL_RMS = 0.3, 0.35
-
-
-def quiet(path):
-    return load_model(str(path), log=lambda m: None)
-
-
-def logits(model) -> np.ndarray:
-    return np.array(model(PROMPT).astype(mx.float32))[0]
-
-
-def quantize_dir(src, dst):
-    return quantize_checkpoint(src, dst, bits=4, group_size=64)
-
-
-def dequantized_logits(src, quantized_model) -> np.ndarray:
-    """The fp32 architecture run on the dequantized 4-bit weights: what the quantized kernels must compute."""
-    flat = dict(tree_flatten(quantized_model.parameters()))
-    weights = {}
-    for name, value in flat.items():
-        base = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")):
-            continue
-        if name.endswith(".weight") and f"{base}.scales" in flat:
-            layer = dict(quantized_model.named_modules())[base]
-            value = mx.dequantize(value, flat[f"{base}.scales"], flat[f"{base}.biases"],
-                                  group_size=layer.group_size, bits=layer.bits)
-        weights[name] = value
-    model = quiet(src).model
-    model.load_weights(list(weights.items()), strict=True)
-    return logits(model)
 
 
 def set_norms(path, value=None, suffixes=("norm.weight",), seed=0):
@@ -89,7 +53,7 @@ def test_yarn_rope_parity(tmp_path):
 
 
 def test_architecture_follows_config(tiny_qwen3):
-    model = quiet(tiny_qwen3).model
+    model = load_quiet(tiny_qwen3).model
     attn = model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (4 * 32, 64) and attn.q_norm.weight.shape == (32,)
     assert "bias" not in attn.q_proj
@@ -99,24 +63,21 @@ def test_architecture_follows_config(tiny_qwen3):
 
 def test_qk_norm_matters(tiny_qwen3, tmp_path):
     """The fixture's random q/k norm weights reach the logits: unit ones give other logits."""
-    reference = logits(quiet(tiny_qwen3).model)
+    reference = checkpoint_logits(tiny_qwen3)
     path = set_norms(shutil.copytree(tiny_qwen3, tmp_path / "unit-norms"), value=1.0,
                      suffixes=("q_norm.weight", "k_norm.weight"))
-    assert np.abs(logits(quiet(path).model) - reference).max() > 1e-3
+    assert np.abs(checkpoint_logits(path) - reference).max() > 1e-3
 
 
 def test_4bit_copy_is_close_to_fp32_and_generates(tmp_path):
     src = save_tiny_checkpoint(tmp_path / "fp32", Qwen3Config, Qwen3ForCausalLM,
                                **{**CONFIG, "initializer_range": 0.02})
-    dst = quantize_dir(src, tmp_path / "q4")
-    quantized = quiet(dst).model
+    dst = quantize_4bit(src, tmp_path / "q4")
+    quantized = load_quiet(dst).model
     attn = quantized.layers[0].self_attn
     assert isinstance(attn.q_proj, nn.QuantizedLinear) and (attn.q_proj.bits, attn.q_proj.group_size) == (4, 64)
     assert isinstance(quantized.model.embed_tokens, nn.QuantizedEmbedding)  # also the tied LM head
 
-    ours, fp32 = logits(quantized), logits(quiet(src).model)
-    np.testing.assert_allclose(ours, dequantized_logits(src, quantized), atol=1e-4, rtol=0)
-    assert np.abs(ours - fp32).max() <= Q4_MAX_ABS
-    assert np.sqrt(np.mean((ours - fp32) ** 2) / np.mean(fp32**2)) <= Q4_REL_RMS
+    assert_4bit_close(src, quantized, Q4_MAX_ABS, Q4_REL_RMS)
 
     assert main(["generate", "-m", str(dst), "-p", "hello", "-n", "4"]) == 0

@@ -10,14 +10,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from mlxcel_cli.main import main
-from mlxcel_core import quantize
-from mlxcel_core.loading import load_model
 from mlxcel_core.models import moe
-from parity import assert_parity, prompt_ids, save_tiny_checkpoint
+from parity import (assert_4bit_close, assert_parity, checkpoint_logits, load_quiet, logits, quantize_4bit,
+                    save_tiny_checkpoint)
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -29,41 +27,9 @@ VARIANTS = {
     "raw-topk-step2": dict(norm_topk_prob=False, decoder_sparse_step=2),
 }
 SPARSE = {"renorm-dense1-window": [True, False, True], "raw-topk-step2": [False, True, False]}
-PROMPT = mx.array([prompt_ids(64)])
 # 4-bit group-64 (experts and router included) vs fp32, on a checkpoint with transformers' default init
 # (0.02; logits within about +-0.7). Measured: max-abs 0.15, relative RMS 0.21.
 Q4_MAX_ABS, Q4_REL_RMS = 0.3, 0.35
-
-
-def quiet(path):
-    return load_model(str(path), log=lambda m: None)
-
-
-def logits(model) -> np.ndarray:
-    return np.array(model(PROMPT).astype(mx.float32))[0]
-
-
-def quantize_dir(src, dst, monkeypatch):
-    """The project's quantize_checkpoint (4-bit, group 64); expert banks included."""
-    return quantize.quantize_checkpoint(src, dst, bits=4, group_size=64)
-
-
-def dequantized_logits(src, quantized_model) -> np.ndarray:
-    """The fp32 architecture run on the dequantized 4-bit weights: what the quantized kernels must compute."""
-    flat = dict(tree_flatten(quantized_model.parameters()))
-    weights = {}
-    for name, value in flat.items():
-        base = name.rsplit(".", 1)[0]
-        if name.endswith((".scales", ".biases")):
-            continue
-        if name.endswith(".weight") and f"{base}.scales" in flat:
-            layer = dict(quantized_model.named_modules())[base]
-            value = mx.dequantize(value, flat[f"{base}.scales"], flat[f"{base}.biases"],
-                                  group_size=layer.group_size, bits=layer.bits)
-        weights[name] = value
-    model = quiet(src).model
-    model.load_weights(list(weights.items()), strict=True)
-    return logits(model)
 
 
 def save(path, variant, **overrides):
@@ -81,7 +47,7 @@ def test_parity_with_transformers(tiny_moe):
 
 def test_sparse_and_dense_layers_follow_config(tiny_moe):
     variant, path = tiny_moe
-    model = quiet(path).model
+    model = load_quiet(path).model
     assert [isinstance(layer.mlp, moe.SparseMoeBlock) for layer in model.layers] == SPARSE[variant]
     block = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, moe.SparseMoeBlock))
     assert block.switch_mlp.gate_proj.weight.shape == (8, 128, 64)
@@ -92,7 +58,7 @@ def test_hub_config_and_fused_expert_layout_load_the_same(tiny_moe, tmp_path):
     """Hub configs say num_experts (transformers 5 saves num_local_experts); transformers' in-memory layout
     fuses experts into gate_up_proj [E, 2I, H] and down_proj [E, H, I]. Both load to the same model."""
     _, src = tiny_moe
-    reference = logits(quiet(src).model)
+    reference = checkpoint_logits(src)
     path = shutil.copytree(src, tmp_path / "hub-fused")
     config = json.loads((path / "config.json").read_text())
     config["num_experts"] = config.pop("num_local_experts")
@@ -107,30 +73,27 @@ def test_hub_config_and_fused_expert_layout_load_the_same(tiny_moe, tmp_path):
         weights[f"{prefix}.gate_up_proj"] = mx.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=1)
         weights[f"{prefix}.down_proj"] = stacked["down_proj"]
     mx.save_safetensors(str(path / "model.safetensors"), weights)
-    np.testing.assert_array_equal(logits(quiet(path).model), reference)
+    np.testing.assert_array_equal(checkpoint_logits(path), reference)
 
 
 def test_sorted_and_unsorted_expert_paths_agree(tiny_moe, monkeypatch):
     """Prefill sorts (token, expert) pairs by expert before gather_mm; decode does not. Same numbers."""
-    model = quiet(tiny_moe[1]).model
+    model = load_quiet(tiny_moe[1]).model
     sorted_path = logits(model)
     monkeypatch.setattr(moe, "SORT_THRESHOLD", 1 << 30)
     np.testing.assert_allclose(logits(model), sorted_path, atol=1e-5, rtol=0)
 
 
-def test_4bit_copy_is_close_to_fp32_and_generates(tmp_path, monkeypatch):
+def test_4bit_copy_is_close_to_fp32_and_generates(tmp_path):
     src = save(tmp_path / "fp32", "renorm-dense1-window", initializer_range=0.02)
-    dst = quantize_dir(src, tmp_path / "q4", monkeypatch)
-    quantized = quiet(dst).model
+    dst = quantize_4bit(src, tmp_path / "q4")
+    quantized = load_quiet(dst).model
     block = quantized.layers[0].mlp
     for proj in (block.switch_mlp.gate_proj, block.switch_mlp.up_proj, block.switch_mlp.down_proj):
         assert isinstance(proj, moe.QuantizedSwitchLinear) and (proj.bits, proj.group_size) == (4, 64)
     assert isinstance(block.gate, nn.QuantizedLinear)
     assert isinstance(quantized.layers[1].mlp.down_proj, nn.QuantizedLinear)
 
-    ours, fp32 = logits(quantized), logits(quiet(src).model)
-    np.testing.assert_allclose(ours, dequantized_logits(src, quantized), atol=1e-4, rtol=0)
-    assert np.abs(ours - fp32).max() <= Q4_MAX_ABS
-    assert np.sqrt(np.mean((ours - fp32) ** 2) / np.mean(fp32**2)) <= Q4_REL_RMS
+    assert_4bit_close(src, quantized, Q4_MAX_ABS, Q4_REL_RMS)
 
     assert main(["generate", "-m", str(dst), "-p", "hello", "-n", "4"]) == 0
