@@ -85,7 +85,8 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
         query_len, key_len = queries.shape[2], keys.shape[2]
         mask = mx.arange(key_len)[None, :] <= mx.arange(key_len - query_len, key_len)[:, None]
     if mask is not None:
-        scores = mx.where(mask, scores, mx.array(-mx.inf, scores.dtype))
+        # A finite floor, not -inf: a query with no visible key (a pad row) must not turn into NaN.
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
 
 
