@@ -69,6 +69,8 @@ class EngineLoop:
         self.loaded = None  # LoadedModel, once loaded
         self.engine: Engine | None = None
         self.max_context = 0
+        self.heartbeat = time.monotonic()  # the engine loop's last turn: a wedged engine turns health 503
+        self.stall_timeout = 600.0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
@@ -94,7 +96,12 @@ class EngineLoop:
     def health(self) -> str | None:
         """None when healthy, else why not."""
         if self.ready:
+            stalled = time.monotonic() - self.heartbeat
+            if stalled > self.stall_timeout:
+                return f"The engine has not finished a step for {stalled:.0f} s"
             return None
+        if self.state == "ready":
+            return "The engine thread is not running"
         if self.state == "loading":
             return "Loading model"
         if self.state == "failed":
@@ -107,17 +114,17 @@ class EngineLoop:
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue jobs for the engine; 503 when the engine is down or the queue is full."""
-        reason = self.health()
-        if reason is not None:
-            raise APIError(503, reason)
-        with self._lock:
+        with self._lock:  # the engine thread changes state under this lock too: no job is left behind
+            reason = self.health()
+            if reason is not None:
+                raise APIError(503, reason)
             if self._in_flight + len(jobs) > self.capacity:
                 self.metrics.rejected.inc()
                 raise APIError(503, f"The server is busy: {self._in_flight} sequences running or queued "
                                     f"(limit {self.capacity}). Retry later.")
             self._in_flight += len(jobs)
-        for job in jobs:
-            self._inbox.put(("submit", job))
+            for job in jobs:
+                self._inbox.put(("submit", job))
         self._wake.set()
 
     def cancel(self, jobs: list[Job]) -> None:
@@ -152,29 +159,39 @@ class EngineLoop:
                  self.engine_config.max_batch_size, self.engine_config.resolved_storage)
         failures = 0
         while not self._stopping:
+            self.heartbeat = time.monotonic()
             self._wake.clear()
-            self._drain()
-            if not self.engine.has_work():
-                self._publish()
-                self._wake.wait(0.5)
-                continue
             try:
+                self._drain()
+                if not self.engine.has_work():
+                    self._publish()
+                    self._wake.wait(0.5)
+                    continue
                 outputs = self.engine.step()
+                self._dispatch(outputs)
+                self._publish()
                 failures = 0
             except Exception as exc:  # the engine itself broke (not one row): fail everyone, start over
                 failures += 1
                 log.exception("engine step failed (%d in a row)", failures)
-                self._fail_all(f"inference backend error: {type(exc).__name__}: {exc}")
                 if failures >= self.max_failures:
-                    self.state, self.error = "failed", exc
+                    self._set_state("failed", exc)
+                self._fail_all(f"inference backend error: {type(exc).__name__}: {exc}")
+                if self.state == "failed":
                     return
-                self.engine = self._new_engine()
+                try:
+                    self.engine = self._new_engine()
+                except Exception as again:  # noqa: BLE001
+                    self._set_state("failed", again)
+                    self._fail_all(f"inference backend error: {type(again).__name__}: {again}")
+                    return
                 self.metrics.reset_engine_counters()
-                continue
-            self._dispatch(outputs)
-            self._publish()
-        self.state = "stopped"
+        self._set_state("stopped")
         self._fail_all("The server is shutting down")
+
+    def _set_state(self, state: str, error: BaseException | None = None) -> None:
+        with self._lock:
+            self.state, self.error = state, error or self.error
 
     def _drain(self) -> None:
         while True:
@@ -246,8 +263,12 @@ class EngineLoop:
     def _fail_all(self, message: str) -> None:
         """End every job (live or still in the inbox) with an error."""
         for seq_id, job in list(self._jobs.items()):
-            seq = self.engine.sequence(seq_id) if self.engine else None
-            usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens) if seq else None
+            try:
+                seq = self.engine.sequence(seq_id)
+                usage = Usage(len(seq.prompt_ids), len(seq.output_ids), seq.cached_tokens)
+            except Exception:  # noqa: BLE001 - a broken engine may not know it any more
+                usage = None
+            job.seq_id, job.cancelled = None, True  # its id means nothing to the next Engine
             self._finished(job)
             job.emit(Event("final", job.index, StepOutput(seq_id, None, "", "error", message), usage))
         self._jobs.clear()

@@ -60,6 +60,26 @@ def test_32_concurrent_streams_equal_one_at_a_time(server):
     print(f"32 streams x 10 tokens in {elapsed:.2f}s")
 
 
+def test_a_failed_engine_step_fails_its_requests_then_a_fresh_engine_serves(make_server):
+    server = make_server(max_batch_size=2)
+    loop = server.state.engine
+    broken = loop.engine
+
+    def broken_step():
+        raise RuntimeError("transient")
+
+    broken.step = broken_step
+    with server.client() as http:
+        response = http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 3, "stream": True})
+        events = [line for line in response.iter_lines() if line]
+        assert "transient" in json.loads(events[-2][len("data: "):])["error"]["message"]
+        assert events[-1] == "data: [DONE]"
+        server.wait_for(lambda: loop.engine is not broken, 10, "a fresh engine")
+        ok = http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 3})
+        assert ok.status_code == 200, ok.text
+        assert http.get("/health").status_code == 200
+
+
 @pytest.fixture
 def special_processors(monkeypatch):
     """presence_penalty 1.25: a logits processor that raises after 3 tokens; 1.5: one that takes 20 ms a token
