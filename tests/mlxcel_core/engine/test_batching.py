@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import save_tiny_llama
+from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import save_tiny_llama
+from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Conversation, Engine, EngineConfig
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams

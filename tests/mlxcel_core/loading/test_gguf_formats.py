@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_llama
+from tiny_models import save_tiny_llama
 from mlxcel_core.api import stream_generate
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams

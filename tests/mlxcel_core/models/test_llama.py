@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import save_tiny_llama
+from tiny_models import save_tiny_llama
 from parity import ours, reference
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31]

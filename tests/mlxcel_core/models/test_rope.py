@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import save_tiny_llama
+from tiny_models import save_tiny_llama
 from mlxcel_core.models.rope import LongRoPE, initialize_rope, rope_frequencies, standardize_scaling
 from parity import assert_parity
 
