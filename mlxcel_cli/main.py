@@ -12,6 +12,7 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE
 from .generate import generate
 from .run import run
 from .serve import serve
+from .tune import tune
 
 app = typer.Typer(
     name="mlxcel",
@@ -25,6 +26,7 @@ app = typer.Typer(
 app.command("generate")(generate)
 app.command("serve")(serve)
 app.command("run")(run)
+app.command("tune")(tune)
 
 
 def _version(value: bool) -> None:

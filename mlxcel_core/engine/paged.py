@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from autotune.runtime import SplitsChooser
+
 from ..cache import kv_group_size
 from ..kv.block_pool import BlockPool, BlockTable
+from ..kv.cuda_paged_attention import RUNNER_OPS, cuda_paged_decode_attention, runner_for
 from ..kv.paged_attention import paged_decode_attention
 from ..models.base import causal_mask, scaled_dot_product_attention
 
@@ -23,12 +26,14 @@ DEFAULT_KV_BUDGET_TOKENS = 16384
 
 class PagedStorage:
     def __init__(self, num_layers: int, block_size: int = 32, kv_budget_tokens: int | None = None,
-                 kv_bits: int | None = None, prefix_cache: bool = True, num_splits: int = 1, max_batch_size: int = 1):
+                 kv_bits: int | None = None, prefix_cache: bool = True, num_splits: int | None = None,
+                 max_batch_size: int = 1):
         self.kv_bits = kv_bits
         budget = kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
         # One spare block per row: partial last blocks and the lookahead step's extra token.
         self.pool = BlockPool(-(-budget // block_size) + max_batch_size + 1, block_size, enable_prefix_cache=prefix_cache)
-        self.num_splits = num_splits
+        self.num_splits = num_splits  # None: per shape, MLXCEL_PAGED_DECODE_SPLITS > autotune cache > heuristic
+        self.choose_splits = SplitsChooser(fixed=num_splits)
         # Per layer: [keys, values] or, quantized, [k packed, k scales, k biases, v packed, v scales, v biases].
         self.pools: list[list[mx.array] | None] = [None] * num_layers
         self.tables: dict[int, BlockTable] = {}
@@ -101,6 +106,15 @@ class PagedStorage:
         self.pools[layer] = updated
         return updated
 
+    def decode_attention(self, queries: mx.array, pools: list[mx.array], block_tables: mx.array):
+        """(attention function, num_splits) for a decode step: the CUDA kernel where it runs, else the ops path."""
+        batch, q_heads, _, head_dim = queries.shape
+        runner = runner_for(head_dim)
+        bs = self.pool.block_size
+        splits = self.choose_splits(batch, block_tables.shape[1] * bs, q_heads, pools[0].shape[2], head_dim, bs,
+                                    str(pools[0].dtype).rsplit(".", 1)[-1], runner)
+        return (paged_decode_attention if runner == RUNNER_OPS else cuda_paged_decode_attention), splits
+
     def gather(self, pools: list[mx.array], block_tables: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Rows' blocks as dense [B, Hkv, T, D] keys and values (T = blocks per row x block size)."""
         batch, width = block_tables.shape
@@ -146,8 +160,9 @@ class _DecodeView:
         pools = self.storage.write(self.layer, self.slots, keys[:, :, 0], values[:, :, 0])
         context_lens = self.offset + 1
         if window is None and softcap is None and self.storage.kv_bits is None:
-            out = paged_decode_attention(queries[:, :, 0], pools[0], pools[1], self.block_tables, context_lens,
-                                         num_splits=self.storage.num_splits, scale=scale)
+            attention, num_splits = self.storage.decode_attention(queries, pools, self.block_tables)
+            out = attention(queries[:, :, 0], pools[0], pools[1], self.block_tables, context_lens,
+                            num_splits=num_splits, scale=scale)
             return out[:, :, None, :]
         # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
         all_keys, all_values = self.storage.gather(pools, self.block_tables, queries.dtype)

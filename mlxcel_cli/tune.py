@@ -1,0 +1,240 @@
+"""`mlxcel tune`: profile kernel tactics per shape and store the winners in the autotune cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .errors import fail, reported_errors
+
+ENABLE = "Set MLXCEL_AUTOTUNE=cache (or 1) to consume these tactics at runtime."
+HINT = f"done. {ENABLE}"
+HEADER = (f"{'batch':>7} {'context':>8} | {'default':>13} {'default_us':>11} {'selected':>13} {'best_us':>10} "
+          f"{'spread':>7} {'reps':>5} {'guard':>6} {'speedup':>8}")
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise fail(f"{option} must be a comma-separated list of positive integers, got '{text}'")
+    return list(dict.fromkeys(values))
+
+
+def _read_model_config(model: str) -> dict:
+    """config.json of a model directory, a config.json path, or a Hugging Face repo id already cached."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists() and "/" in model and not model.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:
+            cached = None
+        if isinstance(cached, str):
+            path = Path(cached)
+    if not path.is_file():
+        raise fail(f"-m {model}: no config.json there (give a model directory, its config.json, "
+                   "or a Hugging Face repo id that is already downloaded)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise fail(f"-m {model}: cannot read {path}: {exc}")
+    return config
+
+
+def geometry_from_config(config: dict) -> dict[str, int]:
+    """head_dim / q_heads / kv_heads from a config.json (its text_config first, when there is one).
+    head_dim falls back to hidden_size / heads; kv heads fall back to the query heads."""
+    text = config.get("text_config")
+    cfg = {**config, **text} if isinstance(text, dict) else config
+
+    def first(*names):
+        for name in names:
+            if isinstance(cfg.get(name), int) and not isinstance(cfg.get(name), bool):
+                return cfg[name]
+        return None
+
+    q_heads = first("num_attention_heads", "n_head", "n_heads")
+    if not q_heads:
+        raise ValueError("config.json has no num_attention_heads")
+    kv_heads = first("num_key_value_heads", "n_kv_heads", "num_kv_heads") or q_heads
+    head_dim = first("head_dim")
+    if not head_dim:
+        hidden = first("hidden_size", "n_embd", "d_model")
+        if not hidden:
+            raise ValueError("config.json has neither head_dim nor hidden_size")
+        head_dim = hidden // q_heads
+    return {"head_dim": head_dim, "q_heads": q_heads, "kv_heads": kv_heads}
+
+
+def tune(
+    op: Annotated[str, typer.Option(
+        "--op", help="Op to tune. paged-decode-splits: the split-K factor of paged decode attention "
+                     "(the CUDA kernel on CUDA, the MLX-ops path elsewhere).")] = "paged-decode-splits",
+    model: Annotated[Optional[str], typer.Option(
+        "-m", "--model", metavar="MODEL",
+        help="Take the head geometry from MODEL's config.json (a model directory, its config.json, or a "
+             "Hugging Face repo id already downloaded). No weights are loaded.")] = None,
+    head_dim: Annotated[Optional[int], typer.Option(
+        "--head-dim", help="Head dimension. Default: 128, or the model's with -m.")] = None,
+    q_heads: Annotated[Optional[int], typer.Option(
+        "--q-heads", help="Query heads. Default: 32, or the model's with -m.")] = None,
+    kv_heads: Annotated[Optional[int], typer.Option(
+        "--kv-heads", help="Key/value heads. Default: 8, or the model's with -m.")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", help="Paged KV block size in tokens.")] = 32,
+    batch_sizes: Annotated[str, typer.Option(
+        "--batch-sizes", help="Comma-separated batch sizes of the matrix.")] = "1,2,4,8",
+    context_lengths: Annotated[str, typer.Option(
+        "--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")] = "1024,4096,16384",
+    dtype: Annotated[str, typer.Option("--dtype", help="KV and query dtype: float16, bfloat16 or float32.")] = "float16",
+    warmup: Annotated[int, typer.Option("--warmup", help="Warmup runs per candidate, at least.")] = 3,
+    warmup_ms: Annotated[float, typer.Option("--warmup-ms", help="Warmup time per candidate (ms), at least.")] = 40.0,
+    min_reps: Annotated[int, typer.Option("--min-reps", help="Fewest timed reps per candidate.")] = 5,
+    max_reps: Annotated[int, typer.Option("--max-reps", help="Most timed reps per candidate.")] = 1000,
+    sample_ms: Annotated[float, typer.Option(
+        "--sample-ms", help="Time budget (ms) of one cell's timed rounds; sets the rep count.")] = 250.0,
+    min_improvement: Annotated[float, typer.Option(
+        "--min-improvement", help="Keep the default unless a candidate is faster by more than this fraction "
+                                  "(and by more than both spreads together).")] = 0.02,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the cache dir, the method, the geometry and every cell with its candidates; "
+                          "measure and write nothing.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Tracebacks on errors.")] = False,
+) -> None:
+    """Profile kernel tactics for a matrix of shapes and store the winners in the autotune cache.
+
+    Each cell (batch size x context length) runs a synthetic workload (no weights): every candidate is
+    checked against the default's output, warmed up, then timed round-robin with an adaptive rep count;
+    the default is kept unless a candidate wins by more than the guard. Winners go to
+    $MLXCEL_CACHE_DIR/autotune/, one JSON file per (op, runner, device, shape bucket, dtype); the engine
+    reads them when MLXCEL_AUTOTUNE=cache (or 1; 0 or unset ignores the cache). MLXCEL_PAGED_DECODE_SPLITS
+    overrides everything. There is no Metal kernel: on Apple silicon, as on CPU, the MLX-ops path is tuned.
+    """
+    from autotune import autotune_dir
+    from autotune.ops import OP, Bucket, Geometry, candidates, default_splits, describe_runner, label, predicted_runner
+    from autotune.profiler import ProfileSettings
+
+    with reported_errors(verbose):
+        if op != OP:
+            raise fail(f"--op must be {OP}, got '{op}'")
+        geo = {"head_dim": 128, "q_heads": 32, "kv_heads": 8}
+        if model is not None:
+            try:
+                geo = geometry_from_config(_read_model_config(model))
+            except ValueError as exc:
+                raise fail(f"-m {model}: {exc}")
+        for name, value in (("head_dim", head_dim), ("q_heads", q_heads), ("kv_heads", kv_heads)):
+            if value is not None:
+                geo[name] = value
+        geometry = Geometry(block_size=block_size, **geo)
+        settings = ProfileSettings(warmup, warmup_ms, min_reps, max_reps, sample_ms, min_improvement)
+        try:
+            geometry.validate()
+            settings.validate()
+        except ValueError as exc:
+            raise fail(str(exc))
+        if dtype not in ("float16", "bfloat16", "float32"):
+            raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
+        cells = [(b, c) for b in _int_list(batch_sizes, "--batch-sizes")
+                 for c in _int_list(context_lengths, "--context-lengths")]
+        directory = autotune_dir()
+
+        if dry_run:
+            runner = predicted_runner()
+            rows = []
+            for b, c in cells:
+                bucket = Bucket.of(b, c, geometry)
+                rows.append({"batch": b, "context": c, "bucket": bucket.key(),
+                             "default": label(default_splits(bucket, runner)),
+                             "candidates": [label(s) for s in candidates(bucket)]})
+            if as_json:
+                print(json.dumps({"dry_run": True, "cache_dir": str(directory), "op": OP, "runner": runner,
+                                  "profile": settings.__dict__, "geometry": geometry.__dict__, "dtype": dtype,
+                                  "cells": rows}, indent=2))
+                return
+            print(f"autotune cache: {directory}")
+            print(f"profile: {settings.describe()}")
+            print(f"runner: {describe_runner(runner)}")
+            print(f"{OP}: {geometry.describe()} dtype={dtype}")
+            print(f"{'batch':>7} {'context':>8} | {'default':>13}  candidates")
+            for row in rows:
+                splits = ",".join(s.split("=")[1] for s in row["candidates"])
+                print(f"{row['batch']:>7} {row['context']:>8} | {row['default']:>13}  {splits}  (dry run)")
+            print(f"dry run: {len(rows)} cells, nothing measured or written. {ENABLE}")
+            return
+
+        _run(cells, geometry, dtype, settings, directory, as_json)
+
+
+def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from autotune.ops import OP, current_runner, describe_runner, device_identity, label, profile_cell
+    from autotune.runtime import entry_from_result
+    from autotune.store import Store
+
+    runner = current_runner(geometry.head_dim)
+    device = device_identity()
+    store = Store(directory)
+    out = [] if as_json else None
+
+    def emit(line: str) -> None:
+        if not as_json:
+            print(line, flush=True)
+
+    emit(f"autotune cache: {directory}")
+    emit(f"profile: {settings.describe()}")
+    emit(f"runner: {describe_runner(runner)} device: {device}")
+    emit(f"{OP}: {geometry.describe()} dtype={dtype}")
+    emit(HEADER)
+    console = Console(stderr=True)
+    interactive = console.is_terminal and sys.stdout.isatty()
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True, redirect_stdout=interactive, redirect_stderr=False)
+    with progress:
+        task = progress.add_task("tune", total=len(cells))
+        for b, c in cells:
+            def phase(name: str, b=b, c=c) -> None:
+                progress.update(task, description=f"batch {b} context {c}: {name}")
+
+            phase("workload")
+            bucket, _, default, result = profile_cell(b, c, geometry, dtype, settings, runner, progress=phase)
+            progress.advance(task)
+            cell = {"batch": b, "context": c, "bucket": bucket.key(), "default": label(default),
+                    "candidates": result.candidates, "dropped": [{"tactic": t, "reason": r} for t, r in result.dropped]}
+            if not result.usable:
+                emit(f"{b:>7} {c:>8} | skipped (no usable measurement)")
+                cell["selected"] = None
+            else:
+                entry = entry_from_result(bucket, runner, device, dtype, default, result)
+                path = store.save(entry)
+                best, ref = result.best, result.default_measurement
+                cell.update({"selected": result.selected, "default_us": ref.median_us, "best_us": best.median_us,
+                             "spread": best.spread, "default_spread": ref.spread, "reps": result.reps,
+                             "guard": result.required_improvement, "speedup": result.speedup, "cache_file": str(path)})
+                emit(f"{b:>7} {c:>8} | {label(default):>13} {ref.median_us:>11.1f} {result.selected:>13} "
+                     f"{best.median_us:>10.1f} {best.spread * 100:>6.1f}% {result.reps:>5} "
+                     f"{result.required_improvement * 100:>5.1f}% {result.speedup:>7.3f}x")
+            for tactic, reason in result.dropped:
+                emit(f"{'':>16}   dropped {tactic}: {reason}")
+            if out is not None:
+                out.append(cell)
+    if as_json:
+        print(json.dumps({"dry_run": False, "cache_dir": str(directory), "op": OP, "runner": runner, "device": device,
+                          "profile": settings.__dict__, "geometry": geometry.__dict__, "dtype": dtype,
+                          "cells": out}, indent=2))
+    else:
+        print(HINT)

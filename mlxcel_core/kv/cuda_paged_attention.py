@@ -1,0 +1,356 @@
+"""Paged decode attention as one CUDA kernel with a split-K launch parameter (``mx.fast.cuda_kernel``).
+
+Same contract and results as ``paged_attention.paged_decode_attention`` (the MLX-ops path, which runs
+on every backend and stays the fallback): q [B, Hq, D], pools [num_blocks, block_size, Hkv, D],
+block_tables int [B, max_blocks], context_lens int [B]; returns [B, Hq, D] in q's dtype, zeros for a
+row whose context is empty.
+
+Kernel ("paged_decode_split"): one thread block per (split, kv head x query-head group, row). A row's
+context is cut into ``num_splits`` contiguous chunks of ceil(len / num_splits) tokens; the block of split
+s walks its chunk straight through the block table (no gather): NVG lane groups of LPT lanes, each
+group with UNROLL tokens' loads in flight, each lane holding EPL elements of the head dim. Every lane
+group keeps an online softmax (running max m, sum l, weighted V) in float32 for the G query heads that
+share the kv head,
+so K and V are read once per kv head, not once per query head. The groups' states are merged in shared
+memory and the block writes its split's partial max [B, Hq, S], sum [B, Hq, S] and unnormalized
+output [B, Hq, S, D] (float32). The combine step ("paged_decode_combine", a second small kernel; the same
+arithmetic as `combine_partials` in MLX ops) rescales the partials by exp(m_s - max m) and divides,
+exactly as the ops path merges its splits, writing q's dtype.
+
+``num_splits`` is the grid's x extent: every value is the same compiled kernel. The kernel is compiled
+once per (dtypes, D, block_size, Hkv, n_rep) at first use (NVRTC).
+
+Validated on the device by tests/mlxcel_core/kv/test_cuda_paged_attention.py (skipped without CUDA).
+No Metal kernel exists: on Apple silicon, as on CPU, the ops path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import mlx.core as mx
+
+RUNNER_OPS = "mlx-ops"
+THREADS = 128  # threads per block
+UNROLL = 2  # tokens in flight per lane group (loads issued together)
+MAX_HEAD_DIM = 1024
+
+_SOURCE = r"""
+    constexpr int NVG = TPB / LPT;  // lane groups per block, one token each per iteration
+    constexpr int HQ = HKV * NREP;
+    constexpr int GROUPS = NREP / G;
+    const int S = gridDim.x;
+    const int split = blockIdx.x;
+    const int kvh = blockIdx.y / GROUPS;
+    const int h0 = kvh * NREP + (blockIdx.y % GROUPS) * G;
+    const int b = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int vg = tid / LPT;
+    const int sub = tid % LPT;
+
+    const int max_blocks = block_tables_shape[1];
+    int len = context_lens[b];
+    len = len < 0 ? 0 : (len > max_blocks * BS ? max_blocks * BS : len);
+    const int chunk = (len + S - 1) / S;
+    const int t0 = min(len, split * chunk);
+    const int t1 = min(len, t0 + chunk);
+    const float sc = scale[0];
+    const float NEG_INF = __int_as_float(0xff800000);
+
+    float qv[G][EPL];
+    float m[G];
+    float l[G];
+    float acc[G][EPL];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            const int d = sub * EPL + i;
+            qv[g][i] = d < D ? static_cast<float>(q[(size_t(b) * HQ + h0 + g) * D + d]) * sc : 0.0f;
+            acc[g][i] = 0.0f;
+        }
+    }
+
+    // 16-byte loads when a lane's slice is a whole number of 16-byte words and the pools are aligned.
+    constexpr bool VEC = (LPT * EPL == D) && ((EPL * sizeof(KV)) % 16 == 0);
+    const bool aligned = VEC && ((reinterpret_cast<size_t>(k_pool) | reinterpret_cast<size_t>(v_pool)) % 16 == 0);
+    const int* table = block_tables + size_t(b) * max_blocks;
+
+    // UNROLL tokens per lane group per iteration: all their loads are issued before any of them is used.
+    for (int base = t0; base < t1; base += NVG * UNROLL) {  // the same trip count for every thread of the block
+        float kf[UNROLL][EPL];
+        float vf[UNROLL][EPL];
+        bool valid[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = base + u * NVG + vg;
+            valid[u] = t < t1;
+            if (valid[u]) {
+                const size_t blk = size_t(table[t / BS]);
+                const size_t off = ((blk * BS + (t % BS)) * HKV + kvh) * D + sub * EPL;
+                if (aligned) {
+                    alignas(16) KV kt[EPL];
+                    alignas(16) KV vt[EPL];
+#pragma unroll
+                    for (int j = 0; j < int(EPL * sizeof(KV) / 16); ++j) {
+                        reinterpret_cast<uint4*>(kt)[j] = reinterpret_cast<const uint4*>(k_pool + off)[j];
+                        reinterpret_cast<uint4*>(vt)[j] = reinterpret_cast<const uint4*>(v_pool + off)[j];
+                    }
+#pragma unroll
+                    for (int i = 0; i < EPL; ++i) {
+                        kf[u][i] = static_cast<float>(kt[i]);
+                        vf[u][i] = static_cast<float>(vt[i]);
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < EPL; ++i) {
+                        const bool in = sub * EPL + i < D;
+                        kf[u][i] = in ? static_cast<float>(k_pool[off + i]) : 0.0f;
+                        vf[u][i] = in ? static_cast<float>(v_pool[off + i]) : 0.0f;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    kf[u][i] = 0.0f;
+                    vf[u][i] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    s += qv[g][i] * kf[u][i];
+                }
+#pragma unroll
+                for (int o = LPT / 2; o > 0; o >>= 1) {
+                    s += __shfl_xor_sync(0xffffffffu, s, o);
+                }
+                if (valid[u]) {
+                    const float m_new = fmaxf(m[g], s);
+                    const float corr = expf(m[g] - m_new);  // 0 while m is still -inf
+                    const float p = expf(s - m_new);
+                    l[g] = l[g] * corr + p;
+#pragma unroll
+                    for (int i = 0; i < EPL; ++i) {
+                        acc[g][i] = acc[g][i] * corr + p * vf[u][i];
+                    }
+                    m[g] = m_new;
+                }
+            }
+        }
+    }
+
+    // Merge the lane groups' states, then write this split's partials.
+    __shared__ float sm_m[NVG][G];
+    __shared__ float sm_l[NVG][G];
+    __shared__ float sm_o[NVG][G][D];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (sub == 0) {
+            sm_m[vg][g] = m[g];
+            sm_l[vg][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            const int d = sub * EPL + i;
+            if (d < D) {
+                sm_o[vg][g][d] = acc[g][i];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < G * D; idx += TPB) {
+        const int g = idx / D;
+        const int d = idx % D;
+        float mx_ = NEG_INF;
+        for (int w = 0; w < NVG; ++w) {
+            mx_ = fmaxf(mx_, sm_m[w][g]);
+        }
+        float ls = 0.0f;
+        float os = 0.0f;
+        if (mx_ != NEG_INF) {
+            for (int w = 0; w < NVG; ++w) {
+                const float a = expf(sm_m[w][g] - mx_);  // 0 for an empty lane group (m = -inf)
+                ls += a * sm_l[w][g];
+                os += a * sm_o[w][g][d];
+            }
+        }
+        const size_t row = (size_t(b) * HQ + h0 + g) * S + split;
+        o_part[row * D + d] = os;
+        if (d == 0) {
+            m_part[row] = mx_;
+            l_part[row] = ls;
+        }
+    }
+"""
+
+# The combine step: one thread per (row, query head, d) merges the S partials of its column, the same
+# log-sum-exp rescaling as `combine_partials` (one launch instead of a handful of MLX ops).
+_COMBINE_SOURCE = r"""
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int S = m_part_shape[2];
+    const size_t rows = size_t(m_part_shape[0]) * m_part_shape[1];
+    const size_t idx = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= rows * D) {
+        return;
+    }
+    const size_t row = idx / D;
+    const int d = idx % D;
+    const float* m = m_part + row * S;
+    const float* l = l_part + row * S;
+    float mx_ = NEG_INF;
+    for (int s = 0; s < S; ++s) {
+        mx_ = fmaxf(mx_, m[s]);
+    }
+    float ls = 0.0f;
+    float os = 0.0f;
+    if (mx_ != NEG_INF) {
+        for (int s = 0; s < S; ++s) {
+            const float a = expf(m[s] - mx_);  // 0 for an empty split
+            ls += a * l[s];
+            os += a * o_part[(row * S + s) * D + d];
+        }
+    }
+    out[idx] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
+"""
+
+# Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
+KERNEL_HASH = hashlib.sha256(f"{_SOURCE}{_COMBINE_SOURCE}{THREADS}/{UNROLL}".encode()).hexdigest()[:8]
+RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"
+
+
+def launch_geometry(head_dim: int, n_rep: int) -> dict[str, int]:
+    """Lanes per token (LPT), head-dim elements per lane (EPL) and query heads per block (G).
+
+    LPT is the smallest power of two (<= 32) giving each lane at most 8 elements; G is the largest
+    divisor of n_rep with G x EPL <= 32 registers of query and of accumulator per lane."""
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"the CUDA paged-decode kernel supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}")
+    lpt = 1
+    while lpt < 32 and lpt * 8 < head_dim:
+        lpt *= 2
+    epl = -(-head_dim // lpt)
+    group = max([g for g in range(1, n_rep + 1) if n_rep % g == 0 and g * epl <= 32] or [1])
+    return {"LPT": lpt, "EPL": epl, "G": group}
+
+
+@functools.cache
+def cuda_kernel_available() -> bool:
+    """True when MLX has a CUDA backend with a usable device (the kernel can be JIT-compiled)."""
+    try:
+        return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and hasattr(mx.fast, "cuda_kernel"))
+    except Exception:
+        return False
+
+
+def runner_for(head_dim: int) -> str:
+    """Which implementation decode attention runs on here: the CUDA kernel or the MLX-ops path."""
+    return RUNNER_CUDA if cuda_kernel_available() and head_dim <= MAX_HEAD_DIM else RUNNER_OPS
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="paged_decode_split",
+        input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
+        output_names=["o_part", "m_part", "l_part"],
+        source=_SOURCE,
+    )
+
+
+@functools.cache
+def _combine_kernel():
+    return mx.fast.cuda_kernel(
+        name="paged_decode_combine",
+        input_names=["o_part", "m_part", "l_part"],
+        output_names=["out"],
+        source=_COMBINE_SOURCE,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _scale_array(scale: float) -> mx.array:
+    return mx.array(scale, dtype=mx.float32)  # made once per value, not per call
+
+
+def _check(q, k_pool, v_pool, block_tables, context_lens, num_splits) -> None:
+    if k_pool.ndim != 4 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"pools must be [num_blocks, block_size, Hkv, D] and equal, got {k_pool.shape}, {v_pool.shape}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
+    B, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    if k_pool.shape[3] != D:
+        raise ValueError(f"head dim mismatch: q has D={D}, pools have D={k_pool.shape[3]}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be [B={B}, max_blocks], got shape {block_tables.shape}")
+    if context_lens.shape != (B,):
+        raise ValueError(f"context_lens must be [B={B}], got shape {context_lens.shape}")
+    for name, a in (("block_tables", block_tables), ("context_lens", context_lens)):
+        if not mx.issubdtype(a.dtype, mx.integer):
+            raise ValueError(f"{name} must be an integer array, got {a.dtype}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+
+
+def combine_partials(o_part: mx.array, m_part: mx.array, l_part: mx.array) -> mx.array:
+    """Merge per-split partials (o [..., S, D] unnormalized, m and l [..., S]) into [..., D] float32."""
+    M = m_part.max(axis=-1, keepdims=True)
+    empty = m_part == -mx.inf
+    alpha = mx.where(empty, 0.0, mx.exp(m_part - mx.where(M == -mx.inf, 0.0, M)))
+    L = (alpha * l_part).sum(axis=-1)[..., None]
+    O = (alpha[..., None] * o_part).sum(axis=-2)
+    return mx.where(L > 0, O / mx.where(L > 0, L, 1.0), 0.0)
+
+
+def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
+                                scale: float | None = None) -> mx.array:
+    """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring)."""
+    _check(q, k_pool, v_pool, block_tables, context_lens, num_splits)
+    B, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_pool.shape
+    n_rep = Hq // Hkv
+    geo = launch_geometry(D, n_rep)
+    scale = D ** -0.5 if scale is None else scale
+    S = num_splits
+    o_part, m_part, l_part = _kernel()(
+        inputs=[q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32),
+                _scale_array(float(scale))],
+        template=[("KV", k_pool.dtype), ("D", D), ("BS", block_size), ("HKV", Hkv), ("NREP", n_rep),
+                  ("G", geo["G"]), ("LPT", geo["LPT"]), ("EPL", geo["EPL"]), ("TPB", THREADS), ("UNROLL", UNROLL)],
+        grid=(S * THREADS, Hkv * (n_rep // geo["G"]), B),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    combine_threads = 256
+    (out,) = _combine_kernel()(
+        inputs=[o_part, m_part, l_part],
+        template=[("OUT", q.dtype), ("D", D)],
+        grid=(-(-B * Hq * D // combine_threads) * combine_threads, 1, 1),
+        threadgroup=(combine_threads, 1, 1),
+        output_shapes=[(B, Hq, D)],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+def decode_attention_for(runner: str):
+    """The decode-attention function of a runner name (as `runner_for` returns)."""
+    if runner == RUNNER_OPS:
+        from .paged_attention import paged_decode_attention
+
+        return paged_decode_attention
+    if runner.startswith("cuda-kernel"):
+        return cuda_paged_decode_attention
+    raise ValueError(f"unknown decode-attention runner {runner!r}")

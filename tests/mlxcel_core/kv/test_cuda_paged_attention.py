@@ -1,0 +1,222 @@
+"""The CUDA paged-decode kernel vs the MLX-ops path (the reference contract), on a CUDA device.
+
+The kernel tests are skipped where MLX has no usable CUDA backend (CPU, Apple silicon); the launch
+geometry and the combine step are checked everywhere. On the device:
+    python -m pytest tests/mlxcel_core/kv/test_cuda_paged_attention.py
+The reference is the ops path on the CPU stream: on CUDA, MLX runs float32 matmuls as TF32 unless
+MLX_ENABLE_TF32=0 (measured here: 2.4e-4 off for a one-token context), so the GPU ops path is not a
+float32 reference; the kernel itself accumulates in plain float32.
+Acceptance: max-abs error <= 1e-3 in float16 and <= 1e-5 in float32 against the ops path, for every
+cell of `mlxcel tune`'s default matrix (Llama-3-8B geometry: Hq 32, Hkv 8, D 128, block 32; batch 1..8;
+context 1024..16384), for other geometries (MHA, MQA, head dims 64/80/96/256, block 16), for context
+lengths that are not multiples of the block size, and for every split count a tuner may pick.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel_core.kv import cuda_paged_attention as cpa
+from mlxcel_core.kv.cuda_paged_attention import (
+    RUNNER_CUDA, combine_partials, cuda_kernel_available, cuda_paged_decode_attention, launch_geometry, runner_for)
+from mlxcel_core.kv.paged_attention import paged_decode_attention
+from tiny_models import save_tiny_llama
+
+needs_cuda = pytest.mark.skipif(not cuda_kernel_available(), reason="needs MLX's CUDA backend and a CUDA device")
+
+TOL = {mx.float16: 1e-3, mx.float32: 1e-5, mx.bfloat16: 8e-3}
+SPLITS = [1, 2, 4, 8, 16, 32]
+
+
+def make_case(lens, block_size, hq, hkv, d, dtype, seed=0, extra_width=1):
+    """Random pools (values in [-1, 1]), shuffled non-overlapping block tables padded with 0 entries."""
+    rng = np.random.default_rng(seed)
+    need = [math.ceil(n / block_size) for n in lens]
+    width = max(need + [1]) + extra_width
+    num_blocks = sum(need) * 2 + 3
+    shape = (num_blocks, block_size, hkv, d)
+    k_pool = mx.array(rng.uniform(-1, 1, shape).astype(np.float32)).astype(dtype)
+    v_pool = mx.array(rng.uniform(-1, 1, shape).astype(np.float32)).astype(dtype)
+    ids = rng.permutation(num_blocks)
+    table = np.zeros((len(lens), width), np.int32)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = ids[start:start + n]
+        start += n
+    q = mx.array(rng.uniform(-1, 1, (len(lens), hq, d)).astype(np.float32)).astype(dtype)
+    lens = mx.array(np.array(lens, np.int32))
+    mx.eval(q, k_pool, v_pool)
+    return q, k_pool, v_pool, mx.array(table), lens
+
+
+def max_err(a, b) -> float:
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+
+
+def ops_reference(*case, **kwargs):
+    """The ops path in plain float32 arithmetic (CPU stream)."""
+    with mx.stream(mx.cpu):
+        out = paged_decode_attention(*case, **kwargs)
+        mx.eval(out)
+    return out
+
+
+def check(case, dtype, splits=SPLITS, scale=None):
+    ref = ops_reference(*case, num_splits=1, scale=scale)
+    for s in splits:
+        out = cuda_paged_decode_attention(*case, num_splits=s, scale=scale)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert mx.all(mx.isfinite(out)).item(), f"num_splits={s}: non-finite output"
+        err = max_err(out, ref)
+        assert err <= TOL[dtype], f"num_splits={s}: max abs error {err:.3g} > {TOL[dtype]}"
+
+
+@needs_cuda
+def test_runner_is_the_kernel():
+    assert runner_for(128) == RUNNER_CUDA
+
+
+# The default matrix of `mlxcel tune` (Llama-3-8B geometry); no row's length is a multiple of the block size
+# (row 0 is 5 tokens short of the cell's context, the others shorter still).
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("context", [1024, 4096, 16384])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_default_matrix_llama3_8b(batch, context, dtype):
+    lens = [context - (0 if b == 0 else 32 * b + 7) for b in range(batch)]
+    lens[0] = context - 5  # not a multiple of 32
+    check(make_case(lens, 32, 32, 8, 128, dtype, seed=batch * 7 + context), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("hq,hkv,d,block_size", [
+    (32, 8, 128, 16),  # GQA, small blocks
+    (16, 16, 64, 32),  # MHA
+    (32, 1, 128, 32),  # MQA: query heads split over several blocks per kv head
+    (14, 2, 64, 32),  # n_rep 7
+    (32, 8, 80, 32),  # head dim not a multiple of the lanes' share (no vector loads)
+    (24, 8, 96, 32),
+    (16, 4, 256, 32),
+    (8, 2, 32, 8),
+])
+def test_geometries(hq, hkv, d, block_size, dtype):
+    lens = [1, 31, block_size + 1, 1000, 2049]
+    check(make_case(lens, block_size, hq, hkv, d, dtype, seed=hq + d), dtype, splits=SPLITS + [3, 7])
+
+
+@needs_cuda
+def test_bfloat16():
+    case = make_case([5, 777, 4097], 32, 32, 8, 128, mx.bfloat16)
+    check(case, mx.bfloat16)
+
+
+@needs_cuda
+def test_more_splits_than_tokens_and_empty_rows():
+    for dtype in (mx.float16, mx.float32):
+        case = make_case([0, 1, 2, 3, 40], 32, 8, 2, 128, dtype, extra_width=3)
+        check(case, dtype, splits=[1, 2, 5, 32, 64])
+        out = cuda_paged_decode_attention(*case, num_splits=8)
+        assert mx.all(out[0] == 0).item()  # an empty row gives zeros, like the ops path
+
+
+@needs_cuda
+def test_context_len_past_the_table_is_clamped():
+    q, k_pool, v_pool, table, lens = make_case([40, 70], 32, 8, 2, 64, mx.float32)
+    too_long = mx.array([10_000, 70], dtype=mx.int32)
+    ref = ops_reference(q, k_pool, v_pool, table, too_long)
+    assert max_err(cuda_paged_decode_attention(q, k_pool, v_pool, table, too_long, num_splits=4), ref) <= 1e-5
+
+
+@needs_cuda
+def test_custom_scale_int64_tables_and_fp32_query_on_fp16_pools():
+    q, k_pool, v_pool, table, lens = make_case([100, 333], 32, 8, 2, 128, mx.float16)
+    check((q, k_pool, v_pool, table.astype(mx.int64), lens.astype(mx.int64)), mx.float16, splits=[1, 4], scale=0.3)
+    q32 = q.astype(mx.float32)
+    ref = ops_reference(q32, k_pool, v_pool, table, lens)
+    out = cuda_paged_decode_attention(q32, k_pool, v_pool, table, lens, num_splits=4)
+    assert out.dtype == mx.float32 and max_err(out, ref) <= 1e-5
+
+
+@needs_cuda
+def test_results_are_deterministic():
+    case = make_case([3000, 1234], 32, 32, 8, 128, mx.float16)
+    a = cuda_paged_decode_attention(*case, num_splits=8)
+    b = cuda_paged_decode_attention(*case, num_splits=8)
+    assert mx.array_equal(a, b).item()
+
+
+@needs_cuda
+def test_bad_input_is_a_value_error():
+    q, k_pool, v_pool, table, lens = make_case([10], 32, 8, 2, 64, mx.float32)
+    with pytest.raises(ValueError, match="num_splits"):
+        cuda_paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=0)
+    with pytest.raises(ValueError, match="multiple"):
+        cuda_paged_decode_attention(q[:, :3], k_pool, v_pool, table, lens)
+
+
+def test_launch_geometry_bounds_and_tuner_agrees():
+    from autotune.ops import query_groups
+
+    for d in (32, 64, 80, 96, 128, 256, 512):
+        for n_rep in (1, 4, 7, 32):
+            g = launch_geometry(d, n_rep)
+            assert g["LPT"] * g["EPL"] >= d and g["G"] * g["EPL"] <= 32 and n_rep % g["G"] == 0
+            assert query_groups(8 * n_rep, 8, d) == n_rep // g["G"]  # the CUDA heuristic's block count
+
+
+def test_combine_partials_matches_single_split():
+    o = mx.random.normal((2, 3, 4, 8))
+    m = mx.array(np.array([[[-np.inf, 0.5, 1.0, -np.inf]] * 3] * 2, np.float32))
+    l = mx.ones((2, 3, 4))
+    out = combine_partials(o, m, l)
+    w = mx.exp(mx.array([0.0, 0.5 - 1.0, 0.0, 0.0]))
+    w = mx.where(mx.array([False, True, True, False]), w, 0.0)
+    expect = (w[:, None] * o).sum(axis=-2) / w.sum()
+    assert max_err(out, expect) <= 1e-6
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32], ids=["fp16", "fp32"])
+def test_combine_kernel_matches_combine_partials(dtype):
+    rng = np.random.default_rng(1)
+    o = mx.array(rng.standard_normal((3, 4, 5, 64)).astype(np.float32))
+    m = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    m[0, :, :] = -np.inf  # an empty row
+    m[1, :, 2] = -np.inf  # an empty split
+    m, l = mx.array(m), mx.array(rng.uniform(0.5, 2, (3, 4, 5)).astype(np.float32))
+    (out,) = cpa._combine_kernel()(inputs=[o, m, l], template=[("OUT", dtype), ("D", 64)], grid=(768, 1, 1),
+                                   threadgroup=(256, 1, 1), output_shapes=[(3, 4, 64)], output_dtypes=[dtype])
+    with mx.stream(mx.cpu):
+        ref = combine_partials(o, m, l).astype(dtype)
+    assert max_err(out, ref) <= TOL[dtype] and mx.all(out[0] == 0).item()
+
+
+@needs_cuda
+def test_engine_uses_the_kernel(monkeypatch, tmp_path):
+    """A paged engine on CUDA runs decode attention on the kernel, with the chosen num_splits."""
+    from mlxcel_core.engine import Engine, EngineConfig
+    from mlxcel_core.engine import paged
+    from mlxcel_core.loading import load_model
+    from mlxcel_core.sampling import SamplingParams
+
+    calls = []
+    real = paged.cuda_paged_decode_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["num_splits"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "cuda_paged_decode_attention", spy)
+    monkeypatch.setenv("MLXCEL_PAGED_DECODE_SPLITS", "4")
+    lm = load_model(str(save_tiny_llama(tmp_path / "m")), log=lambda m: None)
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_batch_size=2, storage="paged"))
+    ids = [engine.open([5, 6, 7, 8], SamplingParams(max_tokens=4)) for _ in range(2)]
+    while engine.has_work():
+        engine.step()
+    assert calls and set(calls) == {4}
+    assert all(engine.sequence(i).finish_reason is not None for i in ids)
