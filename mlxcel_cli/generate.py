@@ -39,6 +39,19 @@ def generate(
     min_p: opt.MinP = 0.0,
     seed: opt.Seed = None,
     stop: opt.Stop = None,
+    logit_bias: opt.LogitBias = None,
+    suppress_token: opt.SuppressToken = None,
+    repeat_penalty: opt.RepeatPenalty = 1.0,
+    repeat_last_n: opt.RepeatLastN = 64,
+    presence_penalty: opt.PresencePenalty = 0.0,
+    frequency_penalty: opt.FrequencyPenalty = 0.0,
+    dry_multiplier: opt.DryMultiplier = 0.0,
+    dry_base: opt.DryBase = 1.75,
+    dry_allowed_length: opt.DryAllowedLength = 2,
+    dry_penalty_last_n: opt.DryPenaltyLastN = -1,
+    dry_sequence_breaker: opt.DrySequenceBreaker = None,
+    xtc_threshold: opt.XtcThreshold = 0.1,
+    xtc_probability: opt.XtcProbability = 0.0,
     no_chat_template: opt.NoChatTemplate = False,
     system: opt.System = None,
     kv_bits: opt.KvBits = None,
@@ -51,7 +64,12 @@ def generate(
     """Generate text for one prompt. Text streams to stdout; statistics go to stderr."""
     with reported_errors(verbose):
         text = _read_prompt(prompt)
-        params = opt.sampling_params(max_tokens, temp, top_k, top_p, min_p, seed, stop)
+        params = opt.sampling_params(
+            max_tokens, temp, top_k, top_p, min_p, seed, stop, logit_bias=logit_bias, suppress_token=suppress_token,
+            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
+            dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+            dry_sequence_breaker=dry_sequence_breaker, xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
         engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size)
         if not text.strip():
             raise fail("prompt is empty")

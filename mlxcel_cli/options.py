@@ -23,12 +23,83 @@ System = Annotated[Optional[str], typer.Option("--system", help="System prompt (
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="More detail on stderr; tracebacks on errors.")]
 
 
+# The rest of the sampler, in pipeline order (mlxcel_core/sampling.py): bias/suppression -> repetition ->
+# presence/frequency -> DRY -> temperature -> top-k -> top-p -> min-p -> XTC -> draw.
+LogitBias = Annotated[Optional[List[str]], typer.Option(
+    "--logit-bias", "-l", metavar="ID(+|-|=)BIAS",
+    help="Add BIAS (in [-100, 100]) to token ID's logit, e.g. 15043+1 or 15043=-5. Repeatable.")]
+SuppressToken = Annotated[Optional[List[int]], typer.Option(
+    "--suppress-token", metavar="ID", help="Never generate token ID. Repeatable.")]
+RepeatPenalty = Annotated[float, typer.Option(
+    "--repeat-penalty", "--repetition-penalty",
+    help="Divide positive (multiply negative) logits of tokens seen in the last --repeat-last-n tokens; 1 = off.")]
+RepeatLastN = Annotated[int, typer.Option(
+    "--repeat-last-n", help="Tokens (prompt included) the repeat penalty looks at; -1 = all, 0 = none.")]
+PresencePenalty = Annotated[float, typer.Option(
+    "--presence-penalty", help="Subtract this from generated tokens' logits once they occur, in [-2, 2].")]
+FrequencyPenalty = Annotated[float, typer.Option(
+    "--frequency-penalty", help="Subtract this times a generated token's count from its logit, in [-2, 2].")]
+DryMultiplier = Annotated[float, typer.Option(
+    "--dry-multiplier", help="DRY repetition penalty strength (koboldcpp/llama.cpp); 0 = off.")]
+DryBase = Annotated[float, typer.Option(
+    "--dry-base", help="DRY: the penalty grows as BASE ** (repeat length - allowed length); >= 1.")]
+DryAllowedLength = Annotated[int, typer.Option(
+    "--dry-allowed-length", help="DRY: repeats up to this many tokens are not penalized (>= 1).")]
+DryPenaltyLastN = Annotated[int, typer.Option(
+    "--dry-penalty-last-n", help="DRY: tokens scanned for repeats; -1 = the whole context, 0 = off.")]
+DrySequenceBreaker = Annotated[Optional[List[str]], typer.Option(
+    "--dry-sequence-breaker", metavar="TEXT",
+    help="DRY: repeats never extend across TEXT. Repeatable; replaces the defaults \\n : \" *; 'none' = no breakers.")]
+XtcThreshold = Annotated[float, typer.Option(
+    "--xtc-threshold", help="XTC: tokens at least this likely are 'top choices', in [0, 1].")]
+XtcProbability = Annotated[float, typer.Option(
+    "--xtc-probability", help="XTC: chance per token to drop every top choice but the least likely; 0 = off.")]
+
+
 def sampling_params(max_tokens: int, temp: float, top_k: int, top_p: float, min_p: float, seed: Optional[int],
-                    stop: Optional[List[str]]):
+                    stop: Optional[List[str]], *, logit_bias: Optional[List[str]] = None,
+                    suppress_token: Optional[List[int]] = None, repeat_penalty: float = 1.0,
+                    repeat_last_n: int = 64, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    dry_multiplier: float = 0.0, dry_base: float = 1.75, dry_allowed_length: int = 2,
+                    dry_penalty_last_n: int = -1, dry_sequence_breaker: Optional[List[str]] = None,
+                    xtc_threshold: float = 0.1, xtc_probability: float = 0.0):
+    """SamplingParams from the command line; out-of-range values raise InputError (exit 2)."""
+    from mlxcel_core.processors import DEFAULT_DRY_SEQUENCE_BREAKERS
     from mlxcel_core.sampling import SamplingParams
 
+    if dry_sequence_breaker is None:
+        breakers = DEFAULT_DRY_SEQUENCE_BREAKERS
+    elif [b.lower() for b in dry_sequence_breaker] == ["none"]:
+        breakers = ()
+    else:  # typed on a command line: \n means a newline
+        breakers = tuple(b.encode("latin-1", "backslashreplace").decode("unicode_escape") for b in dry_sequence_breaker)
     return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                          max_tokens=max_tokens, stop=tuple(stop or ()))
+                          max_tokens=max_tokens, stop=tuple(stop or ()), logit_bias=parse_logit_bias(logit_bias),
+                          suppress_tokens=tuple(suppress_token or ()), repetition_penalty=repeat_penalty,
+                          repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
+                          dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+                          dry_sequence_breakers=breakers, xtc_threshold=xtc_threshold,
+                          xtc_probability=xtc_probability)
+
+
+def parse_logit_bias(items: Optional[List[str]]) -> dict[int, float]:
+    """llama.cpp's TOKEN_ID(+|-)BIAS (15043+1, 15043-1) or TOKEN_ID=BIAS; a later entry for a token wins."""
+    import re
+
+    from mlxcel_core.errors import InputError
+
+    bias = {}
+    for item in items or []:
+        match = re.fullmatch(r"\s*(\d+)\s*(?:=\s*([-+]?[^=]+)|([-+][^=+-]+))\s*", item)
+        try:
+            value = float((match.group(2) or match.group(3)).strip()) if match else None
+        except ValueError:
+            value = None
+        if value is None:
+            raise InputError(f"--logit-bias must look like ID+BIAS, ID-BIAS or ID=BIAS, got '{item}'")
+        bias[int(match.group(1))] = value
+    return bias
 KvBits = Annotated[Optional[int], typer.Option(
     "--kv-bits", help="Store the KV cache quantized to 8 or 4 bits (group size 64): less memory, slightly different numbers.")]
 StorageBackend = Annotated[str, typer.Option(

@@ -24,7 +24,9 @@ HELP = f"""commands:
   /help                 this list
   /clear                start a new conversation (the system prompt is kept)
   /system [TEXT]        show or set the system prompt
-  /set [NAME VALUE]     show or change a setting: temp, top-k, top-p, min-p, max-tokens, seed
+  /set [NAME VALUE]     show or change a setting: temp, top-k, top-p, min-p, max-tokens, seed,
+                        repeat-penalty, repeat-last-n, presence-penalty, frequency-penalty, dry-multiplier,
+                        dry-base, dry-allowed-length, dry-penalty-last-n, xtc-threshold, xtc-probability
   /stats                token counts and speeds of the last reply
   /bye, /exit           leave (so do Ctrl-D, and Ctrl-C at an empty prompt)
 {FENCE} starts and ends a multi-line message; Ctrl-C during a reply stops it (the partial reply is kept)."""
@@ -45,6 +47,19 @@ def run(
     min_p: opt.MinP = 0.0,
     seed: opt.Seed = None,
     stop: opt.Stop = None,
+    logit_bias: opt.LogitBias = None,
+    suppress_token: opt.SuppressToken = None,
+    repeat_penalty: opt.RepeatPenalty = 1.0,
+    repeat_last_n: opt.RepeatLastN = 64,
+    presence_penalty: opt.PresencePenalty = 0.0,
+    frequency_penalty: opt.FrequencyPenalty = 0.0,
+    dry_multiplier: opt.DryMultiplier = 0.0,
+    dry_base: opt.DryBase = 1.75,
+    dry_allowed_length: opt.DryAllowedLength = 2,
+    dry_penalty_last_n: opt.DryPenaltyLastN = -1,
+    dry_sequence_breaker: opt.DrySequenceBreaker = None,
+    xtc_threshold: opt.XtcThreshold = 0.1,
+    xtc_probability: opt.XtcProbability = 0.0,
     kv_bits: opt.KvBits = None,
     prefill_chunk_size: opt.PrefillChunk = 2048,
     verbose: opt.Verbose = False,
@@ -61,7 +76,12 @@ def run(
         if model_arg and model and model_arg != model:
             raise fail("give the model once: as the MODEL argument or with -m, not both")
         spec = model_arg or model
-        params = opt.sampling_params(max_tokens, temp, top_k, top_p, min_p, seed, stop)
+        params = opt.sampling_params(
+            max_tokens, temp, top_k, top_p, min_p, seed, stop, logit_bias=logit_bias, suppress_token=suppress_token,
+            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
+            dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
+            dry_sequence_breaker=dry_sequence_breaker, xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
         engine_config = opt.engine_config(1, kv_bits, "dense", prefill_chunk_size)
         if prompt is not None:
             text = _read_prompt(prompt)
@@ -255,7 +275,12 @@ def _command(session, line: str, ui: _Ui) -> str | None:
         if not arg:
             p = session.params
             ui.info(f"temp {p.temperature}, top-k {p.top_k}, top-p {p.top_p}, min-p {p.min_p}, "
-                    f"max-tokens {p.max_tokens}, seed {p.seed if p.seed is not None else 'none'}")
+                    f"max-tokens {p.max_tokens}, seed {p.seed if p.seed is not None else 'none'}, "
+                    f"repeat-penalty {p.repetition_penalty}, repeat-last-n {p.repeat_last_n}, "
+                    f"presence-penalty {p.presence_penalty}, frequency-penalty {p.frequency_penalty}, "
+                    f"dry-multiplier {p.dry_multiplier}, dry-base {p.dry_base}, "
+                    f"dry-allowed-length {p.dry_allowed_length}, dry-penalty-last-n {p.dry_penalty_last_n}, "
+                    f"xtc-threshold {p.xtc_threshold}, xtc-probability {p.xtc_probability}")
             return None
         key, _, value = arg.partition(" ")
         if not value.strip():

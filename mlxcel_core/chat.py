@@ -38,7 +38,19 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "min-p": ("min_p", "number"),
     "max-tokens": ("max_tokens", "integer"),
     "seed": ("seed", "seed"),
+    "repeat-penalty": ("repetition_penalty", "number"),
+    "repetition-penalty": ("repetition_penalty", "number"),
+    "repeat-last-n": ("repeat_last_n", "integer"),
+    "presence-penalty": ("presence_penalty", "number"),
+    "frequency-penalty": ("frequency_penalty", "number"),
+    "dry-multiplier": ("dry_multiplier", "number"),
+    "dry-base": ("dry_base", "number"),
+    "dry-allowed-length": ("dry_allowed_length", "integer"),
+    "dry-penalty-last-n": ("dry_penalty_last_n", "integer"),
+    "xtc-threshold": ("xtc_threshold", "number"),
+    "xtc-probability": ("xtc_probability", "number"),
 }
+SETTABLE = ", ".join(name for name in SETTINGS if name not in ("temperature", "repetition-penalty"))
 
 
 @dataclass
@@ -126,7 +138,7 @@ class ChatSession:
         """Change one sampling setting by name (see SETTINGS), e.g. set("temp", "0.7"). Raises InputError."""
         key = name.strip().lower().replace("_", "-")
         if key not in SETTINGS:
-            raise InputError(f"unknown setting '{name}'; settable: temp, top-k, top-p, min-p, max-tokens, seed")
+            raise InputError(f"unknown setting '{name}'; settable: {SETTABLE}")
         field, kind = SETTINGS[key]
         text = str(value).strip()
         try:

@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..errors import InputError
 from ..models.base import CausalLM
+from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from .runner import ModelRunner
@@ -70,6 +71,9 @@ class Engine:
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
         self._unread: dict[int, _Sampled] = {}
         self._conversations: dict[int, Conversation | None] = {}
+        self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
+        self._token_texts: list[str] | None = None  # each token's text, for DRY sequence breakers
+        self._dry_breakers: dict[tuple[str, ...], dict] = {}
 
     # -- public API -------------------------------------------------------------------------
     def open(self, prompt_ids: list[int], params: SamplingParams, conversation: Conversation | None = None) -> int:
@@ -79,9 +83,11 @@ class Engine:
         room = self.max_context - len(prompt_ids)
         if room < 1:
             raise InputError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
+        self._check_token_ids(params)
         seq = Sequence(
             seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
-            max_tokens=min(params.max_tokens, room), sampler=RowSampler(params),
+            max_tokens=min(params.max_tokens, room),
+            sampler=RowSampler(params, len(prompt_ids), self._breakers(params)),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
             stop_matcher=StopMatcher(params.stop),
         )
@@ -107,7 +113,7 @@ class Engine:
         return self.scheduler.has_work() or bool(self._unread)
 
     def step(self) -> list[StepOutput]:
-        sync = not self.lookahead or any(s.params.logits_processors for s in self._live())
+        sync = not self.lookahead or any(s.params.needs_history for s in self._live())
         outputs = self._commit() if sync else []  # processors must see every token so far
         batch = self.scheduler.schedule()
         for seq_id in batch.cancelled:
@@ -134,6 +140,26 @@ class Engine:
     # -- internals ----------------------------------------------------------------------------
     def _live(self):
         return (s for s in self._sequences.values() if s.finish_reason is None)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("suppress-tokens", params.suppress_tokens)):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InputError(f"{name}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def _breakers(self, params: SamplingParams) -> dict | None:
+        """The request's DRY sequence breakers as token sequences (computed once per set of breakers)."""
+        if not params.dry_multiplier:
+            return None
+        key = params.dry_sequence_breakers
+        if key not in self._dry_breakers:
+            if self._token_texts is None:
+                backend = self.tokenizer.backend
+                self._token_texts = backend.decode_batch([[i] for i in range(self.tokenizer.vocab_size)],
+                                                         skip_special_tokens=False)
+            self._dry_breakers[key] = dry_sequence_breakers(
+                self._token_texts, lambda text: self.tokenizer.encode(text, add_special_tokens=False), key)
+        return self._dry_breakers[key]
 
     def _admit(self, seq_id: int) -> int:
         seq = self._sequences[seq_id]

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import EngineConfig
-from ..processors import make_logits_processors
+from ..processors import DEFAULT_DRY_SEQUENCE_BREAKERS
 from ..sampling import SamplingParams
 from .engine_loop import EngineLoop, Event, Job, log
 from .errors import APIError, bad_request, context_exceeded, from_core_error, from_validation_error
@@ -135,6 +135,23 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
     return ids
 
 
+def sampling_params(body, *, seed: int | None, max_tokens: int, logprobs: int | None, prompt_len: int) -> SamplingParams:
+    """A request's SamplingParams (built on the engine thread: a request's logits processors may hold MLX arrays).
+
+    `prompt_len` is unused by the built-in stages (the engine knows the prompt) but lets tests wrap this.
+    """
+    breakers = body.dry_sequence_breakers
+    return SamplingParams(
+        temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p, seed=seed,
+        max_tokens=max_tokens, stop=tuple(body.stop), logprobs=logprobs, logit_bias=body.logit_bias or None,
+        suppress_tokens=tuple(body.suppress_tokens or ()), repetition_penalty=body.penalty(),
+        repeat_last_n=body.repeat_last_n, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, dry_multiplier=body.dry_multiplier, dry_base=body.dry_base,
+        dry_allowed_length=body.dry_allowed_length, dry_penalty_last_n=body.dry_penalty_last_n,
+        dry_sequence_breakers=DEFAULT_DRY_SEQUENCE_BREAKERS if breakers is None else tuple(breakers),
+        xtc_threshold=body.xtc_threshold, xtc_probability=body.xtc_probability)
+
+
 # -- routes -----------------------------------------------------------------------------------------
 async def completions(request: Request) -> Response:
     server: Server = request.app.state.server
@@ -186,20 +203,13 @@ async def generate(request: Request, server: Server, body, prompt_ids: list[int]
         max_tokens = limit
     if body.n > server.config.max_n:
         raise bad_request(f"n must be at most {server.config.max_n} on this server (--max-n), got {body.n}.", "n")
-    bias = validate_logit_bias(body.logit_bias, server.vocab_size)
-    vocab = server.vocab_size
+    validate_logit_bias(body.logit_bias, server.vocab_size)
+    check_token_ids(body.suppress_tokens or [], server.vocab_size, "suppress_tokens")
+    body.penalty()  # both spellings of the repeat penalty agree
 
     def make_params(index: int):
         seed = body.seed + index if body.seed is not None else None  # n choices must differ
-
-        def build() -> SamplingParams:  # on the engine thread: processors hold MLX arrays
-            processors = make_logits_processors(
-                vocab_size=vocab, prompt_len=n_prompt, logit_bias_map=bias, presence=body.presence_penalty,
-                frequency=body.frequency_penalty, repetition=body.repetition_penalty)
-            return SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p,
-                                  min_p=body.min_p, seed=seed, max_tokens=max_tokens, stop=tuple(body.stop),
-                                  logits_processors=processors, logprobs=logprobs)
-        return build
+        return lambda: sampling_params(body, seed=seed, max_tokens=max_tokens, logprobs=logprobs, prompt_len=n_prompt)
 
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 

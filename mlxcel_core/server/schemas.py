@@ -40,8 +40,34 @@ class SamplingFields(_Body):
     logit_bias: Optional[dict[str, float]] = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    # llama.cpp names for what OpenAI does not have (applied in the order of mlxcel_core/sampling.py)
+    repeat_penalty: Optional[float] = Field(None, gt=0)  # 1 = off
+    repetition_penalty: Optional[float] = Field(None, gt=0)  # the same knob under vLLM / transformers' name
+    repeat_last_n: int = Field(64, ge=-1)  # -1 = every token, 0 = none
+    dry_multiplier: float = Field(0.0, ge=0)  # 0 = off
+    dry_base: float = Field(1.75, ge=1)
+    dry_allowed_length: int = Field(2, ge=1)
+    dry_penalty_last_n: int = Field(-1, ge=-1)  # -1 = the whole context, 0 = off
+    dry_sequence_breakers: Optional[list[str]] = None  # None: llama.cpp's defaults ["\n", ":", "\"", "*"]
+    xtc_threshold: float = Field(0.1, ge=0, le=1)
+    xtc_probability: float = Field(0.0, ge=0, le=1)  # 0 = off
+    suppress_tokens: Optional[list[int]] = None  # token ids never generated
     user: Optional[str] = None  # accepted, ignored
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _breakers(cls, value):
+        if value is not None and any(b == "" for b in value):
+            raise ValueError("sequence breakers must not be empty strings")
+        return value
+
+    def penalty(self) -> float:
+        """repeat_penalty or its alias repetition_penalty (400 when both are given and differ)."""
+        if None not in (self.repeat_penalty, self.repetition_penalty) and self.repeat_penalty != self.repetition_penalty:
+            raise bad_request("repeat_penalty and repetition_penalty are the same setting; give one "
+                              f"(got {self.repeat_penalty} and {self.repetition_penalty}).", "repeat_penalty")
+        value = self.repeat_penalty if self.repeat_penalty is not None else self.repetition_penalty
+        return 1.0 if value is None else value
 
     @field_validator("stop")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -84,23 +85,23 @@ def test_a_failed_engine_step_fails_its_requests_then_a_fresh_engine_serves(make
 def special_processors(monkeypatch):
     """presence_penalty 1.25: a logits processor that raises after 3 tokens; 1.5: one that takes 20 ms a token
     (a big model's pace, so a test can leave mid-stream for sure)."""
-    real = app_module.make_logits_processors
+    real = app_module.sampling_params
 
-    def make(**kw):
-        processors = real(**kw)
-        if kw["presence"] not in (1.25, 1.5):
-            return processors
+    def make(body, **kw):
+        params = real(body, **kw)
+        if body.presence_penalty not in (1.25, 1.5):
+            return params
 
         def special(tokens, logits):
-            if kw["presence"] == 1.5:
+            if body.presence_penalty == 1.5:
                 time.sleep(0.02)
             elif len(tokens) > kw["prompt_len"] + 3:
                 raise ValueError("processor exploded")
             return logits
 
-        return processors + (special,)
+        return dataclasses.replace(params, logits_processors=params.logits_processors + (special,))
 
-    monkeypatch.setattr(app_module, "make_logits_processors", make)
+    monkeypatch.setattr(app_module, "sampling_params", make)
 
 
 def _kv_idle(server) -> bool:

@@ -58,6 +58,19 @@ WRONG_TYPES = [
     (COMPLETIONS, {"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
     (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": "big"}}, "logit_bias.5"),
+    (COMPLETIONS, {"prompt": "x", "repeat_penalty": -1}, "repeat_penalty"),
+    (COMPLETIONS, {"prompt": "x", "repeat_last_n": -2}, "repeat_last_n"),
+    (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p"),
+    (COMPLETIONS, {"prompt": "x", "dry_multiplier": -0.5}, "dry_multiplier"),
+    (COMPLETIONS, {"prompt": "x", "dry_base": 0.5}, "dry_base"),
+    (COMPLETIONS, {"prompt": "x", "dry_allowed_length": 0}, "dry_allowed_length"),
+    (COMPLETIONS, {"prompt": "x", "dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    (COMPLETIONS, {"prompt": "x", "dry_sequence_breakers": ["\n", ""]}, "dry_sequence_breakers"),
+    (COMPLETIONS, {"prompt": "x", "dry_sequence_breakers": "\n"}, "dry_sequence_breakers"),
+    (COMPLETIONS, {"prompt": "x", "xtc_threshold": 1.5}, "xtc_threshold"),
+    (CHAT, {"messages": HI, "xtc_probability": -0.1}, "xtc_probability"),
+    (CHAT, {"messages": HI, "suppress_tokens": ["a"]}, "suppress_tokens[0]"),
     (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     (CHAT, {"messages": "hi"}, "messages"),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
@@ -124,6 +137,13 @@ def test_n_above_max_n_is_400(http):
     error = error_of(http.post(COMPLETIONS, json={"prompt": "x", "n": 5, "max_tokens": 1}), 400, "n")
     assert "4" in error["message"]
     error_of(http.post(COMPLETIONS, json={"prompt": "x", "n": 0}), 400, "n")
+
+
+def test_sampler_knobs_checked_against_the_model_are_400(http):
+    error_of(http.post(COMPLETIONS, json={"prompt": "x", "suppress_tokens": [3, 99999]}), 400, "suppress_tokens")
+    error = error_of(http.post(COMPLETIONS, json={"prompt": "x", "repeat_penalty": 1.1, "repetition_penalty": 1.2}),
+                     400, "repeat_penalty")
+    assert "same setting" in error["message"]
 
 
 @pytest.mark.parametrize("bias", [{"abc": 1}, {"99999": 1}, {"-1": 5}, {"5": 101}])

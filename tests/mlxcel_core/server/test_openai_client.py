@@ -139,6 +139,28 @@ def test_penalties_change_the_output(client, server):
     assert penalized != plain
 
 
+@pytest.mark.parametrize("extra", [
+    {"repeat_penalty": 1.5, "repeat_last_n": -1},
+    {"dry_multiplier": 2.0, "dry_base": 2.0, "dry_allowed_length": 1, "dry_sequence_breakers": ["never"]},
+])
+def test_llama_cpp_penalties_change_the_output(client, server, extra):
+    kw = dict(model=server.model_id, prompt="The capital", max_tokens=24, temperature=0, logit_bias=NO_EOS)
+    plain = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw, extra_body=extra).choices[0].text != plain
+
+
+def test_xtc_and_suppression_reach_the_sampler(client, server, tokenizer):
+    kw = dict(model=server.model_id, prompt="The capital", max_tokens=8, temperature=0.7, seed=5, logit_bias=NO_EOS)
+    plain = client.completions.create(**kw).choices[0].text
+    xtc = {"xtc_probability": 1.0, "xtc_threshold": 0.01, "top_k": 40, "min_p": 0.0}
+    assert client.completions.create(**kw, extra_body=xtc).choices[0].text != plain
+    greedy = dict(kw, temperature=0)
+    text = client.completions.create(**greedy).choices[0].text
+    banned = sorted(set(tokenizer.encode(text)))
+    other = client.completions.create(**greedy, extra_body={"suppress_tokens": banned}).choices[0].text
+    assert other != text and not set(tokenizer.encode(other)) >= set(banned)
+
+
 def test_logit_bias_forces_a_token(client, server, tokenizer):
     token = tokenizer.encode("Paris")[0]
     r = client.completions.create(model=server.model_id, prompt="x", max_tokens=3, temperature=0,
