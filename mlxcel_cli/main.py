@@ -9,6 +9,7 @@ import typer
 
 from . import __version__
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE
+from .bench import bench
 from .generate import generate
 from .run import run
 from .serve import serve
@@ -25,6 +26,7 @@ app = typer.Typer(
 )
 app.command("generate")(generate)
 app.command("serve")(serve)
+app.command("bench")(bench)
 app.command("run")(run)
 app.command("tune")(tune)
 

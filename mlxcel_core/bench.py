@@ -1,0 +1,584 @@
+"""`mlxcel bench`: llama-bench-style speed measurements of the engine, as plain data.
+
+Conventions (llama-bench's, so numbers compare):
+- prompts are random token ids, seeded, identical in every repetition; EOS is ignored (the bench engine's
+  tokenizer has no EOS and decodes nothing, so neither tokenization nor detokenization is timed);
+- tests: `pp512` prefill (time to first token of a 512-token prompt; t/s = 512 / TTFT), `tg128` (128 decode
+  steps after a 1-token prompt, timed from the first token on: t/s = 128 / time), `pp512+tg128`
+  (t/s = (512 + 128) / total time), and ` @ d4096` when a 4096-token prefix is prefilled, untimed, before the
+  test: the timed request finds it in the KV cache (Conversation for dense storage, prefix cache for paged)
+  and computes only the test's own tokens, which the engine's prefill counter reports (`prefill_computed`);
+- one warm-up run, then `repetitions` timed runs: mean ± sample standard deviation (N - 1);
+- batch `b` > 1: b different random prompts of the same length go to one Engine(max_batch_size=b) together;
+  t/s is the AGGREGATE over all rows (pp: b*p / time until every row has its first token; tg: b*n tokens
+  over n decode steps of the full batch, after every row has its first token; pp+tg: b*(p+n) / total).
+
+`run_bench(model, config)` returns `BenchResult`s; `formatter(...)` renders them as md, json, jsonl or csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Sequence
+
+from . import __version__
+from .errors import InputError, RuntimeFailure
+
+OUTPUT_FORMATS = ("md", "json", "jsonl", "csv")
+STORAGE_BACKENDS = ("auto", "dense", "paged")
+
+# Machine-readable fields, in order (llama-bench's names where one applies).
+FIELDS = ("mlxcel_version", "mlx_version", "backend", "device", "model_filename", "model_type", "model_size",
+          "model_n_params", "n_batch", "n_prompt", "n_gen", "n_depth", "kv_bits", "storage", "test", "test_time",
+          "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "ttft_ms", "peak_memory_gb", "prefill_computed",
+          "samples_ns", "samples_ts")
+
+
+# -- what to run ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchTest:
+    n_prompt: int
+    n_gen: int
+    n_depth: int = 0
+    n_batch: int = 1
+
+    @property
+    def kind(self) -> str:
+        return "pp" if self.n_gen == 0 else "tg" if self.n_prompt == 0 else "pg"
+
+    @property
+    def label(self) -> str:
+        name = {"pp": f"pp{self.n_prompt}", "tg": f"tg{self.n_gen}"}.get(self.kind, f"pp{self.n_prompt}+tg{self.n_gen}")
+        return name + (f" @ d{self.n_depth}" if self.n_depth else "")
+
+    @property
+    def test_tokens(self) -> int:
+        """Prompt tokens of one row that the timed run must compute (tg feeds one token)."""
+        return self.n_prompt if self.kind != "tg" else 1
+
+    @property
+    def credited_tokens(self) -> int:
+        """Tokens t/s counts for the whole batch (per llama-bench: p, n, or p + n per row)."""
+        return self.n_batch * (self.n_prompt + self.n_gen)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    n_prompt: tuple[int, ...] = (512,)
+    n_gen: tuple[int, ...] = (128,)
+    pg: tuple[tuple[int, int], ...] = ()
+    n_depth: tuple[int, ...] = (0,)
+    n_batch: tuple[int, ...] = (1,)
+    repetitions: int = 5
+    warmup: bool = True
+    seed: int = 0
+    kv_bits: int | None = None
+    storage: str = "auto"
+    prefill_chunk_size: int = 2048
+
+    def validate(self) -> None:
+        def check(name: str, values, low: int) -> None:
+            if not values:
+                raise InputError(f"{name} needs at least one value")
+            bad = [v for v in values if not isinstance(v, int) or v < low]
+            if bad:
+                raise InputError(f"{name} values must be integers >= {low}, got {bad[0]}")
+
+        check("-p/--n-prompt", self.n_prompt, 0)
+        check("-n/--n-gen", self.n_gen, 0)
+        check("-d/--n-depth", self.n_depth, 0)
+        check("-b/--batch-size", self.n_batch, 1)
+        for p, n in self.pg:
+            if p < 1 or n < 1:
+                raise InputError(f"--pg needs two integers >= 1 (prompt, generated), got {p},{n}")
+        if self.repetitions < 1:
+            raise InputError(f"-r/--repetitions must be >= 1, got {self.repetitions}")
+        if self.kv_bits not in (None, 4, 8):
+            raise InputError(f"--kv-bits must be 4 or 8, got {self.kv_bits}")
+        if self.storage not in STORAGE_BACKENDS:
+            raise InputError(f"--decode-storage-backend must be auto, dense or paged, got '{self.storage}'")
+        if self.prefill_chunk_size < 1:
+            raise InputError(f"--prefill-chunk-size must be >= 1, got {self.prefill_chunk_size}")
+        if not plan_tests(self):
+            raise InputError("nothing to run: -p and -n are all 0 and no --pg was given")
+
+
+def plan_tests(config: BenchConfig) -> list[BenchTest]:
+    """llama-bench's order: for each batch size and depth, the pp tests, then tg, then pp+tg."""
+    tests = []
+    for b in config.n_batch:
+        for d in config.n_depth:
+            tests += [BenchTest(p, 0, d, b) for p in config.n_prompt if p > 0]
+            tests += [BenchTest(0, n, d, b) for n in config.n_gen if n > 0]
+            tests += [BenchTest(p, n, d, b) for p, n in config.pg]
+    return tests
+
+
+# -- results -------------------------------------------------------------------------------------------
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (N - 1); the deviation of a single value is 0, as in llama-bench."""
+    if not values:
+        return 0.0, 0.0
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def format_mean_std(mean: float, std: float) -> str:
+    return "%.2f ± %.2f" % (mean, std)
+
+
+@dataclass
+class BenchResult:
+    test: BenchTest
+    model: str  # description, e.g. "llama-3-8b (random) Q4 g64"
+    model_filename: str  # -m spec or shape name
+    model_size: int  # bytes of parameters in memory
+    model_n_params: int
+    backend: str
+    device: str
+    samples_ns: list[int]  # timed region of each repetition
+    ttft_ms: float  # mean time to first token (mean over rows in a batch)
+    peak_memory_gb: float
+    prefill_computed: int  # prompt tokens the engine computed inside the timed region (max over repetitions)
+    kv_bits: int | None = None
+    storage: str = "auto"
+    mlxcel_version: str = __version__
+    mlx_version: str = ""
+    test_time: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    @property
+    def samples_ts(self) -> list[float]:
+        return [self.test.credited_tokens * 1e9 / ns for ns in self.samples_ns]
+
+    @property
+    def avg_ts(self) -> float:
+        return mean_std(self.samples_ts)[0]
+
+    @property
+    def stddev_ts(self) -> float:
+        return mean_std(self.samples_ts)[1]
+
+    @property
+    def avg_ns(self) -> float:
+        return mean_std(self.samples_ns)[0]
+
+    @property
+    def stddev_ns(self) -> float:
+        return mean_std(self.samples_ns)[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        t = self.test
+        values = {
+            "mlxcel_version": self.mlxcel_version, "mlx_version": self.mlx_version, "backend": self.backend,
+            "device": self.device, "model_filename": self.model_filename, "model_type": self.model,
+            "model_size": self.model_size, "model_n_params": self.model_n_params, "n_batch": t.n_batch,
+            "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.n_depth, "kv_bits": self.kv_bits,
+            "storage": self.storage, "test": t.label, "test_time": self.test_time,
+            "avg_ns": int(round(self.avg_ns)), "stddev_ns": int(round(self.stddev_ns)),
+            "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts, "ttft_ms": self.ttft_ms,
+            "peak_memory_gb": self.peak_memory_gb, "prefill_computed": self.prefill_computed,
+            "samples_ns": list(self.samples_ns), "samples_ts": self.samples_ts,
+        }
+        return {k: values[k] for k in FIELDS}
+
+
+# -- environment and model -------------------------------------------------------------------------------
+def environment() -> dict[str, str]:
+    """mlxcel and mlx versions, the backend ("mlx-cpu", "mlx-metal", "mlx-cuda") and the device in words."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    cuda = mx.cuda.is_available() if hasattr(mx, "cuda") else None
+    metal = mx.metal.is_available() if hasattr(mx, "metal") else None
+    if device.type == mx.DeviceType.gpu:
+        kind = "cuda" if cuda else "metal" if metal else "gpu"
+    else:
+        kind = "cpu"
+    words = f"{device}" + (f", cuda available: {cuda}" if cuda is not None else "") + \
+        (f", metal available: {metal}" if metal is not None else "")
+    return {"mlxcel_version": __version__, "mlx_version": mx.__version__, "backend": f"mlx-{kind}", "device": words}
+
+
+@dataclass
+class BenchModel:
+    model: Any  # the CausalLM
+    vocab_size: int
+    description: str
+    filename: str
+    n_params: int
+    size_bytes: int
+
+
+class RandomIdTokenizer:
+    """What the engine needs from a tokenizer when prompts are random ids: no EOS, no text."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+    chat_template = None
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def decode(self, ids: list[int]) -> str:
+        return ""
+
+
+def load_bench_model(model: str | None = None, shape: str | None = None, bits: int | None = None,
+                     dtype: str | None = None, seed: int = 0, log: Callable[[str], None] = lambda m: None) -> BenchModel:
+    """A checkpoint (`model`, as for generate; None = the default model) or a random-weight `shape`."""
+    from .models.shapes import build_random_model, check_shape_options, count_parameters, describe_shape
+
+    if model is not None and shape is not None:
+        raise InputError("give either -m/--model or --model-shape, not both")
+    if shape is None:
+        if bits is not None or dtype is not None:
+            raise InputError("--bits and --dtype apply to --model-shape only (a checkpoint keeps its own)")
+        from .loading import load_model
+
+        loaded = load_model(model, log=log)
+        n_params, size = count_parameters(loaded.model)
+        config = loaded.config
+        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") \
+            or loaded.tokenizer.vocab_size
+        description = f"{config.get('model_type', 'model')} {_human_count(n_params)} {_weights_kind(loaded.model)}"
+        return BenchModel(loaded.model, int(vocab), description, loaded.source.origin, n_params, size)
+    dtype = dtype or "bfloat16"
+    check_shape_options(shape, bits, dtype)
+    log(f"building {shape} with random weights ({describe_shape(shape, bits, dtype)})")
+    built, config = build_random_model(shape, bits=bits, dtype=dtype, seed=seed)
+    n_params, size = count_parameters(built)
+    return BenchModel(built, config["vocab_size"], describe_shape(shape, bits, dtype), shape, n_params, size)
+
+
+def _weights_kind(model) -> str:
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    bits = {m.bits for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    if bits:
+        return "Q" + "/".join(str(b) for b in sorted(bits))
+    dtypes = {str(v.dtype).replace("mlx.core.", "") for _, v in tree_flatten(model.parameters())}
+    return "/".join(sorted(dtypes))
+
+
+def _human_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def bench_header(bench_model: BenchModel, env: dict[str, str] | None = None) -> str:
+    env = env or environment()
+    return (f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
+            f"model: {bench_model.description}, {_human_count(bench_model.n_params)} params, "
+            f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename})")
+
+
+# -- timing -------------------------------------------------------------------------------------------------
+def random_prompt(vocab_size: int, length: int, *key) -> list[int]:
+    """Seeded random ids: the same key gives the same ids in every run and process."""
+    rng = random.Random(":".join(str(k) for k in key))
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+@dataclass
+class RunTiming:
+    """Host-clock timestamps of one engine run (all rows), as the host could read the tokens."""
+
+    submitted: float
+    first_token: list[float]  # per row
+    end: float  # all rows finished, or the end of the steady-decode window
+    window_start: float | None = None  # every row has its first token (steady mode)
+    window_tokens: int = 0  # tokens read after window_start (steady mode)
+    prefill_computed: int = 0  # engine.runner.prefill_tokens counted during the run
+
+    @property
+    def ttft(self) -> list[float]:
+        return [t - self.submitted for t in self.first_token]
+
+    @property
+    def all_first_tokens(self) -> float:
+        return max(self.first_token)
+
+
+def run_requests(engine, prompts: list[list[int]], max_tokens: int, conversations=None, steady_tokens: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> RunTiming:
+    """Submit every prompt at once, greedy, and step the engine; time what the host sees.
+
+    With `steady_tokens` = n, the run is timed until every row has its first token and then n more decode
+    steps of the full batch have been read (`window_tokens` counts them); the rows are then cancelled and
+    the engine drained outside the timed region.
+    """
+    from .sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens)
+    conversations = conversations or [None] * len(prompts)
+    before = engine.runner.prefill_tokens
+    submitted = clock()
+    seq_ids = [engine.open(p, params, c) for p, c in zip(prompts, conversations)]
+    row_of = {s: i for i, s in enumerate(seq_ids)}
+    first: dict[int, float] = {}
+    done: set[int] = set()
+    window_start, window_tokens, end = None, 0, None
+    target = None if steady_tokens is None else steady_tokens * len(prompts)
+    try:
+        while engine.has_work():
+            outputs = engine.step()
+            now = clock()
+            for out in outputs:
+                if out.finish_reason == "error":
+                    raise RuntimeFailure(f"generation failed: {out.error}")
+                row = row_of.get(out.seq_id)
+                if row is None:
+                    continue
+                if out.token is not None:
+                    if row not in first:
+                        first[row] = now
+                    elif window_start is not None:
+                        window_tokens += 1
+                if out.finished:
+                    done.add(row)
+            if window_start is None and len(first) == len(prompts) and target is not None:
+                window_start = now
+            if target is not None and window_start is not None and (window_tokens >= target or len(done) == len(prompts)):
+                end = now
+                break
+            if len(done) == len(prompts):
+                end = now
+                break
+        computed = engine.runner.prefill_tokens - before
+    finally:
+        for seq in seq_ids:  # steady mode: stop the rows; a failure: leave the engine clean
+            engine.close(seq)
+        while engine.has_work():
+            engine.step()
+        for seq in seq_ids:
+            engine.release(seq)
+    if end is None or len(first) < len(prompts):
+        raise RuntimeFailure("the engine stopped before every request produced a token")
+    return RunTiming(submitted, [first[i] for i in range(len(prompts))], end, window_start, window_tokens, computed)
+
+
+def prefill_context(engine, prefixes: list[list[int]]):
+    """Prefill each row's depth prefix (untimed) and return the Conversations that keep its KV state.
+
+    Dense storage reuses a Conversation's caches; paged storage finds the blocks in its prefix cache.
+    """
+    from .engine import Conversation
+
+    conversations = [Conversation() for _ in prefixes]
+    run_requests(engine, prefixes, 1, conversations)
+    return conversations
+
+
+def forget_cached_prefixes(engine) -> None:
+    """Empty a paged prefix cache, so a repetition never reuses the previous one's (identical) prompt."""
+    pool = getattr(engine.storage, "pool", None)
+    if pool is not None and getattr(pool, "enable_prefix_cache", False):
+        pool.release(pool.allocate(pool.num_available()))  # evicts every cached block, then frees it
+
+
+def _tg_margin(prompt_len: int, batch: int, chunk: int) -> int:
+    """Extra max_tokens so early rows are still decoding when the last row gets its first token."""
+    chunks = -(-prompt_len // chunk)
+    return 2 + batch * chunks * (1 if chunks == 1 else 16)
+
+
+@dataclass
+class Sample:
+    seconds: float
+    ttft_s: float  # mean over rows
+    prefill_computed: int
+
+
+def measure_test(engine, test: BenchTest, prompts: list[list[int]], prefixes: list[list[int]] | None,
+                 clock: Callable[[], float] = time.perf_counter, chunk: int = 2048) -> Sample:
+    """One repetition of one test on `engine` (depth prefix prefilled first, untimed)."""
+    forget_cached_prefixes(engine)
+    conversations = prefill_context(engine, prefixes) if prefixes else None
+    full = [(pre or []) + p for pre, p in zip(prefixes or [None] * len(prompts), prompts)]
+    if test.kind == "pp":
+        run = run_requests(engine, full, 1, conversations, clock=clock)
+        seconds = run.all_first_tokens - run.submitted
+    elif test.kind == "pg":
+        run = run_requests(engine, full, test.n_gen + 1, conversations, clock=clock)
+        seconds = run.end - run.submitted
+    else:
+        margin = 0 if test.n_batch == 1 else _tg_margin(max(len(p) for p in full), test.n_batch, chunk)
+        run = run_requests(engine, full, test.n_gen + 1 + margin, conversations, steady_tokens=test.n_gen, clock=clock)
+        seconds = run.end - run.window_start
+        if run.window_tokens != test.n_gen * test.n_batch:
+            raise RuntimeFailure(f"{test.label}: only {run.window_tokens} of {test.n_gen * test.n_batch} tokens "
+                                 "were decoded with the whole batch running (is the model's context too short?)")
+    return Sample(seconds, statistics.fmean(run.ttft), run.prefill_computed)
+
+
+def engine_for(bench_model: BenchModel, test: BenchTest, config: BenchConfig):
+    """An Engine for one test: batch = the test's b, KV budget sized for b rows of depth + prompt + output."""
+    from .engine import Engine, EngineConfig
+
+    prompt_len = test.n_depth + test.test_tokens
+    per_row = prompt_len + test.n_gen + 1 + _tg_margin(prompt_len, test.n_batch, config.prefill_chunk_size) + 64
+    cfg = EngineConfig(max_batch_size=test.n_batch, kv_bits=config.kv_bits, storage=config.storage,
+                       prefill_chunk_size=config.prefill_chunk_size, kv_budget_tokens=test.n_batch * per_row)
+    return Engine(bench_model.model, RandomIdTokenizer(bench_model.vocab_size), cfg)
+
+
+def bench_prompts(bench_model: BenchModel, test: BenchTest, seed: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    """(the test's own prompt per row, the depth prefix per row or None); rows differ, repetitions do not."""
+    v = bench_model.vocab_size
+    prompts = [random_prompt(v, test.test_tokens, seed, "prompt", row, test.test_tokens)
+               for row in range(test.n_batch)]
+    prefixes = [random_prompt(v, test.n_depth, seed, "depth", row, test.n_depth)
+                for row in range(test.n_batch)] if test.n_depth else None
+    return prompts, prefixes
+
+
+def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[[BenchResult], None] | None = None,
+              log: Callable[[str], None] = lambda m: None, clock: Callable[[], float] = time.perf_counter,
+              env: dict[str, str] | None = None) -> list[BenchResult]:
+    """Run every planned test: warm-up (unless disabled), then `repetitions` timed runs each."""
+    import gc
+
+    import mlx.core as mx
+
+    config.validate()
+    env = env or environment()
+    results = []
+    for test in plan_tests(config):
+        context = test.n_depth + test.test_tokens + test.n_gen + 1
+        if context > bench_model.model.max_context_length:
+            raise InputError(f"{test.label} needs {context} positions; the model's context is "
+                             f"{bench_model.model.max_context_length}")
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        engine = engine_for(bench_model, test, config)
+        prompts, prefixes = bench_prompts(bench_model, test, config.seed)
+        if config.warmup:
+            log(f"{test.label} (b={test.n_batch}): warm-up")
+            measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
+        samples = []
+        for rep in range(config.repetitions):
+            sample = measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
+            log(f"{test.label} (b={test.n_batch}): run {rep + 1}/{config.repetitions}: {sample.seconds * 1000:.1f} ms, "
+                f"{test.credited_tokens / sample.seconds:.2f} t/s, prefill computed {sample.prefill_computed}")
+            samples.append(sample)
+        result = BenchResult(
+            test=test, model=bench_model.description, model_filename=bench_model.filename,
+            model_size=bench_model.size_bytes, model_n_params=bench_model.n_params, backend=env["backend"],
+            device=env["device"], samples_ns=[int(round(s.seconds * 1e9)) for s in samples],
+            ttft_ms=statistics.fmean(s.ttft_s for s in samples) * 1000, peak_memory_gb=mx.get_peak_memory() / 1e9,
+            prefill_computed=max(s.prefill_computed for s in samples), kv_bits=config.kv_bits,
+            storage=engine.config.resolved_storage, mlx_version=env["mlx_version"])
+        del engine
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
+
+
+# -- output -------------------------------------------------------------------------------------------------
+class Formatter:
+    """Streams results: `begin()`, then `row(result)` as each test finishes, then `end()` (strings to print)."""
+
+    def begin(self) -> str:
+        return ""
+
+    def row(self, result: BenchResult) -> str:
+        raise NotImplementedError
+
+    def end(self) -> str:
+        return ""
+
+
+class MarkdownFormatter(Formatter):
+    """llama-bench's table: model, size, params, backend, [b,] test, t/s; plus TTFT and peak memory."""
+
+    def __init__(self, model: str, labels: Sequence[str], show_batch: bool):
+        columns = [("model", max(30, len(model)), "<"), ("size", 10, ">"), ("params", 10, ">"), ("backend", 10, "<")]
+        if show_batch:
+            columns.append(("b", 3, ">"))
+        columns += [("test", max(15, *(len(label) for label in labels)) if labels else 15, ">"), ("t/s", 20, ">"),
+                    ("TTFT ms", 10, ">"), ("peak GB", 8, ">")]
+        self.columns = columns
+
+    def _line(self, cells: Sequence[str]) -> str:
+        return "| " + " | ".join(f"{c:{align}{w}}" for c, (_, w, align) in zip(cells, self.columns)) + " |\n"
+
+    def begin(self) -> str:
+        rule = "| " + " | ".join(("-" * w if a == "<" else "-" * (w - 1) + ":") for _, w, a in self.columns) + " |\n"
+        return self._line([name for name, _, _ in self.columns]) + rule
+
+    def row(self, r: BenchResult) -> str:
+        cells = [r.model, f"{r.model_size / 2**30:.2f} GiB", _human_count(r.model_n_params), r.backend]
+        if any(name == "b" for name, _, _ in self.columns):
+            cells.append(str(r.test.n_batch))
+        cells += [r.test.label, format_mean_std(r.avg_ts, r.stddev_ts), f"{r.ttft_ms:.2f}", f"{r.peak_memory_gb:.3f}"]
+        return self._line(cells)
+
+
+class JsonFormatter(Formatter):
+    """A JSON list of objects, printed as results arrive (like llama-bench -o json)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def begin(self) -> str:
+        return "["
+
+    def row(self, r: BenchResult) -> str:
+        self.count += 1
+        text = json.dumps(r.to_dict(), ensure_ascii=False, indent=2)
+        return ("," if self.count > 1 else "") + "\n" + "\n".join("  " + ln for ln in text.splitlines())
+
+    def end(self) -> str:
+        return "\n]\n"
+
+
+class JsonlFormatter(Formatter):
+    def row(self, r: BenchResult) -> str:
+        return json.dumps(r.to_dict(), ensure_ascii=False) + "\n"
+
+
+class CsvFormatter(Formatter):
+    """Header, then one row per test; samples_ns / samples_ts are JSON lists in their cells."""
+
+    def _csv(self, values) -> str:
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerow(values)
+        return buffer.getvalue()
+
+    def begin(self) -> str:
+        return self._csv(FIELDS)
+
+    def row(self, r: BenchResult) -> str:
+        values = r.to_dict()
+        return self._csv([json.dumps(values[k]) if isinstance(values[k], list) else
+                          "" if values[k] is None else values[k] for k in FIELDS])
+
+
+def formatter(name: str, model_description: str = "", tests: Sequence[BenchTest] = ()) -> Formatter:
+    if name == "md":
+        return MarkdownFormatter(model_description, [t.label for t in tests], any(t.n_batch != 1 for t in tests))
+    if name == "json":
+        return JsonFormatter()
+    if name == "jsonl":
+        return JsonlFormatter()
+    if name == "csv":
+        return CsvFormatter()
+    raise InputError(f"-o/--output must be one of {', '.join(OUTPUT_FORMATS)}, got '{name}'")
+
+
+def render(results: Sequence[BenchResult], name: str) -> str:
+    """All results at once in one format (for scripts)."""
+    tests = [r.test for r in results]
+    fmt = formatter(name, results[0].model if results else "", tests)
+    return fmt.begin() + "".join(fmt.row(r) for r in results) + fmt.end()
+
