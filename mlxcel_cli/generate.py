@@ -10,6 +10,7 @@ import typer
 
 from . import options as opt
 from .errors import fail, reported_errors
+from .tp import TpSize, join_ranks
 
 
 def _read_prompt(prompt: Optional[str]) -> str:
@@ -27,6 +28,10 @@ def _print_stats(stats, verbose: bool) -> None:
     print(f"peak memory: {stats.peak_memory_gb:.3f} GB", file=err)
     if verbose:
         print(f"prefill: {stats.prefill_s * 1000:.1f} ms, decode: {stats.decode_s * 1000:.1f} ms", file=err)
+        spec = stats.speculative
+        if spec is not None:
+            print(f"speculative: {spec.rounds} rounds, {spec.proposed} draft tokens proposed, {spec.accepted} "
+                  f"accepted ({spec.acceptance_rate:.1%}), {spec.mean_accepted:.2f} accepted per round", file=err)
 
 
 def generate(
@@ -57,6 +62,10 @@ def generate(
     kv_bits: opt.KvBits = None,
     storage: opt.StorageBackend = "auto",
     prefill_chunk_size: opt.PrefillChunk = 2048,
+    tp_size: TpSize = 1,
+    draft_model: opt.DraftModel = None,
+    draft_ngram: opt.DraftNgram = 0,
+    num_draft_tokens: opt.NumDraftTokens = 5,
     as_json: Annotated[bool, typer.Option(
         "--json", help="Print one JSON object (text, token ids, finish_reason, usage, timings) instead of streaming.")] = False,
     verbose: opt.Verbose = False,
@@ -70,33 +79,51 @@ def generate(
             frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
             dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
             dry_sequence_breaker=dry_sequence_breaker, xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
-        engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size)
+        speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
+        engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size, speculative)
         if not text.strip():
             raise fail("prompt is empty")
         if system and no_chat_template:
             raise fail("a system prompt needs the chat template, but --no-chat-template was given")
+        group, params = join_ranks(tp_size, stdin_text=text if prompt in (None, "-") else None, params=params,
+                                   verbose=verbose)
 
         answer_once(text, model, params, engine_config, system, chat_template=not no_chat_template,
-                    as_json=as_json, verbose=verbose)
+                    as_json=as_json, verbose=verbose, group=group)
 
 
 def answer_once(text: str, model: Optional[str], params, engine_config, system: Optional[str], *,
-                chat_template: bool = True, as_json: bool = False, verbose: bool = False) -> None:
+                chat_template: bool = True, as_json: bool = False, verbose: bool = False, group=None) -> None:
     """Load the model, answer one prompt (streamed, or one JSON object) and print statistics on stderr.
 
     The body of `mlxcel generate`; `mlxcel run -p` calls it too, so both print exactly the same.
+    `group`: this process is one rank of a tensor-parallel group (every rank runs this same loop).
     """
+    from mlxcel_core.distributed import lost_peer_errors
+
+    with lost_peer_errors(group):
+        _answer_once(text, model, params, engine_config, system, chat_template, as_json, verbose, group)
+
+
+def _answer_once(text, model, params, engine_config, system, chat_template, as_json, verbose, group) -> None:
     from mlxcel_core.api import prepare_prompt, stream_generate
     from mlxcel_core.loading import load_model
 
-    loaded = load_model(model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr))
+    loaded = load_model(model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)
     print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
+    if group is not None:
+        print(f"mlxcel: tensor parallel: {group.size()} ranks", file=sys.stderr)
+    draft = None
+    speculative = engine_config.speculative
+    if speculative is not None and speculative.draft_model:
+        draft = load_model(speculative.draft_model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr))
+        print(f"mlxcel: draft model: {draft.source.origin}", file=sys.stderr)
     prompt_ids = prepare_prompt(loaded.tokenizer, text, system, chat_template=chat_template)
     if verbose:
         print(f"mlxcel: prompt tokens: {len(prompt_ids)}", file=sys.stderr)
 
     pieces, tokens, last = [], [], None
-    for chunk in stream_generate(loaded, prompt_ids, params, engine_config):
+    for chunk in stream_generate(loaded, prompt_ids, params, engine_config, draft):
         if chunk.token is not None:
             tokens.append(chunk.token)
         pieces.append(chunk.text)
@@ -115,6 +142,11 @@ def answer_once(text: str, model: Optional[str], params, engine_config, system: 
             "timings": {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
                         "prefill_tokens_per_s": stats.prefill_tps, "decode_tokens_per_s": stats.decode_tps,
                         "peak_memory_gb": stats.peak_memory_gb},
+            **({"speculative": {"rounds": stats.speculative.rounds, "proposed": stats.speculative.proposed,
+                                "accepted": stats.speculative.accepted,
+                                "acceptance_rate": stats.speculative.acceptance_rate,
+                                "mean_accepted_per_round": stats.speculative.mean_accepted}}
+               if stats.speculative is not None else {}),
             "model": loaded.source.origin,
         }, ensure_ascii=False))
     else:

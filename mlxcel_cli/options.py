@@ -108,7 +108,27 @@ PrefillChunk = Annotated[int, typer.Option(
     "--prefill-chunk-size", help="Prompt tokens computed per forward pass (bounds memory on long prompts).")]
 
 
-def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, prefill_chunk_size: int):
+DraftModel = Annotated[Optional[str], typer.Option(
+    "--draft-model", metavar="MODEL",
+    help="Speculative decoding with this smaller model (same tokenizer) drafting tokens the model verifies.")]
+DraftNgram = Annotated[int, typer.Option(
+    "--draft-ngram", metavar="N",
+    help="Speculative decoding by prompt lookup: draft what followed the last 1..N tokens earlier in the text; 0 = off.")]
+NumDraftTokens = Annotated[int, typer.Option(
+    "--num-draft-tokens", metavar="K", help="Speculative decoding: tokens drafted per round (1-64).")]
+
+
+def speculative_config(draft_model: Optional[str], draft_ngram: int, num_draft_tokens: int):
+    """None unless a drafter is asked for; InputError (exit 2) on bad values."""
+    from mlxcel_core.engine import SpeculativeConfig
+
+    if not draft_model and not draft_ngram:
+        return None
+    return SpeculativeConfig(num_draft_tokens=num_draft_tokens, ngram=draft_ngram, draft_model=draft_model or None)
+
+
+def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, prefill_chunk_size: int,
+                  speculative=None):
     from mlxcel_core.engine import EngineConfig
     from mlxcel_core.errors import InputError
 
@@ -119,4 +139,4 @@ def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, pre
     if prefill_chunk_size < 1:
         raise InputError(f"--prefill-chunk-size must be >= 1, got {prefill_chunk_size}")
     return EngineConfig(max_batch_size=max_batch_size, kv_bits=kv_bits, storage=storage,
-                        prefill_chunk_size=prefill_chunk_size)
+                        prefill_chunk_size=prefill_chunk_size, speculative=speculative)

@@ -62,6 +62,9 @@ def run(
     xtc_probability: opt.XtcProbability = 0.0,
     kv_bits: opt.KvBits = None,
     prefill_chunk_size: opt.PrefillChunk = 2048,
+    draft_model: opt.DraftModel = None,
+    draft_ngram: opt.DraftNgram = 0,
+    num_draft_tokens: opt.NumDraftTokens = 5,
     verbose: opt.Verbose = False,
 ) -> None:
     """Chat with a model in the terminal (with -p: answer one prompt and exit).
@@ -82,7 +85,8 @@ def run(
             frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
             dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
             dry_sequence_breaker=dry_sequence_breaker, xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
-        engine_config = opt.engine_config(1, kv_bits, "dense", prefill_chunk_size)
+        speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
+        engine_config = opt.engine_config(1, kv_bits, "dense", prefill_chunk_size, speculative)
         if prompt is not None:
             text = _read_prompt(prompt)
             if not text.strip():

@@ -45,6 +45,13 @@ CtxSize = Annotated[int, _opt("--ctx-size", env="MLXCEL_CTX_SIZE", min=0,
 MaxN = Annotated[int, _opt("--max-n", env="MLXCEL_MAX_N", min=1, help="Largest `n` (choices) a request may ask for.")]
 KvBits = Annotated[Optional[int], _opt("--kv-bits", env="MLXCEL_KV_BITS",
                                        help="Store the KV cache quantized to 8 or 4 bits.")]
+DraftModel = Annotated[Optional[str], _opt("--draft-model", env="MLXCEL_DRAFT_MODEL", metavar="MODEL",
+                                          help="Speculative decoding with this smaller model (same tokenizer). "
+                                               "A request speculates while it decodes alone; batched rows decode plainly.")]
+DraftNgram = Annotated[int, _opt("--draft-ngram", env="MLXCEL_DRAFT_NGRAM", metavar="N", min=0,
+                                 help="Speculative decoding by prompt lookup (n-grams up to N); 0 = off.")]
+NumDraftTokens = Annotated[int, _opt("--num-draft-tokens", env="MLXCEL_NUM_DRAFT_TOKENS", metavar="K",
+                                     help="Speculative decoding: tokens drafted per round (1-64).")]
 LogFormat = Annotated[str, _opt("--log-format", env="MLXCEL_LOG_FORMAT",
                                 help="Log lines on stderr as text or json (one object per line).")]
 
@@ -96,6 +103,9 @@ def serve(
     ctx_size: CtxSize = 0,
     max_n: MaxN = 4,
     kv_bits: KvBits = None,
+    draft_model: DraftModel = None,
+    draft_ngram: DraftNgram = 0,
+    num_draft_tokens: NumDraftTokens = 5,
     log_format: LogFormat = "text",
     verbose: opt.Verbose = False,
 ) -> None:
@@ -108,7 +118,9 @@ def serve(
     with reported_errors(verbose):
         if log_format not in ("text", "json"):
             raise fail(f"--log-format must be text or json, got '{log_format}'")
-        engine_config = opt.engine_config(max_batch_size or parallel, kv_bits, storage, prefill_chunk_size)
+        speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
+        engine_config = opt.engine_config(max_batch_size or parallel, kv_bits, storage, prefill_chunk_size,
+                                          speculative)
         _configure_logging(log_format, verbose)
 
         import uvicorn

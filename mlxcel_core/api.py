@@ -7,7 +7,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .engine import Engine, EngineConfig, FinishReason
+from .engine import Engine, EngineConfig, FinishReason, SpecStats
 from .errors import InputError, RuntimeFailure
 from .loading import LoadedModel
 from .sampling import SamplingParams
@@ -21,6 +21,7 @@ class GenerationStats:
     prefill_s: float
     decode_s: float
     peak_memory_gb: float
+    speculative: SpecStats | None = None  # with a drafter: rounds, proposed, accepted
 
     @property
     def prefill_tps(self) -> float:
@@ -63,10 +64,13 @@ def prepare_prompt(tokenizer: Tokenizer, prompt: str, system: str | None = None,
 
 
 def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams,
-                    engine_config: EngineConfig | None = None) -> Iterator[GenerationChunk]:
-    """Yield text as it is generated; the last chunk has the finish reason and statistics."""
+                    engine_config: EngineConfig | None = None, draft: LoadedModel | None = None
+                    ) -> Iterator[GenerationChunk]:
+    """Yield text as it is generated; the last chunk has the finish reason and statistics.
+
+    `draft`: the loaded draft model when `engine_config.speculative` names one (else the engine loads it)."""
     mx.reset_peak_memory()
-    engine = Engine(loaded.model, loaded.tokenizer, engine_config or EngineConfig(max_batch_size=1))
+    engine = Engine(loaded.model, loaded.tokenizer, engine_config or EngineConfig(max_batch_size=1), draft=draft)
     seq_id = engine.open(prompt_ids, params)
     try:
         while engine.has_work():
@@ -81,6 +85,7 @@ def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: Sampling
                     prefill_s=seq.timings.prefill_s,
                     decode_s=seq.timings.decode_s,
                     peak_memory_gb=mx.get_peak_memory() / 1e9,
+                    speculative=seq.spec if engine.speculator is not None else None,
                 )
                 if out.finish_reason == "error":
                     raise RuntimeFailure(f"generation failed: {out.error}")

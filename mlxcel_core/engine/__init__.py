@@ -2,6 +2,6 @@
 
 from .engine import Engine
 from .storage import Conversation
-from .types import EngineConfig, FinishReason, StepOutput
+from .types import EngineConfig, FinishReason, SpecStats, SpeculativeConfig, StepOutput
 
-__all__ = ["Engine", "EngineConfig", "Conversation", "StepOutput", "FinishReason"]
+__all__ = ["Engine", "EngineConfig", "Conversation", "StepOutput", "FinishReason", "SpeculativeConfig", "SpecStats"]

@@ -4,6 +4,8 @@ Each `step()`: ask the scheduler for a plan (plain data), run it through the mod
 rows in one forward, plus at most one prefill chunk), sample every row with its own sampler, then
 read the *previous* step's tokens on the host while the device computes this one (lookahead
 pipelining), and apply stops. A failing row ends with finish_reason "error"; the others go on.
+With a drafter configured, a sequence that decodes alone runs a speculative round instead of its
+decode (speculative.py: draft, verify in one forward, trim); while batching, rows decode plainly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, SchedulerConfig
+from .speculative import Speculator, make_drafter, verify
 from .storage import Conversation, DenseStorage, KVStorage
 from .types import EngineConfig, FinishReason, Sequence, StepOutput
 
@@ -55,7 +58,8 @@ def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, draft=None):
+        """`draft`: the draft model (LoadedModel) when config.speculative names one and it is already loaded."""
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.max_context = model.max_context_length
@@ -74,6 +78,10 @@ class Engine:
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
         self._token_texts: list[str] | None = None  # each token's text, for DRY sequence breakers
         self._dry_breakers: dict[tuple[str, ...], dict] = {}
+        self.speculator: Speculator | None = None
+        if self.config.speculative is not None:
+            drafter = make_drafter(self.config.speculative, tokenizer, self.config.prefill_chunk_size, draft)
+            self.speculator = Speculator(self.config.speculative, drafter)
 
     # -- public API -------------------------------------------------------------------------
     def open(self, prompt_ids: list[int], params: SamplingParams, conversation: Conversation | None = None) -> int:
@@ -113,13 +121,18 @@ class Engine:
         return self.scheduler.has_work() or bool(self._unread)
 
     def step(self) -> list[StepOutput]:
-        sync = not self.lookahead or any(s.params.needs_history for s in self._live())
+        # A sequence decoding alone speculates (speculative.py); drafting needs every token so far on the host.
+        speculate = self.speculator is not None and sum(1 for _ in self._live()) == 1
+        sync = not self.lookahead or speculate or any(s.params.needs_history for s in self._live())
         outputs = self._commit() if sync else []  # processors must see every token so far
         batch = self.scheduler.schedule()
         for seq_id in batch.cancelled:
             outputs.append(self._end(self._sequences[seq_id], "cancelled", token=None))
         produced: dict[int, _Sampled] = {}
-        if batch.decode:
+        speculated = self._speculate(self._sequences[batch.decode[0]]) if speculate and batch.decode else None
+        if speculated is not None:
+            outputs += speculated
+        elif batch.decode:
             tokens = mx.concatenate([self._latest[s].reshape(1) for s in batch.decode])
             outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens))
         if batch.prefill is not None:
@@ -193,6 +206,33 @@ class Engine:
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
 
+    def _speculate(self, seq: Sequence) -> list[StepOutput] | None:
+        """One speculative round (draft, verify in one forward, trim); None when there is nothing to propose."""
+        k = self.speculator.draft_size(seq)
+        history = seq.prompt_ids + seq.output_ids
+        try:
+            proposals = self.speculator.drafter.propose(seq.seq_id, history, k) if k > 0 else []
+            if not proposals:
+                return None
+            logits = self.runner.score(seq.seq_id, [history[-1]] + proposals)
+            verdict = verify(seq.sampler, logits, proposals, history)
+        except Exception as exc:  # the drafter, the model or a logits processor failed: this row only
+            return [self._end(seq, "error", None, f"speculative decoding failed: {type(exc).__name__}: {exc}")]
+        if verdict.nan:
+            return [self._end(seq, "error", None, "NaN logits (from the model or a logits processor)")]
+        accepted = len(verdict.tokens) - 1
+        self.storage.rollback(seq.seq_id, len(proposals) - accepted)
+        self.speculator.drafter.rollback(seq.seq_id, len(history) + accepted)
+        self.speculator.record(seq, len(proposals), accepted)
+        self.scheduler.advance(seq.seq_id, accepted)
+        self._latest[seq.seq_id] = mx.array(verdict.tokens[-1])
+        outputs = []
+        for token in verdict.tokens:  # EOS, a stop string or max_tokens may end the row mid-draft
+            outputs.append(self._append(seq, token))
+            if outputs[-1].finished:
+                break
+        return outputs
+
     def _commit(self) -> list[StepOutput]:
         unread, self._unread = self._unread, {}
         outputs = []
@@ -231,6 +271,8 @@ class Engine:
         seq.timings.finished = time.perf_counter()
         self.scheduler.finish(seq.seq_id)
         self.storage.free(seq.seq_id, seq.prompt_ids + seq.output_ids)
+        if self.speculator is not None:
+            self.speculator.drafter.free(seq.seq_id)
         self._latest.pop(seq.seq_id, None)
         return StepOutput(seq.seq_id, token, text, reason, error)
 

@@ -73,6 +73,14 @@ class PagedStorage:
         positions = mx.array(positions)
         return [_DecodeView(self, layer, slots, block_tables, positions) for layer in range(len(self.pools))]
 
+    def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
+        """Several new tokens of one decoding sequence (speculative verification): a prompt chunk's view."""
+        return self.prefill_caches(seq_id, self.lengths[seq_id], length)
+
+    def rollback(self, seq_id: int, count: int) -> None:
+        """The last `count` slots are stale (rejected draft tokens): the next writes go over them."""
+        self.lengths[seq_id] -= count
+
     def free(self, seq_id: int, tokens: list[int]) -> None:
         table = self.tables.pop(seq_id, None)
         if table is None:

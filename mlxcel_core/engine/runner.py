@@ -30,6 +30,12 @@ class ModelRunner:
         self.storage.finish_prefill(seq_id)
         return logits
 
+    def score(self, seq_id: int, tokens: list[int]) -> mx.array:
+        """One decoding sequence, several tokens in one forward (speculative verification): logits [n, V],
+        row i predicting the token after tokens[i]."""
+        caches = self.storage.extend_caches(seq_id, len(tokens))
+        return self.model(mx.array([tokens]), caches)[0]
+
     def decode(self, seq_ids: tuple[int, ...], tokens: mx.array) -> mx.array:
         """One step for every row: `tokens` [B] -> logits [B, V]."""
         caches = self.storage.decode_caches(seq_ids)

@@ -95,6 +95,12 @@ class BatchScheduler:
         if request is not None:
             self._reserved -= request.reservation
 
+    def advance(self, seq_id: int, extra: int) -> None:
+        """The sequence produced `extra` tokens beyond the one its decode step was planned for (speculation)."""
+        request = self._active.get(seq_id)
+        if request is not None:
+            request.produced += extra
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._active)
 

@@ -48,6 +48,13 @@ class KVStorage(Protocol):
     def decode_caches(self, seq_ids: Sequence[int]) -> Sequence[LayerCache]:
         """Per-layer caches for one decode step over these rows, in this order."""
 
+    def extend_caches(self, seq_id: int, length: int) -> Sequence[LayerCache]:
+        """Per-layer caches for `length` new tokens of one decoding sequence in one forward (speculative
+        verification: the current token plus the draft). The sequence must be the only one decoding."""
+
+    def rollback(self, seq_id: int, count: int) -> None:
+        """Forget the sequence's last `count` tokens (rejected draft tokens)."""
+
     def free(self, seq_id: int, tokens: list[int]) -> None:
         """Release a sequence; `tokens` (prompt + output) lets a prefix cache keep what was computed."""
 
@@ -87,6 +94,17 @@ class DenseStorage:
         if list(seq_ids) != self._rows:
             self._select_rows([self._rows.index(s) for s in seq_ids])
         return self._batch
+
+    def extend_caches(self, seq_id: int, length: int) -> list[KVCache]:
+        caches = self.decode_caches([seq_id])  # a batch of this row alone: KVCache.attend takes any length
+        if self._rows != [seq_id]:
+            raise RuntimeError("extend_caches needs the sequence to decode alone")
+        return caches
+
+    def rollback(self, seq_id: int, count: int) -> None:
+        if count > 0:
+            for layer in self._batch:
+                layer.trim(layer.columns - count)
 
     def free(self, seq_id: int, tokens: list[int]) -> None:
         conversation = self._conversations.pop(seq_id, None)

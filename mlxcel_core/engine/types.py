@@ -7,10 +7,53 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
+from ..errors import InputError
 from ..sampling import RowSampler, SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 StorageKind = Literal["auto", "dense", "paged"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative.py): one drafter proposes up to `num_draft_tokens` per round."""
+
+    num_draft_tokens: int = 5
+    ngram: int = 0  # prompt lookup: match the sequence's last 1..ngram tokens earlier in it (0 = off)
+    draft_model: str | None = None  # a smaller model with the same tokenizer (path, .gguf or Hub id)
+
+    def __post_init__(self):
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 64:
+            raise InputError(f"num-draft-tokens must be an integer in [1, 64], got {self.num_draft_tokens}")
+        if not isinstance(self.ngram, int) or not 0 <= self.ngram <= 16:
+            raise InputError(f"draft-ngram must be an integer in [0, 16] (0 = off), got {self.ngram}")
+        if self.ngram and self.draft_model:
+            raise InputError("give one drafter: --draft-ngram (prompt lookup) or --draft-model, not both")
+        if not self.ngram and not self.draft_model:
+            raise InputError("speculative decoding needs a drafter: --draft-ngram N or --draft-model PATH")
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding counters (per sequence, and engine totals)."""
+
+    rounds: int = 0  # verify forwards
+    proposed: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # draft tokens the target's sampler agreed with
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Draft tokens accepted per round (each round also emits one token of the target's own)."""
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.accepted += accepted
 
 
 @dataclass(frozen=True)
@@ -25,6 +68,7 @@ class EngineConfig:
     prefix_cache: bool = True  # paged storage only
     lookahead: bool = True  # submit step n+1 before reading step n (MLXCEL_LOOKAHEAD=0 turns it off)
     num_splits: int = 1  # split-K factor of paged decode attention (what `mlxcel tune` will choose)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def effective_kv_budget_tokens(self) -> int | None:
@@ -89,3 +133,4 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
     timings: SequenceTimings = field(default_factory=SequenceTimings)
+    spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, when the engine has a drafter

@@ -67,6 +67,7 @@ class EngineLoop:
         self.state = "loading"  # loading | ready | failed | stopped
         self.error: BaseException | None = None
         self.loaded = None  # LoadedModel, once loaded
+        self.draft = None  # the draft model (LoadedModel) of speculative decoding, when configured
         self.engine: Engine | None = None
         self.max_context = 0
         self.heartbeat = time.monotonic()  # the engine loop's last turn: a wedged engine turns health 503
@@ -134,7 +135,7 @@ class EngineLoop:
 
     # -- the engine thread -----------------------------------------------------------------------
     def _new_engine(self) -> Engine:
-        engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config)
+        engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config, draft=self.draft)
         ctx = engine.max_context
         if self.ctx_size:
             ctx = min(ctx, self.ctx_size)
@@ -147,6 +148,11 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self.loaded = self._load()
+            speculative = self.engine_config.speculative
+            if speculative is not None and speculative.draft_model:
+                from ..loading import load_model
+
+                self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
             self.engine = self._new_engine()
         except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
             self.state, self.error = "failed", exc
@@ -258,7 +264,8 @@ class EngineLoop:
         engine = self.engine
         stats = engine.storage.stats() if self.engine_config.resolved_storage == "paged" else {}
         self.metrics.record_step(running=engine.scheduler.num_running, waiting=self.queue_depth,
-                                 prefill_tokens=engine.runner.prefill_tokens, storage_stats=stats)
+                                 prefill_tokens=engine.runner.prefill_tokens, storage_stats=stats,
+                                 speculative=engine.speculator.stats if engine.speculator is not None else None)
 
     def _fail_all(self, message: str) -> None:
         """End every job (live or still in the inbox) with an error."""

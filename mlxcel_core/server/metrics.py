@@ -41,11 +41,25 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS)
         self.decode_tps = Histogram("mlxcel_request_decode_tokens_per_second",
                                     "Decode speed of each finished sequence", registry=r, buckets=TPS_BUCKETS)
+        self.spec_rounds = Counter("mlxcel_spec_rounds", "Speculative decoding rounds (verify forwards)", registry=r)
+        self.spec_proposed = Counter("mlxcel_spec_draft_tokens", "Draft tokens proposed for verification",
+                                     registry=r)
+        self.spec_accepted = Counter("mlxcel_spec_accepted_tokens", "Draft tokens accepted by the target model",
+                                     registry=r)
         self._seen_prefill = 0
         self._seen_hits = 0
+        self._seen_spec = (0, 0, 0)
 
-    def record_step(self, *, running: int, waiting: int, prefill_tokens: int, storage_stats: dict) -> None:
+    def record_step(self, *, running: int, waiting: int, prefill_tokens: int, storage_stats: dict,
+                    speculative=None) -> None:
         """Called by the engine thread after each step with the engine's cumulative counters."""
+        if speculative is not None:
+            now = (speculative.rounds, speculative.proposed, speculative.accepted)
+            for counter, new, seen in zip((self.spec_rounds, self.spec_proposed, self.spec_accepted), now,
+                                          self._seen_spec):
+                if new > seen:
+                    counter.inc(new - seen)
+            self._seen_spec = now
         self.requests_processing.set(running)
         self.batch_size.set(running)
         self.requests_deferred.set(waiting)
@@ -64,6 +78,7 @@ class ServerMetrics:
     def reset_engine_counters(self) -> None:
         """A new Engine starts its cumulative counters from zero."""
         self._seen_prefill = self._seen_hits = 0
+        self._seen_spec = (0, 0, 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

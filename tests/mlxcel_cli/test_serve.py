@@ -122,6 +122,19 @@ def test_a_model_that_fails_to_load_exits_2(tmp_path, serve_process):
     assert "mlxcel: error:" in server.output() and "does not exist" in server.output()
 
 
+def test_a_draft_model_with_another_vocabulary_exits_2(tiny_llama_dir, tmp_path, serve_process):
+    import shutil
+
+    from tiny_models import build_tokenizer
+
+    other = tmp_path / "other-vocab"
+    shutil.copytree(tiny_llama_dir, other)
+    build_tokenizer(vocab_size=300).save(str(other / "tokenizer.json"))
+    server = serve_process("-m", str(tiny_llama_dir), "--draft-model", str(other), "--port", "0")
+    assert server.proc.wait(60) == 2
+    assert "mlxcel: error: draft model" in server.output() and "different vocabulary" in server.output()
+
+
 def test_a_busy_port_exits_2(tiny_llama_dir, serve_process):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -142,7 +155,8 @@ def test_help_lists_every_flag_with_its_env_var(capsys):
                       ("--prefill-chunk-size", "MLXCEL_PREFILL_CHUNK_SIZE"),
                       ("--decode-storage-backend", "MLXCEL_DECODE_STORAGE_BACKEND"), ("--ctx-size", "MLXCEL_CTX_SIZE"),
                       ("--max-n", "MLXCEL_MAX_N"), ("--kv-bits", "MLXCEL_KV_BITS"),
-                      ("--log-format", "MLXCEL_LOG_FORMAT")]:
+                      ("--log-format", "MLXCEL_LOG_FORMAT"), ("--draft-model", "MLXCEL_DRAFT_MODEL"),
+                      ("--draft-ngram", "MLXCEL_DRAFT_NGRAM"), ("--num-draft-tokens", "MLXCEL_NUM_DRAFT_TOKENS")]:
         assert flag in out
         if env:
             assert env in re.sub(r"\s+", "", out), env
@@ -154,6 +168,8 @@ def test_help_lists_every_flag_with_its_env_var(capsys):
     (["--decode-storage-backend", "disk"], "--decode-storage-backend must be"),
     (["--port", "70000"], "70000"),
     (["--max-batch-size", "0"], "--max-batch-size"),
+    (["--draft-ngram", "2", "--num-draft-tokens", "0"], "num-draft-tokens must be"),
+    (["--draft-ngram", "2", "--draft-model", "x"], "not both"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert main(["serve", *args]) == 2

@@ -72,7 +72,8 @@ def start_server(model_dir, *, max_batch_size: int = 8, wait_ready: bool = True,
                  **config) -> RunningServer:
     import uvicorn
 
-    server_config = ServerConfig(model=str(model_dir), engine=EngineConfig(max_batch_size=max_batch_size), **config)
+    engine = config.pop("engine", None) or EngineConfig(max_batch_size=max_batch_size)
+    server_config = ServerConfig(model=str(model_dir), engine=engine, **config)
     app = create_app(server_config, load=load)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
