@@ -9,6 +9,7 @@ import typer
 
 from . import options as opt
 from .errors import fail, reported_errors
+from .tp import TpSize, join_ranks
 
 OUTPUTS = ("md", "json", "jsonl", "csv")
 
@@ -71,6 +72,7 @@ def bench(
     storage: opt.StorageBackend = "auto",
     prefill_chunk_size: opt.PrefillChunk = 2048,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt token ids.")] = 0,
+    tp_size: TpSize = 1,
     verbose: opt.Verbose = False,
 ) -> None:
     """Measure prefill and decode speed, llama-bench style.
@@ -107,18 +109,28 @@ def bench(
 
             shape_config(model_shape)  # unknown names fail before anything is built
 
+        group, _ = join_ranks(tp_size, verbose=verbose)
         log = (lambda m: print(f"mlxcel: {m}", file=sys.stderr)) if verbose else (lambda m: None)
-        bench_model = load_bench_model(model, model_shape, bits, dtype, seed=seed,
-                                       log=lambda m: print(f"mlxcel: {m}", file=sys.stderr))
-        header = bench_header(bench_model)
-        fmt = formatter(output, bench_model.description, plan_tests(config))
-        if output == "md":
-            _write(header + "\n\n")
-        else:
-            print(f"mlxcel: {header}", file=sys.stderr)
-        _write(fmt.begin())
-        run_bench(bench_model, config, on_result=lambda r: _write(fmt.row(r)), log=log)
-        _write(fmt.end())
+        from mlxcel_core.distributed import lost_peer_errors
+
+        with lost_peer_errors(group):
+            _bench(model, model_shape, bits, dtype, seed, config, output, log, group)
+
+
+def _bench(model, model_shape, bits, dtype, seed, config, output, log, group) -> None:
+    from mlxcel_core.bench import bench_header, formatter, load_bench_model, plan_tests, run_bench
+
+    bench_model = load_bench_model(model, model_shape, bits, dtype, seed=seed,
+                                   log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)
+    header = bench_header(bench_model) + (f", tensor parallel over {group.size()} ranks" if group else "")
+    fmt = formatter(output, bench_model.description, plan_tests(config))
+    if output == "md":
+        _write(header + "\n\n")
+    else:
+        print(f"mlxcel: {header}", file=sys.stderr)
+    _write(fmt.begin())
+    run_bench(bench_model, config, on_result=lambda r: _write(fmt.row(r)), log=log)
+    _write(fmt.end())
 
 
 def _write(text: str) -> None:

@@ -229,8 +229,12 @@ class RandomIdTokenizer:
 
 
 def load_bench_model(model: str | None = None, shape: str | None = None, bits: int | None = None,
-                     dtype: str | None = None, seed: int = 0, log: Callable[[str], None] = lambda m: None) -> BenchModel:
-    """A checkpoint (`model`, as for generate; None = the default model) or a random-weight `shape`."""
+                     dtype: str | None = None, seed: int = 0, log: Callable[[str], None] = lambda m: None,
+                     group=None) -> BenchModel:
+    """A checkpoint (`model`, as for generate; None = the default model) or a random-weight `shape`.
+
+    `group` (size > 1): this rank's tensor-parallel shard (a shape is built whole with the same seed on every
+    rank, then sliced; parameter counts and sizes are then this rank's)."""
     from .models.shapes import build_random_model, check_shape_options, count_parameters, describe_shape
 
     if model is not None and shape is not None:
@@ -240,7 +244,7 @@ def load_bench_model(model: str | None = None, shape: str | None = None, bits: i
             raise InputError("--bits and --dtype apply to --model-shape only (a checkpoint keeps its own)")
         from .loading import load_model
 
-        loaded = load_model(model, log=log)
+        loaded = load_model(model, log=log, group=group)
         n_params, size = count_parameters(loaded.model)
         config = loaded.config
         vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") \
@@ -251,6 +255,13 @@ def load_bench_model(model: str | None = None, shape: str | None = None, bits: i
     check_shape_options(shape, bits, dtype)
     log(f"building {shape} with random weights ({describe_shape(shape, bits, dtype)})")
     built, config = build_random_model(shape, bits=bits, dtype=dtype, seed=seed)
+    if group is not None and group.size() > 1:
+        from .distributed.shard import shard_model
+
+        import mlx.core as mx
+
+        shard_model(built, {}, group)
+        mx.eval(built.parameters())
     n_params, size = count_parameters(built)
     return BenchModel(built, config["vocab_size"], describe_shape(shape, bits, dtype), shape, n_params, size)
 

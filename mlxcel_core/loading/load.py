@@ -28,8 +28,10 @@ def _stderr(msg: str) -> None:
     print(f"mlxcel: {msg}", file=sys.stderr)
 
 
-def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr) -> LoadedModel:
-    """Load a model from a directory, a .gguf file, a Hub repo id, or (None) the default model."""
+def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, group=None) -> LoadedModel:
+    """Load a model from a directory, a .gguf file, a Hub repo id, or (None) the default model.
+
+    `group` (an mx.distributed group of size > 1): this rank's tensor-parallel shard of the model."""
     source = resolve_model(spec, log)
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path)
@@ -40,5 +42,5 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr) ->
         weights = load_hf_weights(source.path, warn=log)
         tokenizer = load_hf_tokenizer(source.path, config)
         dtype = None
-    model = build_model(config, weights, dtype)
+    model = build_model(config, weights, dtype, group=group)
     return LoadedModel(model, tokenizer, config, source)

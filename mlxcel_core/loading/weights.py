@@ -47,7 +47,9 @@ def _check_names(model: nn.Module, weights: dict[str, mx.array], model_type: str
             raise CorruptModelError(f"checkpoint does not match the {model_type} architecture: {kind} tensors {shown}")
 
 
-def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None) -> nn.Module:
+def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None,
+                group: "mx.distributed.Group | None" = None) -> nn.Module:
+    """`group` (size > 1): shard the model for tensor parallelism; each rank evaluates only its slices."""
     model_cls, args_cls = model_class_for(config)
     try:
         args = args_cls.from_dict(config)
@@ -59,6 +61,10 @@ def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     if any(k.endswith(".scales") for k in weights):
         nn.quantize(model, class_predicate=lambda p, m: _quantization_of(p, m, weights))
+    if group is not None and group.size() > 1:
+        from ..distributed.shard import shard_model
+
+        weights = shard_model(model, weights, group)
     _check_names(model, weights, config["model_type"])
     try:
         model.load_weights(list(weights.items()), strict=True)

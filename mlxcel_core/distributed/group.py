@@ -1,0 +1,224 @@
+"""Joining an `mx.distributed` group for tensor parallelism, and running N ranks on this host.
+
+A rank is launched either by MLX's launcher (`mlx.launch`, which sets MLX_RANK and MLX_HOSTFILE for the ring
+backend, or the NCCL / MPI variables) or by `run_local_ranks`, which starts N copies of the current command on
+127.0.0.1 over the ring backend (what `mlxcel generate --tp-size N` does when it was not launched).
+
+Failure handling: joining is bounded (`MLXCEL_TP_JOIN_TIMEOUT`, default 60 s: a rank that never joins makes
+the others exit 1 with a message instead of hanging); a peer that exits mid-run makes the ring backend raise
+on the next collective, which `lost_peer_errors` turns into one line; `run_local_ranks` stops the remaining
+ranks when one fails.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Sequence
+
+from ..errors import InputError, RuntimeFailure
+
+JOIN_TIMEOUT_ENV = "MLXCEL_TP_JOIN_TIMEOUT"
+DEFAULT_JOIN_TIMEOUT = 60.0
+_LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def is_launched() -> bool:
+    """True inside a rank started by mlx.launch, mpirun or run_local_ranks."""
+    return any(v in os.environ for v in _LAUNCH_VARS)
+
+
+_WATCHDOG = """
+import os, signal, sys, time
+pid, timeout, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+time.sleep(timeout)
+try:
+    os.kill(pid, 0)
+except OSError:
+    sys.exit(0)
+sys.stderr.write(message)
+sys.stderr.flush()
+os.kill(pid, signal.SIGKILL)
+"""
+
+
+def _backend() -> str:
+    explicit = os.environ.get("MLXCEL_TP_BACKEND")
+    if explicit:
+        return explicit
+    if "MLX_IBV_DEVICES" in os.environ:
+        return "jaccl"
+    if "MLX_HOSTFILE" in os.environ:
+        return "ring"
+    if "NCCL_HOST_IP" in os.environ:
+        return "nccl"
+    if "OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ:
+        return "mpi"
+    return "any"
+
+
+def init_group(tp_size: int, *, quiet_others: bool = True):
+    """Join the global group of `tp_size` ranks (None for tp_size 1). Ranks > 0 then print nothing but errors
+    (unless `quiet_others` is False). Exits the process (status 1) if the others do not join in time."""
+    if tp_size < 1:
+        raise InputError(f"--tp-size must be >= 1, got {tp_size}")
+    if tp_size == 1:
+        return None
+    import mlx.core as mx
+
+    if not is_launched():
+        raise InputError(f"--tp-size {tp_size}: this process was not started as a rank "
+                         "(run it under `mlx.launch`, or let mlxcel start the ranks on this host)")
+    timeout = float(os.environ.get(JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT))
+    rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+    message = (f"mlxcel: error: rank {rank}: the other ranks did not join within {timeout:g} s "
+               f"({JOIN_TIMEOUT_ENV}); check the hosts, the ports and that every rank was started\n")
+    # mx.distributed.init keeps the GIL while it connects, so no Python thread or signal handler can stop it:
+    # a separate watchdog process reports and kills this one if joining takes longer than `timeout`.
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        group = mx.distributed.init(strict=True, backend=_backend())
+    except RuntimeError as exc:
+        raise RuntimeFailure(f"cannot join the tensor-parallel group: {_first_line(exc)}") from exc
+    finally:
+        watchdog.kill()
+        watchdog.wait()
+    if group.size() != tp_size:
+        raise InputError(f"--tp-size {tp_size} but {group.size()} ranks were launched")
+    if group.rank() > 0 and quiet_others:
+        sys.stdout = open(os.devnull, "w")
+        sys.stderr = _ErrorsOnly(sys.stderr, group.rank())
+    return group
+
+
+class _ErrorsOnly(io.TextIOBase):
+    """stderr of a rank > 0: only `mlxcel: error:` lines pass, tagged with the rank."""
+
+    def __init__(self, target, rank: int):
+        self.target, self.rank, self.buffer_text = target, rank, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.buffer_text += text
+        *lines, self.buffer_text = self.buffer_text.split("\n")
+        for line in lines:
+            if line.startswith("mlxcel: error: "):
+                self.target.write(f"mlxcel: error: rank {self.rank}: {line[len('mlxcel: error: '):]}\n")
+                self.target.flush()
+        return len(text)
+
+
+def shared_seed(group, seed: int | None) -> int | None:
+    """Rank 0's seed on every rank (rank 0 draws one when none was given), so sampling agrees everywhere."""
+    if group is None or seed is not None:
+        return seed
+    import mlx.core as mx
+
+    mine = int.from_bytes(os.urandom(3), "little") if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array(mine, dtype=mx.int32), group=group).item())
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+@contextmanager
+def lost_peer_errors(group):
+    """A backend error from a collective (a rank exited or crashed) -> RuntimeFailure naming this rank."""
+    try:
+        yield
+    except (RuntimeError, RuntimeFailure) as exc:  # raised by the collective, or reported by the engine's row
+        message = _first_line(exc)
+        marker = next((m for m in _BACKEND_MARKERS if m in message), None)
+        if group is None or marker is None:
+            raise
+        raise RuntimeFailure(f"rank {group.rank()}: lost the connection to another rank "
+                             f"({message[message.index(marker):]}); did it exit or crash?") from exc
+
+
+_BACKEND_MARKERS = ("[ring]", "[nccl]", "[mpi]", "[jaccl]")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_local_ranks(tp_size: int, argv: Sequence[str] | None = None, stdin_data: bytes | None = None,
+                    grace_s: float = 10.0) -> int:
+    """Run `argv` (default: this command) as `tp_size` ranks on 127.0.0.1 over the ring backend.
+
+    Rank 0 keeps this terminal's stdout/stderr; the others print only errors. Every rank gets `stdin_data`
+    (or no stdin). Returns rank 0's exit status, or the first failing rank's: when a rank fails, the others
+    get `grace_s` to fail on their own (they notice the lost peer) and are then terminated.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = [sys.executable, "-c", "import sys; from mlxcel_cli.main import main; sys.exit(main())", *argv]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="mlxcel-ring-", delete=False) as f:
+        json.dump([[f"127.0.0.1:{p}"] for p in _free_ports(tp_size)], f)
+    try:
+        return _supervise(command, f.name, tp_size, stdin_data, grace_s)
+    finally:
+        os.unlink(f.name)
+
+
+def _supervise(command, hostfile: str, tp_size: int, stdin_data: bytes | None, grace_s: float) -> int:
+    procs = []
+    for rank in range(tp_size):
+        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile, "MLXCEL_TP_BACKEND": "ring"}
+        procs.append(subprocess.Popen(
+            command, env=env, stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
+            stdout=None if rank == 0 else subprocess.DEVNULL))
+        if stdin_data is not None:
+            try:
+                procs[-1].stdin.write(stdin_data)
+                procs[-1].stdin.close()
+            except BrokenPipeError:
+                pass
+    failed_at = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad and failed_at is None:
+                failed_at = time.monotonic()
+            if all(c is not None for c in codes):
+                break
+            if failed_at is not None and time.monotonic() - failed_at > grace_s:
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    p.wait()
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.wait()
+        return 130
+    codes = [p.returncode for p in procs]
+    bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if not bad:
+        return 0
+    rank, code = bad[0]
+    if rank != 0 and codes[0] == 0:
+        print(f"mlxcel: error: rank {rank} exited with status {code}", file=sys.stderr)
+    return code if code > 0 else 1
