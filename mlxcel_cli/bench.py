@@ -96,7 +96,9 @@ def bench(
         if repetitions < 1:
             raise fail(f"-r/--repetitions must be >= 1, got {repetitions}")
 
-        from mlxcel_core.bench import BenchConfig, bench_header, formatter, load_bench_model, plan_tests, run_bench
+        from mlxcel_core.bench import (
+            BenchConfig,
+        )
 
         config = BenchConfig(
             n_prompt=_int_list(n_prompt, "-p/--n-prompt", 0), n_gen=_int_list(n_gen, "-n/--n-gen", 0),
@@ -118,7 +120,8 @@ def bench(
 
 
 def _bench(model, model_shape, bits, dtype, seed, config, output, log, group) -> None:
-    from mlxcel_core.bench import bench_header, formatter, load_bench_model, plan_tests, run_bench
+    from mlxcel_core.bench import bench_header, load_bench_model, plan_tests, run_bench
+    from mlxcel_core.bench_output import formatter
 
     bench_model = load_bench_model(model, model_shape, bits, dtype, seed=seed,
                                    log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)

@@ -18,9 +18,6 @@ Conventions (llama-bench's, so numbers compare):
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import random
 import statistics
 import time
@@ -31,7 +28,6 @@ from typing import Any, Callable, Sequence
 from . import __version__
 from .errors import InputError, RuntimeFailure
 
-OUTPUT_FORMATS = ("md", "json", "jsonl", "csv")
 STORAGE_BACKENDS = ("auto", "dense", "paged")
 
 # Machine-readable fields, in order (llama-bench's names where one applies).
@@ -235,7 +231,12 @@ def load_bench_model(model: str | None = None, shape: str | None = None, bits: i
 
     `group` (size > 1): this rank's tensor-parallel shard (a shape is built whole with the same seed on every
     rank, then sliced; parameter counts and sizes are then this rank's)."""
-    from .models.shapes import build_random_model, check_shape_options, count_parameters, describe_shape
+    from .models.shapes import (
+        build_random_model,
+        check_shape_options,
+        count_parameters,
+        describe_shape,
+    )
 
     if model is not None and shape is not None:
         raise InputError("give either -m/--model or --model-shape, not both")
@@ -249,16 +250,16 @@ def load_bench_model(model: str | None = None, shape: str | None = None, bits: i
         config = loaded.config
         vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") \
             or loaded.tokenizer.vocab_size
-        description = f"{config.get('model_type', 'model')} {_human_count(n_params)} {_weights_kind(loaded.model)}"
+        description = f"{config.get('model_type', 'model')} {human_count(n_params)} {_weights_kind(loaded.model)}"
         return BenchModel(loaded.model, int(vocab), description, loaded.source.origin, n_params, size)
     dtype = dtype or "bfloat16"
     check_shape_options(shape, bits, dtype)
     log(f"building {shape} with random weights ({describe_shape(shape, bits, dtype)})")
     built, config = build_random_model(shape, bits=bits, dtype=dtype, seed=seed)
     if group is not None and group.size() > 1:
-        from .distributed.shard import shard_model
-
         import mlx.core as mx
+
+        from .distributed.shard import shard_model
 
         shard_model(built, {}, group)
         mx.eval(built.parameters())
@@ -277,7 +278,7 @@ def _weights_kind(model) -> str:
     return "/".join(sorted(dtypes))
 
 
-def _human_count(n: int) -> str:
+def human_count(n: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -287,7 +288,7 @@ def _human_count(n: int) -> str:
 def bench_header(bench_model: BenchModel, env: dict[str, str] | None = None) -> str:
     env = env or environment()
     return (f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
-            f"model: {bench_model.description}, {_human_count(bench_model.n_params)} params, "
+            f"model: {bench_model.description}, {human_count(bench_model.n_params)} params, "
             f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename})")
 
 
@@ -493,103 +494,3 @@ def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[
         if on_result is not None:
             on_result(result)
     return results
-
-
-# -- output -------------------------------------------------------------------------------------------------
-class Formatter:
-    """Streams results: `begin()`, then `row(result)` as each test finishes, then `end()` (strings to print)."""
-
-    def begin(self) -> str:
-        return ""
-
-    def row(self, result: BenchResult) -> str:
-        raise NotImplementedError
-
-    def end(self) -> str:
-        return ""
-
-
-class MarkdownFormatter(Formatter):
-    """llama-bench's table: model, size, params, backend, [b,] test, t/s; plus TTFT and peak memory."""
-
-    def __init__(self, model: str, labels: Sequence[str], show_batch: bool):
-        columns = [("model", max(30, len(model)), "<"), ("size", 10, ">"), ("params", 10, ">"), ("backend", 10, "<")]
-        if show_batch:
-            columns.append(("b", 3, ">"))
-        columns += [("test", max(15, *(len(label) for label in labels)) if labels else 15, ">"), ("t/s", 20, ">"),
-                    ("TTFT ms", 10, ">"), ("peak GB", 8, ">")]
-        self.columns = columns
-
-    def _line(self, cells: Sequence[str]) -> str:
-        return "| " + " | ".join(f"{c:{align}{w}}" for c, (_, w, align) in zip(cells, self.columns)) + " |\n"
-
-    def begin(self) -> str:
-        rule = "| " + " | ".join(("-" * w if a == "<" else "-" * (w - 1) + ":") for _, w, a in self.columns) + " |\n"
-        return self._line([name for name, _, _ in self.columns]) + rule
-
-    def row(self, r: BenchResult) -> str:
-        cells = [r.model, f"{r.model_size / 2**30:.2f} GiB", _human_count(r.model_n_params), r.backend]
-        if any(name == "b" for name, _, _ in self.columns):
-            cells.append(str(r.test.n_batch))
-        cells += [r.test.label, format_mean_std(r.avg_ts, r.stddev_ts), f"{r.ttft_ms:.2f}", f"{r.peak_memory_gb:.3f}"]
-        return self._line(cells)
-
-
-class JsonFormatter(Formatter):
-    """A JSON list of objects, printed as results arrive (like llama-bench -o json)."""
-
-    def __init__(self):
-        self.count = 0
-
-    def begin(self) -> str:
-        return "["
-
-    def row(self, r: BenchResult) -> str:
-        self.count += 1
-        text = json.dumps(r.to_dict(), ensure_ascii=False, indent=2)
-        return ("," if self.count > 1 else "") + "\n" + "\n".join("  " + ln for ln in text.splitlines())
-
-    def end(self) -> str:
-        return "\n]\n"
-
-
-class JsonlFormatter(Formatter):
-    def row(self, r: BenchResult) -> str:
-        return json.dumps(r.to_dict(), ensure_ascii=False) + "\n"
-
-
-class CsvFormatter(Formatter):
-    """Header, then one row per test; samples_ns / samples_ts are JSON lists in their cells."""
-
-    def _csv(self, values) -> str:
-        buffer = io.StringIO()
-        csv.writer(buffer, lineterminator="\n").writerow(values)
-        return buffer.getvalue()
-
-    def begin(self) -> str:
-        return self._csv(FIELDS)
-
-    def row(self, r: BenchResult) -> str:
-        values = r.to_dict()
-        return self._csv([json.dumps(values[k]) if isinstance(values[k], list) else
-                          "" if values[k] is None else values[k] for k in FIELDS])
-
-
-def formatter(name: str, model_description: str = "", tests: Sequence[BenchTest] = ()) -> Formatter:
-    if name == "md":
-        return MarkdownFormatter(model_description, [t.label for t in tests], any(t.n_batch != 1 for t in tests))
-    if name == "json":
-        return JsonFormatter()
-    if name == "jsonl":
-        return JsonlFormatter()
-    if name == "csv":
-        return CsvFormatter()
-    raise InputError(f"-o/--output must be one of {', '.join(OUTPUT_FORMATS)}, got '{name}'")
-
-
-def render(results: Sequence[BenchResult], name: str) -> str:
-    """All results at once in one format (for scripts)."""
-    tests = [r.test for r in results]
-    fmt = formatter(name, results[0].model if results else "", tests)
-    return fmt.begin() + "".join(fmt.row(r) for r in results) + fmt.end()
-

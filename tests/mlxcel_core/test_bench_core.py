@@ -6,10 +6,28 @@ import statistics
 
 import pytest
 
-from mlxcel_core.bench import (BenchConfig, BenchResult, BenchTest, bench_prompts, engine_for, format_mean_std,
-                               load_bench_model, mean_std, measure_test, plan_tests, random_prompt, render, run_bench)
+from mlxcel_core.bench import (
+    BenchConfig,
+    BenchResult,
+    BenchTest,
+    bench_prompts,
+    engine_for,
+    format_mean_std,
+    load_bench_model,
+    mean_std,
+    measure_test,
+    plan_tests,
+    random_prompt,
+    run_bench,
+)
+from mlxcel_core.bench_output import render
 from mlxcel_core.errors import InputError
-from mlxcel_core.models.shapes import SHAPES, build_random_model, count_parameters, shape_config
+from mlxcel_core.models.shapes import (
+    SHAPES,
+    build_random_model,
+    count_parameters,
+    shape_config,
+)
 
 
 class StepClock:
