@@ -31,6 +31,8 @@ import hashlib
 
 import mlx.core as mx
 
+from .paged_attention import check_decode_arguments
+
 RUNNER_OPS = "mlx-ops"
 THREADS = 128  # threads per block
 UNROLL = 2  # tokens in flight per lane group (loads issued together)
@@ -281,28 +283,6 @@ def _scale_array(scale: float) -> mx.array:
     return mx.array(scale, dtype=mx.float32)  # made once per value, not per call
 
 
-def _check(q, k_pool, v_pool, block_tables, context_lens, num_splits) -> None:
-    if k_pool.ndim != 4 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"pools must be [num_blocks, block_size, Hkv, D] and equal, got {k_pool.shape}, {v_pool.shape}")
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
-    B, Hq, D = q.shape
-    Hkv = k_pool.shape[2]
-    if k_pool.shape[3] != D:
-        raise ValueError(f"head dim mismatch: q has D={D}, pools have D={k_pool.shape[3]}")
-    if Hq % Hkv != 0:
-        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"block_tables must be [B={B}, max_blocks], got shape {block_tables.shape}")
-    if context_lens.shape != (B,):
-        raise ValueError(f"context_lens must be [B={B}], got shape {context_lens.shape}")
-    for name, a in (("block_tables", block_tables), ("context_lens", context_lens)):
-        if not mx.issubdtype(a.dtype, mx.integer):
-            raise ValueError(f"{name} must be an integer array, got {a.dtype}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
-
-
 def combine_partials(o_part: mx.array, m_part: mx.array, l_part: mx.array) -> mx.array:
     """Merge per-split partials (o [..., S, D] unnormalized, m and l [..., S]) into [..., D] float32."""
     M = m_part.max(axis=-1, keepdims=True)
@@ -316,7 +296,7 @@ def combine_partials(o_part: mx.array, m_part: mx.array, l_part: mx.array) -> mx
 def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
                                 scale: float | None = None) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring)."""
-    _check(q, k_pool, v_pool, block_tables, context_lens, num_splits)
+    check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv

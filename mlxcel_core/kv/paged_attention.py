@@ -26,16 +26,13 @@ def _check_pools(k_pool: mx.array, v_pool: mx.array) -> None:
         raise ValueError(f"v_pool shape {v_pool.shape} != k_pool shape {k_pool.shape}")
 
 
-def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
-                           scale: float | None = None) -> mx.array:
-    """One decode step of attention for B rows. q: [B, Hq, D]; pools: [num_blocks, block_size, Hkv, D];
-    block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens, current one included).
-    Returns [B, Hq, D] in q's dtype. A row with context_len 0 yields zeros."""
+def check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits) -> None:
+    """The contract every paged decode attention implementation (MLX ops, CUDA kernel) validates."""
     _check_pools(k_pool, v_pool)
     if q.ndim != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
     B, Hq, D = q.shape
-    _, block_size, Hkv, Dk = k_pool.shape
+    Hkv, Dk = k_pool.shape[2], k_pool.shape[3]
     if Dk != D:
         raise ValueError(f"head dim mismatch: q has D={D}, pools have D={Dk}")
     if Hq % Hkv != 0:
@@ -48,6 +45,16 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_sp
     _check_int("context_lens", context_lens)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+
+
+def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
+                           scale: float | None = None) -> mx.array:
+    """One decode step of attention for B rows. q: [B, Hq, D]; pools: [num_blocks, block_size, Hkv, D];
+    block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens, current one included).
+    Returns [B, Hq, D] in q's dtype. A row with context_len 0 yields zeros."""
+    check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
+    B, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
     S = num_splits
