@@ -45,6 +45,8 @@ class _Sampled:
 
 
 def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
+    if config.kv_bits is not None:
+        _check_kv_quantizable(model)
     if config.resolved_storage == "paged":
         from .paged import PagedStorage
 
@@ -55,6 +57,17 @@ def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
                             num_splits=None if config.num_splits == 1 else config.num_splits,
                             max_batch_size=config.max_batch_size)
     return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
+
+
+def _check_kv_quantizable(model: CausalLM) -> None:
+    """Refuse quantized KV up front when the heads cannot be grouped (rather than failing the first step)."""
+    from ..cache import kv_group_size
+
+    head_dim = model.args.head_dim  # every family's args define it (TransformerArgs, Gemma's args)
+    try:
+        kv_group_size(head_dim)
+    except ValueError as exc:
+        raise InputError(f"--kv-bits: {exc}") from None
 
 
 class Engine:

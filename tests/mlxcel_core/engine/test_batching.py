@@ -185,3 +185,11 @@ def test_quantized_kv_batched_paged_equals_solo_dense(loaded, bits):
                                                                  block_size=8))
     params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
     assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == solo_q
+
+
+def test_quantized_kv_is_refused_up_front_for_heads_it_cannot_group(tiny_llama_dir):
+    from mlxcel_core.errors import InputError
+
+    lm = load_model(str(tiny_llama_dir), log=lambda m: None)  # head_dim 16
+    with pytest.raises(InputError, match="divisible by 32, got 16"):
+        Engine(lm.model, lm.tokenizer, EngineConfig(kv_bits=8))
