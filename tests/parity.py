@@ -3,28 +3,11 @@ and the checks every family's 4-bit copy goes through."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
-from tiny_models import CHATML, build_tokenizer
-
-
-def save_tiny_checkpoint(path: Path, config_cls, model_cls, **config) -> Path:
-    """Random fp32 checkpoint saved by transformers, plus the tiny test tokenizer (vocab 320)."""
-    import torch
-
-    tok = build_tokenizer()
-    config.setdefault("vocab_size", tok.get_vocab_size())
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**config)).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
-    return path
+from tiny_models import save_tiny_checkpoint  # noqa: F401  (family tests import it from here)
 
 
 def prompt_ids(length: int, vocab: int = 320, seed: int = 0) -> list[int]:

@@ -37,22 +37,28 @@ def build_tokenizer(vocab_size: int = 320):
     return tok
 
 
-def save_tiny_llama(path: Path, **overrides) -> Path:
-    """Save a random tiny Llama with transformers (fp32) plus a tokenizer; return the directory."""
+def save_tiny_checkpoint(path: Path, config_cls, model_cls, **config) -> Path:
+    """Random fp32 checkpoint saved by transformers, plus the tiny test tokenizer (vocab 320)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer()
-    params = dict(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
-        initializer_range=0.1, tie_word_embeddings=False, eos_token_id=2, bos_token_id=None,
-    )
-    params.update(overrides)
+    config.setdefault("vocab_size", tok.get_vocab_size())
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**params)).eval()
+    model = model_cls(config_cls(**config)).eval()
     model.save_pretrained(path, safe_serialization=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
     return path
+
+
+def save_tiny_llama(path: Path, **overrides) -> Path:
+    """Save a random tiny Llama with transformers (fp32) plus a tokenizer; return the directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    params = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False,
+        eos_token_id=2, bos_token_id=None,
+    )
+    return save_tiny_checkpoint(path, LlamaConfig, LlamaForCausalLM, **{**params, **overrides})

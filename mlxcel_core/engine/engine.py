@@ -52,9 +52,7 @@ def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
 
         return PagedStorage(len(model.layers), block_size=config.block_size, kv_budget_tokens=config.kv_budget_tokens,
                             kv_bits=config.kv_bits, prefix_cache=config.prefix_cache,
-                            # 1 (the default) means: choose per shape (MLXCEL_PAGED_DECODE_SPLITS > autotune cache
-                            # per MLXCEL_AUTOTUNE > heuristic); another value is used as given.
-                            num_splits=None if config.num_splits == 1 else config.num_splits,
+                            num_splits=config.num_splits,
                             max_batch_size=config.max_batch_size)
     return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
 
