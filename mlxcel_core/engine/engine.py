@@ -246,18 +246,21 @@ class Engine:
 
     def _commit(self) -> list[StepOutput]:
         unread, self._unread = self._unread, {}
+        if not unread:
+            return []
+        # One host read for the whole step (not two per row): -1 marks a row whose logits were NaN.
+        read = mx.stack([mx.where(s.nan, -1, s.token.astype(mx.int32)).reshape(()) for s in unread.values()]).tolist()
         outputs = []
         now = time.perf_counter()
-        for seq_id, sampled in unread.items():
+        for (seq_id, sampled), token in zip(unread.items(), read):
             seq = self._sequences.get(seq_id)
             if seq is None or seq.finish_reason is not None:
                 continue  # a lookahead token of a row that has already ended
             if seq.timings.first_token is None:
                 seq.timings.first_token = now
-            if sampled.nan.item():
+            if token < 0:
                 outputs.append(self._end(seq, "error", None, "NaN logits (from the model or a logits processor)"))
                 continue
-            token = sampled.token.item()
             out = self._append(seq, token)
             if sampled.logprobs is not None:
                 out.logprob, out.top_logprobs = _token_logprobs(sampled.logprobs, token, seq.params.logprobs)
