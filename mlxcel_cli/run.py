@@ -17,6 +17,7 @@ import typer
 from . import options as opt
 from .errors import fail, reported_errors
 from .generate import _read_prompt, answer_once
+from .tp import TpSize, follow_leader, join_ranks
 
 PROMPT, CONTINUATION, FENCE = ">>> ", "... ", '"""'
 COMMANDS = ("/help", "/clear", "/system", "/set", "/stats", "/bye", "/exit")
@@ -65,6 +66,7 @@ def run(
     draft_model: opt.DraftModel = None,
     draft_ngram: opt.DraftNgram = 0,
     num_draft_tokens: opt.NumDraftTokens = 5,
+    tp_size: TpSize = 1,
     verbose: opt.Verbose = False,
 ) -> None:
     """Chat with a model in the terminal (with -p: answer one prompt and exit).
@@ -91,22 +93,45 @@ def run(
             text = _read_prompt(prompt)
             if not text.strip():
                 raise fail("prompt is empty")
-            answer_once(text, spec, params, engine_config, system, verbose=verbose)
+            group, params = join_ranks(tp_size, stdin_text=text if prompt == "-" else None, params=params,
+                                       verbose=verbose)
+            answer_once(text, spec, params, engine_config, system, verbose=verbose, group=group)
             return
 
-        from mlxcel_core.chat import ChatSession
-        from mlxcel_core.loading import load_model
+        from mlxcel_core.chat import chat_engine_config
 
-        interactive = sys.stdin.isatty()
-        ui = _Ui(color=interactive and sys.stderr.isatty() and "NO_COLOR" not in os.environ
-                 and os.environ.get("TERM") != "dumb")
-        loaded = load_model(spec, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr))
+        group, _ = join_ranks(tp_size, verbose=verbose, leader_stdin=True)
+        if group is not None and group.rank() > 0:  # rank 0 chats; this rank mirrors its engine
+            follow_leader(group, spec, chat_engine_config(engine_config))
+            return
+        code = _chat(spec, params, system, engine_config, verbose, group)
+    if code:
+        raise typer.Exit(code)
+
+
+def _chat(spec, params, system, engine_config, verbose: bool, group) -> int:
+    from mlxcel_core.chat import ChatSession
+    from mlxcel_core.distributed import lost_peer_errors
+    from mlxcel_core.loading import load_model
+
+    interactive = sys.stdin.isatty()
+    ui = _Ui(color=interactive and sys.stderr.isatty() and "NO_COLOR" not in os.environ
+             and os.environ.get("TERM") != "dumb")
+    with lost_peer_errors(group):
+        loaded = load_model(spec, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)
         print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
         session = ChatSession(loaded, params, system=system, engine_config=engine_config,
                               notify=lambda m: ui.info(f"mlxcel: {m}"))
-        code = _interactive(session, ui, verbose) if interactive else _piped(session, ui, verbose)
-    if code:
-        raise typer.Exit(code)
+        if group is None:
+            return _interactive(session, ui, verbose) if interactive else _piped(session, ui, verbose)
+        from mlxcel_core.distributed.mirror import LeaderMirror
+
+        print(f"mlxcel: tensor parallel: {group.size()} ranks", file=sys.stderr)
+        mirror = session.engine.mirror = LeaderMirror(group)
+        try:
+            return _interactive(session, ui, verbose) if interactive else _piped(session, ui, verbose)
+        finally:
+            mirror.stop()
 
 
 class _Ui:

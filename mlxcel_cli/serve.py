@@ -16,6 +16,7 @@ import typer
 
 from . import options as opt
 from .errors import fail, reported_errors
+from .tp import TpSize, follow_leader, join_ranks
 
 
 def _opt(*names: str, env: str, help: str, **kw):
@@ -107,6 +108,7 @@ def serve(
     draft_ngram: DraftNgram = 0,
     num_draft_tokens: NumDraftTokens = 5,
     log_format: LogFormat = "text",
+    tp_size: TpSize = 1,
     verbose: opt.Verbose = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API.
@@ -121,6 +123,10 @@ def serve(
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
         engine_config = opt.engine_config(max_batch_size or parallel, kv_bits, storage, prefill_chunk_size,
                                           speculative)
+        group, _ = join_ranks(tp_size, verbose=verbose)
+        if group is not None and group.rank() > 0:  # only rank 0 serves HTTP; this rank mirrors its engine
+            follow_leader(group, model, engine_config)
+            return
         _configure_logging(log_format, verbose)
 
         import uvicorn
@@ -128,7 +134,8 @@ def serve(
         from mlxcel_core.server import ServerConfig, create_app
 
         config = ServerConfig(model=model, engine=engine_config, api_key=api_key or None,
-                              max_queue_depth=max_queue_depth, max_n=max_n, ctx_size=ctx_size or None)
+                              max_queue_depth=max_queue_depth, max_n=max_n, ctx_size=ctx_size or None,
+                              group=group)
         failed: list[BaseException] = []
         holder: dict = {}
 
@@ -146,4 +153,7 @@ def serve(
               file=sys.stderr, flush=True)
         server.run(sockets=[sock])
         if failed:
-            raise failed[0]
+            from mlxcel_core.distributed import lost_peer_errors
+
+            with lost_peer_errors(group):
+                raise failed[0]

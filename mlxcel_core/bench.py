@@ -229,8 +229,8 @@ def load_bench_model(model: str | None = None, shape: str | None = None, bits: i
                      group=None) -> BenchModel:
     """A checkpoint (`model`, as for generate; None = the default model) or a random-weight `shape`.
 
-    `group` (size > 1): this rank's tensor-parallel shard (a shape is built whole with the same seed on every
-    rank, then sliced; parameter counts and sizes are then this rank's)."""
+    `group` (size > 1): this rank's tensor-parallel shard (a shape is drawn layer by layer with the same seed on every
+    rank, each layer sliced before the next; parameter counts and sizes are then this rank's)."""
     from .models.shapes import (
         build_random_model,
         check_shape_options,
@@ -255,14 +255,7 @@ def load_bench_model(model: str | None = None, shape: str | None = None, bits: i
     dtype = dtype or "bfloat16"
     check_shape_options(shape, bits, dtype)
     log(f"building {shape} with random weights ({describe_shape(shape, bits, dtype)})")
-    built, config = build_random_model(shape, bits=bits, dtype=dtype, seed=seed)
-    if group is not None and group.size() > 1:
-        import mlx.core as mx
-
-        from .distributed.shard import shard_model
-
-        shard_model(built, {}, group)
-        mx.eval(built.parameters())
+    built, config = build_random_model(shape, bits=bits, dtype=dtype, seed=seed, group=group)
     n_params, size = count_parameters(built)
     return BenchModel(built, config["vocab_size"], describe_shape(shape, bits, dtype), shape, n_params, size)
 

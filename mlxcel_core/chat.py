@@ -53,6 +53,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
 SETTABLE = ", ".join(name for name in SETTINGS if name not in ("temperature", "repetition-penalty"))
 
 
+def chat_engine_config(config: EngineConfig | None) -> EngineConfig:
+    """A chat's engine: one sequence at a time on dense storage (the storage that carries a Conversation)."""
+    return dataclasses.replace(config or EngineConfig(), max_batch_size=1, storage="dense")
+
+
 @dataclass
 class TurnStats:
     """What one turn cost: prompt size, how much of it the KV cache already held, and speeds."""
@@ -94,9 +99,7 @@ class ChatSession:
         if not self.tokenizer.chat_template:
             raise InputError("this model has no chat template, which chat needs "
                              "(for raw text use `mlxcel generate --no-chat-template`)")
-        # One sequence at a time on dense storage: the storage that carries a Conversation's caches.
-        config = dataclasses.replace(engine_config or EngineConfig(), max_batch_size=1, storage="dense")
-        self.engine = Engine(loaded.model, loaded.tokenizer, config)
+        self.engine = Engine(loaded.model, loaded.tokenizer, chat_engine_config(engine_config))
         self.params = params or SamplingParams()
         self.notify = notify or (lambda message: None)
         self.conversation = Conversation()

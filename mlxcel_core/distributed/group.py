@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -162,37 +163,98 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def local_backend() -> str:
+    """The backend for ranks started on this host: MLXCEL_TP_BACKEND, else NCCL when MLX runs on CUDA (one GPU
+    per rank), else the ring over 127.0.0.1."""
+    explicit = os.environ.get("MLXCEL_TP_BACKEND")
+    if explicit:
+        if explicit not in ("ring", "nccl"):
+            raise InputError(f"MLXCEL_TP_BACKEND must be ring or nccl for ranks started on this host, got '{explicit}'")
+        return explicit
+    import mlx.core as mx
+
+    return "nccl" if mx.cuda.is_available() else "ring"
+
+
+def _rank_environments(tp_size: int, backend: str, hostfile: str | None) -> list[dict[str, str]]:
+    if backend == "ring":
+        return [{"MLX_RANK": str(r), "MLX_HOSTFILE": hostfile, "MLXCEL_TP_BACKEND": "ring"} for r in range(tp_size)]
+    # NCCL: rank 0 hosts the rendezvous; each rank sees one GPU (the rank-th of those visible to us).
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(r) for r in range(tp_size)]
+    if len(gpus) < tp_size:
+        raise InputError(f"--tp-size {tp_size} with NCCL needs {tp_size} GPUs, but CUDA_VISIBLE_DEVICES lists "
+                         f"{len(gpus)}")
+    port = _free_ports(1)[0]
+    return [{"MLX_RANK": str(r), "MLX_WORLD_SIZE": str(tp_size), "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(port),
+             "CUDA_VISIBLE_DEVICES": gpus[r], "MLXCEL_TP_BACKEND": "nccl"} for r in range(tp_size)]
+
+
 def run_local_ranks(tp_size: int, argv: Sequence[str] | None = None, stdin_data: bytes | None = None,
-                    grace_s: float = 10.0) -> int:
-    """Run `argv` (default: this command) as `tp_size` ranks on 127.0.0.1 over the ring backend.
+                    grace_s: float = 10.0, leader_stdin: bool = False) -> int:
+    """Run `argv` (default: this command) as `tp_size` ranks on this host (NCCL on CUDA, else the ring backend
+    over 127.0.0.1; see local_backend).
 
     Rank 0 keeps this terminal's stdout/stderr; the others print only errors. Every rank gets `stdin_data`
-    (or no stdin). Returns rank 0's exit status, or the first failing rank's: when a rank fails, the others
-    get `grace_s` to fail on their own (they notice the lost peer) and are then terminated.
+    (or no stdin); with `leader_stdin`, rank 0 reads this process's stdin (interactive chat) and the others
+    none. Returns rank 0's exit status, or the first failing rank's: when a rank fails, the others get
+    `grace_s` to fail on their own (they notice the lost peer) and are then terminated. SIGTERM is passed on
+    to rank 0 (a server shuts down and tells the others); SIGINT from a terminal reaches every rank itself.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = [sys.executable, "-c", "import sys; from mlxcel_cli.main import main; sys.exit(main())", *argv]
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="mlxcel-ring-", delete=False) as f:
-        json.dump([[f"127.0.0.1:{p}"] for p in _free_ports(tp_size)], f)
+    backend = local_backend()
+    hostfile = None
+    if backend == "ring":
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="mlxcel-ring-", delete=False) as f:
+            json.dump([[f"127.0.0.1:{p}"] for p in _free_ports(tp_size)], f)
+        hostfile = f.name
     try:
-        return _supervise(command, f.name, tp_size, stdin_data, grace_s)
+        envs = _rank_environments(tp_size, backend, hostfile)
+        return _supervise(command, envs, stdin_data, grace_s, leader_stdin)
     finally:
-        os.unlink(f.name)
+        if hostfile is not None:
+            os.unlink(hostfile)
 
 
-def _supervise(command, hostfile: str, tp_size: int, stdin_data: bytes | None, grace_s: float) -> int:
+def _supervise(command, envs: list[dict[str, str]], stdin_data: bytes | None, grace_s: float,
+               leader_stdin: bool) -> int:
     procs = []
-    for rank in range(tp_size):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": hostfile, "MLXCEL_TP_BACKEND": "ring"}
-        procs.append(subprocess.Popen(
-            command, env=env, stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
-            stdout=None if rank == 0 else subprocess.DEVNULL))
-        if stdin_data is not None:
+    for rank, extra in enumerate(envs):
+        if leader_stdin:
+            stdin = None if rank == 0 else subprocess.DEVNULL
+        else:
+            stdin = subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL
+        procs.append(subprocess.Popen(command, env={**os.environ, **extra}, stdin=stdin,
+                                      stdout=None if rank == 0 else subprocess.DEVNULL))
+        if stdin == subprocess.PIPE:
             try:
                 procs[-1].stdin.write(stdin_data)
                 procs[-1].stdin.close()
             except BrokenPipeError:
                 pass
+    # Set after the ranks started (they must not inherit SIG_IGN). Ctrl-C in a terminal reaches every rank
+    # of the foreground process group directly, and each decides (a chat interrupts its reply); a SIGINT
+    # sent to this process alone (a script, a test) is passed on to rank 0.
+    forward = lambda signum, frame: procs[0].send_signal(signum)  # noqa: E731
+    previous = (signal.signal(signal.SIGTERM, forward),
+                signal.signal(signal.SIGINT, signal.SIG_IGN if _terminal_foreground() else forward))
+    try:
+        return _wait_ranks(procs, grace_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+
+
+def _terminal_foreground() -> bool:
+    """True when this process runs in the foreground of a terminal (so Ctrl-C signals its whole group)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_ranks(procs: list[subprocess.Popen], grace_s: float) -> int:
     failed_at = None
     try:
         while True:

@@ -74,35 +74,40 @@ def check_shardable(model: nn.Module, size: int) -> None:
 
 def shard_model(model: nn.Module, weights: dict[str, mx.array], group: mx.distributed.Group) -> dict[str, mx.array]:
     """Shard `model` in place for `group` and return the checkpoint arrays sliced to match (same names)."""
-    size, rank = group.size(), group.rank()
-    check_shardable(model, size)
+    check_shardable(model, group.size())
     weights = dict(weights)
     for i, layer in enumerate(model.layers):
-        prefix = f"model.layers.{i}"
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):
-            _slice_module(attn[name], f"{prefix}.self_attn.{name}", weights, "out", rank, size)
-        _slice_module(attn.o_proj, f"{prefix}.self_attn.o_proj", weights, "in", rank, size)
-        _row_parallel(attn.o_proj, group)
-        attn.n_heads //= size
-        attn.n_kv_heads //= size
-        mlp = layer[layer.mlp_name]
-        base = f"{prefix}.{layer.mlp_name}"
-        if isinstance(mlp, GatedMLP):
-            _slice_module(mlp.gate_proj, f"{base}.gate_proj", weights, "out", rank, size)
-            _slice_module(mlp.up_proj, f"{base}.up_proj", weights, "out", rank, size)
-            _slice_module(mlp.down_proj, f"{base}.down_proj", weights, "in", rank, size)
-            _row_parallel(mlp.down_proj, group)
-        else:
-            experts = mlp.switch_mlp
-            if "bias" in experts.down_proj:
-                raise UnsupportedModelError("tensor parallelism does not support MoE experts with a down_proj bias")
-            _slice_module(experts.gate_proj, f"{base}.switch_mlp.gate_proj", weights, "out", rank, size)
-            _slice_module(experts.up_proj, f"{base}.switch_mlp.up_proj", weights, "out", rank, size)
-            _slice_module(experts.down_proj, f"{base}.switch_mlp.down_proj", weights, "in", rank, size)
-            mlp.__class__ = ShardedMoeBlock
-            mlp.group = group
+        shard_layer(layer, f"model.layers.{i}", weights, group)
     return weights
+
+
+def shard_layer(layer: DecoderLayer, prefix: str, weights: dict[str, mx.array], group: mx.distributed.Group) -> None:
+    """Shard one decoder layer in place (and its checkpoint arrays in `weights`, named under `prefix`).
+    The model must have passed `check_shardable`."""
+    size, rank = group.size(), group.rank()
+    attn = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        _slice_module(attn[name], f"{prefix}.self_attn.{name}", weights, "out", rank, size)
+    _slice_module(attn.o_proj, f"{prefix}.self_attn.o_proj", weights, "in", rank, size)
+    _row_parallel(attn.o_proj, group)
+    attn.n_heads //= size
+    attn.n_kv_heads //= size
+    mlp = layer[layer.mlp_name]
+    base = f"{prefix}.{layer.mlp_name}"
+    if isinstance(mlp, GatedMLP):
+        _slice_module(mlp.gate_proj, f"{base}.gate_proj", weights, "out", rank, size)
+        _slice_module(mlp.up_proj, f"{base}.up_proj", weights, "out", rank, size)
+        _slice_module(mlp.down_proj, f"{base}.down_proj", weights, "in", rank, size)
+        _row_parallel(mlp.down_proj, group)
+    else:
+        experts = mlp.switch_mlp
+        if "bias" in experts.down_proj:
+            raise UnsupportedModelError("tensor parallelism does not support MoE experts with a down_proj bias")
+        _slice_module(experts.gate_proj, f"{base}.switch_mlp.gate_proj", weights, "out", rank, size)
+        _slice_module(experts.up_proj, f"{base}.switch_mlp.up_proj", weights, "out", rank, size)
+        _slice_module(experts.down_proj, f"{base}.switch_mlp.down_proj", weights, "in", rank, size)
+        mlp.__class__ = ShardedMoeBlock
+        mlp.group = group
 
 
 def _row_parallel(module: nn.Module, group) -> None:

@@ -14,6 +14,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -68,6 +69,16 @@ def _check_kv_quantizable(model: CausalLM) -> None:
         raise InputError(f"--kv-bits: {exc}") from None
 
 
+class EngineMirror(Protocol):
+    """Sees every input of an Engine (distributed/mirror.py's LeaderMirror sends them to the other ranks)."""
+
+    def prepare(self, params: SamplingParams) -> SamplingParams: ...
+    def opened(self, seq_id: int, prompt_ids: list[int], params: SamplingParams,
+               conversation: Conversation | None, max_context: int) -> None: ...
+    def closed(self, seq_id: int) -> None: ...
+    def before_step(self) -> None: ...
+
+
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, draft=None):
         """`draft`: the draft model (LoadedModel) when config.speculative names one and it is already loaded."""
@@ -90,6 +101,8 @@ class Engine:
         self._token_texts: list[str] | None = None  # each token's text, for DRY sequence breakers
         self._dry_breakers: dict[tuple[str, ...], dict] = {}
         self.speculator: Speculator | None = None
+        # Rank 0 under tensor parallelism: a LeaderMirror that sends this engine's inputs to the other ranks.
+        self.mirror: EngineMirror | None = None
         if self.config.speculative is not None:
             drafter = make_drafter(self.config.speculative, tokenizer, self.config.prefill_chunk_size, draft)
             self.speculator = Speculator(self.config.speculative, drafter)
@@ -103,6 +116,8 @@ class Engine:
         if room < 1:
             raise InputError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         self._check_token_ids(params)
+        if self.mirror is not None:
+            params = self.mirror.prepare(params)
         seq = Sequence(
             seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
             max_tokens=min(params.max_tokens, room),
@@ -113,6 +128,8 @@ class Engine:
         self.scheduler.add(seq.seq_id, len(prompt_ids), seq.max_tokens)
         self._sequences[seq.seq_id] = seq
         self._conversations[seq.seq_id] = conversation
+        if self.mirror is not None:
+            self.mirror.opened(seq.seq_id, prompt_ids, params, conversation, self.max_context)
         return seq.seq_id
 
     def close(self, seq_id: int) -> None:
@@ -120,6 +137,8 @@ class Engine:
         seq = self._sequences.get(seq_id)
         if seq is not None and seq.finish_reason is None:
             self.scheduler.cancel(seq_id)
+            if self.mirror is not None:
+                self.mirror.closed(seq_id)
 
     def sequence(self, seq_id: int) -> Sequence:
         return self._sequences[seq_id]
@@ -132,6 +151,8 @@ class Engine:
         return self.scheduler.has_work() or bool(self._unread)
 
     def step(self) -> list[StepOutput]:
+        if self.mirror is not None:
+            self.mirror.before_step()
         # A sequence decoding alone speculates (speculative.py); drafting needs every token so far on the host.
         speculate = self.speculator is not None and sum(1 for _ in self._live()) == 1
         sync = not self.lookahead or speculate or any(s.params.needs_history for s in self._live())

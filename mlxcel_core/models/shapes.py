@@ -67,8 +67,12 @@ def describe_shape(name: str, bits: int | None, dtype: str) -> str:
     return f"{name} (random) " + (f"Q{bits} g{QUANT_GROUP_SIZE}" if bits else short)
 
 
-def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat16", seed: int = 0):
+def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat16", seed: int = 0, group=None):
     """Return (model, config): the shape's architecture, weights random normal * 0.02 in `dtype`.
+
+    `group` (size > 1): this rank's tensor-parallel shard. Every rank draws the same whole layer from the
+    same seed and keeps its slices before the next layer is drawn, so the shards of all ranks together are
+    exactly the single-process model and a rank never holds more than its shard plus one whole layer.
 
     RMSNorm weights are ones (as at initialisation), so activations keep a realistic scale.
     With `bits`, every Linear and Embedding is quantized with nn.quantize (group size 64, affine),
@@ -84,6 +88,11 @@ def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat1
     config = shape_config(name)
     model_cls, args_cls = model_class_for(config)
     model = model_cls(args_cls.from_dict(config))
+    sharded = group is not None and group.size() > 1
+    if sharded:
+        from ..distributed.shard import check_shardable
+
+        check_shardable(model, group.size())
     mx_dtype = getattr(mx, dtype)
     key = mx.random.key(seed)
 
@@ -111,8 +120,13 @@ def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat1
         mx.eval(module.parameters())
 
     # One layer at a time: peak memory stays near the final model plus one layer in `dtype`.
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         randomize(layer)
+        if sharded:
+            from ..distributed.shard import shard_layer
+
+            shard_layer(layer, f"model.layers.{i}", {}, group)
+            mx.eval(layer.parameters())
     randomize(model, skip="model.layers.")  # embeddings, final norm, LM head
     model.eval()
     return model, config

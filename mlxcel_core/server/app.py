@@ -13,6 +13,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 from pydantic import ValidationError
@@ -42,6 +43,7 @@ class ServerConfig:
     max_queue_depth: int = 32  # sequences that may wait for a batch slot; beyond: 503
     max_n: int = 4
     ctx_size: int | None = None  # cap on the model's context
+    group: Any = None  # rank 0 of a tensor-parallel group (mx.distributed), else None
 
 
 class Server:
@@ -56,10 +58,10 @@ class Server:
             from ..loading import load_model
 
             def load():
-                return load_model(config.model, log=lambda m: log.info("%s", m))
+                return load_model(config.model, log=lambda m: log.info("%s", m), group=config.group)
         capacity = config.engine.max_batch_size + config.max_queue_depth
         self.engine = EngineLoop(load, config.engine, self.metrics, config.ctx_size, capacity,
-                                 on_load_failed=on_load_failed)
+                                 on_load_failed=on_load_failed, group=config.group)
         self.model_id = config.model or DEFAULT_MODEL_NAME
         self.created = int(time.time())
         self._formatter = None

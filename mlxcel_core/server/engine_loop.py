@@ -60,8 +60,14 @@ class Job:
 class EngineLoop:
     def __init__(self, load: Callable, engine_config: EngineConfig, metrics: ServerMetrics,
                  ctx_size: int | None = None, capacity: int = 64, max_failures: int = 3,
-                 on_load_failed: Callable[[BaseException], None] | None = None):
+                 on_load_failed: Callable[[BaseException], None] | None = None, group=None):
+        """`group`: this is rank 0 of a tensor-parallel group; the other ranks mirror the engine's inputs
+        (distributed/mirror.py). A failed step then stops the server (a fresh Engine here could not be
+        matched on the other ranks)."""
         self._load, self.engine_config, self.metrics = load, engine_config, metrics
+        self.group = group
+        if group is not None:
+            max_failures = 1
         self.ctx_size, self.capacity, self.max_failures = ctx_size, capacity, max_failures
         self._on_load_failed = on_load_failed
         self.state = "loading"  # loading | ready | failed | stopped
@@ -143,6 +149,10 @@ class EngineLoop:
         if budget:  # a request must fit the KV budget on its own
             ctx = min(ctx, budget)
         engine.max_context = self.max_context = ctx
+        if self.group is not None:
+            from ..distributed.mirror import LeaderMirror
+
+            engine.mirror = LeaderMirror(self.group)
         return engine
 
     def _run(self) -> None:
@@ -163,6 +173,16 @@ class EngineLoop:
         self.state = "ready"
         log.info("model ready: context %d tokens, batch %d, %s KV storage", self.max_context,
                  self.engine_config.max_batch_size, self.engine_config.resolved_storage)
+        try:
+            self._serve()
+        finally:
+            if self.engine.mirror is not None:  # the other ranks return (or already lost this one)
+                try:
+                    self.engine.mirror.stop()
+                except Exception as exc:  # noqa: BLE001 - a peer is gone; nothing more to tell it
+                    log.error("could not stop the other ranks: %s", exc)
+
+    def _serve(self) -> None:
         failures = 0
         while not self._stopping:
             self.heartbeat = time.monotonic()
@@ -184,6 +204,8 @@ class EngineLoop:
                     self._set_state("failed", exc)
                 self._fail_all(f"inference backend error: {type(exc).__name__}: {exc}")
                 if self.state == "failed":
+                    if self.group is not None and self._on_load_failed is not None:
+                        self._on_load_failed(exc)  # tensor parallel: the ranks are out of step, stop serving
                     return
                 try:
                     self.engine = self._new_engine()
