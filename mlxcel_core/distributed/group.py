@@ -191,18 +191,20 @@ def _rank_environments(tp_size: int, backend: str, hostfile: str | None) -> list
 
 
 def run_local_ranks(tp_size: int, argv: Sequence[str] | None = None, stdin_data: bytes | None = None,
-                    grace_s: float = 10.0, leader_stdin: bool = False) -> int:
+                    grace_s: float = 10.0, leader_stdin: bool = False, command: Sequence[str] | None = None) -> int:
     """Run `argv` (default: this command) as `tp_size` ranks on this host (NCCL on CUDA, else the ring backend
     over 127.0.0.1; see local_backend).
 
+    `command`: run this whole command line instead of `mlxcel ARGV` (a script that joins the group itself).
     Rank 0 keeps this terminal's stdout/stderr; the others print only errors. Every rank gets `stdin_data`
     (or no stdin); with `leader_stdin`, rank 0 reads this process's stdin (interactive chat) and the others
     none. Returns rank 0's exit status, or the first failing rank's: when a rank fails, the others get
     `grace_s` to fail on their own (they notice the lost peer) and are then terminated. SIGTERM is passed on
     to rank 0 (a server shuts down and tells the others); SIGINT from a terminal reaches every rank itself.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = [sys.executable, "-c", "import sys; from mlxcel_cli.main import main; sys.exit(main())", *argv]
+    if command is None:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        command = [sys.executable, "-c", "import sys; from mlxcel_cli.main import main; sys.exit(main())", *argv]
     backend = local_backend()
     hostfile = None
     if backend == "ring":
