@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .models.base import Quantizable
+from .models.base import is_quantizable
 from mlx.utils import tree_flatten
 
 from .errors import InputError
@@ -31,7 +31,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msg
 
 def quantizable(module: nn.Module, group_size: int) -> bool:
     """Unquantized layers (Linear, Embedding, MoE expert banks) whose input dimension splits into whole groups."""
-    return isinstance(module, Quantizable) and module.weight.shape[-1] % group_size == 0
+    return is_quantizable(module) and module.weight.shape[-1] % group_size == 0
 
 
 def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> nn.Module:

@@ -11,7 +11,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import CorruptModelError
 from ..models import model_class_for
-from ..models.base import Quantizable
+from ..models.base import is_quantizable
 
 
 def read_arrays(path: Path) -> dict[str, mx.array]:
@@ -30,7 +30,7 @@ def _first_line(exc: BaseException) -> str:
 def _quantization_of(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict | bool:
     """Per-layer group size and bits, read off the packed shapes (works for GGUF and MLX checkpoints)."""
     scales = weights.get(f"{path}.scales")
-    if scales is None or not isinstance(module, Quantizable):
+    if scales is None or not is_quantizable(module):
         return False
     in_dims = module.weight.shape[-1]
     packed = weights[f"{path}.weight"].shape[-1]

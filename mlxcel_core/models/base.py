@@ -21,11 +21,17 @@ class BaseModelArgs:
 
 @runtime_checkable
 class Quantizable(Protocol):
-    """A layer MLX can swap for its quantized form (Linear, Embedding, the MoE expert banks)."""
+    """A layer MLX can swap for its quantized form (Linear, Embedding, the MoE expert banks).
 
-    weight: mx.array
+    Only the method is in the protocol: since Python 3.12, isinstance() on a runtime protocol looks members up
+    statically, and an nn.Module keeps `weight` in its dict, not as an attribute (see is_quantizable)."""
 
     def to_quantized(self, group_size: int, bits: int, mode: str = "affine"): ...
+
+
+def is_quantizable(module: Any) -> bool:
+    """A Quantizable layer that has its weight (the weight is what decides the groups)."""
+    return isinstance(module, Quantizable) and "weight" in module
 
 
 class LayerCache(Protocol):
