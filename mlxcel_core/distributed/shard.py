@@ -139,6 +139,8 @@ def _slice_module(module: nn.Module, path: str, weights: dict[str, mx.array], ki
 
 
 def _slice(a: mx.array, axis: int, rank: int, size: int, path: str) -> mx.array:
+    """This rank's part of `a` along `axis`. `a` may be a loading/sliced.py handle: its slice is another handle,
+    so that only the slice's bytes are read later."""
     axis %= a.ndim
     n = a.shape[axis]
     if n % size:
@@ -146,4 +148,7 @@ def _slice(a: mx.array, axis: int, rank: int, size: int, path: str) -> mx.array:
                                     "a quantized layer needs whole quantization groups per rank)")
     step = n // size
     index = (slice(None),) * axis + (slice(rank * step, (rank + 1) * step),)
-    return a[index]
+    part = a[index]
+    # A slice is a view that keeps the whole tensor alive (every rank would hold the full model), and MLX's
+    # CUDA quantized_matmul has no kernel for a strided (column-sliced) weight: copy the slice out.
+    return mx.contiguous(part) if isinstance(part, mx.array) else part

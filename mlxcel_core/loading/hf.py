@@ -9,6 +9,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..errors import CorruptModelError, InputError
+from .sliced import open_tensors
 from .weights import read_arrays
 
 
@@ -48,8 +49,11 @@ def weight_files(model_dir: Path, warn: Callable[[str], None]) -> list[Path]:
     return present
 
 
-def load_hf_weights(model_dir: Path, warn: Callable[[str], None]) -> dict[str, mx.array]:
+def load_hf_weights(model_dir: Path, warn: Callable[[str], None], sliced: bool = False) -> dict[str, mx.array]:
+    """Lazily loaded arrays (mx.load); `sliced`: unread handles instead, for tensor parallelism, so that each
+    rank reads only its slices (loading/sliced.py)."""
+    read = open_tensors if sliced else read_arrays
     weights: dict[str, mx.array] = {}
     for path in weight_files(model_dir, warn):
-        weights.update(read_arrays(path))
+        weights.update(read(path))
     return weights

@@ -31,7 +31,9 @@ def _stderr(msg: str) -> None:
 def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, group=None) -> LoadedModel:
     """Load a model from a directory, a .gguf file, a Hub repo id, or (None) the default model.
 
-    `group` (an mx.distributed group of size > 1): this rank's tensor-parallel shard of the model."""
+    `group` (an mx.distributed group of size > 1): this rank's tensor-parallel shard of the model. From
+    safetensors the rank reads only its slices' bytes (loading/sliced.py); from GGUF each sharded tensor is
+    read whole once and sliced in memory."""
     source = resolve_model(spec, log)
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path)
@@ -39,7 +41,7 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
         dtype = mx.float32 if mx.default_device() == mx.cpu else None
     else:
         config = read_config(source.path)
-        weights = load_hf_weights(source.path, warn=log)
+        weights = load_hf_weights(source.path, warn=log, sliced=group is not None and group.size() > 1)
         tokenizer = load_hf_tokenizer(source.path, config)
         dtype = None
     model = build_model(config, weights, dtype, group=group)

@@ -49,22 +49,29 @@ def _check_names(model: nn.Module, weights: dict[str, mx.array], model_type: str
 
 def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None,
                 group: "mx.distributed.Group | None" = None) -> nn.Module:
-    """`group` (size > 1): shard the model for tensor parallelism; each rank evaluates only its slices."""
+    """`group` (size > 1): shard the model for tensor parallelism; each rank evaluates only its slices.
+    `weights` may then hold loading/sliced.py handles (read here, after slicing) as well as arrays."""
     model_cls, args_cls = model_class_for(config)
     try:
         args = args_cls.from_dict(config)
     except TypeError as exc:
         raise CorruptModelError(f"config.json is incomplete for {config.get('model_type')}: {exc}") from exc
     model = model_cls(args)
+    sharded = group is not None and group.size() > 1
+    if sharded:
+        from ..distributed.shard import check_shardable
+
+        check_shardable(model, group.size())  # before sanitize: only the supported families' sanitize sees handles
     weights = model.sanitize(weights)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     if any(k.endswith(".scales") for k in weights):
         nn.quantize(model, class_predicate=lambda p, m: _quantization_of(p, m, weights))
-    if group is not None and group.size() > 1:
+    if sharded:
         from ..distributed.shard import shard_model
+        from .sliced import materialize
 
-        weights = shard_model(model, weights, group)
+        weights = materialize(shard_model(model, weights, group))
     _check_names(model, weights, config["model_type"])
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -153,7 +153,7 @@ def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
     out_prefix = f"{prefix}.switch_mlp"
     fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
     if fused is not None:
-        gate, up = mx.split(fused, 2, axis=1)
+        gate, up = fused.split(2, axis=1)  # the method: tensor-parallel loading's handles split unread too
         weights[f"{out_prefix}.gate_proj.weight"] = gate
         weights[f"{out_prefix}.up_proj.weight"] = up
         weights[f"{out_prefix}.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
@@ -162,5 +162,13 @@ def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
         for suffix in ("weight", "scales", "biases", "bias"):
             keys = [f"{prefix}.experts.{e}.{hf_name}.{suffix}" for e in range(num_experts)]
             if all(key in weights for key in keys):  # else the loader names what is missing
-                weights[f"{out_prefix}.{ours}.{suffix}"] = mx.stack([weights.pop(key) for key in keys])
+                weights[f"{out_prefix}.{ours}.{suffix}"] = _stack([weights.pop(key) for key in keys])
     return weights
+
+
+def _stack(parts: list) -> mx.array:
+    """mx.stack, except that tensor-parallel loading's unread handles (loading/sliced.py) stack unread, so
+    each rank later reads only its slice of every expert."""
+    if all(isinstance(p, mx.array) for p in parts):
+        return mx.stack(parts)
+    return type(parts[0]).stack(parts)

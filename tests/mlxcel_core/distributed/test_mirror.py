@@ -156,3 +156,27 @@ def test_random_shape_shards_are_slices_of_the_single_process_model(bits, monkey
     if bits:
         assert mx.array_equal(pa.o_proj.scales, fa.o_proj.scales[:, fa.o_proj.scales.shape[1] // 2:])
     assert mx.array_equal(part.lm_head.weight, full.lm_head.weight)
+
+
+def test_a_rank_keeps_only_its_share_of_memory(monkeypatch):
+    """Slices are copied out: a view would keep each whole tensor alive (every rank holding the full model)."""
+    import gc
+
+    import mlx.core as mx
+
+    from mlxcel_core.models import shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "wide", {**shapes.SHAPES["tiny"], "hidden_size": 256, "intermediate_size": 1024,
+                                               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64})
+
+    def resident(group):
+        gc.collect()
+        before = mx.get_active_memory()
+        model, _ = shapes.build_random_model("wide", dtype="float32", seed=1, group=group)
+        gc.collect()
+        used = mx.get_active_memory() - before
+        del model
+        return used
+
+    full, half = resident(None), resident(_FakeGroup(0, 2))
+    assert half < 0.6 * full, (half, full)
