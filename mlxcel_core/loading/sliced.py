@@ -17,8 +17,9 @@ renaming keys, stacking per-expert tensors and splitting a fused `gate_up_proj` 
 handles unread; `build_model` refuses unsupported families before their `sanitize` sees a handle.
 
 GGUF files are not read through here: they keep `mx.load` + slicing in memory (each sharded tensor is read
-whole once, then `shard._slice` copies the slice out). The reads are exact at the application level; the OS still reads whole pages (and may read
-ahead), so a column slice of rows narrower than a page costs about as much disk traffic as the rows.
+whole once, then `shard._slice` copies the slice out). The reads are exact at the application level; the OS
+still reads whole pages (and may read ahead), so a column slice of rows narrower than a page costs about as
+much disk traffic as the rows.
 """
 
 from __future__ import annotations
