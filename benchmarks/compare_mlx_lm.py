@@ -1,0 +1,222 @@
+"""Batch-1 speed of mlxcel vs mlx-lm on the same model and prompt, run alternately: prefill, TTFT, decode tok/s.
+
+    python benchmarks/compare_mlx_lm.py --model ./SmolLM2-135M-Instruct            # an HF / MLX directory
+    python benchmarks/compare_mlx_lm.py --model ./model.Q4_1.gguf --rounds 3        # mlx-lm gets the same arrays
+    python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --bits 4 --json  # random weights
+
+Models: mlxcel loads with `mlxcel_core.load_model`; mlx-lm loads a directory or Hub id with `mlx_lm.load`.
+mlx-lm cannot read GGUF files and has no random-weight shapes, so for a .gguf or --model-shape its Model
+class is built from mlxcel's config dict and loads mlxcel's arrays (quantized layers with the same group
+size and bits): the very same weights. The script prints the largest logit difference of the two models.
+
+Timing, identical for both: one prompt of --prompt-tokens random token ids (seeded), greedy, EOS ignored,
+no detokenization (mlxcel: an Engine whose tokenizer has no EOS and no text; mlx-lm: `generate_step`, which
+neither stops at EOS nor detokenizes). t0 is taken before the request is handed over; TTFT is until the first
+token is on the host (prefill tok/s = prompt tokens / TTFT); decode tok/s = N / (time of token N + 1 -
+time of token 1), N = --gen-tokens. One warm-up run each, then --rounds rounds; each round runs both, the
+first one alternating (mlxcel first in odd rounds), so slow drifts and background load hit both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+
+from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
+from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
+from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.sampling import SamplingParams  # noqa: E402
+
+RUNTIMES = ("mlxcel", "mlx-lm")
+
+
+@dataclass
+class Run:
+    ttft_s: float
+    prefill_tps: float
+    decode_tps: float
+    tokens: list[int] = field(repr=False)
+
+
+def timed(tokens_and_times: list[tuple[int, float]], t0: float, prompt_len: int) -> Run:
+    tokens = [t for t, _ in tokens_and_times]
+    times = [s for _, s in tokens_and_times]
+    ttft = times[0] - t0
+    return Run(ttft, prompt_len / ttft, (len(times) - 1) / (times[-1] - times[0]), tokens)
+
+
+# -- mlxcel: its engine, as generate/run/serve use it ------------------------------------------------------------
+def run_mlxcel(model, vocab: int, prompt: list[int], gen: int) -> Run:
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1))  # no EOS, no text
+    seen: list[tuple[int, float]] = []
+    t0 = time.perf_counter()
+    seq = engine.open(prompt, SamplingParams(max_tokens=gen + 1))  # greedy
+    while engine.has_work():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.finish_reason == "error":
+                raise RuntimeError(f"mlxcel: {out.error}")
+            if out.token is not None:
+                seen.append((out.token, now))
+    engine.release(seq)
+    return timed(seen, t0, len(prompt))
+
+
+# -- mlx-lm: generate_step, the loop under mlx_lm.generate / stream_generate ---------------------------------------
+def run_mlx_lm(model, prompt: list[int], gen: int) -> Run:
+    from mlx_lm.generate import generate_step
+
+    seen: list[tuple[int, float]] = []
+    t0 = time.perf_counter()
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=gen + 1):  # greedy, never stops at EOS
+        seen.append((int(token), time.perf_counter()))
+    return timed(seen, t0, len(prompt))
+
+
+def mlx_lm_twin(ours, config: dict):
+    """mlx-lm's Model for our config holding our arrays (for GGUF files and random shapes)."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    quantized = {path: m for path, m in ours.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    if quantized:
+        nn.quantize(model, class_predicate=lambda path, m: path in quantized and {
+            "group_size": quantized[path].group_size, "bits": quantized[path].bits, "mode": quantized[path].mode})
+    model.load_weights(tree_flatten(ours.parameters()), strict=True)
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def load_both(args) -> tuple[object, object, int, str, str]:
+    """(mlxcel model, mlx-lm model, vocab size, model description, how mlx-lm got its model)."""
+    if args.model_shape:
+        ours, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed)
+        return ours, mlx_lm_twin(ours, config), config["vocab_size"], \
+            describe_shape(args.model_shape, args.bits, args.dtype), "mlx-lm Model built from the shape's config, mlxcel's arrays"
+    from mlxcel_core import load_model
+
+    loaded = load_model(args.model)
+    ours, config = loaded.model, loaded.config
+    vocab = int(config.get("vocab_size") or loaded.tokenizer.vocab_size)
+    kinds = sorted({str(v.dtype).split(".")[-1] for _, v in tree_flatten(ours.parameters())})
+    description = f"{loaded.source.origin} ({config.get('model_type')}, {'/'.join(kinds)})"
+    if loaded.source.kind == "gguf":
+        return ours, mlx_lm_twin(ours, config), vocab, description, \
+            "mlx-lm cannot read GGUF: its Model built from mlxcel's config, holding mlxcel's arrays"
+    import mlx_lm
+
+    theirs, _ = mlx_lm.load(str(loaded.source.path) if loaded.source.path else args.model)
+    return ours, theirs, vocab, description, "mlx_lm.load on the same directory"
+
+
+def max_logit_diff(ours, theirs, vocab: int) -> float:
+    ids = mx.array([random_prompt(vocab, 8, "logit-check")])
+    return float(mx.abs(ours(ids).astype(mx.float32) - theirs(ids).astype(mx.float32)).max())
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--model", help="directory, .gguf or Hub id (default: mlxcel's default model)")
+    what.add_argument("--model-shape", choices=shape_names(), help="random weights of a known architecture")
+    parser.add_argument("--bits", type=int, choices=(4, 8), help="--model-shape: quantize (group size 64)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="--model-shape: weight dtype")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--gen-tokens", type=int, default=64, help="decode steps timed after the first token")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout (progress on stderr)")
+    args = parser.parse_args(argv)
+    if args.prompt_tokens < 1 or args.gen_tokens < 1 or args.rounds < 1:
+        parser.error("--prompt-tokens, --gen-tokens and --rounds must be >= 1")
+    if (args.bits or args.dtype != "bfloat16") and not args.model_shape:
+        parser.error("--bits and --dtype apply to --model-shape only")
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    import mlx_lm
+
+    ours, theirs, vocab, description, how = load_both(args)
+    env = environment()
+    diff = max_logit_diff(ours, theirs, vocab)
+    say(f"mlxcel {env['mlxcel_version']}, mlx-lm {mlx_lm.__version__}, mlx {env['mlx_version']}, backend {env['backend']}"
+        f" ({env['device']})")
+    say(f"model: {description}; {how}; max |logit diff| mlxcel vs mlx-lm: {diff:.3g}")
+    say(f"prompt {args.prompt_tokens} random token ids (seed {args.seed}), {args.gen_tokens} decode steps timed "
+        f"after the first token, greedy, EOS ignored; 1 warm-up each, {args.rounds} rounds, first runtime alternating")
+
+    prompt = random_prompt(vocab, args.prompt_tokens, args.seed, "compare")
+
+    def once(runtime: str, gen: int) -> Run:
+        gc.collect()
+        mx.clear_cache()
+        if runtime == "mlxcel":
+            return run_mlxcel(ours, vocab, prompt, gen)
+        return run_mlx_lm(theirs, prompt, gen)
+
+    for runtime in RUNTIMES:  # warm-up: same prompt shape, a few decode steps
+        once(runtime, min(args.gen_tokens, 8))
+
+    rounds = []
+    for r in range(args.rounds):
+        order = RUNTIMES if r % 2 == 0 else RUNTIMES[::-1]
+        runs = {runtime: once(runtime, args.gen_tokens) for runtime in order}
+        a, b = runs["mlxcel"], runs["mlx-lm"]
+        row = {"round": r + 1, "first": order[0], "mlxcel": a, "mlx-lm": b,
+               "decode_ratio": a.decode_tps / b.decode_tps, "prefill_ratio": a.prefill_tps / b.prefill_tps,
+               "same_tokens": agreeing_prefix(a.tokens, b.tokens)}
+        rounds.append(row)
+        say(f"round {r + 1} ({order[0]} first): decode mlxcel {a.decode_tps:.2f} / mlx-lm {b.decode_tps:.2f} tok/s = "
+            f"{row['decode_ratio']:.3f}x | prefill mlxcel {a.prefill_tps:.1f} / mlx-lm {b.prefill_tps:.1f} tok/s = "
+            f"{row['prefill_ratio']:.3f}x (TTFT {a.ttft_s * 1000:.0f} / {b.ttft_s * 1000:.0f} ms) | "
+            f"greedy tokens agree for {row['same_tokens']}/{len(a.tokens)}")
+
+    def median(key, runtime=None):
+        return statistics.median(row[runtime].__dict__[key] if runtime else row[key] for row in rounds)
+
+    summary = {
+        "decode_ratio_median": median("decode_ratio"), "prefill_ratio_median": median("prefill_ratio"),
+        **{f"{rt}_{k}_median": median(k, rt) for rt in RUNTIMES for k in ("decode_tps", "prefill_tps", "ttft_s")},
+    }
+    say(f"median decode: mlxcel {summary['mlxcel_decode_tps_median']:.2f}, mlx-lm "
+        f"{summary['mlx-lm_decode_tps_median']:.2f} tok/s; median ratio mlxcel/mlx-lm {summary['decode_ratio_median']:.3f}x")
+    say(f"median prefill: mlxcel {summary['mlxcel_prefill_tps_median']:.1f}, mlx-lm "
+        f"{summary['mlx-lm_prefill_tps_median']:.1f} tok/s; median ratio mlxcel/mlx-lm {summary['prefill_ratio_median']:.3f}x")
+    if args.json:
+        def plain(run: Run) -> dict:
+            return {k: v for k, v in asdict(run).items() if k != "tokens"}
+
+        print(json.dumps({
+            **env, "mlx_lm_version": mlx_lm.__version__, "model": description, "mlx_lm_model": how,
+            "max_logit_diff": diff, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
+            "rounds": [{**row, "mlxcel": plain(row["mlxcel"]), "mlx-lm": plain(row["mlx-lm"])} for row in rounds],
+            **summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
