@@ -96,6 +96,7 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
         self._unread: dict[int, _Sampled] = {}
+        self._readout: mx.array | None = None  # the unread rows' tokens as one int32 vector, -1 where NaN
         self._conversations: dict[int, Conversation | None] = {}
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
         self._token_texts: list[str] | None = None  # each token's text, for DRY sequence breakers
@@ -173,13 +174,17 @@ class Engine:
             seq.timings.prefill_start = seq.timings.prefill_start or time.perf_counter()
             run = lambda: self.runner.prefill(work.seq_id, seq.prompt_ids[work.start:work.end], work.start, work.last)
             outputs += self._run((work.seq_id,), produced, run, sample=work.last)
-        mx.async_eval([a for sampled in produced.values() for a in sampled.arrays()])
+        # The host reads this step's rows as one vector (-1: NaN logits), built and scheduled now with the step:
+        # made later in _commit it would queue behind the next step's forward and wait for it (no overlap).
+        readout = mx.stack([mx.where(s.nan, -1, s.token.astype(mx.int32)).reshape(())
+                            for s in produced.values()]) if produced else None
+        mx.async_eval([a for sampled in produced.values() for a in sampled.arrays()] + ([readout] if produced else []))
         self._latest.update({s: sampled.token for s, sampled in produced.items()})
         if sync:
-            self._unread = produced
+            self._unread, self._readout = produced, readout
             return outputs + self._commit()
         outputs += self._commit()
-        self._unread = produced
+        self._unread, self._readout = produced, readout
         return outputs
 
     # -- internals ----------------------------------------------------------------------------
@@ -267,10 +272,10 @@ class Engine:
 
     def _commit(self) -> list[StepOutput]:
         unread, self._unread = self._unread, {}
+        readout, self._readout = self._readout, None
         if not unread:
             return []
-        # One host read for the whole step (not two per row): -1 marks a row whose logits were NaN.
-        read = mx.stack([mx.where(s.nan, -1, s.token.astype(mx.int32)).reshape(()) for s in unread.values()]).tolist()
+        read = readout.tolist()  # one host read for the whole step (not two per row); scheduled in step()
         outputs = []
         now = time.perf_counter()
         for (seq_id, sampled), token in zip(unread.items(), read):
