@@ -1,0 +1,347 @@
+"""4-bit quantized matrix-vector product for decode (a few rows of x) as one CUDA kernel (``mx.fast.cuda_kernel``).
+
+    y = quantized_matvec(x, w, scales, biases, group_size=64, bits=4)   # == x @ dequantize(w).T
+
+Same contract as ``mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)`` in MLX's affine
+mode: x [..., K] (float16, bfloat16 or float32), w [N, K/8] uint32 with element j of a word in bits [4j, 4j+4)
+(what ``mx.quantize(..., bits=4)`` packs), scales and biases [N, K/group_size]; weight (n, k) is
+q * scales[n, k // group_size] + biases[n, k // group_size]. y [..., N] has MLX's result dtype
+(``mx.result_type(x, scales)``: x's dtype in a model). The kernel runs where `supports` says so: MLX on CUDA,
+bits 4, group size 32/64/128, K a multiple of 32, at most MAX_ROWS rows of x; anything else (and every call on
+CPU or Metal) is ``mx.quantized_matmul`` itself, so the result there is MLX's, bit for bit.
+
+Kernel ("mlxcel_qmv"): one thread block of WARPS x 32 threads per ROWS consecutive output rows. Lane l of warp v
+takes 32-element chunks of K at k = (v * 32 + l) * 32 + i * WARPS * 1024, i.e. one 16-byte load (a uint4: 4 words,
+32 nibbles) per weight row per chunk, the warp's 32 loads contiguous along K (coalesced 512 bytes), UNROLL chunks'
+loads issued before any is used. A chunk lies inside one quantization group, so per chunk and row the lane reads
+one scale and one bias and uses
+    sum_k x_k (q_k s + b) = s * sum_k x_k q_k + b * sum_k x_k,
+where sum_k x_k is shared by all ROWS rows. Dequantization costs one LOP3 per two nibbles: (word & 0x000F000F) |
+0x64006400 is the fp16 pair (1024 + q_0, 1024 + q_4); (word & 0x00F000F0) | 0x54005400 is (64 + q_1, 64 + q_5)
+(0x5400 is 64.0, whose mantissa unit is 1/16, so a nibble in bits 4-7 reads as q); word >> 8 gives nibbles 2,6
+and 3,7 the same way. The pairs are widened to float32 and multiplied with x in float32; the constant offsets
+(1024 for even nibbles, 64 for odd ones) are removed once per chunk, sum x (O + q) - (1024 sum_even x + 64
+sum_odd x) (exact in real arithmetic; in float32 it costs a few ulps of 1024 |x| per chunk, far below the output's
+fp16/bf16 rounding). All of x's rows (M <= MAX_ROWS) are handled by the same launch, reusing each loaded word M
+times. Accumulation is float32 throughout; a warp-shuffle reduction, then one shared-memory sum across the WARPS
+warps, then one write per output.
+
+The kernel is compiled (NVRTC, by MLX) once per (dtypes, M, group size, ROWS, WARPS, UNROLL); N and K are runtime
+values. Its name carries a hash of the source, because MLX caches compiled kernels on disk by name
+(MLX_PTX_CACHE_DIR, default /tmp/mlx/<version>/ptx): an edited source must not load a stale binary.
+
+Validated by tests/mlxcel_core/kernels/test_qmv.py (the kernel tests are skipped without CUDA); timed by
+benchmarks/qmv.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import mlx.core as mx
+
+from ..kv.cuda_paged_attention import cuda_kernel_available
+
+MAX_ROWS = 8  # rows of x one launch handles (decode batch); more rows go to mx.quantized_matmul
+GROUP_SIZES = (32, 64, 128)
+BITS = 4
+CHUNK = 32  # elements of K per lane per chunk (one uint4 of packed weights)
+FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+_HEADER = r"""
+// 16 bytes of packed weights (32 nibbles), streamed: read once, so marked evict-first.
+__device__ __forceinline__ uint4 mlxcel_qmv_load_w(const uint32_t* p, bool vec) {
+    if (vec) {
+        return __ldcs(reinterpret_cast<const uint4*>(p));
+    }
+    return make_uint4(p[0], p[1], p[2], p[3]);
+}
+
+__device__ __forceinline__ uint32_t mlxcel_qmv_word(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Nibbles 0 and 4 of v (bits 0-3 and 16-19) as the floats (1024 + q0, 1024 + q4).
+__device__ __forceinline__ float2 mlxcel_qmv_even(uint32_t v) {
+    const uint32_t h = (v & 0x000F000Fu) | 0x64006400u;
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// Nibbles 1 and 5 of v (bits 4-7 and 20-23) as the floats (64 + q1, 64 + q5).
+__device__ __forceinline__ float2 mlxcel_qmv_odd(uint32_t v) {
+    const uint32_t h = (v & 0x00F000F0u) | 0x54005400u;
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// Eight consecutive activations as float; 16-byte loads when the row is aligned.
+template <typename T>
+__device__ __forceinline__ void mlxcel_qmv_load_x(const T* p, float* out, bool vec) {
+    alignas(16) T t[8];
+    if (vec) {
+#pragma unroll
+        for (int j = 0; j < int(8 * sizeof(T) / 16); ++j) {
+            reinterpret_cast<uint4*>(t)[j] = reinterpret_cast<const uint4*>(p)[j];
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            t[j] = p[j];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        out[j] = static_cast<float>(t[j]);
+    }
+}
+"""
+
+_SOURCE = r"""
+    constexpr int CHUNK = 32;
+    constexpr int STRIDE = WARPS * 32 * CHUNK;  // K covered by one round of the block's lanes
+    const int N = w_shape[0];
+    const int K = w_shape[1] * 8;  // x is M rows of K (any leading shape: only its data is read)
+    const int KW = K / 8;  // packed words per weight row
+    const int G = K / GS;  // groups per weight row
+    const int lane = threadIdx.x & 31;
+    const int wid = threadIdx.x >> 5;
+    const int n0 = blockIdx.x * ROWS;
+
+    const bool w_vec = (reinterpret_cast<size_t>(w) & 15) == 0;  // rows are K/2 bytes apart: 16-byte multiples
+    const bool x_vec = (reinterpret_cast<size_t>(x) & 15) == 0;
+
+    const uint32_t* w_row[ROWS];
+    const S* s_row[ROWS];
+    const S* b_row[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const size_t n = size_t(min(n0 + r, N - 1));  // a block's rows past N read row N-1 and write nothing
+        w_row[r] = w + n * KW;
+        s_row[r] = scales + n * G;
+        b_row[r] = biases + n * G;
+    }
+
+    float acc[ROWS][M];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            acc[r][m] = 0.0f;
+        }
+    }
+
+    for (int k0 = (wid * 32 + lane) * CHUNK; k0 < K; k0 += UNROLL * STRIDE) {
+        // Every load of the UNROLL chunks first (weights, scales, biases), then the arithmetic.
+        uint4 q[UNROLL][ROWS];
+        float s[UNROLL][ROWS];
+        float b[UNROLL][ROWS];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = k0 + u * STRIDE;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                if (k < K) {
+                    q[u][r] = mlxcel_qmv_load_w(w_row[r] + k / 8, w_vec);
+                    s[u][r] = static_cast<float>(s_row[r][k / GS]);
+                    b[u][r] = static_cast<float>(b_row[r][k / GS]);
+                } else {
+                    q[u][r] = make_uint4(0u, 0u, 0u, 0u);
+                    s[u][r] = 0.0f;
+                    b[u][r] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int k = k0 + u * STRIDE;
+            if (k < K) {
+                float part[ROWS][M];  // sum over the chunk of x * (offset + q)
+                float xs[M];  // sum of x over the chunk
+                float xo[M];  // sum of x * offset over the chunk
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    xs[m] = 0.0f;
+                    xo[m] = 0.0f;
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) {
+                        part[r][m] = 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {  // word i of the uint4: elements k + 8i .. k + 8i + 7
+                    float xv[M][8];
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        mlxcel_qmv_load_x(x + size_t(m) * K + k + 8 * i, xv[m], x_vec);
+                        const float se = (xv[m][0] + xv[m][2]) + (xv[m][4] + xv[m][6]);
+                        const float so = (xv[m][1] + xv[m][3]) + (xv[m][5] + xv[m][7]);
+                        xs[m] += se + so;
+                        xo[m] = fmaf(1024.0f, se, fmaf(64.0f, so, xo[m]));
+                    }
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) {
+                        const uint32_t word = mlxcel_qmv_word(q[u][r], i);
+                        const uint32_t w8 = word >> 8;
+                        const float2 v04 = mlxcel_qmv_even(word);  // elements 0, 4 (offset 1024)
+                        const float2 v15 = mlxcel_qmv_odd(word);  // elements 1, 5 (offset 64)
+                        const float2 v26 = mlxcel_qmv_even(w8);  // elements 2, 6 (offset 1024)
+                        const float2 v37 = mlxcel_qmv_odd(w8);  // elements 3, 7 (offset 64)
+#pragma unroll
+                        for (int m = 0; m < M; ++m) {
+                            float p = part[r][m];
+                            p = fmaf(xv[m][0], v04.x, p);
+                            p = fmaf(xv[m][1], v15.x, p);
+                            p = fmaf(xv[m][2], v26.x, p);
+                            p = fmaf(xv[m][3], v37.x, p);
+                            p = fmaf(xv[m][4], v04.y, p);
+                            p = fmaf(xv[m][5], v15.y, p);
+                            p = fmaf(xv[m][6], v26.y, p);
+                            p = fmaf(xv[m][7], v37.y, p);
+                            part[r][m] = p;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        acc[r][m] = fmaf(s[u][r], part[r][m] - xo[m], fmaf(b[u][r], xs[m], acc[r][m]));
+                    }
+                }
+            }
+        }
+    }
+
+    // Sum over the warp's lanes, then over the block's warps; one write per (row of x, output).
+    __shared__ float red[WARPS][ROWS * M];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                v += __shfl_xor_sync(0xffffffffu, v, o);
+            }
+            if (lane == 0) {
+                red[wid][r * M + m] = v;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
+        const int r = i / M;
+        const int m = i % M;
+        const int n = n0 + r;
+        if (n < N) {
+            float t = 0.0f;
+#pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                t += red[v][i];
+            }
+            y[size_t(m) * N + n] = static_cast<OUT>(t);
+        }
+    }
+"""
+
+KERNEL_HASH = hashlib.sha256(f"{_HEADER}{_SOURCE}".encode()).hexdigest()[:8]
+KERNEL_NAME = f"mlxcel_qmv_{KERNEL_HASH}"
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name=KERNEL_NAME,
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["y"],
+        source=_SOURCE,
+        header=_HEADER,
+    )
+
+
+def shape_supported(x_shape, x_dtype, w_shape, w_dtype, scales_shape, scales_dtype, biases_shape, biases_dtype,
+                    group_size: int, bits: int) -> bool:
+    """Whether the kernel handles these operands (shapes and dtypes only; `supports` adds the backend)."""
+    if bits != BITS or group_size not in GROUP_SIZES or biases_shape is None:
+        return False
+    if len(w_shape) != 2 or w_dtype != mx.uint32 or len(x_shape) < 1:
+        return False
+    n, k = w_shape[0], w_shape[1] * 8
+    if n < 1 or k < 1 or k % CHUNK or k % group_size or x_shape[-1] != k:
+        return False
+    groups = (n, k // group_size)
+    if tuple(scales_shape) != groups or tuple(biases_shape) != groups:
+        return False
+    if x_dtype not in FLOAT_TYPES or scales_dtype not in FLOAT_TYPES or biases_dtype != scales_dtype:
+        return False
+    rows = 1
+    for d in x_shape[:-1]:
+        rows *= d
+    return 1 <= rows <= MAX_ROWS
+
+
+def kernel_ready() -> bool:
+    """MLX has a usable CUDA device and computes on it by default (the kernel runs on the GPU only)."""
+    return cuda_kernel_available() and mx.default_device() == mx.gpu
+
+
+def supports(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int = 64,
+             bits: int = 4) -> bool:
+    """True when `quantized_matvec` runs the CUDA kernel for these operands (else it is mx.quantized_matmul)."""
+    if biases is None or not kernel_ready():
+        return False
+    return shape_supported(x.shape, x.dtype, w.shape, w.dtype, scales.shape, scales.dtype, biases.shape,
+                           biases.dtype, group_size, bits)
+
+
+def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
+    """(ROWS, WARPS, UNROLL) for an N x K weight and m rows of x.
+
+    ROWS output rows per block; WARPS warps per block split K (each warp keeps at least one whole 1024-element
+    round of K) until there are about 4096 warps in the grid (~30 per SM on an H200: enough 16-byte loads in
+    flight to cover HBM latency); UNROLL 2 puts a lane's next chunk's loads in flight with the current one's when
+    the arithmetic per chunk is small (m <= 2) and a lane has more than one chunk. benchmarks/qmv.py --sweep times
+    the alternatives."""
+    rows = 4 if m <= 4 else 2
+    blocks = -(-n // rows)
+    warps = 1
+    while warps < 8 and blocks * warps < 4096 and k >= warps * 2 * 32 * CHUNK:
+        warps *= 2
+    unroll = 2 if m <= 2 and k > warps * 32 * CHUNK else 1
+    return rows, warps, unroll
+
+
+@functools.lru_cache(maxsize=4096)
+def _launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None) -> dict:
+    """Everything but the inputs of one launch, cached: a decode step makes hundreds of calls with few shapes."""
+    k = x_shape[-1]
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    rows, warps, unroll = config or launch_config(n, k, m)
+    out_dtype = mx.result_type(x_dtype, s_dtype)
+    threads = warps * 32
+    return dict(
+        template=[("T", x_dtype), ("S", s_dtype), ("OUT", out_dtype), ("M", m), ("GS", group_size), ("ROWS", rows),
+                  ("WARPS", warps), ("UNROLL", unroll)],
+        grid=(-(-n // rows) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(*x_shape[:-1], n)],
+        output_dtypes=[out_dtype],
+    )
+
+
+def cuda_quantized_matvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64,
+                          config: tuple[int, int, int] | None = None) -> mx.array:
+    """The kernel itself (CUDA only; the caller has checked `supports`). `config` (ROWS, WARPS, UNROLL)
+    overrides `launch_config`."""
+    args = _launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], group_size, config)
+    return _kernel()(inputs=[x, w, scales, biases], **args)[0]
+
+
+def quantized_matvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int = 64,
+                     bits: int = 4) -> mx.array:
+    """x @ dequantize(w, scales, biases).T: the CUDA kernel when `supports`, else mx.quantized_matmul."""
+    if supports(x, w, scales, biases, group_size, bits):
+        return cuda_quantized_matvec(x, w, scales, biases, group_size)
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=bits)
