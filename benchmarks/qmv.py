@@ -2,8 +2,8 @@
 
 MLX's quantized_matmul vs mlxcel's 4-bit decode matvec kernel (mlxcel_core/kernels/qmv.py), on CUDA only.
 
-    python benchmarks/qmv.py                        # Llama-3-8B decode GEMVs, M = 1 and 8, bf16; then end to end
-    python benchmarks/qmv.py --m 1 2 4 8 --dtype float16 --no-e2e
+    python benchmarks/qmv.py                        # Llama-3-8B decode GEMVs, M = 1, 2, 4, 8, bf16; then end to end
+    python benchmarks/qmv.py --m 1 8 --dtype float16 --no-e2e
     python benchmarks/qmv.py --no-sweep             # only the default launch configuration
 
 For each of Llama-3-8B's decode GEMVs (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336, the LM
@@ -17,11 +17,14 @@ mx.async_eval). "max rel diff" compares the two results (MLX's own CUDA matvec a
 expected; the kernel's accuracy is what tests/mlxcel_core/kernels checks against a float64 reference).
 
 --sweep (default on) also times every (ROWS, WARPS, UNROLL) launch configuration and prints the best one next to
-the default that `launch_config` picks: if the best is much faster, update `launch_config`.
+the default that `launch_config` picks: if the best is much faster, update `launch_config`. The M at which the
+kernel stops beating MLX is what fast_linear.LAYER_MAX_ROWS (MLXCEL_QMV_MAX_ROWS, default 2) should be.
 
 End to end (--e2e, default on): a random 4-bit Llama-3-8B (mlxcel_core.models.shapes), greedy decode of
---e2e-tokens tokens at batch 1, plain MLX layers vs the swapped FastQuantizedLinear layers, tok/s and the weight
-bytes per second that implies. The same comparison through the CLI:
+--e2e-tokens tokens at batch 1 (graph of step t+1 built while step t runs, mx.async_eval), plain MLX layers vs the
+swapped layers (use_fast_quantized_linear: MIN_WEIGHT and LAYER_MAX_ROWS as configured), tok/s, the weight bytes
+per second that implies, and the host time spent building each step's graph (when it is close to the time per
+token, decode is bound by Python/MLX graph building, not by the GPU). The same comparison through the CLI:
     MLXCEL_QMV=0 mlxcel bench --model-shape llama-3-8b --bits 4 -p 0 -n 128
     MLXCEL_QMV=1 mlxcel bench --model-shape llama-3-8b --bits 4 -p 0 -n 128
 """
@@ -154,19 +157,22 @@ def bench_e2e(args) -> None:
     _, nbytes = count_parameters(model)
     prompt = mx.array([list(range(100, 116))])
 
-    def decode() -> tuple[float, list[int]]:
+    def decode() -> tuple[float, list[int], float]:
         cache = make_cache(len(model.layers))
         token = mx.argmax(model(prompt, cache)[:, -1], axis=-1)
         mx.eval(token)
         tokens = []
+        host = 0.0
         t0 = time.perf_counter()
         for _ in range(args.e2e_tokens):
             tokens.append(token)
+            t1 = time.perf_counter()
             token = mx.argmax(model(token[:, None], cache)[:, -1], axis=-1)
+            host += time.perf_counter() - t1
             mx.async_eval(token)
         mx.eval(token)
         elapsed = time.perf_counter() - t0
-        return args.e2e_tokens / elapsed, [t.item() for t in tokens]
+        return args.e2e_tokens / elapsed, [t.item() for t in tokens], host / args.e2e_tokens
 
     rates = {}
     for label in ("MLX", "ours", "MLX", "ours"):  # interleaved; the first of each is a warm-up
@@ -176,8 +182,9 @@ def bench_e2e(args) -> None:
             restore_quantized_linear(model)
         rates.setdefault(label, []).append(decode())
     for label in ("MLX", "ours"):
-        tps, tokens = rates[label][-1]
-        print(f"{label:>5}: {tps:7.1f} tok/s  ({tps * nbytes / 1e9:6.0f} GB/s of weights)  first tokens {tokens[:8]}")
+        tps, tokens, host = rates[label][-1]
+        print(f"{label:>5}: {tps:7.1f} tok/s = {1e3 / tps:5.2f} ms/token ({tps * nbytes / 1e9:5.0f} GB/s of weights); "
+              f"graph building {host * 1e3:5.2f} ms/token; first tokens {tokens[:8]}")
     same = rates["MLX"][-1][1] == rates["ours"][-1][1]
     print(f"speedup {rates['ours'][-1][0] / rates['MLX'][-1][0]:.2f}x; greedy tokens "
           f"{'identical' if same else 'differ (random weights in bf16: near-ties, see tests)'}")
@@ -185,7 +192,7 @@ def bench_e2e(args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 8], help="rows of x (1..8)")
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8], help="rows of x (1..8)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--shapes", nargs="*", help="only these shape names")
     parser.add_argument("--calls", type=int, default=50)

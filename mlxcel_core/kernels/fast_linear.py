@@ -3,11 +3,11 @@
     maybe_use_fast_quantized_linear(model)   # load_model / build_random_model call this once the model is built
 
 Plain ``nn.QuantizedLinear`` layers (exact type: tensor-parallel subclasses such as RowParallelQuantizedLinear
-keep their own __call__) that the kernel can run (4-bit affine, group size 32/64/128, K a multiple of 32) become
-`FastQuantizedLinear`, and plain ``nn.QuantizedEmbedding`` layers `FastQuantizedEmbedding` (whose ``as_linear`` is
-the tied LM head). Only the class changes, as distributed/shard.py does: parameters, names and isinstance checks
-stay those of MLX's classes. An input with at most MAX_ROWS rows (decode) goes through `quantized_matvec`, more
-(prefill) through ``mx.quantized_matmul`` as before.
+keep their own __call__) that the kernel can run (4-bit affine, group size 32/64/128, K a multiple of 32) and that
+are big enough to gain (N x K >= MIN_WEIGHT) become `FastQuantizedLinear`, and such plain ``nn.QuantizedEmbedding``
+layers `FastQuantizedEmbedding` (whose ``as_linear`` is the tied LM head). Only the class changes, as
+distributed/shard.py does: parameters, names and isinstance checks stay those of MLX's classes. An input of at most
+LAYER_MAX_ROWS rows (decode) runs the kernel on the CUDA device; anything else is MLX's own call, unchanged.
 
 Gate: on only when MLX runs on CUDA and MLXCEL_QMV is not "0". The default is still "0" (off) until the kernel
 has been validated on the H200 (tests/mlxcel_core/kernels, benchmarks/qmv.py); then DEFAULT_QMV becomes "1".
@@ -26,33 +26,47 @@ ENV = "MLXCEL_QMV"
 DEFAULT_QMV = "0"  # off until validated on the device; flip to "1" to make it the default on CUDA
 
 
+def _env_int(name: str, default: int, low: int, high: int) -> int:
+    try:
+        return min(high, max(low, int(os.environ.get(name, default))))
+    except ValueError:
+        return default
+
+
+# Rows of x up to which a layer call uses the kernel (MLXCEL_QMV_MAX_ROWS, 1..8; default 2). On the H200 the kernel
+# read the large decode matrices 1.7-2.2x faster than MLX at one row but was 2-2.7x slower at eight (its float32
+# multiply-adds grow with the rows; MLX switches to another kernel there); 2..7 were not measured.
+LAYER_MAX_ROWS = _env_int("MLXCEL_QMV_MAX_ROWS", 2, 1, qmv.MAX_ROWS)
+# Smallest weight (N x K values) swapped (MLXCEL_QMV_MIN_WEIGHT; default 2^23): at 1024 x 4096 (Llama-3-8B's k/v)
+# the kernel was no faster than MLX (6.1 vs 6.2 us) and every call costs more host time than MLX's.
+MIN_WEIGHT = _env_int("MLXCEL_QMV_MIN_WEIGHT", 1 << 23, 0, 1 << 40)
+
+
 def enabled() -> bool:
     """Whether loaded models get the fast layers: MLX on CUDA and MLXCEL_QMV (default DEFAULT_QMV) not "0"."""
     return os.environ.get(ENV, DEFAULT_QMV).strip() != "0" and qmv.cuda_kernel_available()
 
 
 def _layer_supported(layer: nn.Module) -> bool:
-    """The layer's own operands suit the kernel (checked once, at the swap; a call then checks only x)."""
+    """The layer's own operands suit the kernel and it is big enough to gain (checked once, at the swap)."""
     weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     if getattr(layer, "mode", "affine") != "affine" or biases is None or weight.ndim != 2:
         return False
     k = weight.shape[1] * 32 // layer.bits
-    return qmv.shape_supported((1, k), mx.float32, weight.shape, weight.dtype, scales.shape, scales.dtype,
-                               biases.shape, biases.dtype, layer.group_size, layer.bits)
-
-
-def _kernel_takes(x: mx.array) -> bool:
-    """Decode-sized x (1..MAX_ROWS rows) of a float type, on the CUDA device."""
-    return x.size <= qmv.MAX_ROWS * x.shape[-1] and x.size > 0 and x.dtype in qmv.FLOAT_TYPES and qmv.kernel_ready()
+    return weight.shape[0] * k >= MIN_WEIGHT and qmv.shape_supported(
+        (1, k), mx.float32, weight.shape, weight.dtype, scales.shape, scales.dtype, biases.shape, biases.dtype,
+        layer.group_size, layer.bits)
 
 
 class FastQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose decode calls (<= MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel."""
+    """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not _kernel_takes(x):
+        w, scales = self["weight"], self["scales"]
+        args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], self.group_size, None, LAYER_MAX_ROWS)
+        if args is None or not qmv.kernel_ready():
             return super().__call__(x)
-        y = qmv.cuda_quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size)
+        y = qmv.launch(args, x, w, scales, self["biases"])
         return y + self["bias"] if "bias" in self else y
 
 
@@ -60,9 +74,11 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose `as_linear` (a tied LM head) runs the kernel for decode."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if not _kernel_takes(x):
+        w, scales = self["weight"], self["scales"]
+        args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], self.group_size, None, LAYER_MAX_ROWS)
+        if args is None or not qmv.kernel_ready():
             return super().as_linear(x)
-        return qmv.cuda_quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size)
+        return qmv.launch(args, x, w, scales, self["biases"])
 
 
 _SWAPS = {nn.QuantizedLinear: FastQuantizedLinear, nn.QuantizedEmbedding: FastQuantizedEmbedding}

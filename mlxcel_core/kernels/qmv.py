@@ -26,8 +26,9 @@ fp16/bf16 rounding). All of x's rows (M <= MAX_ROWS) are handled by the same lau
 times. Accumulation is float32 throughout; a warp-shuffle reduction, then one shared-memory sum across the WARPS
 warps, then one write per output.
 
-The kernel is compiled (NVRTC, by MLX) once per (dtypes, M, group size, ROWS, WARPS, UNROLL); N and K are runtime
-values. Its name carries a hash of the source, because MLX caches compiled kernels on disk by name
+The kernel is compiled (NVRTC, by MLX) once per (dtypes, M, group size, ROWS, WARPS, UNROLL) -- the five ints
+travel packed in one template argument, CFG, as MLX converts and formats every template argument on every call;
+N and K are runtime values. Its name carries a hash of the source, because MLX caches compiled kernels on disk by name
 (MLX_PTX_CACHE_DIR, default /tmp/mlx/<version>/ptx): an edited source must not load a stale binary.
 
 Validated by tests/mlxcel_core/kernels/test_qmv.py (the kernel tests are skipped without CUDA); timed by
@@ -50,6 +51,30 @@ CHUNK = 32  # elements of K per lane per chunk (one uint4 of packed weights)
 FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 _HEADER = r"""
+// mx.result_type for {float16, bfloat16, float32}: the same type, else float32.
+template <typename A, typename B>
+struct mlxcel_qmv_result {
+    using type = float;
+};
+template <typename A>
+struct mlxcel_qmv_result<A, A> {
+    using type = A;
+};
+template <typename A, typename B>
+struct mlxcel_qmv_same {
+    static constexpr bool value = false;
+};
+template <typename A>
+struct mlxcel_qmv_same<A, A> {
+    static constexpr bool value = true;
+};
+template <typename P>
+struct mlxcel_qmv_pointee;
+template <typename A>
+struct mlxcel_qmv_pointee<A*> {
+    using type = A;
+};
+
 // 16 bytes of packed weights (32 nibbles), streamed: read once, so marked evict-first.
 __device__ __forceinline__ uint4 mlxcel_qmv_load_w(const uint32_t* p, bool vec) {
     if (vec) {
@@ -97,6 +122,15 @@ __device__ __forceinline__ void mlxcel_qmv_load_x(const T* p, float* out, bool v
 """
 
 _SOURCE = r"""
+    // One int template argument carries the launch configuration (fewer arguments: less host time per call).
+    constexpr int M = CFG & 15;  // rows of x
+    constexpr int GS = (CFG >> 4) & 255;  // group size
+    constexpr int ROWS = (CFG >> 12) & 15;  // output rows per block
+    constexpr int WARPS = (CFG >> 16) & 15;  // warps per block (splitting K)
+    constexpr int UNROLL = (CFG >> 20) & 15;  // chunks per lane whose loads are in flight together
+    using OUT = typename mlxcel_qmv_result<T, S>::type;  // mx.result_type(x, scales)
+    static_assert(mlxcel_qmv_same<OUT, typename mlxcel_qmv_pointee<decltype(y)>::type>::value,
+                  "output dtype must be mx.result_type(x, scales)");
     constexpr int CHUNK = 32;
     constexpr int STRIDE = WARPS * 32 * CHUNK;  // K covered by one round of the block's lanes
     const int N = w_shape[0];
@@ -297,33 +331,40 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None
 def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
     """(ROWS, WARPS, UNROLL) for an N x K weight and m rows of x.
 
-    ROWS output rows per block; WARPS warps per block split K (each warp keeps at least one whole 1024-element
-    round of K) until there are about 4096 warps in the grid (~30 per SM on an H200: enough 16-byte loads in
-    flight to cover HBM latency); UNROLL 2 puts a lane's next chunk's loads in flight with the current one's when
-    the arithmetic per chunk is small (m <= 2) and a lane has more than one chunk. benchmarks/qmv.py --sweep times
-    the alternatives."""
-    rows = 4 if m <= 4 else 2
+    ROWS output rows per block: 8 for long rows (K > 4096) or very many of them (N > 16384), else 4. WARPS warps per
+    block split K (each warp keeps at least one whole 1024-element round of K) until the grid has about 2048 warps
+    (~16 per SM on an H200). UNROLL 1. This reproduces the fastest configuration benchmarks/qmv.py --sweep found on
+    the H200 (an earlier build of this kernel, M=1) for 4096x4096 (4,2,1), 14336x4096 (4,1,1), 4096x14336 (8,4,1)
+    and 128256x4096 (8,1,1); for 1024x4096 it found (8,2,1), 1.1x this rule's (4,4,1). UNROLL 2 never won there
+    (its registers cost occupancy). Re-run the sweep after changing the kernel."""
+    rows = 8 if k > 4096 or n > 16384 else 4
     blocks = -(-n // rows)
     warps = 1
-    while warps < 8 and blocks * warps < 4096 and k >= warps * 2 * 32 * CHUNK:
+    while warps < 8 and blocks * warps < 2048 and k >= warps * 2 * 32 * CHUNK:
         warps *= 2
-    unroll = 2 if m <= 2 and k > warps * 32 * CHUNK else 1
-    return rows, warps, unroll
+    return rows, warps, 1
+
+
+def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int) -> int:
+    """The kernel's one int template argument CFG (unpacked at the top of _SOURCE)."""
+    return m | group_size << 4 | rows << 12 | warps << 16 | unroll << 20
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None) -> dict:
-    """Everything but the inputs of one launch, cached: a decode step makes hundreds of calls with few shapes."""
-    k = x_shape[-1]
+def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None = None,
+                max_rows: int = MAX_ROWS) -> dict | None:
+    """Everything but the inputs of one launch (cached: a decode step makes hundreds of calls with few shapes),
+    or None when x does not suit the kernel (more than max_rows rows, none, or not a float type)."""
     m = 1
     for d in x_shape[:-1]:
         m *= d
-    rows, warps, unroll = config or launch_config(n, k, m)
+    if not 1 <= m <= max_rows or x_dtype not in FLOAT_TYPES:
+        return None
+    rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
     out_dtype = mx.result_type(x_dtype, s_dtype)
     threads = warps * 32
     return dict(
-        template=[("T", x_dtype), ("S", s_dtype), ("OUT", out_dtype), ("M", m), ("GS", group_size), ("ROWS", rows),
-                  ("WARPS", warps), ("UNROLL", unroll)],
+        template=[("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))],
         grid=(-(-n // rows) * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*x_shape[:-1], n)],
@@ -331,12 +372,20 @@ def _launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, conf
     )
 
 
+def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+    """Run the kernel with `launch_args`' result."""
+    return _kernel()(inputs=[x, w, scales, biases], **args)[0]
+
+
 def cuda_quantized_matvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64,
                           config: tuple[int, int, int] | None = None) -> mx.array:
     """The kernel itself (CUDA only; the caller has checked `supports`). `config` (ROWS, WARPS, UNROLL)
     overrides `launch_config`."""
-    args = _launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], group_size, config)
-    return _kernel()(inputs=[x, w, scales, biases], **args)[0]
+    args = launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], group_size, config)
+    if args is None:
+        raise ValueError(f"the 4-bit matvec kernel takes 1..{MAX_ROWS} rows of float16/bfloat16/float32, "
+                         f"got x of shape {x.shape} and {x.dtype}")
+    return launch(args, x, w, scales, biases)
 
 
 def quantized_matvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int = 64,
