@@ -62,3 +62,17 @@ def save_tiny_llama(path: Path, **overrides) -> Path:
         eos_token_id=2, bos_token_id=None,
     )
     return save_tiny_checkpoint(path, LlamaConfig, LlamaForCausalLM, **{**params, **overrides})
+
+
+class FakeGroup:
+    """What sharding reads of an mx.distributed group (rank and size), for in-process tests where no collective
+    runs: rank `rank` of `size` shards a model exactly as that rank would."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import save_tiny_llama
+from tiny_models import FakeGroup, save_tiny_llama
 
 from mlxcel_core.errors import InputError
 
@@ -126,17 +126,6 @@ def test_local_ranks_use_one_gpu_each_with_nccl(monkeypatch):
         local_backend()
 
 
-class _FakeGroup:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-
 @pytest.mark.parametrize("bits", [None, 4])
 def test_random_shape_shards_are_slices_of_the_single_process_model(bits, monkeypatch):
     import mlx.core as mx
@@ -146,7 +135,7 @@ def test_random_shape_shards_are_slices_of_the_single_process_model(bits, monkey
     monkeypatch.setitem(shapes.SHAPES, "tiny-4h", {**shapes.SHAPES["tiny"], "hidden_size": 128,
                                                   "num_attention_heads": 4, "num_key_value_heads": 2})
     full, _ = shapes.build_random_model("tiny-4h", bits=bits, dtype="float32", seed=3)
-    part, _ = shapes.build_random_model("tiny-4h", bits=bits, dtype="float32", seed=3, group=_FakeGroup(1, 2))
+    part, _ = shapes.build_random_model("tiny-4h", bits=bits, dtype="float32", seed=3, group=FakeGroup(1, 2))
     fa, pa = full.layers[1].self_attn, part.layers[1].self_attn
     assert pa.n_heads == fa.n_heads // 2
     half = fa.q_proj.weight.shape[0] // 2
@@ -178,5 +167,5 @@ def test_a_rank_keeps_only_its_share_of_memory(monkeypatch):
         del model
         return used
 
-    full, half = resident(None), resident(_FakeGroup(0, 2))
+    full, half = resident(None), resident(FakeGroup(0, 2))
     assert half < 0.6 * full, (half, full)

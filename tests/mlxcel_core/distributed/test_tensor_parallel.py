@@ -18,7 +18,7 @@ import time
 
 import pytest
 from parity import save_tiny_checkpoint
-from tiny_models import save_tiny_llama
+from tiny_models import FakeGroup, save_tiny_llama
 
 TIMEOUT = 120
 # EOS and the other special tokens suppressed: random weights must still produce all N tokens.
@@ -103,17 +103,6 @@ def test_bad_tp_size_is_a_usage_error(llama):
     assert result.returncode == 2 and "--tp-size must be >= 1" in result.stderr
 
 
-class _FakeGroup:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-
 def test_each_rank_holds_only_its_slices(llama):
     """In process (no collective runs): rank 1 of 2 keeps its half of q/k/v/gate/up rows, o/down columns."""
     import mlx.core as mx
@@ -121,7 +110,7 @@ def test_each_rank_holds_only_its_slices(llama):
     from mlxcel_core.loading import load_model
 
     full = load_model(str(llama), log=lambda m: None).model
-    part = load_model(str(llama), log=lambda m: None, group=_FakeGroup(1, 2)).model
+    part = load_model(str(llama), log=lambda m: None, group=FakeGroup(1, 2)).model
     fa, pa = full.layers[0].self_attn, part.layers[0].self_attn
     assert (pa.n_heads, pa.n_kv_heads) == (2, 1)
     assert mx.array_equal(pa.q_proj.weight, fa.q_proj.weight[32:])

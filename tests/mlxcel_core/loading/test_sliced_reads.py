@@ -16,23 +16,12 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from parity import save_tiny_checkpoint
-from tiny_models import save_tiny_llama
+from tiny_models import FakeGroup, save_tiny_llama
 
 from mlxcel_core.loading import load_model, sliced
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output rows split (axis -2; a bias: -1)
 ROW = ("o_proj", "down_proj")  # input columns split (axis -1; a bias stays whole)
-
-
-class _FakeGroup:
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
 
 
 def _model(path, group=None):
@@ -63,7 +52,7 @@ def assert_ranks_are_slices(path, size=2):
     full = dict(tree_flatten(_model(path).parameters()))
     assert any(_split_axis(n) is not None for n in full)
     for rank in range(size):
-        part = dict(tree_flatten(_model(path, _FakeGroup(rank, size)).parameters()))
+        part = dict(tree_flatten(_model(path, FakeGroup(rank, size)).parameters()))
         assert part.keys() == full.keys()
         for name, a in part.items():
             want = _expected(name, full[name], rank, size)
@@ -227,7 +216,7 @@ def test_each_rank_reads_exactly_its_slices_bytes(llama, tmp_path, monkeypatch, 
     monkeypatch.setattr(sliced, "_pread_into", counting)
     for rank in (0, 1):
         requests.clear()
-        _model(path, _FakeGroup(rank, 2))
+        _model(path, FakeGroup(rank, 2))
         mine = bytes([1 + rank])
         for offset, n in requests:
             assert owner[offset:offset + n].count(mine) == n, f"rank {rank} read outside its slices at {offset}"
@@ -255,7 +244,7 @@ def test_kernel_counts_half_the_sharded_bytes_per_rank(tmp_path):
     _model(path)
     single = _rchar() - before
     before = _rchar()
-    _model(path, _FakeGroup(1, 2))
+    _model(path, FakeGroup(1, 2))
     rank1 = _rchar() - before
 
     assert single >= tensors
@@ -267,7 +256,7 @@ def test_single_process_loading_makes_no_handles(llama, monkeypatch):
     monkeypatch.setattr(sliced, "open_tensors", lambda *a: pytest.fail("tp 1 must load with mx.load"))
     monkeypatch.setattr("mlxcel_core.loading.hf.open_tensors", lambda *a: pytest.fail("tp 1 must use mx.load"))
     _model(llama)
-    _model(llama, _FakeGroup(0, 1))
+    _model(llama, FakeGroup(0, 1))
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint32, mx.int8, mx.uint8])
@@ -297,4 +286,4 @@ def test_truncated_file_is_a_one_line_error(llama, tmp_path):
     path = _rewrite(llama, tmp_path / "cut", {})
     (path / "model.safetensors").write_bytes(data[:len(data) // 2])
     with pytest.raises(CorruptModelError, match="cannot read weights file .*model.safetensors"):
-        _model(path, _FakeGroup(1, 2))
+        _model(path, FakeGroup(1, 2))
