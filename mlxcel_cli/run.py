@@ -122,16 +122,17 @@ def _chat(spec, params, system, engine_config, verbose: bool, group) -> int:
         print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
         session = ChatSession(loaded, params, system=system, engine_config=engine_config,
                               notify=lambda m: ui.info(f"mlxcel: {m}"))
-        if group is None:
-            return _interactive(session, ui, verbose) if interactive else _piped(session, ui, verbose)
-        from mlxcel_core.distributed.mirror import LeaderMirror
+        mirror = None
+        if group is not None:  # the other ranks mirror this chat's engine until it stops
+            from mlxcel_core.distributed.mirror import LeaderMirror
 
-        print(f"mlxcel: tensor parallel: {group.size()} ranks", file=sys.stderr)
-        mirror = session.engine.mirror = LeaderMirror(group)
+            print(f"mlxcel: tensor parallel: {group.size()} ranks", file=sys.stderr)
+            mirror = session.engine.mirror = LeaderMirror(group)
         try:
             return _interactive(session, ui, verbose) if interactive else _piped(session, ui, verbose)
         finally:
-            mirror.stop()
+            if mirror is not None:
+                mirror.stop()
 
 
 class _Ui:

@@ -56,7 +56,7 @@ def test_followers_mirror_a_batching_engine(llama, tmp_path, storage):
     assert ranks[1][0] == ""  # followers print nothing
 
 
-def _LoopbackGroup():
+def _group_of_one():
     """A group of one (its all_sum is the identity): the leader's side of a broadcast, in process."""
     import mlx.core as mx
 
@@ -67,14 +67,14 @@ def test_broadcast_bytes_round_trips_any_length():
     from mlxcel_core.distributed.mirror import broadcast_bytes
 
     for payload in (b"", b"x", b"abcd", b"abcde", bytes(range(256)) * 3):
-        assert broadcast_bytes(_LoopbackGroup(), payload) == payload
+        assert broadcast_bytes(_group_of_one(), payload) == payload
 
 
 def test_leader_fixes_seeds_and_refuses_processors():
     from mlxcel_core.distributed.mirror import LeaderMirror
     from mlxcel_core.sampling import SamplingParams
 
-    mirror = LeaderMirror(_LoopbackGroup())
+    mirror = LeaderMirror(_group_of_one())
     assert mirror.prepare(SamplingParams(temperature=0.7)).seed is not None
     assert mirror.prepare(SamplingParams(temperature=0.7, seed=3)).seed == 3
     assert mirror.prepare(SamplingParams()).seed is None  # greedy needs none
@@ -91,7 +91,7 @@ def test_leader_records_opens_closes_and_forgotten_conversations(monkeypatch):
 
     sent = []
     monkeypatch.setattr(mirror_module, "broadcast_bytes", lambda group, payload: sent.append(payload))
-    mirror = mirror_module.LeaderMirror(_LoopbackGroup())
+    mirror = mirror_module.LeaderMirror(_group_of_one())
     conversation = Conversation()
     mirror.opened(0, [5, 6], SamplingParams(), conversation, 99)
     mirror.opened(1, [7], SamplingParams(), conversation, 99)
