@@ -59,8 +59,8 @@ def timed(tokens_and_times: list[tuple[int, float]], t0: float, prompt_len: int)
 
 
 # -- mlxcel: its engine, as generate/run/serve use it ------------------------------------------------------------
-def run_mlxcel(model, vocab: int, prompt: list[int], gen: int) -> Run:
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1))  # no EOS, no text
+def run_mlxcel(model, vocab: int, prompt: list[int], gen: int, storage: str = "auto") -> Run:
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=storage))  # no EOS, no text
     seen: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     seq = engine.open(prompt, SamplingParams(max_tokens=gen + 1))  # greedy
@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=int, default=64, help="decode steps timed after the first token")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--storage", default="auto", choices=("auto", "dense", "paged"),
+                        help="mlxcel's KV storage (auto: dense at batch 1)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (progress on stderr)")
     args = parser.parse_args(argv)
     if args.prompt_tokens < 1 or args.gen_tokens < 1 or args.rounds < 1:
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     say(f"mlxcel {env['mlxcel_version']}, mlx-lm {mlx_lm.__version__}, mlx {env['mlx_version']}, backend {env['backend']}"
         f" ({env['device']})")
     say(f"model: {description}; {how}; max |logit diff| mlxcel vs mlx-lm: {diff:.3g}")
+    from mlxcel_core.engine.compiled_decode import ENV, compile_enabled
+
+    say(f"mlxcel KV storage {args.storage}; decode steps compiled where supported: "
+        f"{'yes' if compile_enabled() else f'no ({ENV}=0)'}")
     say(f"prompt {args.prompt_tokens} random token ids (seed {args.seed}), {args.gen_tokens} decode steps timed "
         f"after the first token, greedy, EOS ignored; 1 warm-up each, {args.rounds} rounds, first runtime alternating")
 
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         mx.clear_cache()
         if runtime == "mlxcel":
-            return run_mlxcel(ours, vocab, prompt, gen)
+            return run_mlxcel(ours, vocab, prompt, gen, args.storage)
         return run_mlx_lm(theirs, prompt, gen)
 
     for runtime in RUNTIMES:  # warm-up: same prompt shape, a few decode steps

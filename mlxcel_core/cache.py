@@ -53,7 +53,7 @@ class KVCache:
         batch, heads, length, dim = keys.shape
         start = self.columns
         if self.keys is None or start + length > self.capacity:
-            self._grow(batch, heads, dim, length, keys.dtype)
+            self._grow(batch, heads, dim, start + length, keys.dtype)
         self.columns += length
         if self.kv_bits is None:
             self.keys[..., start:self.columns, :] = keys
@@ -66,12 +66,23 @@ class KVCache:
             biases[..., start:self.columns, :] = b
         return self._dequantized(keys.dtype)
 
+    def reserve(self, length: int) -> None:
+        """Make room for `length` more columns (a non-empty cache: the rows and heads come from its buffers)."""
+        if self.columns + length > self.capacity:
+            batch, heads, _, dim = self.keys.shape
+            if self.kv_bits is not None:
+                dim = dim * 32 // self.kv_bits
+            dtype = self.keys.dtype if self.kv_bits is None else self._scales[0].dtype
+            self._grow(batch, heads, dim, self.columns + length, dtype)
+
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def _grow(self, batch: int, heads: int, dim: int, length: int, dtype: mx.Dtype) -> None:
-        grow = (length + self.step - 1) // self.step * self.step
+    def _grow(self, batch: int, heads: int, dim: int, columns: int, dtype: mx.Dtype) -> None:
+        """Room for `columns` columns, rounded up to a multiple of `step` (so compiled decode steps, which trace
+        once per capacity, see few distinct capacities)."""
+        grow = (columns + self.step - 1) // self.step * self.step - self.columns
         if self.kv_bits is None:
             shapes = [(dim, dtype), (dim, dtype)]
         else:

@@ -24,6 +24,7 @@ from ..models.base import CausalLM
 from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
+from .compiled_decode import compile_enabled
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, SchedulerConfig
 from .speculative import Speculator, make_drafter, verify
@@ -45,7 +46,8 @@ class _Sampled:
         return [a for a in (self.token, self.nan, self.logprobs) if a is not None]
 
 
-def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
+def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
+    """`compiled`: decode steps will run compiled (compiled_decode.py), so paged block tables are padded."""
     if config.kv_bits is not None:
         _check_kv_quantizable(model)
     if config.resolved_storage == "paged":
@@ -54,7 +56,7 @@ def make_storage(model: CausalLM, config: EngineConfig) -> KVStorage:
         return PagedStorage(len(model.layers), block_size=config.block_size, kv_budget_tokens=config.kv_budget_tokens,
                             kv_bits=config.kv_bits, prefix_cache=config.prefix_cache,
                             num_splits=config.num_splits,
-                            max_batch_size=config.max_batch_size)
+                            max_batch_size=config.max_batch_size, pad_block_tables=compiled)
     return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
 
 
@@ -85,8 +87,9 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.max_context = model.max_context_length
-        self.storage = make_storage(model, self.config)
-        self.runner = ModelRunner(model, self.storage)
+        compiled = self.config.compile_decode and compile_enabled()
+        self.storage = make_storage(model, self.config, compiled)
+        self.runner = ModelRunner(model, self.storage, compiled)
         self.scheduler = BatchScheduler(SchedulerConfig(
             max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
             prefill_grant_interval=self.config.prefill_grant_interval,

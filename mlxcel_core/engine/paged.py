@@ -27,8 +27,10 @@ DEFAULT_KV_BUDGET_TOKENS = 16384
 class PagedStorage:
     def __init__(self, num_layers: int, block_size: int = 32, kv_budget_tokens: int | None = None,
                  kv_bits: int | None = None, prefix_cache: bool = True, num_splits: int | None = None,
-                 max_batch_size: int = 1):
+                 max_batch_size: int = 1, pad_block_tables: bool = False):
         self.kv_bits = kv_bits
+        # Decode block tables padded to a power-of-two width: compiled decode steps trace once per shape.
+        self.pad_block_tables = pad_block_tables
         budget = kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
         # One spare block per row: partial last blocks and the lookahead step's extra token.
         self.pool = BlockPool(-(-budget // block_size) + max_batch_size + 1, block_size, enable_prefix_cache=prefix_cache)
@@ -59,7 +61,7 @@ class PagedStorage:
     def finish_prefill(self, seq_id: int) -> None:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
 
-    def decode_caches(self, seq_ids) -> list["_DecodeView"]:
+    def decode_caches(self, seq_ids) -> list["DecodeView"]:
         positions = []
         for seq_id in seq_ids:
             position = self.lengths[seq_id]
@@ -68,10 +70,12 @@ class PagedStorage:
             positions.append(position)
         tables = [self.tables[s].blocks for s in seq_ids]
         width = max(len(t) for t in tables)
+        if self.pad_block_tables:
+            width = 1 << (width - 1).bit_length()
         block_tables = mx.array([t + [0] * (width - len(t)) for t in tables])
         slots = mx.array([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)])
         positions = mx.array(positions)
-        return [_DecodeView(self, layer, slots, block_tables, positions) for layer in range(len(self.pools))]
+        return [DecodeView(self, layer, slots, block_tables, positions) for layer in range(len(self.pools))]
 
     def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
         """Several new tokens of one decoding sequence (speculative verification): a prompt chunk's view."""
@@ -153,7 +157,7 @@ class _PrefillView:
                                             mask, softcap)
 
 
-class _DecodeView:
+class DecodeView:
     """LayerCache for one decode step over several rows, each with its own position and blocks."""
 
     def __init__(self, storage: PagedStorage, layer: int, slots, block_tables, positions):

@@ -5,14 +5,17 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..models.base import CausalLM
+from .compiled_decode import CompiledDecoder
 from .storage import KVStorage
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, storage: KVStorage):
+    def __init__(self, model: CausalLM, storage: KVStorage, compile_decode: bool = False):
         self.model = model
         self.storage = storage
         self.prefill_tokens = 0  # prompt tokens actually computed (prefix-cache hits are not)
+        # Decode steps as one compiled graph where the caches allow (compiled_decode.py); None: op by op.
+        self.compiled = CompiledDecoder(model) if compile_decode else None
 
     def prefill(self, seq_id: int, tokens: list[int], start: int, last: bool) -> mx.array | None:
         """Compute prompt positions [start, start + len(tokens)); return [1, V] logits if this ends the prompt."""
@@ -39,4 +42,6 @@ class ModelRunner:
     def decode(self, seq_ids: tuple[int, ...], tokens: mx.array) -> mx.array:
         """One step for every row: `tokens` [B] -> logits [B, V]."""
         caches = self.storage.decode_caches(seq_ids)
+        if self.compiled is not None and self.compiled.supports(caches):
+            return self.compiled.decode(tokens, caches)
         return self.model(tokens[:, None], caches)[:, -1, :]

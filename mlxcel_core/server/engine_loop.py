@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import mlx.core as mx
+
 from ..engine import Engine, EngineConfig, StepOutput
 from ..sampling import SamplingParams
 from .errors import APIError
@@ -181,6 +183,11 @@ class EngineLoop:
                     self.engine.mirror.stop()
                 except Exception as exc:  # noqa: BLE001 - a peer is gone; nothing more to tell it
                     log.error("could not stop the other ranks: %s", exc)
+            # MLX gives this thread its own default stream. Left to the process's exit, that stream (with the
+            # compiled decode graphs traced on it) made MLX abort there ("terminate called without an active
+            # exception", exit 134): finish its work and destroy it while the thread is still alive.
+            mx.synchronize()
+            mx.clear_streams()
 
     def _serve(self) -> None:
         failures = 0

@@ -1,0 +1,137 @@
+"""Decode steps as one compiled MLX graph (mx.compile), over dense or paged KV storage.
+
+Building a step's graph in Python costs ~90 µs per transformer layer (every module call and op goes through
+Python), which at batch 1 on a fast GPU is as long as the GPU's own work. Compiled, the whole step (every
+layer, its KV writes and attention, the LM head) is one call: MLX replays the traced graph in C++ and fuses
+its elementwise ops.
+
+A compiled function needs fixed shapes, so inside it the caches are the whole preallocated buffers
+(cache.KVCache's capacity, grown in steps outside the compiled call) and the position is an array:
+`StepKV` writes the new keys/values at column `column` with a dynamic slice update and attends over the
+whole buffer with a mask (columns <= `column`, minus each row's left padding and what is outside a
+sliding window). Each new capacity or batch size traces once; the traces are kept.
+
+Paged storage (engine/paged.py) already passes positions, slots and block tables as arrays and attends with
+its own kernel, so its decode views run inside the compiled step as they are; the storage pads block
+tables to a power-of-two width so one trace serves many steps.
+
+Not compiled: quantized KV caches (kv_bits; their dequantization reads only the used columns), and dense
+caches when MLX runs on CUDA (see CompiledDecoder.supports). Measured on the H200 (benchmarks/RESULTS.md),
+engine decode at batch 8 on paged storage: Llama-3.2-1B shape 1.24x, 8B 4-bit shape unchanged; dense on CUDA
+was 0.86x on the 8B 4-bit shape, hence not compiled there.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..cache import KVCache
+from ..kv.cuda_paged_attention import cuda_kernel_available
+from ..models.base import CausalLM, scaled_dot_product_attention
+from .paged import DecodeView, PagedStorage
+
+ENV = "MLXCEL_COMPILE"  # "0": decode steps are built op by op, as before
+DENSE_MASK_IS_SLOW = cuda_kernel_available  # MLX runs on CUDA (see CompiledDecoder.supports)
+
+
+def compile_enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+class StepKV:
+    """The LayerCache a layer sees inside the compiled step: one whole [B, H, capacity, D] buffer pair."""
+
+    def __init__(self, keys: mx.array, values: mx.array, column: mx.array, left_padding: mx.array):
+        self.keys, self.values = keys, values
+        self.column = column  # int32 [1]: the column this token is written at (shared by every row)
+        self.left_padding = left_padding  # int32 [B]
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's position: its column minus its left padding, as cache.KVCache.offset."""
+        return self.column - self.left_padding
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+               window: int | None = None, softcap: float | None = None) -> mx.array:
+        if keys.shape[2] != 1:
+            raise ValueError("StepKV holds one new token per row")
+        self.keys = mx.slice_update(self.keys, keys, self.column, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.column, axes=(2,))
+        columns = mx.arange(self.keys.shape[2])
+        visible = mx.logical_and(columns <= self.column, columns[None] >= self.left_padding[:, None])
+        if window is not None:  # as causal_mask: a query sees keys with q - k < window
+            visible = mx.logical_and(visible, columns > self.column - window)
+        return scaled_dot_product_attention(queries, self.keys, self.values, scale, visible[:, None, None, :],
+                                            softcap)
+
+
+class CompiledDecoder:
+    """`decode(tokens, caches)`: one decode step of `model` through one compiled graph, over dense caches
+    (cache.KVCache) or a PagedStorage's decode views (whose positions, slots and block tables are already
+    arrays; the storage pads block tables to a power-of-two width so a trace serves many steps)."""
+
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self._dense_step = mx.compile(self._dense_forward)
+        self._paged_step = mx.compile(self._paged_forward)
+        self._storage: PagedStorage | None = None  # the storage a paged trace runs against
+        self.steps = 0  # decode steps run compiled
+
+    @staticmethod
+    def supports(caches: Sequence[object]) -> bool:
+        if all(isinstance(c, DecodeView) for c in caches):
+            storage = caches[0].storage
+            return storage.kv_bits is None and all(p is not None for p in storage.pools)
+        # Dense steps attend through a mask, and with an array mask MLX's CUDA attention leaves its fused
+        # decode kernel: on the H200 that cost more than compiling saved on an 8B 4-bit model (0.86x).
+        return not DENSE_MASK_IS_SLOW() and all(
+            isinstance(c, KVCache) and c.kv_bits is None and c.columns > 0 for c in caches)
+
+    def decode(self, tokens: mx.array, caches: Sequence[KVCache] | Sequence[DecodeView]) -> mx.array:
+        """`tokens` [B] -> logits [B, V]; every row's cache gains its token."""
+        logits = self._decode_paged(tokens, caches) if isinstance(caches[0], DecodeView) else \
+            self._decode_dense(tokens, caches)
+        self.steps += 1
+        return logits
+
+    # -- dense ----------------------------------------------------------------------------------------
+    def _dense_forward(self, tokens: mx.array, column: mx.array, left_padding: mx.array,
+                       keys: list[mx.array], values: list[mx.array]):
+        caches = [StepKV(k, v, column, left_padding) for k, v in zip(keys, values)]
+        logits = self.model(tokens[:, None], caches)[:, -1, :]
+        return logits, [c.keys for c in caches], [c.values for c in caches]
+
+    def _decode_dense(self, tokens: mx.array, caches: Sequence[KVCache]) -> mx.array:
+        for cache in caches:
+            cache.reserve(1)
+        first = caches[0]
+        rows = first.keys.shape[0]
+        padding = mx.zeros((rows,), mx.int32) if first.left_padding is None else first.left_padding.astype(mx.int32)
+        logits, keys, values = self._dense_step(tokens, mx.array([first.columns], mx.int32), padding,
+                                                [c.keys for c in caches], [c.values for c in caches])
+        for cache, k, v in zip(caches, keys, values):
+            cache.keys, cache.values = k, v  # the old buffers are only the graph's now: MLX updates them in place
+            cache.columns += 1
+        return logits
+
+    # -- paged ----------------------------------------------------------------------------------------
+    def _paged_forward(self, tokens: mx.array, slots: mx.array, block_tables: mx.array, positions: mx.array,
+                       pools: list[list[mx.array]]):
+        storage = self._storage
+        kept, storage.pools = storage.pools, [list(p) for p in pools]  # the views write into these
+        try:
+            views = [DecodeView(storage, layer, slots, block_tables, positions) for layer in range(len(pools))]
+            logits = self.model(tokens[:, None], views)[:, -1, :]
+            return logits, storage.pools
+        finally:
+            storage.pools = kept
+
+    def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView]) -> mx.array:
+        view = views[0]
+        self._storage = view.storage
+        logits, pools = self._paged_step(tokens, view.slots, view.block_tables, view.offset, view.storage.pools)
+        view.storage.pools = pools  # as in the dense case, the old pools are updated in place
+        return logits
