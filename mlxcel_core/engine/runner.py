@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import mlx.core as mx
 
 from ..models.base import CausalLM
 from .compiled_decode import CompiledDecoder
 from .storage import KVStorage
+
+log = logging.getLogger("mlxcel.engine")
 
 
 class ModelRunner:
@@ -43,5 +47,11 @@ class ModelRunner:
         """One step for every row: `tokens` [B] -> logits [B, V]."""
         caches = self.storage.decode_caches(seq_ids)
         if self.compiled is not None and self.compiled.supports(caches):
-            return self.compiled.decode(tokens, caches)
+            try:
+                return self.compiled.decode(tokens, caches)
+            except Exception as exc:  # noqa: BLE001 - the model cannot be traced: decode op by op from now on
+                # Nothing was committed: a failed call leaves the caches as they were (grown at most).
+                log.warning("mlxcel: compiled decode steps are not possible for this model (%s: %s); "
+                            "decoding op by op", type(exc).__name__, exc)
+                self.compiled = None
         return self.model(tokens[:, None], caches)[:, -1, :]

@@ -142,3 +142,23 @@ def test_paged_block_tables_are_padded_to_a_power_of_two():
     (view,) = storage.decode_caches([2])
     assert view.block_tables.shape == (1, 8)
     assert view.offset.tolist() == [17]
+
+
+def test_a_model_that_cannot_be_traced_decodes_op_by_op(llama, monkeypatch, caplog):
+    """A forward that reads an array on the host (allowed eagerly, impossible inside mx.compile) falls back once,
+    with a warning, and gives the eager tokens."""
+    model = llama.model
+    plain_call = type(model).__call__
+
+    def host_reading_call(self, inputs, cache=None):
+        if int(inputs.sum().item()) < 0:  # a host read: raises while tracing
+            raise AssertionError("unreachable")
+        return plain_call(self, inputs, cache)
+
+    eager, _ = run(llama, EngineConfig(compile_decode=False, max_batch_size=4, storage="paged", block_size=8))
+    monkeypatch.setattr(type(model), "__call__", host_reading_call)
+    for storage in ("dense", "paged"):
+        tokens, engine = run(llama, EngineConfig(compile_decode=True, max_batch_size=4, storage=storage, block_size=8))
+        assert tokens == eager
+        assert engine.runner.compiled is None
+    assert "decoding op by op" in caplog.text
