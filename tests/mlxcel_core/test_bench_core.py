@@ -189,3 +189,13 @@ def test_unknown_shape_and_bad_options():
         load_bench_model(model="x", shape="tiny")
     with pytest.raises(InputError, match="--bits must be 4 or 8"):
         load_bench_model(shape="tiny", bits=3)
+
+
+def test_header_names_the_decode_step_mode(monkeypatch):
+    from mlxcel_core.bench import BenchModel, bench_header
+
+    model = BenchModel(model=None, vocab_size=320, description="tiny", filename="x", n_params=1000, size_bytes=2**20)
+    monkeypatch.delenv("MLXCEL_COMPILE", raising=False)
+    assert bench_header(model).endswith("decode steps compiled where supported")
+    monkeypatch.setenv("MLXCEL_COMPILE", "0")
+    assert bench_header(model).endswith("decode steps op by op (MLXCEL_COMPILE=0)")
