@@ -168,10 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"mlxcel {env['mlxcel_version']}, mlx-lm {mlx_lm.__version__}, mlx {env['mlx_version']}, backend {env['backend']}"
         f" ({env['device']})")
     say(f"model: {description}; {how}; max |logit diff| mlxcel vs mlx-lm: {diff:.3g}")
-    from mlxcel_core.engine.compiled_decode import ENV, compile_enabled
+    from mlxcel_core.engine.compiled_decode import describe_decode_steps
 
-    say(f"mlxcel KV storage {args.storage}; decode steps compiled where supported: "
-        f"{'yes' if compile_enabled() else f'no ({ENV}=0)'}")
+    say(f"mlxcel KV storage {args.storage}; decode steps {describe_decode_steps()}")
     say(f"prompt {args.prompt_tokens} random token ids (seed {args.seed}), {args.gen_tokens} decode steps timed "
         f"after the first token, greedy, EOS ignored; 1 warm-up each, {args.rounds} rounds, first runtime alternating")
 

@@ -279,10 +279,10 @@ def human_count(n: int) -> str:
 
 
 def bench_header(bench_model: BenchModel, env: dict[str, str] | None = None) -> str:
-    from .engine.compiled_decode import ENV, compile_enabled
+    from .engine.compiled_decode import describe_decode_steps
 
     env = env or environment()
-    steps = "compiled where supported" if compile_enabled() else f"op by op ({ENV}=0)"
+    steps = describe_decode_steps()
     return (f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
             f"model: {bench_model.description}, {human_count(bench_model.n_params)} params, "
             f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename}); decode steps {steps}")

@@ -26,8 +26,8 @@ ENVIRONMENT = [
                          "(for example ~/.cache/mlxcel on Linux, ~/Library/Caches/mlxcel on macOS)."),
     ("HF_HUB_OFFLINE", "Set to 1 to never download from the Hugging Face Hub; "
                        "models must already be local or in the Hugging Face cache."),
-    ("MLXCEL_COMPILE", "Set to 0 to build every decode step op by op instead of running it as one compiled MLX graph "
-                       "(the default; used for paged KV storage everywhere and for dense storage except on CUDA)."),
+    ("MLXCEL_COMPILE", "1: run each decode step as one compiled MLX graph (paged KV storage, and dense storage except "
+                       "on CUDA); 0: build it op by op. Default: compiled when MLX runs on a GPU, op by op on CPU."),
 ]
 EXIT_STATUS = [("0", "Success."), ("1", "Runtime failure (model load, generation or backend error)."),
                ("2", "Usage or input error (bad option or value, no or empty prompt, model missing, unsupported or corrupt)."),

@@ -46,15 +46,22 @@ def reference(path: Path, prompt: list[int], steps: int):
 
 
 def ours(path: Path, prompt: list[int], steps: int):
-    """Our logits (one forward, no cache) and greedy tokens through the engine, loaded like the CLI does."""
+    """Our logits (one forward, no cache) and greedy tokens through the engine, loaded like the CLI does.
+
+    The tokens are generated twice, with decode steps built op by op and compiled (engine/compiled_decode.py,
+    the default on a GPU), and must be the same."""
     from mlxcel_core.api import stream_generate
+    from mlxcel_core.engine import EngineConfig
     from mlxcel_core.sampling import SamplingParams
 
     loaded = load_quiet(path)
     forward = logits(loaded.model, prompt)
     loaded.tokenizer.eos_token_ids = set()  # random weights: compare all `steps` tokens
-    tokens = [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=steps)) if c.token is not None]
-    return forward, tokens
+    runs = [[c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=steps),
+                                              EngineConfig(max_batch_size=1, compile_decode=compiled))
+             if c.token is not None] for compiled in (False, True)]
+    assert runs[0] == runs[1], "compiled decode steps gave other tokens than op-by-op ones"
+    return forward, runs[0]
 
 
 def assert_parity(path: Path, prompt_len: int = 64, steps: int = 32, atol: float = 1e-4) -> None:

@@ -15,6 +15,7 @@ Paged storage (engine/paged.py) already passes positions, slots and block tables
 its own kernel, so its decode views run inside the compiled step as they are; the storage pads block
 tables to a power-of-two width so one trace serves many steps.
 
+On by default only where MLX runs on a GPU (compile_enabled; MLXCEL_COMPILE=1 forces it, =0 turns it off).
 Not compiled: quantized KV caches (kv_bits; their dequantization reads only the used columns), and dense
 caches when MLX runs on CUDA (see CompiledDecoder.supports). Measured on the H200 (benchmarks/RESULTS.md),
 engine decode at batch 8 on paged storage: Llama-3.2-1B shape 1.24x, 8B 4-bit shape unchanged; dense on CUDA
@@ -33,12 +34,28 @@ from ..kv.cuda_paged_attention import cuda_kernel_available
 from ..models.base import CausalLM, scaled_dot_product_attention
 from .paged import DecodeView, PagedStorage
 
-ENV = "MLXCEL_COMPILE"  # "0": decode steps are built op by op, as before
+ENV = "MLXCEL_COMPILE"  # "1": compile decode steps, "0": build them op by op; unset: EngineConfig decides
 DENSE_MASK_IS_SLOW = cuda_kernel_available  # MLX runs on CUDA (see CompiledDecoder.supports)
 
 
-def compile_enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+def compile_enabled(requested: bool | None = None) -> bool:
+    """Whether an engine compiles its decode steps: MLXCEL_COMPILE=1/0 decides; else `requested`
+    (EngineConfig.compile_decode); None: only when MLX runs on a GPU. On CPU it gained nothing on real models
+    (compute-bound) and a machine's first run JIT-compiles the fused kernels (~10 s for SmolLM2)."""
+    env = os.environ.get(ENV, "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    if requested is not None:
+        return requested
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def describe_decode_steps() -> str:
+    """For benchmark headers: how this process's engines build decode steps by default."""
+    if compile_enabled():
+        return "compiled where supported"
+    env = os.environ.get(ENV, "").strip()
+    return f"op by op ({ENV}={env})" if env == "0" else f"op by op (the default on CPU; {ENV}=1 compiles)"
 
 
 class StepKV:

@@ -87,7 +87,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
         self.max_context = model.max_context_length
-        compiled = self.config.compile_decode and compile_enabled()
+        compiled = compile_enabled(self.config.compile_decode)
         self.storage = make_storage(model, self.config, compiled)
         self.runner = ModelRunner(model, self.storage, compiled)
         self.scheduler = BatchScheduler(SchedulerConfig(

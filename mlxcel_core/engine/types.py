@@ -67,8 +67,8 @@ class EngineConfig:
     kv_budget_tokens: int | None = None  # None: as much as memory allows
     prefix_cache: bool = True  # paged storage only
     lookahead: bool = True  # submit step n+1 before reading step n (MLXCEL_LOOKAHEAD=0 turns it off)
-    # decode steps over dense caches as one compiled graph (engine/compiled_decode.py; MLXCEL_COMPILE=0 turns it off)
-    compile_decode: bool = True
+    # decode steps as one compiled graph (engine/compiled_decode.py); None: on a GPU only. MLXCEL_COMPILE=0/1 overrides.
+    compile_decode: bool | None = None
     # split-K factor of paged decode attention; None: chosen per shape (MLXCEL_PAGED_DECODE_SPLITS >
     # autotune cache per MLXCEL_AUTOTUNE > heuristic), as `mlxcel tune` measures it
     num_splits: int | None = None

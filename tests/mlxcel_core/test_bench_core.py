@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 
+import mlx.core as mx
 import pytest
 
 from mlxcel_core.bench import (
@@ -195,7 +196,11 @@ def test_header_names_the_decode_step_mode(monkeypatch):
     from mlxcel_core.bench import BenchModel, bench_header
 
     model = BenchModel(model=None, vocab_size=320, description="tiny", filename="x", n_params=1000, size_bytes=2**20)
-    monkeypatch.delenv("MLXCEL_COMPILE", raising=False)
+    monkeypatch.setenv("MLXCEL_COMPILE", "1")
     assert bench_header(model).endswith("decode steps compiled where supported")
     monkeypatch.setenv("MLXCEL_COMPILE", "0")
     assert bench_header(model).endswith("decode steps op by op (MLXCEL_COMPILE=0)")
+    monkeypatch.delenv("MLXCEL_COMPILE")  # the default: compiled on a GPU only
+    expected = "compiled where supported" if mx.default_device().type == mx.DeviceType.gpu else \
+        "op by op (the default on CPU; MLXCEL_COMPILE=1 compiles)"
+    assert bench_header(model).endswith(f"decode steps {expected}")

@@ -103,10 +103,21 @@ def test_dense_steps_are_not_compiled_where_the_mask_is_slow(llama, monkeypatch)
     assert dense_steps == 0 and paged_steps > 0
 
 
-def test_env_turns_compiling_off(llama, monkeypatch):
+def test_env_turns_compiling_off_and_on(llama, monkeypatch):
     monkeypatch.setenv(compiled_decode.ENV, "0")
-    _, engine = run(llama, EngineConfig(), PROMPTS[:1], [0], [3])
+    _, engine = run(llama, EngineConfig(compile_decode=True), PROMPTS[:1], [0], [3])
     assert engine.runner.compiled is None
+    monkeypatch.setenv(compiled_decode.ENV, "1")
+    _, engine = run(llama, EngineConfig(compile_decode=False), PROMPTS[:1], [0], [3])
+    assert engine.runner.compiled is not None and engine.runner.compiled.steps > 0
+
+
+def test_by_default_only_a_gpu_compiles(llama, monkeypatch):
+    """On CPU compiling gained nothing on real models and a machine's first run JIT-compiles its kernels."""
+    monkeypatch.delenv(compiled_decode.ENV, raising=False)
+    _, engine = run(llama, EngineConfig(), PROMPTS[:1], [0], [3])
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    assert (engine.runner.compiled is not None) == on_gpu
 
 
 @pytest.mark.parametrize("window", [None, 3])

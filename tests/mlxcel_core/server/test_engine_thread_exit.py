@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""
         if event.kind in ("final", "error"):
             done.set()
 
-    loop = EngineLoop(Loaded, EngineConfig(max_batch_size=4), ServerMetrics())
+    loop = EngineLoop(Loaded, EngineConfig(max_batch_size=4, compile_decode=True), ServerMetrics())
     loop.start()
     while loop.state == "loading":
         threading.Event().wait(0.05)
