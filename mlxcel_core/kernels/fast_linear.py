@@ -58,15 +58,22 @@ def _layer_supported(layer: nn.Module) -> bool:
         layer.group_size, layer.bits)
 
 
+def _kernel_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
+    """x @ layer's 4-bit weight on the kernel, or None when this call is not for it (too many rows, no CUDA)."""
+    w, scales = layer["weight"], layer["scales"]
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], layer.group_size, None, LAYER_MAX_ROWS)
+    if args is None or not qmv.kernel_ready():
+        return None
+    return qmv.launch(args, x, w, scales, layer["biases"])
+
+
 class FastQuantizedLinear(nn.QuantizedLinear):
     """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        w, scales = self["weight"], self["scales"]
-        args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], self.group_size, None, LAYER_MAX_ROWS)
-        if args is None or not qmv.kernel_ready():
+        y = _kernel_matvec(self, x)
+        if y is None:
             return super().__call__(x)
-        y = qmv.launch(args, x, w, scales, self["biases"])
         return y + self["bias"] if "bias" in self else y
 
 
@@ -74,11 +81,8 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose `as_linear` (a tied LM head) runs the kernel for decode."""
 
     def as_linear(self, x: mx.array) -> mx.array:
-        w, scales = self["weight"], self["scales"]
-        args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], self.group_size, None, LAYER_MAX_ROWS)
-        if args is None or not qmv.kernel_ready():
-            return super().as_linear(x)
-        return qmv.launch(args, x, w, scales, self["biases"])
+        y = _kernel_matvec(self, x)
+        return super().as_linear(x) if y is None else y
 
 
 _SWAPS = {nn.QuantizedLinear: FastQuantizedLinear, nn.QuantizedEmbedding: FastQuantizedEmbedding}
