@@ -67,13 +67,11 @@ class KVCache:
         return self._dequantized(keys.dtype)
 
     def reserve(self, length: int) -> None:
-        """Make room for `length` more columns (a non-empty cache: the rows and heads come from its buffers)."""
+        """Make room for `length` more columns of a non-empty, unquantized cache (compiled decode steps write into
+        the buffer themselves)."""
         if self.columns + length > self.capacity:
             batch, heads, _, dim = self.keys.shape
-            if self.kv_bits is not None:
-                dim = dim * 32 // self.kv_bits
-            dtype = self.keys.dtype if self.kv_bits is None else self._scales[0].dtype
-            self._grow(batch, heads, dim, self.columns + length, dtype)
+            self._grow(batch, heads, dim, self.columns + length, self.keys.dtype)
 
     @property
     def capacity(self) -> int:
