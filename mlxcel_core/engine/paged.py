@@ -150,6 +150,11 @@ class _PrefillView:
     def attend(self, queries, keys, values, scale, window=None, softcap=None):
         length = keys.shape[2]
         pools = self.storage.write(self.layer, self.slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+        if self.offset == 0 and self.storage.kv_bits is None:
+            # The sequence's first chunk: the blocks now hold exactly these keys/values, so attend over them
+            # as they are instead of gathering them back (on the GPU the gather cost ~0.3 ms per layer of TTFT).
+            return scaled_dot_product_attention(queries, keys, values, scale, causal_mask(length, length, None, window),
+                                                softcap)
         total = self.offset + length
         all_keys, all_values = self.storage.gather(pools, self.blocks[None], queries.dtype)
         mask = causal_mask(length, total, None, window)
