@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--storage", default="auto", choices=("auto", "dense", "paged"),
-                        help="mlxcel's KV storage (auto: dense at batch 1)")
+                        help="mlxcel's KV storage (auto: paged on CUDA, else dense at batch 1)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (progress on stderr)")
     args = parser.parse_args(argv)
     if args.prompt_tokens < 1 or args.gen_tokens < 1 or args.rounds < 1:
@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     say(f"model: {description}; {how}; max |logit diff| mlxcel vs mlx-lm: {diff:.3g}")
     from mlxcel_core.engine.compiled_decode import describe_decode_steps
 
-    say(f"mlxcel KV storage {args.storage}; decode steps {describe_decode_steps()}")
+    from mlxcel_core.engine import EngineConfig
+    from mlxcel_core.kernels import describe_decode_kernels
+
+    say(f"mlxcel KV storage {args.storage} ({EngineConfig(storage=args.storage).resolved_storage} at batch 1); "
+        f"decode steps {describe_decode_steps()}; {describe_decode_kernels()}")
     say(f"prompt {args.prompt_tokens} random token ids (seed {args.seed}), {args.gen_tokens} decode steps timed "
         f"after the first token, greedy, EOS ignored; 1 warm-up each, {args.rounds} rounds, first runtime alternating")
 

@@ -48,20 +48,31 @@ def reference(path: Path, prompt: list[int], steps: int):
 def ours(path: Path, prompt: list[int], steps: int):
     """Our logits (one forward, no cache) and greedy tokens through the engine, loaded like the CLI does.
 
-    The tokens are generated twice, with decode steps built op by op and compiled (engine/compiled_decode.py,
-    the default on a GPU), and must be the same."""
+    The tokens are generated three times, with decode steps built op by op, compiled (engine/compiled_decode.py,
+    the default on a GPU), and compiled with the fused q/k/v and gate/up projections (kernels/fused_projections.py,
+    also a GPU default), and must be the same."""
     from mlxcel_core.api import stream_generate
     from mlxcel_core.engine import EngineConfig
+    from mlxcel_core.kernels.fused_projections import fuse_projections, unfuse_projections
     from mlxcel_core.sampling import SamplingParams
 
     loaded = load_quiet(path)
     forward = logits(loaded.model, prompt)
     loaded.tokenizer.eos_token_ids = set()  # random weights: compare all `steps` tokens
-    runs = [[c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=steps),
-                                              EngineConfig(max_batch_size=1, compile_decode=compiled))
-             if c.token is not None] for compiled in (False, True)]
-    assert runs[0] == runs[1], "compiled decode steps gave other tokens than op-by-op ones"
-    return forward, runs[0]
+
+    def generate(compiled: bool) -> list[int]:
+        return [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=steps),
+                                                 EngineConfig(max_batch_size=1, compile_decode=compiled))
+                if c.token is not None]
+
+    eager, compiled = generate(False), generate(True)
+    assert eager == compiled, "compiled decode steps gave other tokens than op-by-op ones"
+    fuse_projections(loaded.model)
+    try:
+        assert generate(True) == eager, "fused projections gave other tokens than separate ones"
+    finally:
+        unfuse_projections(loaded.model)
+    return forward, eager
 
 
 def assert_parity(path: Path, prompt_len: int = 64, steps: int = 32, atol: float = 1e-4) -> None:

@@ -129,7 +129,7 @@ _SOURCE = r"""
     constexpr int WARPS = (CFG >> 16) & 15;  // warps per block (splitting K)
     constexpr int UNROLL = (CFG >> 20) & 15;  // chunks per lane whose loads are in flight together
     using OUT = typename mlxcel_qmv_result<T, S>::type;  // mx.result_type(x, scales)
-    static_assert(mlxcel_qmv_same<OUT, typename mlxcel_qmv_pointee<decltype(y)>::type>::value,
+    static_assert(mlxcel_qmv_same<OUT, typename mlxcel_qmv_pointee<decltype(/*OUT0*/)>::type>::value,
                   "output dtype must be mx.result_type(x, scales)");
     constexpr int CHUNK = 32;
     constexpr int STRIDE = WARPS * 32 * CHUNK;  // K covered by one round of the block's lanes
@@ -139,7 +139,7 @@ _SOURCE = r"""
     const int G = K / GS;  // groups per weight row
     const int lane = threadIdx.x & 31;
     const int wid = threadIdx.x >> 5;
-    const int n0 = blockIdx.x * ROWS;
+/*ROWS_OF_BLOCK*/
 
     const bool w_vec = (reinterpret_cast<size_t>(w) & 15) == 0;  // rows are K/2 bytes apart: 16-byte multiples
     const bool x_vec = (reinterpret_cast<size_t>(x) & 15) == 0;
@@ -149,7 +149,7 @@ _SOURCE = r"""
     const S* b_row[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-        const size_t n = size_t(min(n0 + r, N - 1));  // a block's rows past N read row N-1 and write nothing
+/*ROW_MAP*/
         w_row[r] = w + n * KW;
         s_row[r] = scales + n * G;
         b_row[r] = biases + n * G;
@@ -263,7 +263,23 @@ _SOURCE = r"""
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
+/*EPILOGUE*/
+"""
+
+# The block's weight rows: ROWS consecutive rows (plain and qkv), or ROWS / 2 rows of the gate half and the same rows
+# of the up half (swiglu: the weight is [gate; up], N = 2 * NOUT). A block's rows past the end read the last row and
+# write nothing.
+_ROWS_CONSECUTIVE = """    const int n0 = blockIdx.x * ROWS;"""
+_ROW_MAP_CONSECUTIVE = """        const size_t n = size_t(min(n0 + r, N - 1));"""
+_ROWS_GATE_UP = """    constexpr int HALF = ROWS / 2;
+    static_assert(ROWS % 2 == 0, "swiglu blocks take rows in gate/up pairs");
+    const int NOUT = N / 2;
+    const int n0 = blockIdx.x * HALF;  // first output (gate/up row pair) of this block"""
+_ROW_MAP_GATE_UP = """        const int j = min(n0 + r % HALF, NOUT - 1);
+        const size_t n = size_t(r < HALF ? j : NOUT + j);"""
+
+# One output per weight row: y [M, N].
+_EPILOGUE_PLAIN = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
         const int r = i / M;
         const int m = i % M;
         const int n = n0 + r;
@@ -275,20 +291,81 @@ _SOURCE = r"""
             }
             y[size_t(m) * N + n] = static_cast<OUT>(t);
         }
-    }
-"""
+    }"""
 
-KERNEL_HASH = hashlib.sha256(f"{_HEADER}{_SOURCE}".encode()).hexdigest()[:8]
-KERNEL_NAME = f"mlxcel_qmv_{KERNEL_HASH}"
+# Weight rows [0, NQ) -> q_out [M, NQ], [NQ, NQ + NK) -> k_out [M, NK], the rest -> v_out [M, NK].
+_EPILOGUE_QKV = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
+        const int r = i / M;
+        const int m = i % M;
+        const int n = n0 + r;
+        if (n < N) {
+            float t = 0.0f;
+#pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                t += red[v][i];
+            }
+            const OUT o = static_cast<OUT>(t);
+            if (n < NQ) {
+                q_out[size_t(m) * NQ + n] = o;
+            } else if (n < NQ + NK) {
+                k_out[size_t(m) * NK + (n - NQ)] = o;
+            } else {
+                v_out[size_t(m) * NK + (n - NQ - NK)] = o;
+            }
+        }
+    }"""
+
+# y [M, NOUT] = silu(gate) * up. gate and up are first rounded to OUT, as two separate matvecs would return them,
+# then silu(g) * u = g * sigmoid(g) * u in float32 and one rounding (the unfused path rounds after every op).
+_EPILOGUE_SWIGLU = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 32) {
+        const int r = i / M;
+        const int m = i % M;
+        const int j = n0 + r;
+        if (j < NOUT) {
+            float g = 0.0f;
+            float u = 0.0f;
+#pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                g += red[v][r * M + m];
+                u += red[v][(r + HALF) * M + m];
+            }
+            g = static_cast<float>(static_cast<OUT>(g));
+            u = static_cast<float>(static_cast<OUT>(u));
+            y[size_t(m) * NOUT + j] = static_cast<OUT>(g / (1.0f + expf(-g)) * u);
+        }
+    }"""
+
+# mode -> (output names, block rows, row map, epilogue)
+MODES = {
+    "plain": (("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_PLAIN),
+    "qkv": (("q_out", "k_out", "v_out"), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_QKV),
+    "swiglu": (("y",), _ROWS_GATE_UP, _ROW_MAP_GATE_UP, _EPILOGUE_SWIGLU),
+}
+
+
+def kernel_source(mode: str = "plain") -> str:
+    """The kernel body for `mode`: plain y = x @ w.T; qkv the same split into three outputs by weight row ranges
+    (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]."""
+    outputs, block_rows, row_map, epilogue = MODES[mode]
+    return (_SOURCE.replace("/*OUT0*/", outputs[0]).replace("/*ROWS_OF_BLOCK*/", block_rows)
+            .replace("/*ROW_MAP*/", row_map).replace("/*EPILOGUE*/", epilogue))
+
+def kernel_name(mode: str = "plain") -> str:
+    """Carries a hash of the source: MLX caches compiled kernels on disk by name."""
+    digest = hashlib.sha256(f"{_HEADER}{kernel_source(mode)}".encode()).hexdigest()[:8]
+    return f"mlxcel_qmv_{digest}" if mode == "plain" else f"mlxcel_qmv_{mode}_{digest}"
+
+
+KERNEL_NAME = kernel_name()
 
 
 @functools.cache
-def _kernel():
+def _kernel(mode: str = "plain"):
     return mx.fast.cuda_kernel(
-        name=KERNEL_NAME,
+        name=kernel_name(mode),
         input_names=["x", "w", "scales", "biases"],
-        output_names=["y"],
-        source=_SOURCE,
+        output_names=list(MODES[mode][0]),
+        source=kernel_source(mode),
         header=_HEADER,
     )
 
@@ -352,9 +429,11 @@ def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int) -> 
 
 @functools.lru_cache(maxsize=4096)
 def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None = None,
-                max_rows: int = MAX_ROWS) -> dict | None:
+                max_rows: int = MAX_ROWS, mode: str = "plain", split: tuple[int, int] | None = None) -> dict | None:
     """Everything but the inputs of one launch (cached: a decode step makes hundreds of calls with few shapes),
-    or None when x does not suit the kernel (more than max_rows rows, none, or not a float type)."""
+    or None when x does not suit the kernel (more than max_rows rows, none, or not a float type).
+
+    n is the weight's rows. mode "qkv" takes split = (NQ, NK), n = NQ + 2 NK; "swiglu" writes n / 2 outputs."""
     m = 1
     for d in x_shape[:-1]:
         m *= d
@@ -363,18 +442,34 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
     rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
     out_dtype = mx.result_type(x_dtype, s_dtype)
     threads = warps * 32
+    template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))]
+    blocks = -(-n // rows)
+    if mode == "qkv":
+        nq, nk = split
+        if nq + 2 * nk != n:
+            raise ValueError(f"qkv split {split} does not add up to the weight's {n} rows")
+        template += [("NQ", nq), ("NK", nk)]
+        outputs = [nq, nk, nk]
+    elif mode == "swiglu":
+        if n % 2 or rows % 2:
+            raise ValueError(f"swiglu needs an even number of weight rows and of rows per block, got {n}, {rows}")
+        outputs = [n // 2]
+        blocks = -(-(n // 2) // (rows // 2))  # a block reads rows / 2 gate/up row pairs
+    else:
+        outputs = [n]
     return dict(
-        template=[("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))],
-        grid=(-(-n // rows) * threads, 1, 1),
+        template=template,
+        grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(*x_shape[:-1], n)],
-        output_dtypes=[out_dtype],
+        output_shapes=[(*x_shape[:-1], width) for width in outputs],
+        output_dtypes=[out_dtype] * len(outputs),
     )
 
 
-def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
-    """Run the kernel with `launch_args`' result."""
-    return _kernel()(inputs=[x, w, scales, biases], **args)[0]
+def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, mode: str = "plain"):
+    """Run the kernel with `launch_args`' result: y for plain and swiglu, [q, k, v] for qkv."""
+    outputs = _kernel(mode)(inputs=[x, w, scales, biases], **args)
+    return outputs if mode == "qkv" else outputs[0]
 
 
 def cuda_quantized_matvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64,

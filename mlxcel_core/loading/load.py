@@ -45,7 +45,7 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
         tokenizer = load_hf_tokenizer(source.path, config)
         dtype = None
     model = build_model(config, weights, dtype, group=group)
-    from ..kernels.fast_linear import maybe_use_fast_quantized_linear  # 4-bit decode GEMVs on CUDA (MLXCEL_QMV)
+    from ..kernels import prepare_model  # decode kernels and fusions where their gates allow
 
-    maybe_use_fast_quantized_linear(model)
+    prepare_model(model)
     return LoadedModel(model, tokenizer, config, source)

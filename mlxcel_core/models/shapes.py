@@ -129,9 +129,9 @@ def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat1
             mx.eval(layer.parameters())
     randomize(model, skip="model.layers.")  # embeddings, final norm, LM head
     model.eval()
-    from ..kernels.fast_linear import maybe_use_fast_quantized_linear  # 4-bit decode GEMVs on CUDA (MLXCEL_QMV)
+    from ..kernels import prepare_model  # decode kernels and fusions where their gates allow
 
-    maybe_use_fast_quantized_linear(model)
+    prepare_model(model)
     return model, config
 
 

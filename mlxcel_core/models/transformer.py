@@ -66,7 +66,10 @@ class Attention(nn.Module):
     What families vary is an argument: projection biases (`o_bias` defaults to `bias`), per-head q/k norms
     (`qk_norm`, a norm class, applied before RoPE), the scale (default head_dim**-0.5), a sliding `window`,
     attention-logit `softcap`. A fused checkpoint layout (Phi-3) overrides `init_projections` and `project`.
+    `fused_qkv` (kernels/fused_projections.py) computes q, k and v of a decode step as one matmul.
     """
+
+    fused_qkv = None  # a FusedProjection once fuse_projections has run
 
     def __init__(self, args, rope: RoPE, *, bias: bool = False, o_bias: bool | None = None,
                  window: int | None = None, scale: float | None = None, softcap: float | None = None,
@@ -93,6 +96,8 @@ class Attention(nn.Module):
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys, values [B, L, heads * head_dim]."""
+        if self.fused_qkv is not None and self.fused_qkv.takes(x):
+            return tuple(self.fused_qkv.split(x))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
@@ -111,7 +116,10 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); act is the fused SwiGLU (SiLU families) or GeGLU (Gemma)."""
+    """down(act(gate(x)) * up(x)); act is the fused SwiGLU (SiLU families) or GeGLU (Gemma).
+    `fused_gate_up` (kernels/fused_projections.py) computes act(gate(x)) * up(x) of a decode step in one matmul."""
+
+    fused_gate_up = None  # a FusedProjection once fuse_projections has run
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
                  activation: Callable[[mx.array, mx.array], mx.array] = swiglu):
@@ -122,6 +130,8 @@ class GatedMLP(nn.Module):
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.fused_gate_up is not None and self.fused_gate_up.takes(x):
+            return self.down_proj(self.fused_gate_up.gated(x, self.activation))
         return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -192,15 +192,20 @@ def test_unknown_shape_and_bad_options():
         load_bench_model(shape="tiny", bits=3)
 
 
-def test_header_names_the_decode_step_mode(monkeypatch):
+def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     from mlxcel_core.bench import BenchModel, bench_header
 
     model = BenchModel(model=None, vocab_size=320, description="tiny", filename="x", n_params=1000, size_bytes=2**20)
     monkeypatch.setenv("MLXCEL_COMPILE", "1")
-    assert bench_header(model).endswith("decode steps compiled where supported")
+    assert "; decode steps compiled where supported; " in bench_header(model)
     monkeypatch.setenv("MLXCEL_COMPILE", "0")
-    assert bench_header(model).endswith("decode steps op by op (MLXCEL_COMPILE=0)")
+    assert "; decode steps op by op (MLXCEL_COMPILE=0); " in bench_header(model)
     monkeypatch.delenv("MLXCEL_COMPILE")  # the default: compiled on a GPU only
     expected = "compiled where supported" if mx.default_device().type == mx.DeviceType.gpu else \
         "op by op (the default on CPU; MLXCEL_COMPILE=1 compiles)"
-    assert bench_header(model).endswith(f"decode steps {expected}")
+    assert f"; decode steps {expected}; " in bench_header(model)
+    monkeypatch.setenv("MLXCEL_FUSE", "1")
+    monkeypatch.setenv("MLXCEL_QMV", "0")
+    assert bench_header(model).endswith("fused q/k/v and gate/up on (MLXCEL_FUSE), 4-bit matvec kernel off (MLXCEL_QMV)")
+    monkeypatch.setenv("MLXCEL_FUSE", "0")
+    assert "fused q/k/v and gate/up off (MLXCEL_FUSE)" in bench_header(model)

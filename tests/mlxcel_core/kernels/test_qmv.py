@@ -310,7 +310,7 @@ def test_fast_layers_compute_what_mlx_layers_do():
             assert mx.array_equal(g, w).item()
 
 
-def test_gate_is_off_by_default_and_needs_cuda(monkeypatch):
+def test_gate_is_on_by_default_and_needs_cuda(monkeypatch):
     monkeypatch.delenv("MLXCEL_QMV", raising=False)
     monkeypatch.setattr(qmv, "cuda_kernel_available", lambda: False)
     monkeypatch.setenv("MLXCEL_QMV", "1")
@@ -321,7 +321,7 @@ def test_gate_is_off_by_default_and_needs_cuda(monkeypatch):
     assert not enabled()
     monkeypatch.delenv("MLXCEL_QMV")
     assert enabled() == (fast_linear.DEFAULT_QMV != "0")
-    assert fast_linear.DEFAULT_QMV == "0", "default is off until validated on the device"
+    assert fast_linear.DEFAULT_QMV == "1", "on by default where MLX runs on CUDA"
 
 
 def test_maybe_use_follows_the_gate(monkeypatch):
@@ -630,21 +630,24 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 
-def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll):
+def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode="plain"):
     """What MLX 0.32's CUDA custom_kernel.cpp (build_kernel) compiles for our kernel, with a stand-in for its
     default header (mlx/backend/cuda/device/utils.cuh is not installed with a CPU build of MLX)."""
-    args = qmv.launch_args((m, 4096), x_dtype, s_dtype, 64, group_size, (rows, warps, unroll))
+    n, split = (512 + 2 * 128, (512, 128)) if mode == "qkv" else (64, None)
+    args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, (rows, warps, unroll), mode=mode, split=split)
     template = dict(args["template"])
-    assert args["output_dtypes"] == [out_dtype] and "x_shape" not in qmv._SOURCE  # x is passed without its shape
+    source = qmv.kernel_source(mode)
+    outputs = qmv.MODES[mode][0]
+    assert args["output_dtypes"] == [out_dtype] * len(outputs) and "x_shape" not in source  # x comes without shape
     params = [f"    const {_CUDA_TYPES[x_dtype]}* x",
               "    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
-              f"    const {_CUDA_TYPES[s_dtype]}* scales", f"    const {_CUDA_TYPES[s_dtype]}* biases",
-              f"    {_CUDA_TYPES[out_dtype]}* y"]
+              f"    const {_CUDA_TYPES[s_dtype]}* scales", f"    const {_CUDA_TYPES[s_dtype]}* biases"]
+    params += [f"    {_CUDA_TYPES[out_dtype]}* {name}" for name in outputs]
     consts = [f"  using {k} = {_CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
               for k, v in template.items()]
     return (_STAND_IN_HEADER + qmv._HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            f"__global__ void custom_kernel_{qmv.KERNEL_NAME}(\n" + ",\n".join(params) + ") {\n"
-            + "\n".join(consts) + "\n\n" + qmv._SOURCE + "\n}\n\n} // namespace mlx::core::cu\n")
+            f"__global__ void custom_kernel_{qmv.kernel_name(mode)}(\n" + ",\n".join(params) + ") {\n"
+            + "\n".join(consts) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
 def _nvcc():
@@ -654,16 +657,19 @@ def _nvcc():
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (compile check only; nothing runs)")
-@pytest.mark.parametrize("x_dtype,s_dtype,m,group_size,rows,warps,unroll", [
-    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1), (mx.float16, mx.float16, 2, 64, 8, 4, 1),
-    (mx.float32, mx.bfloat16, 3, 32, 1, 8, 2), (mx.bfloat16, mx.float32, 5, 128, 4, 1, 2),
-    (mx.bfloat16, mx.float16, 4, 64, 2, 2, 1), (mx.float32, mx.float32, 8, 64, 4, 1, 1)])
-def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, rows, warps, unroll):
+@pytest.mark.parametrize("x_dtype,s_dtype,m,group_size,rows,warps,unroll,mode", [
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "plain"), (mx.float16, mx.float16, 2, 64, 8, 4, 1, "plain"),
+    (mx.float32, mx.bfloat16, 3, 32, 1, 8, 2, "plain"), (mx.bfloat16, mx.float32, 5, 128, 4, 1, 2, "plain"),
+    (mx.bfloat16, mx.float16, 4, 64, 2, 2, 1, "plain"), (mx.float32, mx.float32, 8, 64, 4, 1, 1, "plain"),
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "qkv"), (mx.float16, mx.float16, 2, 32, 8, 4, 1, "qkv"),
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "swiglu"), (mx.float32, mx.bfloat16, 2, 128, 8, 1, 1, "swiglu")])
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, rows, warps, unroll,
+                                                 mode):
     import subprocess
 
     out_dtype = mx.result_type(x_dtype, s_dtype)
     src = tmp_path / "qmv.cu"
-    src.write_text(mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll))
+    src.write_text(mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode))
     run = subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
                           str(tmp_path / "qmv.cubin"), str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

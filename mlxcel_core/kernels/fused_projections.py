@@ -1,0 +1,177 @@
+"""Decode projections of one input as one matmul: an attention block's q/k/v, a gated MLP's gate/up.
+
+    fuse_projections(model)   # prepare_model (load_model, build_random_model) calls it when fusion_enabled()
+
+At decode (a few rows of x) each projection is a matrix-vector product, and on a GPU a small one costs mostly its
+launch and the tail of a short kernel: fused, a Llama layer makes 2 matmul launches instead of 5 (MLX's k/v GEMVs
+on the 8B shape read at 381 GB/s, a third of what the larger ones reach). The layers' weights (and scales, biases)
+are concatenated along the output rows once; each layer then keeps a row-range view of the fused array, so memory,
+parameter names and every other path (prefill, batches of more than FUSED_MAX_ROWS rows) are unchanged.
+
+Inputs of at most FUSED_MAX_ROWS rows take the fused path:
+  - 4-bit layers where the CUDA matvec kernel runs (kernels/fast_linear.py's gate, MLXCEL_QMV): one launch of
+    kernels/qmv.py in mode "qkv" (writes q, k and v) or "swiglu" (writes silu(gate) * up);
+  - otherwise one matmul (mx.quantized_matmul for quantized layers) and a split, then the activation.
+
+Gate (fusion_enabled): MLXCEL_FUSE=1 / 0 forces it; unset, on only where MLX runs on a GPU (on the CPU a
+matmul's launch costs nothing worth saving, and concatenating costs a copy of those weights at load).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..models.activations import swiglu
+from . import fast_linear, qmv
+
+ENV = "MLXCEL_FUSE"
+FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (decode batches)
+_PARAMS = ("weight", "scales", "biases", "bias")
+_QUANTIZED = (nn.QuantizedLinear, fast_linear.FastQuantizedLinear)
+
+
+def fusion_enabled() -> bool:
+    env = os.environ.get(ENV, "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def _rows(x: mx.array) -> int:
+    rows = 1
+    for d in x.shape[:-1]:
+        rows *= d
+    return rows
+
+
+def _fusable(layers: list[nn.Module]) -> bool:
+    """Same class (plain Linear, or affine QuantizedLinear with the same bits and groups), input size, dtypes and
+    bias; tensor-parallel subclasses keep their own calls."""
+    first = layers[0]
+    kinds = {nn.Linear} if type(first) is nn.Linear else set(_QUANTIZED)
+    if not all(type(layer) in kinds for layer in layers):
+        return False
+    if isinstance(first, nn.QuantizedLinear):
+        same = {(layer.bits, layer.group_size, getattr(layer, "mode", "affine"), "biases" in layer) for layer in layers}
+        if len(same) != 1 or getattr(first, "mode", "affine") != "affine" or "biases" not in first:
+            return False
+    for name in _PARAMS:
+        present = {name in layer for layer in layers}
+        if len(present) != 1:
+            return False
+        if name in first and len({(layer[name].dtype, layer[name].shape[1:]) for layer in layers}) != 1:
+            return False
+    return True
+
+
+class FusedProjection:
+    """Several projections of the same input, their parameters row ranges of one array each.
+
+    Not an nn.Module: the parameters stay the layers' own (views), so the model's parameter tree is unchanged."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.widths = [layer["weight"].shape[0] for layer in layers]
+        self.quantized = isinstance(layers[0], nn.QuantizedLinear)
+        self.bits = getattr(layers[0], "bits", None)
+        self.group_size = getattr(layers[0], "group_size", None)
+        self.params = {}
+        for name in _PARAMS:
+            if name in layers[0]:
+                fused = mx.concatenate([layer[name] for layer in layers])
+                mx.eval(fused)
+                self.params[name] = fused
+                start = 0
+                for layer, width in zip(layers, self.widths):
+                    layer[name] = fused[start:start + width]  # a view: the layers share the fused memory
+                    start += width
+                mx.eval([layer[name] for layer in layers])
+
+    def takes(self, x: mx.array) -> bool:
+        return _rows(x) <= FUSED_MAX_ROWS
+
+    def _kernel_args(self, x: mx.array, mode: str, split=None) -> dict | None:
+        """The qmv kernel's launch for x in `mode`, or None where the kernel does not run this call."""
+        if not (self.quantized and self.bits == qmv.BITS and fast_linear.enabled() and qmv.kernel_ready()):
+            return None
+        p = self.params
+        return qmv.launch_args(x.shape, x.dtype, p["scales"].dtype, p["weight"].shape[0], self.group_size, None,
+                               fast_linear.LAYER_MAX_ROWS, mode, split)
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """x @ the fused weight (+ bias), every layer's output side by side."""
+        p = self.params
+        if self.quantized:
+            y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p["biases"], transpose=True,
+                                    group_size=self.group_size, bits=self.bits)
+        else:
+            y = x @ p["weight"].T
+        return y + p["bias"] if "bias" in p else y
+
+    def split(self, x: mx.array) -> list[mx.array]:
+        """Each layer's output, in order."""
+        args = None
+        if len(self.widths) == 3 and self.widths[1] == self.widths[2]:
+            args = self._kernel_args(x, "qkv", (self.widths[0], self.widths[1]))
+        if args is not None:
+            p = self.params
+            outs = qmv.launch(args, x, p["weight"], p["scales"], p["biases"], "qkv")
+            return [o + b for o, b in zip(outs, self._biases())] if "bias" in p else outs
+        bounds, start = [], 0
+        for width in self.widths[:-1]:
+            start += width
+            bounds.append(start)
+        return mx.split(self.matmul(x), bounds, axis=-1)
+
+    def gated(self, x: mx.array, activation: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
+        """activation(gate(x), up(x)) for layers [gate, up]: the kernel's swiglu mode where it applies."""
+        if activation is swiglu and "bias" not in self.params:
+            args = self._kernel_args(x, "swiglu")
+            if args is not None:
+                p = self.params
+                return qmv.launch(args, x, p["weight"], p["scales"], p["biases"], "swiglu")
+        gate, up = self.split(x)
+        return activation(gate, up)
+
+    def _biases(self) -> list[mx.array]:
+        return [layer["bias"] for layer in self.layers]
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse q/k/v of every attention block and gate/up of every gated MLP that allow it; return how many."""
+    from ..models.transformer import Attention, GatedMLP
+
+    fused = 0
+    for _, module in model.named_modules():
+        if isinstance(module, Attention) and module.fused_qkv is None and "q_proj" in module:
+            layers = [module.q_proj, module.k_proj, module.v_proj]
+            if _fusable(layers):
+                module.fused_qkv = FusedProjection(layers)
+                fused += 1
+        elif isinstance(module, GatedMLP) and module.fused_gate_up is None:
+            layers = [module.gate_proj, module.up_proj]
+            if _fusable(layers):
+                module.fused_gate_up = FusedProjection(layers)
+                fused += 1
+    return fused
+
+
+def unfuse_projections(model: nn.Module) -> int:
+    """Back to one matmul per layer (the layers keep their views: same values); return how many were fused."""
+    from ..models.transformer import Attention, GatedMLP
+
+    count = 0
+    for _, module in model.named_modules():
+        if isinstance(module, Attention) and module.fused_qkv is not None:
+            module.fused_qkv, count = None, count + 1
+        elif isinstance(module, GatedMLP) and module.fused_gate_up is not None:
+            module.fused_gate_up, count = None, count + 1
+    return count
+
+
+def maybe_fuse_projections(model: nn.Module) -> int:
+    return fuse_projections(model) if fusion_enabled() else 0

@@ -1,0 +1,178 @@
+"""Fused decode projections (kernels/fused_projections.py) and the qmv kernel's "qkv" and "swiglu" modes.
+
+Everywhere: fused == separate projections bit for bit (logits of prefill and decode steps, float32 and bf16, plain
+and 4-bit), parameter names and values unchanged, what is fused and what is not, the MLXCEL_FUSE gate, and greedy
+tokens through `mlxcel generate` with fusion forced on. CUDA only: the kernel modes against float64 references.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_qmv import check_close, make_operands, needs_cuda, reference
+
+from mlxcel_core.cache import make_cache
+from mlxcel_core.kernels import fused_projections, prepare_model, qmv
+from mlxcel_core.kernels.fused_projections import (FUSED_MAX_ROWS, FusedProjection, fuse_projections,
+                                                   fusion_enabled, unfuse_projections)
+from mlxcel_core.models.activations import geglu, swiglu
+from mlxcel_core.models.shapes import build_random_model
+
+
+def _decode_logits(model, batch: int = 1, steps: int = 4) -> mx.array:
+    """Prefill of 8 tokens per row (separate projections: more rows than FUSED_MAX_ROWS when batch > 1, else the
+    fused path too), then `steps` one-token decode steps; every step's last logits."""
+    caches = make_cache(len(model.layers))
+    prompt = mx.array([[3 + r, 1, 4, 1, 5, 9, 2, 6] for r in range(batch)])
+    out = [model(prompt, caches)[:, -1]]
+    for t in range(steps):
+        out.append(model(mx.array([[t + 7 + r] for r in range(batch)]), caches)[:, -1])
+    return mx.concatenate(out)
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["plain", "q4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_equals_separate_bit_for_bit(bits, dtype, batch):
+    model, _ = build_random_model("tiny", bits=bits, dtype=dtype, seed=3)
+    names = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    separate = _decode_logits(model, batch)
+    assert fuse_projections(model) == 2 * len(model.layers)  # every layer's q/k/v and gate/up
+    assert {k: v.shape for k, v in tree_flatten(model.parameters())} == names
+    assert mx.array_equal(_decode_logits(model, batch), separate).item()
+    assert unfuse_projections(model) == 2 * len(model.layers)
+    assert mx.array_equal(_decode_logits(model, batch), separate).item()
+
+
+def test_layers_keep_their_values_as_views_of_the_fused_arrays():
+    model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=4)
+    attn = model.layers[0].self_attn
+    before = {name: [mx.array(attn[p][name]) for p in ("q_proj", "k_proj", "v_proj")]
+              for name in ("weight", "scales", "biases")}
+    fuse_projections(model)
+    fused = attn.fused_qkv
+    assert fused.widths == [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
+    for name, parts in before.items():
+        assert mx.array_equal(fused.params[name], mx.concatenate(parts)).item()
+        for layer, part in zip((attn.q_proj, attn.k_proj, attn.v_proj), parts):
+            assert mx.array_equal(layer[name], part).item()
+    assert fuse_projections(model) == 0  # already fused: nothing twice
+
+
+def test_what_is_not_fused():
+    lin = [nn.Linear(8, 4), nn.Linear(8, 4, bias=False)]
+    assert not fused_projections._fusable(lin)  # bias on one only
+    assert not fused_projections._fusable([nn.Linear(8, 4), nn.Linear(6, 4)])  # other inputs
+    q = [nn.QuantizedLinear(64, 32, bias=False, group_size=64, bits=4),
+         nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)]
+    assert not fused_projections._fusable(q)  # other groups
+    assert not fused_projections._fusable([nn.Linear(64, 32), q[0]])  # plain with quantized
+
+    class Sharded(nn.Linear):  # a tensor-parallel subclass keeps its own call
+        pass
+
+    assert not fused_projections._fusable([Sharded(8, 4), nn.Linear(8, 4)])
+    assert fused_projections._fusable([nn.Linear(8, 4), nn.Linear(8, 6), nn.Linear(8, 6)])
+
+
+def test_rows_above_the_limit_use_the_separate_layers(monkeypatch):
+    model, _ = build_random_model("tiny", dtype="float32", seed=5)
+    fuse_projections(model)
+    calls, split = [], FusedProjection.split
+    monkeypatch.setattr(FusedProjection, "split", lambda self, x: calls.append(x.shape) or split(self, x))
+    x = mx.zeros((1, FUSED_MAX_ROWS + 1, model.args.hidden_size))
+    model.layers[0].self_attn.project(x)
+    assert calls == []
+    model.layers[0].self_attn.project(x[:, :FUSED_MAX_ROWS])
+    assert calls == [(1, FUSED_MAX_ROWS, model.args.hidden_size)]
+
+
+def test_other_activations_and_biases_take_the_matmul_path():
+    gate, up = nn.Linear(16, 24), nn.Linear(16, 24)
+    x = mx.random.normal((1, 2, 16), key=mx.random.key(0))
+    want = geglu(gate(x), up(x))
+    fused = FusedProjection([gate, up])
+    assert mx.array_equal(fused.gated(x, geglu), want).item()
+    assert mx.array_equal(fused.gated(x, swiglu), swiglu(gate(x), up(x))).item()
+
+
+def test_gate_env_and_default(monkeypatch):
+    monkeypatch.setenv("MLXCEL_FUSE", "1")
+    assert fusion_enabled()
+    model, _ = build_random_model("tiny", dtype="float32", seed=6)  # build_random_model runs prepare_model
+    assert model.layers[0].self_attn.fused_qkv is not None and model.layers[0].mlp.fused_gate_up is not None
+    monkeypatch.setenv("MLXCEL_FUSE", "0")
+    assert not fusion_enabled()
+    model, _ = build_random_model("tiny", dtype="float32", seed=6)
+    assert model.layers[0].self_attn.fused_qkv is None
+    monkeypatch.delenv("MLXCEL_FUSE")
+    assert fusion_enabled() == (mx.default_device().type == mx.DeviceType.gpu)
+    prepare_model(model)
+    assert (model.layers[0].self_attn.fused_qkv is not None) == fusion_enabled()
+
+
+def test_generate_cli_gives_the_same_tokens_fused(tiny_llama_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from mlxcel_cli.main import app
+
+    fused_counts, fuse = [], fused_projections.fuse_projections
+    monkeypatch.setattr(fused_projections, "fuse_projections", lambda m: fused_counts.append(fuse(m)) or 0)
+    outputs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MLXCEL_FUSE", flag)
+        result = CliRunner().invoke(app, ["generate", "-m", str(tiny_llama_dir), "-p", "hello there", "-n", "24",
+                                          "--temp", "0"])
+        assert result.exit_code == 0, result.output
+        outputs[flag] = result.stdout
+    assert fused_counts and fused_counts[0] > 0  # MLXCEL_FUSE=1 fused the loaded model's projections
+    assert outputs["0"] == outputs["1"]
+
+
+# -- CUDA: the kernel's fused modes ------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("nq,nk,k", [(4096, 1024, 4096), (2048, 512, 2048), (300, 36, 512)])
+def test_qkv_mode_matches_reference(m, nq, nk, k):
+    x, w, scales, biases = make_operands(m, nq + 2 * nk, k, mx.bfloat16, seed=nq + k)
+    ref, mag = reference(x, w, scales, biases)
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, nq + 2 * nk, 64, mode="qkv", split=(nq, nk))
+    q, kk, v = qmv.launch(args, x, w, scales, biases, "qkv")
+    assert q.shape == (m, nq) and kk.shape == v.shape == (m, nk)
+    check_close(q, ref[:, :nq], mag[:, :nq], mx.bfloat16, "q")
+    check_close(kk, ref[:, nq:nq + nk], mag[:, nq:nq + nk], mx.bfloat16, "k")
+    check_close(v, ref[:, nq + nk:], mag[:, nq + nk:], mx.bfloat16, "v")
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("inter,k", [(14336, 4096), (8192, 2048), (301, 512)])
+def test_swiglu_mode_matches_reference(m, inter, k):
+    x, w, scales, biases = make_operands(m, 2 * inter, k, mx.bfloat16, seed=inter)
+    ref, mag = reference(x, w, scales, biases)
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, 2 * inter, 64, mode="swiglu")
+    y = qmv.launch(args, x, w, scales, biases, "swiglu")
+    assert y.shape == (m, inter) and y.dtype == mx.bfloat16
+    # The reference rounds gate and up to bf16 as the kernel does, then silu(g) * u in float64.
+    g = np.array(mx.array(ref[:, :inter].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    u = np.array(mx.array(ref[:, inter:].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    got = np.array(y.astype(mx.float32), np.float64)
+    # Off by the rounding of gate and up (one bf16 ulp each where the kernel's float32 sums straddle a rounding
+    # boundary) and the final rounding: at most ~3 bf16 ulps of the result.
+    assert np.all(np.abs(got - want) <= 2.0**-6 * np.abs(want) + 1e-3 * np.abs(want).mean())
+
+
+@needs_cuda
+def test_fused_model_decode_agrees_with_separate_on_cuda(monkeypatch):
+    """4-bit bf16 random model: the fused kernel path against the separate layers (MLX's kernels): logits close,
+    float32 activations to keep the comparison tight."""
+    monkeypatch.setenv("MLXCEL_QMV", "1")
+    model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=7)
+    separate = _decode_logits(model, 2)
+    fuse_projections(model)
+    fused = _decode_logits(model, 2)
+    assert mx.allclose(fused, separate, rtol=1e-3, atol=1e-3).item(), mx.abs(fused - separate).max()
