@@ -103,7 +103,7 @@ def parse_logit_bias(items: Optional[List[str]]) -> dict[int, float]:
 KvBits = Annotated[Optional[int], typer.Option(
     "--kv-bits", help="Store the KV cache quantized to 8 or 4 bits (group size 64): less memory, slightly different numbers.")]
 StorageBackend = Annotated[str, typer.Option(
-    "--decode-storage-backend", help="KV storage: auto (dense at batch 1, paged when batching), dense or paged.")]
+    "--decode-storage-backend", help="KV storage: auto (paged when batching or on CUDA, else dense), dense or paged.")]
 PrefillChunk = Annotated[int, typer.Option(
     "--prefill-chunk-size", help="Prompt tokens computed per forward pass (bounds memory on long prompts).")]
 

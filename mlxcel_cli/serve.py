@@ -40,7 +40,7 @@ MaxQueue = Annotated[int, _opt("--max-queue-depth", env="MLXCEL_MAX_QUEUE_DEPTH"
 PrefillChunk = Annotated[int, _opt("--prefill-chunk-size", env="MLXCEL_PREFILL_CHUNK_SIZE", min=1,
                                    help="Prompt tokens computed per forward pass.")]
 Storage = Annotated[str, _opt("--decode-storage-backend", env="MLXCEL_DECODE_STORAGE_BACKEND",
-                              help="KV storage: auto (dense at batch 1, paged when batching), dense or paged.")]
+                              help="KV storage: auto (paged when batching or on CUDA, else dense), dense or paged.")]
 CtxSize = Annotated[int, _opt("--ctx-size", env="MLXCEL_CTX_SIZE", min=0,
                               help="Cap the context (prompt + completion tokens); 0 = the model's.")]
 MaxN = Annotated[int, _opt("--max-n", env="MLXCEL_MAX_N", min=1, help="Largest `n` (choices) a request may ask for.")]

@@ -53,7 +53,8 @@ def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) 
     if config.resolved_storage == "paged":
         from .paged import PagedStorage
 
-        return PagedStorage(len(model.layers), block_size=config.block_size, kv_budget_tokens=config.kv_budget_tokens,
+        budget = config.kv_budget_for(model.max_context_length)
+        return PagedStorage(len(model.layers), block_size=config.block_size, kv_budget_tokens=budget,
                             kv_bits=config.kv_bits, prefix_cache=config.prefix_cache,
                             num_splits=config.num_splits,
                             max_batch_size=config.max_batch_size, pad_block_tables=compiled)
@@ -93,7 +94,7 @@ class Engine:
         self.scheduler = BatchScheduler(SchedulerConfig(
             max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
             prefill_grant_interval=self.config.prefill_grant_interval,
-            kv_budget_tokens=self.config.effective_kv_budget_tokens), on_admit=self._admit)
+            kv_budget_tokens=self.config.kv_budget_for(self.max_context)), on_admit=self._admit)
         self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}

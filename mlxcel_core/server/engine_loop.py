@@ -147,7 +147,7 @@ class EngineLoop:
         ctx = engine.max_context
         if self.ctx_size:
             ctx = min(ctx, self.ctx_size)
-        budget = self.engine_config.effective_kv_budget_tokens
+        budget = self.engine_config.kv_budget_for(engine.max_context)
         if budget:  # a request must fit the KV budget on its own
             ctx = min(ctx, budget)
         engine.max_context = self.max_context = ctx

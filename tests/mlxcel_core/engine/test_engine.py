@@ -115,3 +115,26 @@ def test_generation_stops_at_the_context_limit(loaded):
     seq = engine.open([7] * (limit - 3), SamplingParams(max_tokens=100))
     assert len(run(engine)[seq]) == 3
     assert engine.sequence(seq).finish_reason == "length"
+
+
+def test_auto_storage_and_kv_budget(monkeypatch):
+    """auto: paged when batching; at batch 1 paged only where decode steps compile on CUDA (no kv_bits, no
+    drafter), else dense. Paged at batch 1 admits the whole context (its pools grow as used)."""
+    from mlxcel_core.engine import compiled_decode
+    from mlxcel_core.engine.paged import DEFAULT_KV_BUDGET_TOKENS
+    from mlxcel_core.engine.types import EngineConfig, SpeculativeConfig
+
+    monkeypatch.delenv("MLXCEL_COMPILE", raising=False)
+    assert EngineConfig(max_batch_size=4).resolved_storage == "paged"
+    monkeypatch.setattr(compiled_decode, "DENSE_MASK_IS_SLOW", lambda: False)  # CPU / Metal
+    assert EngineConfig(compile_decode=True).resolved_storage == "dense"
+    monkeypatch.setattr(compiled_decode, "DENSE_MASK_IS_SLOW", lambda: True)  # CUDA
+    assert EngineConfig(compile_decode=True).resolved_storage == "paged"
+    assert EngineConfig(compile_decode=False).resolved_storage == "dense"
+    assert EngineConfig(compile_decode=True, kv_bits=8).resolved_storage == "dense"
+    assert EngineConfig(compile_decode=True, speculative=SpeculativeConfig(ngram=3)).resolved_storage == "dense"
+    assert EngineConfig(compile_decode=True, storage="dense").resolved_storage == "dense"
+    assert EngineConfig(compile_decode=True).kv_budget_for(131072) == 131072
+    assert EngineConfig(compile_decode=True, kv_budget_tokens=4096).kv_budget_for(131072) == 4096
+    assert EngineConfig(max_batch_size=8).kv_budget_for(131072) == DEFAULT_KV_BUDGET_TOKENS
+    assert EngineConfig(compile_decode=False).kv_budget_for(131072) is None

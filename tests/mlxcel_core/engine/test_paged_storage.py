@@ -33,3 +33,42 @@ def test_first_and_later_chunks_equal_attention_over_the_blocks(window, softcap)
         assert mx.array_equal(out, expected), (start, mx.abs(out - expected).max())
         keys, _ = storage.gather(storage.pools[0], view.blocks[None], q.dtype)
         assert mx.array_equal(keys[:, :, start:start + length], k)  # the blocks hold the chunk either way
+
+
+def test_pools_start_small_and_grow_by_doubling():
+    storage = PagedStorage(num_layers=1, block_size=2, kv_budget_tokens=1000)
+    storage.add(0, list(range(10)))
+    (view,) = storage.prefill_caches(0, 0, 10)
+    q, k, v = _qkv(10, 3)
+    view.attend(q, k, v, 0.5)
+    assert storage.pool_rows == 64 and storage.pools[0][0].shape[0] == 64
+    storage.add(1, list(range(200)))  # blocks 5..104: the pools double to 128 blocks, the old rows kept
+    (view1,) = storage.prefill_caches(1, 0, 200)
+    q1, k1, v1 = _qkv(200, 4)
+    view1.attend(q1, k1, v1, 0.5)
+    assert storage.pool_rows == 128 and [p.shape[0] for p in storage.pools[0]] == [128, 128]
+    keys, _ = storage.gather(storage.pools[0], view.blocks[None], q.dtype)
+    assert mx.array_equal(keys[:, :, :10], k)  # the first sequence's keys survived the growth
+    assert storage.pool.num_blocks < 1024 and storage.pool_rows <= storage.pool.num_blocks
+
+
+def test_decoding_across_a_pool_growth_gives_the_dense_tokens(tiny_llama_dir):
+    """A 100-token prompt and 60 new tokens in 2-token blocks: the pools grow from 64 to 128 blocks mid-decode,
+    op by op and compiled; greedy tokens equal dense storage's."""
+    from mlxcel_core.api import stream_generate
+    from mlxcel_core.engine import EngineConfig
+    from mlxcel_core.loading import load_model
+    from mlxcel_core.sampling import SamplingParams
+
+    loaded = load_model(str(tiny_llama_dir), log=lambda m: None)
+    loaded.tokenizer.eos_token_ids = set()
+    prompt = [(7 * i) % 200 + 3 for i in range(100)]
+
+    def tokens(**config):
+        return [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=60),
+                                                 EngineConfig(max_batch_size=1, **config)) if c.token is not None]
+
+    dense = tokens(storage="dense", compile_decode=False)
+    assert len(dense) == 60
+    for compiled in (False, True):
+        assert tokens(storage="paged", block_size=2, compile_decode=compiled) == dense, compiled
