@@ -28,6 +28,10 @@ ENVIRONMENT = [
                        "models must already be local or in the Hugging Face cache."),
     ("MLXCEL_COMPILE", "1: run each decode step as one compiled MLX graph (paged KV storage, and dense storage except "
                        "on CUDA); 0: build it op by op. Default: compiled when MLX runs on a GPU, op by op on CPU."),
+    ("MLXCEL_FUSE", "1: compute a decode step's q/k/v and gate/up projections as one matmul each; 0: one per layer. "
+                    "Default: fused when MLX runs on a GPU."),
+    ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
+                   "Default: 1 (CUDA only; elsewhere always MLX's)."),
 ]
 EXIT_STATUS = [("0", "Success."), ("1", "Runtime failure (model load, generation or backend error)."),
                ("2", "Usage or input error (bad option or value, no or empty prompt, model missing, unsupported or corrupt)."),

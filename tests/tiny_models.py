@@ -64,6 +64,28 @@ def save_tiny_llama(path: Path, **overrides) -> Path:
     return save_tiny_checkpoint(path, LlamaConfig, LlamaForCausalLM, **{**params, **overrides})
 
 
+def save_tiny_mlx_llama(path: Path) -> Path:
+    """A random tiny Llama (mlxcel's "tiny" shape, float32) saved by MLX alone, plus the tiny tokenizer.
+
+    For tests that run where MLX computes on CUDA: importing torch (transformers) before MLX has used its CUDA device
+    is suspected of hanging such processes (the H200 runs of the 4-bit kernel's model-level tests never got past
+    their first test, which built its checkpoint with transformers first thing)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlxcel_core.models.shapes import build_random_model
+
+    model, config = build_random_model("tiny", dtype="float32", seed=0)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    tok = build_tokenizer()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
+    return path
+
+
 class FakeGroup:
     """What sharding reads of an mx.distributed group (rank and size), for in-process tests where no collective
     runs: rank `rank` of `size` shards a model exactly as that rank would."""

@@ -22,18 +22,17 @@ class ModelRunner:
         self.compiled = CompiledDecoder(model) if compile_decode else None
 
     def prefill(self, seq_id: int, tokens: list[int], start: int, last: bool) -> mx.array | None:
-        """Compute prompt positions [start, start + len(tokens)); return [1, V] logits if this ends the prompt."""
-        body = tokens[:-1] if last else tokens
+        """Compute prompt positions [start, start + len(tokens)); return [1, V] logits if this ends the prompt.
+
+        One forward per chunk; the LM head runs on the prompt's last position only (last_only), never on the body
+        (a chunk that does not end the prompt evaluates only its caches)."""
         self.prefill_tokens += len(tokens)
-        if body:
-            # Only the cache is evaluated, so the LM head never runs on the prompt body.
-            caches = self.storage.prefill_caches(seq_id, start, len(body))
-            self.model(mx.array([body]), caches)
-            mx.eval([c.state for c in caches])
+        caches = self.storage.prefill_caches(seq_id, start, len(tokens))
         if not last:
+            self.model(mx.array([tokens]), caches)
+            mx.eval([c.state for c in caches])
             return None
-        caches = self.storage.prefill_caches(seq_id, start + len(body), 1)
-        logits = self.model(mx.array([tokens[-1:]]), caches)[:, -1, :]
+        logits = self.model(mx.array([tokens]), caches, last_only=True)[:, -1, :]
         self.storage.finish_prefill(seq_id)
         return logits
 

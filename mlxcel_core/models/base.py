@@ -52,7 +52,9 @@ class CausalLM(Protocol):
     layers: Sequence[Any]
     max_context_length: int
 
-    def __call__(self, inputs: mx.array, cache: Sequence[LayerCache] | None = None) -> mx.array: ...
+    def __call__(self, inputs: mx.array, cache: Sequence[LayerCache] | None = None,
+                 last_only: bool = False) -> mx.array:
+        """Logits [B, L, V]; `last_only`: [B, 1, V] of the last position (the LM head skips the others)."""
 
 
 def causal_mask(query_len: int, key_len: int, left_padding: mx.array | None = None,

@@ -125,8 +125,8 @@ class GemmaCausalLM(TransformerLM):
         super().__init__(args, layers, norm=RMSNorm, embed_scale=args.hidden_size**0.5)
         self.final_logit_softcapping = args.final_logit_softcapping
 
-    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
-        logits = super().__call__(inputs, cache)
+    def __call__(self, inputs: mx.array, cache=None, last_only: bool = False) -> mx.array:
+        logits = super().__call__(inputs, cache, last_only)
         if self.final_logit_softcapping:
             logits = softcap(logits, self.final_logit_softcapping)
         return logits

@@ -185,8 +185,10 @@ class TransformerLM(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.max_context_length = args.max_position_embeddings
 
-    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache=None, last_only: bool = False) -> mx.array:
         h = self.model(inputs, cache)
+        if last_only:  # a prompt's last chunk: the LM head runs on its last position only
+            h = h[:, -1:, :]
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)

@@ -161,10 +161,10 @@ def test_a_model_that_cannot_be_traced_decodes_op_by_op(llama, monkeypatch, capl
     model = llama.model
     plain_call = type(model).__call__
 
-    def host_reading_call(self, inputs, cache=None):
+    def host_reading_call(self, inputs, cache=None, last_only=False):
         if int(inputs.sum().item()) < 0:  # a host read: raises while tracing
             raise AssertionError("unreachable")
-        return plain_call(self, inputs, cache)
+        return plain_call(self, inputs, cache, last_only)
 
     eager, _ = run(llama, EngineConfig(compile_decode=False, max_batch_size=4, storage="paged", block_size=8))
     monkeypatch.setattr(type(model), "__call__", host_reading_call)

@@ -138,3 +138,4 @@ def test_auto_storage_and_kv_budget(monkeypatch):
     assert EngineConfig(compile_decode=True, kv_budget_tokens=4096).kv_budget_for(131072) == 4096
     assert EngineConfig(max_batch_size=8).kv_budget_for(131072) == DEFAULT_KV_BUDGET_TOKENS
     assert EngineConfig(compile_decode=False).kv_budget_for(131072) is None
+

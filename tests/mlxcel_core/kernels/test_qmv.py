@@ -334,12 +334,13 @@ def test_maybe_use_follows_the_gate(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory):
-    """A tiny random Llama quantized to 4 bits (group 64) by quantize_checkpoint."""
+    """A tiny random Llama quantized to 4 bits (group 64) by quantize_checkpoint (its source written by MLX, not
+    transformers: see save_tiny_mlx_llama)."""
     from mlxcel_core.quantize import quantize_checkpoint
-    from tiny_models import save_tiny_llama
+    from tiny_models import save_tiny_mlx_llama
 
     root = tmp_path_factory.mktemp("qmv")
-    return quantize_checkpoint(save_tiny_llama(root / "src"), root / "q4", bits=4, group_size=64)
+    return quantize_checkpoint(save_tiny_mlx_llama(root / "src"), root / "q4", bits=4, group_size=64)
 
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31]
@@ -516,6 +517,9 @@ def _check_model_agreement(model, label, steps, rel_tol, reference):
     same tokens, so the kernel run's logits there are its teacher-forced ones.) Two prompts: 12 tokens (prefill
     through mx.quantized_matmul in every mode) and 4 (prefill through the kernel too).
     """
+    from mlxcel_core.kernels.fused_projections import unfuse_projections
+
+    unfuse_projections(model)  # fused projections (a GPU default) would bypass the layer classes compared here
     for prompt in (list(range(7, 19)), [3, 1, 4, 1]):
         _use(model, reference)
         want = greedy(model, prompt, steps)

@@ -47,3 +47,18 @@ def test_rope_theta_read_from_either_config_key(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     wrong, _ = ours(path, PROMPT, STEPS)
     assert np.abs(wrong - ref_logits).max() > 1e-3
+
+
+def test_last_only_is_the_last_position_of_the_full_logits():
+    """The engine's prefill asks for the last position only (the LM head skips the rest): same numbers."""
+    import mlx.core as mx
+
+    from mlxcel_core.cache import make_cache
+    from mlxcel_core.models.shapes import build_random_model
+
+    model, _ = build_random_model("tiny", dtype="float32", seed=2)
+    prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    full = model(prompt, make_cache(len(model.layers)))
+    last = model(prompt, make_cache(len(model.layers)), last_only=True)
+    assert last.shape == (1, 1, full.shape[-1])
+    assert mx.array_equal(last[:, 0], full[:, -1]).item()
