@@ -59,7 +59,7 @@ class PagedStorage:
         table = self.tables[seq_id]
         table.ensure_capacity(start + length)
         self.lengths[seq_id] = start + length
-        self._reserve([table])
+        self._reserve()
         slots = mx.array([table.slot(p) for p in range(start, start + length)])
         blocks = mx.array(table.blocks)
         return [_PrefillView(self, layer, slots, blocks, start) for layer in range(len(self.pools))]
@@ -74,7 +74,7 @@ class PagedStorage:
             self.tables[seq_id].ensure_capacity(position + 1)
             self.lengths[seq_id] = position + 1
             positions.append(position)
-        self._reserve([self.tables[s] for s in seq_ids])
+        self._reserve()
         tables = [self.tables[s].blocks for s in seq_ids]
         width = max(len(t) for t in tables)
         if self.pad_block_tables:
@@ -108,10 +108,10 @@ class PagedStorage:
                 "evictions": s.evictions}
 
     # -- pools -----------------------------------------------------------------------------------
-    def _reserve(self, tables: list[BlockTable]) -> None:
-        """Make the pools' next writes cover every block of `tables` (a power of two of blocks, at least
+    def _reserve(self) -> None:
+        """Make the pools' next writes cover every block handed out so far (a power of two of blocks, at least
         MIN_POOL_BLOCKS, at most the budget's); `write` grows each layer's arrays to match."""
-        top = max((max(t.blocks) + 1 for t in tables if t.blocks), default=0)
+        top = self.pool.high_water
         if top > self.pool_rows:
             want = max(MIN_POOL_BLOCKS, 1 << (top - 1).bit_length())
             self.pool_rows = max(top, min(self.pool.num_blocks, want))

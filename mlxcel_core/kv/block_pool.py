@@ -64,6 +64,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, BlockHash] = {}  # registered block -> its hash
         self._block_of: dict[BlockHash, int] = {}  # hash -> the one block registered under it
+        # 1 + the highest id ever handed out: with lowest-first allocation, what the KV arrays must cover so far.
+        self.high_water = 0
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -84,6 +86,7 @@ class BlockPool:
                 del self._block_of[self._hash_of.pop(block)]
                 self.stats.evictions += 1
             self._refs[block] = 1
+            self.high_water = max(self.high_water, block + 1)
             out.append(block)
         return out
 

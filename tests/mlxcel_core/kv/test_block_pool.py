@@ -52,6 +52,18 @@ def test_release_returns_blocks_to_the_free_list():
     assert pool.stats == PrefixCacheStats()  # nothing cached, nothing evicted
 
 
+def test_high_water_is_one_past_the_highest_id_ever_handed_out():
+    pool = BlockPool(8, block_size=4)
+    assert pool.high_water == 0
+    assert pool.allocate(3) == [0, 1, 2] and pool.high_water == 3
+    pool.release([0, 1, 2])
+    assert pool.allocate(2) == [0, 1] and pool.high_water == 3  # reuse below the mark does not move it
+    assert pool.allocate(3) == [2, 3, 4] and pool.high_water == 5
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(4)
+    assert pool.high_water == 5  # a refused allocation hands out nothing
+
+
 def test_release_more_than_held_is_rejected_whole():
     pool = BlockPool(4, block_size=4)
     pool.allocate(2)
