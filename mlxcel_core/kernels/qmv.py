@@ -278,8 +278,8 @@ _ROWS_GATE_UP = """    constexpr int HALF = ROWS / 2;
 _ROW_MAP_GATE_UP = """        const int j = min(n0 + r % HALF, NOUT - 1);
         const size_t n = size_t(r < HALF ? j : NOUT + j);"""
 
-# One output per weight row: y [M, N].
-_EPILOGUE_PLAIN = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
+# One output per weight row: the block's sums, then WRITE stores t, weight row n's output for row m of x.
+_EPILOGUE_ROWS = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
         const int r = i / M;
         const int m = i % M;
         const int n = n0 + r;
@@ -289,31 +289,20 @@ _EPILOGUE_PLAIN = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32
             for (int v = 0; v < WARPS; ++v) {
                 t += red[v][i];
             }
-            y[size_t(m) * N + n] = static_cast<OUT>(t);
+/*WRITE*/
         }
     }"""
-
+# y [M, N].
+_EPILOGUE_PLAIN = _EPILOGUE_ROWS.replace("/*WRITE*/", "            y[size_t(m) * N + n] = static_cast<OUT>(t);")
 # Weight rows [0, NQ) -> q_out [M, NQ], [NQ, NQ + NK) -> k_out [M, NK], the rest -> v_out [M, NK].
-_EPILOGUE_QKV = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
-        const int r = i / M;
-        const int m = i % M;
-        const int n = n0 + r;
-        if (n < N) {
-            float t = 0.0f;
-#pragma unroll
-            for (int v = 0; v < WARPS; ++v) {
-                t += red[v][i];
-            }
-            const OUT o = static_cast<OUT>(t);
+_EPILOGUE_QKV = _EPILOGUE_ROWS.replace("/*WRITE*/", """            const OUT o = static_cast<OUT>(t);
             if (n < NQ) {
                 q_out[size_t(m) * NQ + n] = o;
             } else if (n < NQ + NK) {
                 k_out[size_t(m) * NK + (n - NQ)] = o;
             } else {
                 v_out[size_t(m) * NK + (n - NQ - NK)] = o;
-            }
-        }
-    }"""
+            }""")
 
 # y [M, NOUT] = silu(gate) * up. gate and up are first rounded to OUT, as two separate matvecs would return them,
 # then silu(g) * u = g * sigmoid(g) * u in float32 and one rounding (the unfused path rounds after every op).
