@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.bench import environment, random_prompt  # noqa: E402
 from mlxcel_core.cache import make_cache  # noqa: E402
-from mlxcel_core.engine.compiled_decode import CompiledDecoder, StepKV  # noqa: E402
+from mlxcel_core.engine.compiled_decode import CompiledDecoder, StepKV, StepTraces  # noqa: E402
 from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
 
 VARIANTS = ("eager", "compiled", "compiled-nomask")
@@ -49,11 +49,15 @@ class UnmaskedStepKV(StepKV):
         return mx.fast.scaled_dot_product_attention(queries, self.keys, self.values, scale=scale)
 
 
-class UnmaskedDecoder(CompiledDecoder):
-    def _forward(self, tokens, column, left_padding, keys, values):
+class UnmaskedTraces(StepTraces):
+    def _dense_forward(self, tokens, column, left_padding, keys, values):
         caches = [UnmaskedStepKV(k, v, column, left_padding) for k, v in zip(keys, values)]
         logits = self.model(tokens[:, None], caches)[:, -1, :]
         return logits, [c.keys for c in caches], [c.values for c in caches]
+
+
+def UnmaskedDecoder(model) -> CompiledDecoder:  # noqa: N802 - reads as the class it was
+    return CompiledDecoder(model, UnmaskedTraces(model))
 
 
 def decode_fn(model, variant: str, decoders: dict):

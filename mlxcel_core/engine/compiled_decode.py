@@ -9,7 +9,8 @@ A compiled function needs fixed shapes, so inside it the caches are the whole pr
 (cache.KVCache's capacity, grown in steps outside the compiled call) and the position is an array:
 `StepKV` writes the new keys/values at column `column` with a dynamic slice update and attends over the
 whole buffer with a mask (columns <= `column`, minus each row's left padding and what is outside a
-sliding window). Each new capacity or batch size traces once; the traces are kept.
+sliding window). Each new capacity or batch size traces once; the traces are kept per model
+(StepTraces), so a new engine on the same model does not trace again.
 
 Paged storage (engine/paged.py) already passes positions, slots and block tables as arrays and attends with
 its own kernel, so its decode views run inside the compiled step as they are; the storage pads block
@@ -25,6 +26,7 @@ was 0.86x on the 8B 4-bit shape, hence not compiled there.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Sequence
 
 import mlx.core as mx
@@ -85,17 +87,72 @@ class StepKV:
                                             softcap)
 
 
+class StepTraces:
+    """The compiled decode-step functions of one model, shared by every engine on it (`step_traces`).
+
+    mx.compile traces a function once per input shapes and keeps the traces with the function object, so an
+    engine with functions of its own would trace again, inside its first request's time to first token. The model
+    is held weakly (the traces must not keep it alive). What changes the model's computation without changing its
+    inputs (fusing projections, swapping layer classes) calls `forget_traces`."""
+
+    def __init__(self, model: CausalLM):
+        self._model = weakref.ref(model)
+        self.dense = mx.compile(self._dense_forward)
+        self.paged = mx.compile(self._paged_forward)
+        self.storage: PagedStorage | None = None  # the storage a paged trace runs against (set before each call)
+        self.traced = 0  # how often a step function's Python body ran, i.e. traces made
+
+    @property
+    def model(self) -> CausalLM:
+        return self._model()
+
+    def _dense_forward(self, tokens: mx.array, column: mx.array, left_padding: mx.array,
+                       keys: list[mx.array], values: list[mx.array]):
+        self.traced += 1
+        caches = [StepKV(k, v, column, left_padding) for k, v in zip(keys, values)]
+        logits = self.model(tokens[:, None], caches)[:, -1, :]
+        return logits, [c.keys for c in caches], [c.values for c in caches]
+
+    def _paged_forward(self, tokens: mx.array, slots: mx.array, block_tables: mx.array, positions: mx.array,
+                       pools: list[list[mx.array]]):
+        self.traced += 1
+        storage = self.storage
+        kept, storage.pools = storage.pools, [list(p) for p in pools]  # the views write into these
+        try:
+            views = [DecodeView(storage, layer, slots, block_tables, positions) for layer in range(len(pools))]
+            logits = self.model(tokens[:, None], views)[:, -1, :]
+            return logits, storage.pools
+        finally:
+            storage.pools = kept
+
+
+_TRACES: dict[int, StepTraces] = {}  # id(model) -> its StepTraces; an entry goes when its model does
+
+
+def step_traces(model: CausalLM) -> StepTraces:
+    """The model's shared StepTraces (made on first use)."""
+    traces = _TRACES.get(id(model))
+    if traces is None or traces.model is not model:
+        traces = _TRACES[id(model)] = StepTraces(model)
+        weakref.finalize(model, _TRACES.pop, id(model), None)
+    return traces
+
+
+def forget_traces(model) -> None:
+    """Drop the model's traces: the next compiled step traces what the model computes now."""
+    _TRACES.pop(id(model), None)
+
+
 class CompiledDecoder:
     """`decode(tokens, caches)`: one decode step of `model` through one compiled graph, over dense caches
     (cache.KVCache) or a PagedStorage's decode views (whose positions, slots and block tables are already
-    arrays; the storage pads block tables to a power-of-two width so a trace serves many steps)."""
+    arrays; the storage pads block tables to a power-of-two width so a trace serves many steps). One per engine;
+    the traces are the model's (`step_traces`) unless `traces` is given."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, traces: StepTraces | None = None):
         self.model = model
-        self._dense_step = mx.compile(self._dense_forward)
-        self._paged_step = mx.compile(self._paged_forward)
-        self._storage: PagedStorage | None = None  # the storage a paged trace runs against
-        self.steps = 0  # decode steps run compiled
+        self.traces = traces or step_traces(model)
+        self.steps = 0  # decode steps this engine ran compiled
 
     @staticmethod
     def supports(caches: Sequence[object]) -> bool:
@@ -114,41 +171,22 @@ class CompiledDecoder:
         self.steps += 1
         return logits
 
-    # -- dense ----------------------------------------------------------------------------------------
-    def _dense_forward(self, tokens: mx.array, column: mx.array, left_padding: mx.array,
-                       keys: list[mx.array], values: list[mx.array]):
-        caches = [StepKV(k, v, column, left_padding) for k, v in zip(keys, values)]
-        logits = self.model(tokens[:, None], caches)[:, -1, :]
-        return logits, [c.keys for c in caches], [c.values for c in caches]
-
     def _decode_dense(self, tokens: mx.array, caches: Sequence[KVCache]) -> mx.array:
         for cache in caches:
             cache.reserve(1)
         first = caches[0]
         rows = first.keys.shape[0]
         padding = mx.zeros((rows,), mx.int32) if first.left_padding is None else first.left_padding.astype(mx.int32)
-        logits, keys, values = self._dense_step(tokens, mx.array([first.columns], mx.int32), padding,
-                                                [c.keys for c in caches], [c.values for c in caches])
+        logits, keys, values = self.traces.dense(tokens, mx.array([first.columns], mx.int32), padding,
+                                                 [c.keys for c in caches], [c.values for c in caches])
         for cache, k, v in zip(caches, keys, values):
             cache.keys, cache.values = k, v  # the old buffers are only the graph's now: MLX updates them in place
             cache.columns += 1
         return logits
 
-    # -- paged ----------------------------------------------------------------------------------------
-    def _paged_forward(self, tokens: mx.array, slots: mx.array, block_tables: mx.array, positions: mx.array,
-                       pools: list[list[mx.array]]):
-        storage = self._storage
-        kept, storage.pools = storage.pools, [list(p) for p in pools]  # the views write into these
-        try:
-            views = [DecodeView(storage, layer, slots, block_tables, positions) for layer in range(len(pools))]
-            logits = self.model(tokens[:, None], views)[:, -1, :]
-            return logits, storage.pools
-        finally:
-            storage.pools = kept
-
     def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView]) -> mx.array:
         view = views[0]
-        self._storage = view.storage
-        logits, pools = self._paged_step(tokens, view.slots, view.block_tables, view.offset, view.storage.pools)
+        self.traces.storage = view.storage
+        logits, pools = self.traces.paged(tokens, view.slots, view.block_tables, view.offset, view.storage.pools)
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
         return logits

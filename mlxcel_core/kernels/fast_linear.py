@@ -95,6 +95,9 @@ def use_fast_quantized_linear(model: nn.Module) -> int:
 
     Unconditional (no backend or env check): on a backend without the kernel the fast layers compute exactly
     what MLX's do, through mx.quantized_matmul."""
+    from ..engine.compiled_decode import forget_traces
+
+    forget_traces(model)  # compiled steps traced before the swap ran MLX's layers
     swapped = 0
     for _, module in model.named_modules():
         fast = _SWAPS.get(type(module))
@@ -106,6 +109,9 @@ def use_fast_quantized_linear(model: nn.Module) -> int:
 
 def restore_quantized_linear(model: nn.Module) -> int:
     """Undo `use_fast_quantized_linear`: the fast layers become MLX's classes again; return how many."""
+    from ..engine.compiled_decode import forget_traces
+
+    forget_traces(model)
     restored = 0
     for _, module in model.named_modules():
         plain = _RESTORES.get(type(module))

@@ -143,7 +143,10 @@ class FusedProjection:
 
 def fuse_projections(model: nn.Module) -> int:
     """Fuse q/k/v of every attention block and gate/up of every gated MLP that allow it; return how many."""
+    from ..engine.compiled_decode import forget_traces
     from ..models.transformer import Attention, GatedMLP
+
+    forget_traces(model)  # compiled steps traced before this computed the separate projections
 
     fused = 0
     for _, module in model.named_modules():
@@ -162,7 +165,10 @@ def fuse_projections(model: nn.Module) -> int:
 
 def unfuse_projections(model: nn.Module) -> int:
     """Back to one matmul per layer (the layers keep their views: same values); return how many were fused."""
+    from ..engine.compiled_decode import forget_traces
     from ..models.transformer import Attention, GatedMLP
+
+    forget_traces(model)
 
     count = 0
     for _, module in model.named_modules():

@@ -10,7 +10,7 @@ from parity import save_tiny_checkpoint
 from tiny_models import save_tiny_llama
 from mlxcel_core.cache import KVCache
 from mlxcel_core.engine import Engine, EngineConfig, compiled_decode
-from mlxcel_core.engine.compiled_decode import StepKV
+from mlxcel_core.engine.compiled_decode import StepKV, forget_traces, step_traces
 from mlxcel_core.engine.paged import PagedStorage
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
@@ -168,8 +168,44 @@ def test_a_model_that_cannot_be_traced_decodes_op_by_op(llama, monkeypatch, capl
 
     eager, _ = run(llama, EngineConfig(compile_decode=False, max_batch_size=4, storage="paged", block_size=8))
     monkeypatch.setattr(type(model), "__call__", host_reading_call)
+    forget_traces(model)  # the model computes differently now: earlier tests' traces must not be replayed
     for storage in ("dense", "paged"):
         tokens, engine = run(llama, EngineConfig(compile_decode=True, max_batch_size=4, storage=storage, block_size=8))
         assert tokens == eager
         assert engine.runner.compiled is None
     assert "decoding op by op" in caplog.text
+
+
+def test_engines_on_one_model_share_its_traces(llama):
+    """A second engine on the same model replays the first one's traces (no new trace inside its first request's
+    TTFT); fusing the projections forgets them, and a model's traces go with the model."""
+    import gc
+
+    from mlxcel_core.engine import compiled_decode
+    from mlxcel_core.kernels.fused_projections import fuse_projections, unfuse_projections
+    from mlxcel_core.models.shapes import build_random_model
+
+    model = llama.model
+    forget_traces(model)
+    config = EngineConfig(compile_decode=True, max_batch_size=2, storage="paged")
+    first, engine = run(llama, config)
+    made = step_traces(model).traced
+    assert made > 0 and engine.runner.compiled.steps > 0
+    again, engine = run(llama, config)
+    assert step_traces(model).traced == made and engine.runner.compiled.steps > 0
+    assert again == first
+    fuse_projections(model)
+    try:
+        assert step_traces(model).traced == 0  # forgotten: the next step traces the fused model
+        fused, _ = run(llama, config)
+        assert step_traces(model).traced > 0 and fused == first
+    finally:
+        unfuse_projections(model)
+
+    other, _ = build_random_model("tiny", dtype="float32", seed=9)
+    key = id(other)
+    step_traces(other)
+    assert key in compiled_decode._TRACES
+    del other
+    gc.collect()
+    assert key not in compiled_decode._TRACES  # the traces do not keep a model alive
