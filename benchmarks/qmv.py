@@ -151,10 +151,12 @@ def bench_gemvs(args) -> None:
 def bench_e2e(args) -> None:
     from mlxcel_core.cache import make_cache
     from mlxcel_core.kernels import restore_quantized_linear, use_fast_quantized_linear
+    from mlxcel_core.kernels.fused_projections import unfuse_projections
     from mlxcel_core.models.shapes import build_random_model, count_parameters
 
     print(f"\nend to end: random llama-3-8b, 4-bit, {args.dtype}, greedy decode at batch 1, {args.e2e_tokens} tokens")
     model, _ = build_random_model("llama-3-8b", bits=4, dtype=args.dtype)
+    unfuse_projections(model)  # fused projections (a GPU default) would run the kernel in the "MLX" rounds too
     _, nbytes = count_parameters(model)
     prompt = mx.array([list(range(100, 116))])
 
