@@ -41,13 +41,6 @@ def fusion_enabled() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
-def _rows(x: mx.array) -> int:
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
-    return rows
-
-
 def _fusable(layers: list[nn.Module]) -> bool:
     """Same class (plain Linear, or affine QuantizedLinear with the same bits and groups), input size, dtypes and
     bias; tensor-parallel subclasses keep their own calls."""
@@ -74,11 +67,15 @@ class FusedProjection:
     Not an nn.Module: the parameters stay the layers' own (views), so the model's parameter tree is unchanged."""
 
     def __init__(self, layers: list[nn.Module]):
-        self.layers = layers
-        self.widths = [layer["weight"].shape[0] for layer in layers]
+        widths = [layer["weight"].shape[0] for layer in layers]
+        self.bounds = [sum(widths[:i]) for i in range(1, len(widths))]  # mx.split's indices of each output
         self.quantized = isinstance(layers[0], nn.QuantizedLinear)
         self.bits = getattr(layers[0], "bits", None)
         self.group_size = getattr(layers[0], "group_size", None)
+        # The qmv kernel's modes serve this projection (decided once, as fast_linear's swap is, at load).
+        self.kernel = self.quantized and self.bits == qmv.BITS and fast_linear.enabled()
+        # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.
+        self.qkv_split = (widths[0], widths[1]) if len(widths) == 3 and widths[1] == widths[2] else None
         self.params = {}
         for name in _PARAMS:
             if name in layers[0]:
@@ -86,17 +83,17 @@ class FusedProjection:
                 mx.eval(fused)
                 self.params[name] = fused
                 start = 0
-                for layer, width in zip(layers, self.widths):
+                for layer, width in zip(layers, widths):
                     layer[name] = fused[start:start + width]  # a view: the layers share the fused memory
                     start += width
                 mx.eval([layer[name] for layer in layers])
 
     def takes(self, x: mx.array) -> bool:
-        return _rows(x) <= FUSED_MAX_ROWS
+        return qmv.rows_of(x.shape) <= FUSED_MAX_ROWS
 
     def _kernel_args(self, x: mx.array, mode: str, split=None) -> dict | None:
         """The qmv kernel's launch for x in `mode`, or None where the kernel does not run this call."""
-        if not (self.quantized and self.bits == qmv.BITS and fast_linear.enabled() and qmv.kernel_ready()):
+        if not (self.kernel and qmv.kernel_ready()):
             return None
         p = self.params
         return qmv.launch_args(x.shape, x.dtype, p["scales"].dtype, p["weight"].shape[0], self.group_size, None,
@@ -114,18 +111,14 @@ class FusedProjection:
 
     def split(self, x: mx.array) -> list[mx.array]:
         """Each layer's output, in order."""
-        args = None
-        if len(self.widths) == 3 and self.widths[1] == self.widths[2]:
-            args = self._kernel_args(x, "qkv", (self.widths[0], self.widths[1]))
-        if args is not None:
-            p = self.params
-            outs = qmv.launch(args, x, p["weight"], p["scales"], p["biases"], "qkv")
-            return [o + b for o, b in zip(outs, self._biases())] if "bias" in p else outs
-        bounds, start = [], 0
-        for width in self.widths[:-1]:
-            start += width
-            bounds.append(start)
-        return mx.split(self.matmul(x), bounds, axis=-1)
+        args = self._kernel_args(x, "qkv", self.qkv_split) if self.qkv_split else None
+        if args is None:
+            return mx.split(self.matmul(x), self.bounds, axis=-1)
+        p = self.params
+        outs = qmv.launch(args, x, p["weight"], p["scales"], p["biases"], "qkv")
+        if "bias" in p:
+            outs = [o + b for o, b in zip(outs, mx.split(p["bias"], self.bounds))]
+        return outs
 
     def gated(self, x: mx.array, activation: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
         """activation(gate(x), up(x)) for layers [gate, up]: the kernel's swiglu mode where it applies."""
@@ -136,9 +129,6 @@ class FusedProjection:
                 return qmv.launch(args, x, p["weight"], p["scales"], p["biases"], "swiglu")
         gate, up = self.split(x)
         return activation(gate, up)
-
-    def _biases(self) -> list[mx.array]:
-        return [layer["bias"] for layer in self.layers]
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -169,7 +159,6 @@ def unfuse_projections(model: nn.Module) -> int:
     from ..models.transformer import Attention, GatedMLP
 
     forget_traces(model)
-
     count = 0
     for _, module in model.named_modules():
         if isinstance(module, Attention) and module.fused_qkv is not None:

@@ -359,6 +359,14 @@ def _kernel(mode: str = "plain"):
     )
 
 
+def rows_of(x_shape) -> int:
+    """Rows of x (every leading dimension): what one launch multiplies by the weight."""
+    rows = 1
+    for d in x_shape[:-1]:
+        rows *= d
+    return rows
+
+
 def shape_supported(x_shape, x_dtype, w_shape, w_dtype, scales_shape, scales_dtype, biases_shape, biases_dtype,
                     group_size: int, bits: int) -> bool:
     """Whether the kernel handles these operands (shapes and dtypes only; `supports` adds the backend)."""
@@ -374,10 +382,7 @@ def shape_supported(x_shape, x_dtype, w_shape, w_dtype, scales_shape, scales_dty
         return False
     if x_dtype not in FLOAT_TYPES or scales_dtype not in FLOAT_TYPES or biases_dtype != scales_dtype:
         return False
-    rows = 1
-    for d in x_shape[:-1]:
-        rows *= d
-    return 1 <= rows <= MAX_ROWS
+    return 1 <= rows_of(x_shape) <= MAX_ROWS
 
 
 def kernel_ready() -> bool:
@@ -423,9 +428,7 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
     or None when x does not suit the kernel (more than max_rows rows, none, or not a float type).
 
     n is the weight's rows. mode "qkv" takes split = (NQ, NK), n = NQ + 2 NK; "swiglu" writes n / 2 outputs."""
-    m = 1
-    for d in x_shape[:-1]:
-        m *= d
+    m = rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in FLOAT_TYPES:
         return None
     rows, warps, unroll = config or launch_config(n, x_shape[-1], m)

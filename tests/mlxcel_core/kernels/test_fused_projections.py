@@ -54,7 +54,9 @@ def test_layers_keep_their_values_as_views_of_the_fused_arrays():
               for name in ("weight", "scales", "biases")}
     fuse_projections(model)
     fused = attn.fused_qkv
-    assert fused.widths == [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
+    nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    assert attn.v_proj.weight.shape[0] == nk and fused.bounds == [nq, nq + nk] and fused.qkv_split == (nq, nk)
+    assert model.layers[0].mlp.fused_gate_up.qkv_split is None
     for name, parts in before.items():
         assert mx.array_equal(fused.params[name], mx.concatenate(parts)).item()
         for layer, part in zip((attn.q_proj, attn.k_proj, attn.v_proj), parts):
@@ -76,6 +78,15 @@ def test_what_is_not_fused():
 
     assert not fused_projections._fusable([Sharded(8, 4), nn.Linear(8, 4)])
     assert fused_projections._fusable([nn.Linear(8, 4), nn.Linear(8, 6), nn.Linear(8, 6)])
+
+
+def test_the_kernel_gate_is_read_once_at_fusion_not_per_call(monkeypatch):
+    from mlxcel_core.kernels import fast_linear
+
+    model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=8)
+    fuse_projections(model)
+    monkeypatch.setattr(fast_linear, "enabled", lambda: pytest.fail("the MLXCEL_QMV gate was read per call"))
+    _decode_logits(model, 1, steps=2)
 
 
 def test_rows_above_the_limit_use_the_separate_layers(monkeypatch):
