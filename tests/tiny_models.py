@@ -67,9 +67,9 @@ def save_tiny_llama(path: Path, **overrides) -> Path:
 def save_tiny_mlx_llama(path: Path) -> Path:
     """A random tiny Llama (mlxcel's "tiny" shape, float32) saved by MLX alone, plus the tiny tokenizer.
 
-    For tests that run where MLX computes on CUDA: importing torch (transformers) before MLX has used its CUDA device
-    is suspected of hanging such processes (the H200 runs of the 4-bit kernel's model-level tests never got past
-    their first test, which built its checkpoint with transformers first thing)."""
+    For tests that also run where MLX computes on CUDA: no torch or transformers in the process. (The H200 runs that
+    never got past their first model-level test were hung by MLX's CUDA quantized_matmul at K == group size, which
+    the "tiny" shape now avoids; see shapes.py.)"""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 

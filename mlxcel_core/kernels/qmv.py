@@ -22,7 +22,8 @@ where sum_k x_k is shared by all ROWS rows. Dequantization costs one LOP3 per tw
 and 3,7 the same way. The pairs are widened to float32 and multiplied with x in float32; the constant offsets
 (1024 for even nibbles, 64 for odd ones) are removed once per chunk, sum x (O + q) - (1024 sum_even x + 64
 sum_odd x) (exact in real arithmetic; in float32 it costs a few ulps of 1024 |x| per chunk, far below the output's
-fp16/bf16 rounding). All of x's rows (M <= MAX_ROWS) are handled by the same launch, reusing each loaded word M
+fp16/bf16 rounding). A float32 output (x or scales float32) instead subtracts the offset from each weight, exactly,
+before the multiply: float32 models get float32 accuracy. All of x's rows (M <= MAX_ROWS) are handled by the same launch, reusing each loaded word M
 times. Accumulation is float32 throughout; a warp-shuffle reduction, then one shared-memory sum across the WARPS
 warps, then one write per output.
 
@@ -129,6 +130,9 @@ _SOURCE = r"""
     constexpr int WARPS = (CFG >> 16) & 15;  // warps per block (splitting K)
     constexpr int UNROLL = (CFG >> 20) & 15;  // chunks per lane whose loads are in flight together
     using OUT = typename mlxcel_qmv_result<T, S>::type;  // mx.result_type(x, scales)
+    // A float32 output removes the offsets per element (exact): per chunk, their cancellation costs ~1e-5 of
+    // |x| @ |W|.T, below fp16/bf16 rounding but 100x float32's.
+    constexpr bool EXACT = mlxcel_qmv_same<OUT, float>::value;
     static_assert(mlxcel_qmv_same<OUT, typename mlxcel_qmv_pointee<decltype(/*OUT0*/)>::type>::value,
                   "output dtype must be mx.result_type(x, scales)");
     constexpr int CHUNK = 32;
@@ -210,16 +214,24 @@ _SOURCE = r"""
                         const float se = (xv[m][0] + xv[m][2]) + (xv[m][4] + xv[m][6]);
                         const float so = (xv[m][1] + xv[m][3]) + (xv[m][5] + xv[m][7]);
                         xs[m] += se + so;
-                        xo[m] = fmaf(1024.0f, se, fmaf(64.0f, so, xo[m]));
+                        if (!EXACT) {
+                            xo[m] = fmaf(1024.0f, se, fmaf(64.0f, so, xo[m]));
+                        }
                     }
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) {
                         const uint32_t word = mlxcel_qmv_word(q[u][r], i);
                         const uint32_t w8 = word >> 8;
-                        const float2 v04 = mlxcel_qmv_even(word);  // elements 0, 4 (offset 1024)
-                        const float2 v15 = mlxcel_qmv_odd(word);  // elements 1, 5 (offset 64)
-                        const float2 v26 = mlxcel_qmv_even(w8);  // elements 2, 6 (offset 1024)
-                        const float2 v37 = mlxcel_qmv_odd(w8);  // elements 3, 7 (offset 64)
+                        float2 v04 = mlxcel_qmv_even(word);  // elements 0, 4 (offset 1024)
+                        float2 v15 = mlxcel_qmv_odd(word);  // elements 1, 5 (offset 64)
+                        float2 v26 = mlxcel_qmv_even(w8);  // elements 2, 6 (offset 1024)
+                        float2 v37 = mlxcel_qmv_odd(w8);  // elements 3, 7 (offset 64)
+                        if (EXACT) {  // (O + q) - O is exact in float32
+                            v04 = make_float2(v04.x - 1024.0f, v04.y - 1024.0f);
+                            v15 = make_float2(v15.x - 64.0f, v15.y - 64.0f);
+                            v26 = make_float2(v26.x - 1024.0f, v26.y - 1024.0f);
+                            v37 = make_float2(v37.x - 64.0f, v37.y - 64.0f);
+                        }
 #pragma unroll
                         for (int m = 0; m < M; ++m) {
                             float p = part[r][m];

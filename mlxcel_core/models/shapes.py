@@ -30,9 +30,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, rope_theta=100000.0,
                          rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True),
-    # For tests: head_dim 32 so quantized KV (--kv-bits) works too.
-    "tiny": dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, intermediate_size=128, vocab_size=320, rope_theta=10000.0,
+    # For tests: head_dim 32 so quantized KV (--kv-bits) works too. Every matrix's input dimension spans at least
+    # two 64-groups: MLX 0.32.4's CUDA quantized_matmul with K == group size and 2+ rows hangs (bf16) or returns
+    # wrong values (float32) -- measured on the H200 (benchmarks/RESULTS.md).
+    "tiny": dict(model_type="llama", hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, intermediate_size=256, vocab_size=320, rope_theta=10000.0,
                  rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=False),
 }
 
