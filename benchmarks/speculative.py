@@ -2,7 +2,7 @@
 
     python benchmarks/speculative.py MODEL.gguf MAX_TOKENS REPS K1,K2   (e.g. the SmolLM2 Q4_1 GGUF: mlxcel generate fetches it)
 """
-import json, sys, time
+import json, sys
 sys.path.insert(0, ".")
 import mlx.core as mx
 from mlxcel_core.api import prepare_prompt, stream_generate

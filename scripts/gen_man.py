@@ -28,8 +28,9 @@ ENVIRONMENT = [
                        "models must already be local or in the Hugging Face cache."),
     ("MLXCEL_COMPILE", "1: run each decode step as one compiled MLX graph (paged KV storage, and dense storage except "
                        "on CUDA); 0: build it op by op. Default: compiled when MLX runs on a GPU, op by op on CPU."),
-    ("MLXCEL_FUSE", "1: compute a decode step's q/k/v and gate/up projections as one matmul each; 0: one per layer. "
-                    "Default: fused when MLX runs on a GPU."),
+    ("MLXCEL_FUSE", "1: compute a decode step's q/k/v and gate/up projections as one matmul each and, with the "
+                    "4-bit kernel, each residual add inside its o_proj/down_proj launch; 0: one launch per layer "
+                    "and op. Default: fused when MLX runs on a GPU."),
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
                    "Default: 1 (CUDA only; elsewhere always MLX's)."),
 ]

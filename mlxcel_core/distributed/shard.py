@@ -48,8 +48,9 @@ class ShardedMoeBlock(SparseMoeBlock):
 
     group: mx.distributed.Group
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return mx.distributed.all_sum(super().__call__(x), group=self.group)
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        y = mx.distributed.all_sum(super().__call__(x), group=self.group)  # the residual is added once, after
+        return y if residual is None else residual + y
 
 
 def check_shardable(model: nn.Module, size: int) -> None:

@@ -25,5 +25,5 @@ def describe_decode_kernels() -> str:
     """For benchmark headers: which decode kernels this process's models get."""
     from .fused_projections import fusion_enabled
 
-    return (f"fused q/k/v and gate/up {'on' if fusion_enabled() else 'off'} (MLXCEL_FUSE), "
+    return (f"fused q/k/v, gate/up and residual adds {'on' if fusion_enabled() else 'off'} (MLXCEL_FUSE), "
             f"4-bit matvec kernel {'on' if enabled() else 'off'} (MLXCEL_QMV)")

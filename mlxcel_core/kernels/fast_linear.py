@@ -59,23 +59,39 @@ def _layer_supported(layer: nn.Module) -> bool:
         layer.group_size, layer.bits)
 
 
-def _kernel_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
+def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
     """x @ layer's 4-bit weight on the kernel, or None when this call is not for it (too many rows, no CUDA)."""
     w, scales = layer["weight"], layer["scales"]
-    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], layer.group_size, None, LAYER_MAX_ROWS)
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], layer.group_size, None, LAYER_MAX_ROWS,
+                           mode)
     if args is None or not qmv.kernel_ready():
         return None
-    return qmv.launch(args, x, w, scales, layer["biases"])
+    return qmv.launch(args, x, w, scales, layer["biases"], mode, extra)
 
 
 class FastQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel."""
+    """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel.
+    `fuses_residual` (set by kernels/fused_projections.py on o_proj and down_proj): add_to runs the kernel's residual
+    mode."""
+
+    fuses_residual = False
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _kernel_matvec(self, x)
         if y is None:
             return super().__call__(x)
         return y + self["bias"] if "bias" in self else y
+
+    def add_to(self, x: mx.array, residual: mx.array) -> mx.array:
+        """residual + self(x) (models.transformer.add_projection): a decode call is one launch of the kernel's
+        residual mode, the same values as the separate matvec and add."""
+        out_shape = (*x.shape[:-1], self["weight"].shape[0])
+        if (self.fuses_residual and "bias" not in self and residual.shape == out_shape
+                and residual.dtype == mx.result_type(x, self["scales"])):
+            y = _kernel_matvec(self, x, "residual", (residual,))
+            if y is not None:
+                return y
+        return residual + self(x)
 
 
 class FastQuantizedEmbedding(nn.QuantizedEmbedding):

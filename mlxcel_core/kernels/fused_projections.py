@@ -13,6 +13,9 @@ Inputs of at most FUSED_MAX_ROWS rows take the fused path:
     kernels/qmv.py in mode "qkv" (writes q, k and v) or "swiglu" (writes silu(gate) * up);
   - otherwise one matmul (mx.quantized_matmul for quantized layers) and a split, then the activation.
 
+The output projections (o_proj, down_proj) that run the 4-bit kernel also take the residual add of their block
+into the same launch (FastQuantizedLinear.fuses_residual, the kernel's "residual" mode): two launches fewer per layer.
+
 Gate (fusion_enabled): MLXCEL_FUSE=1 / 0 forces it; unset, on only where MLX runs on a GPU (on the CPU a
 matmul's launch costs nothing worth saving, and concatenating costs a copy of those weights at load).
 """
@@ -140,6 +143,10 @@ def fuse_projections(model: nn.Module) -> int:
 
     fused = 0
     for _, module in model.named_modules():
+        out_proj = module.get("o_proj") if isinstance(module, Attention) else (
+            module.get("down_proj") if isinstance(module, GatedMLP) else None)
+        if isinstance(out_proj, fast_linear.FastQuantizedLinear):
+            out_proj.fuses_residual = True
         if isinstance(module, Attention) and module.fused_qkv is None and "q_proj" in module:
             layers = [module.q_proj, module.k_proj, module.v_proj]
             if _fusable(layers):
@@ -161,6 +168,8 @@ def unfuse_projections(model: nn.Module) -> int:
     forget_traces(model)
     count = 0
     for _, module in model.named_modules():
+        if isinstance(module, fast_linear.FastQuantizedLinear):
+            module.fuses_residual = False
         if isinstance(module, Attention) and module.fused_qkv is not None:
             module.fused_qkv, count = None, count + 1
         elif isinstance(module, GatedMLP) and module.fused_gate_up is not None:

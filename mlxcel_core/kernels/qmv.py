@@ -316,6 +316,11 @@ _EPILOGUE_QKV = _EPILOGUE_ROWS.replace("/*WRITE*/", """            const OUT o =
                 v_out[size_t(m) * NK + (n - NQ - NK)] = o;
             }""")
 
+# y [M, N] = residual + x @ w.T: the product rounded to OUT first, as the separate matvec returns it, then the add
+# in float32 and one rounding to OUT, as a separate add computes it.
+_EPILOGUE_RESIDUAL = _EPILOGUE_ROWS.replace("/*WRITE*/", """            const size_t o = size_t(m) * N + n;
+            y[o] = static_cast<OUT>(static_cast<float>(static_cast<OUT>(t)) + static_cast<float>(residual[o]));""")
+
 # y [M, NOUT] = silu(gate) * up. gate and up are first rounded to OUT, as two separate matvecs would return them,
 # then silu(g) * u = g * sigmoid(g) * u in float32 and one rounding (the unfused path rounds after every op).
 _EPILOGUE_SWIGLU = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 32) {
@@ -336,18 +341,20 @@ _EPILOGUE_SWIGLU = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 3
         }
     }"""
 
-# mode -> (output names, block rows, row map, epilogue)
+# mode -> (inputs after x, w, scales, biases; output names, block rows, row map, epilogue)
 MODES = {
-    "plain": (("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_PLAIN),
-    "qkv": (("q_out", "k_out", "v_out"), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_QKV),
-    "swiglu": (("y",), _ROWS_GATE_UP, _ROW_MAP_GATE_UP, _EPILOGUE_SWIGLU),
+    "plain": ((), ("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_PLAIN),
+    "qkv": ((), ("q_out", "k_out", "v_out"), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_QKV),
+    "swiglu": ((), ("y",), _ROWS_GATE_UP, _ROW_MAP_GATE_UP, _EPILOGUE_SWIGLU),
+    "residual": (("residual",), ("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_RESIDUAL),
 }
 
 
 def kernel_source(mode: str = "plain") -> str:
     """The kernel body for `mode`: plain y = x @ w.T; qkv the same split into three outputs by weight row ranges
-    (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]."""
-    outputs, block_rows, row_map, epilogue = MODES[mode]
+    (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]; residual y = residual +
+    x @ w.T (residual [M, N], of the output's dtype)."""
+    _, outputs, block_rows, row_map, epilogue = MODES[mode]
     return (_SOURCE.replace("/*OUT0*/", outputs[0]).replace("/*ROWS_OF_BLOCK*/", block_rows)
             .replace("/*ROW_MAP*/", row_map).replace("/*EPILOGUE*/", epilogue))
 
@@ -364,8 +371,8 @@ KERNEL_NAME = kernel_name()
 def _kernel(mode: str = "plain"):
     return mx.fast.cuda_kernel(
         name=kernel_name(mode),
-        input_names=["x", "w", "scales", "biases"],
-        output_names=list(MODES[mode][0]),
+        input_names=["x", "w", "scales", "biases", *MODES[mode][0]],
+        output_names=list(MODES[mode][1]),
         source=kernel_source(mode),
         header=_HEADER,
     )
@@ -470,9 +477,11 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
     )
 
 
-def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, mode: str = "plain"):
-    """Run the kernel with `launch_args`' result: y for plain and swiglu, [q, k, v] for qkv."""
-    outputs = _kernel(mode)(inputs=[x, w, scales, biases], **args)
+def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, mode: str = "plain",
+           extra: tuple = ()):
+    """Run the kernel with `launch_args`' result: y for plain, swiglu and residual (`extra` = (residual,)),
+    [q, k, v] for qkv."""
+    outputs = _kernel(mode)(inputs=[x, w, scales, biases, *extra], **args)
     return outputs if mode == "qkv" else outputs[0]
 
 

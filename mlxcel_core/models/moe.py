@@ -124,7 +124,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.switch_mlp = SwitchGLU(hidden_size, intermediate_size, num_experts)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         k = self.top_k
         indices = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])
@@ -132,7 +132,8 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
         y = self.switch_mlp(x, indices)
-        return (y * scores[..., None].astype(y.dtype)).sum(axis=-2)
+        y = (y * scores[..., None].astype(y.dtype)).sum(axis=-2)
+        return y if residual is None else residual + y
 
 
 # Per-expert Hugging Face names -> our stacked projection, by naming scheme.

@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from .activations import swiglu
 from .rope import initialize_rope
-from .transformer import Attention, DecoderLayer, TransformerArgs, TransformerLM
+from .transformer import Attention, DecoderLayer, TransformerArgs, TransformerLM, add_projection
 
 
 @dataclass
@@ -57,9 +57,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(swiglu(gate, up))
+        return add_projection(self.down_proj, swiglu(gate, up), residual)
 
 
 class Model(TransformerLM):

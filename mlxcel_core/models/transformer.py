@@ -13,7 +13,7 @@ so Hugging Face and mlx-lm checkpoints load unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,13 +60,32 @@ class TransformerArgs(BaseModelArgs):
         self.rope_scaling = rope_scaling_config(self.rope_scaling, self.rope_parameters)
 
 
+@runtime_checkable
+class AddsResidual(Protocol):
+    """A projection that adds a residual to its output itself (kernels/fast_linear.py's FastQuantizedLinear: a
+    decode step's o_proj or down_proj and the residual add in one kernel launch)."""
+
+    def add_to(self, x: mx.array, residual: mx.array) -> mx.array: ...
+
+
+def add_projection(layer: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
+    """residual + layer(x) (layer(x) when residual is None): the residual connection around a block, taken into the
+    block's output projection."""
+    if residual is None:
+        return layer(x)
+    if isinstance(layer, AddsResidual):
+        return layer.add_to(x, residual)
+    return residual + layer(x)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE over q/k/v/o projections (reads the head counts and head_dim from args).
 
     What families vary is an argument: projection biases (`o_bias` defaults to `bias`), per-head q/k norms
     (`qk_norm`, a norm class, applied before RoPE), the scale (default head_dim**-0.5), a sliding `window`,
     attention-logit `softcap`. A fused checkpoint layout (Phi-3) overrides `init_projections` and `project`.
-    `fused_qkv` (kernels/fused_projections.py) computes q, k and v of a decode step as one matmul.
+    `fused_qkv` (kernels/fused_projections.py) computes q, k and v of a decode step as one matmul. `residual`:
+    return residual + the block's output (add_projection).
     """
 
     fused_qkv = None  # a FusedProjection once fuse_projections has run
@@ -100,7 +119,7 @@ class Attention(nn.Module):
             return tuple(self.fused_qkv.split(x))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None) -> mx.array:
         B, L, _ = x.shape
         q, k, v = self.project(x)
         q = q.reshape(B, L, self.n_heads, self.head_dim)
@@ -112,12 +131,13 @@ class Attention(nn.Module):
         offset = cache_offset(cache)
         out = attention(self.rope(q, offset), self.rope(k, offset), v, cache, self.scale,
                         window=self.window, softcap=self.softcap)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return add_projection(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); act is the fused SwiGLU (SiLU families) or GeGLU (Gemma).
-    `fused_gate_up` (kernels/fused_projections.py) computes act(gate(x)) * up(x) of a decode step in one matmul."""
+    `fused_gate_up` (kernels/fused_projections.py) computes act(gate(x)) * up(x) of a decode step in one matmul.
+    `residual`: return residual + the block's output (add_projection)."""
 
     fused_gate_up = None  # a FusedProjection once fuse_projections has run
 
@@ -129,16 +149,17 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.activation = activation
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         if self.fused_gate_up is not None and self.fused_gate_up.takes(x):
-            return self.down_proj(self.fused_gate_up.gated(x, self.activation))
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+            return add_projection(self.down_proj, self.fused_gate_up.gated(x, self.activation), residual)
+        return add_projection(self.down_proj, self.activation(self.gate_proj(x), self.up_proj(x)), residual)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual layer: h = x + attn(norm(x)); out = h + mlp(norm(h)), with RMSNorm.
 
-    `mlp_name` is the feed-forward block's checkpoint name (Mixtral's is `block_sparse_moe`)."""
+    `mlp_name` is the feed-forward block's checkpoint name (Mixtral's is `block_sparse_moe`). Both blocks take the
+    residual (`residual=`) and add it themselves, so a fast output projection can fuse the add."""
 
     def __init__(self, args, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
         super().__init__()
@@ -149,8 +170,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self[self.mlp_name](self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(x), cache, residual=x)
+        return self[self.mlp_name](self.post_attention_layernorm(h), residual=h)
 
 
 class TransformerModel(nn.Module):
