@@ -31,6 +31,8 @@ ENVIRONMENT = [
     ("MLXCEL_FUSE", "1: compute a decode step's q/k/v and gate/up projections as one matmul each and, with the "
                     "4-bit kernel, each residual add inside its o_proj/down_proj launch; 0: one launch per layer "
                     "and op. Default: fused when MLX runs on a GPU."),
+    ("MLXCEL_FUSE_NORM", "1: also take each layer's RMSNorm into its fused 4-bit q/k/v and gate/up launches. Default: "
+                         "off (not yet run on a GPU)."),
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
                    "Default: 1 (CUDA only; elsewhere always MLX's)."),
 ]

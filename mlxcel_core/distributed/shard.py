@@ -48,8 +48,8 @@ class ShardedMoeBlock(SparseMoeBlock):
 
     group: mx.distributed.Group
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        y = mx.distributed.all_sum(super().__call__(x), group=self.group)  # the residual is added once, after
+    def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
+        y = mx.distributed.all_sum(super().__call__(x, norm=norm), group=self.group)  # the residual is added once, after
         return y if residual is None else residual + y
 
 

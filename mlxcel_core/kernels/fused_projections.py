@@ -16,6 +16,9 @@ Inputs of at most FUSED_MAX_ROWS rows take the fused path:
 The output projections (o_proj, down_proj) that run the 4-bit kernel also take the residual add of their block
 into the same launch (FastQuantizedLinear.fuses_residual, the kernel's "residual" mode): two launches fewer per layer.
 
+MLXCEL_FUSE_NORM=1 (off by default: not yet measured on a GPU) also takes each block's pre-norm (an RMSNorm) into
+the "qkv" and "swiglu" launches (modes "qkv_norm", "swiglu_norm"): two more launches fewer per layer.
+
 Gate (fusion_enabled): MLXCEL_FUSE=1 / 0 forces it; unset, on only where MLX runs on a GPU (on the CPU a
 matmul's launch costs nothing worth saving, and concatenating costs a copy of those weights at load).
 """
@@ -32,6 +35,7 @@ from ..models.activations import swiglu
 from . import fast_linear, qmv
 
 ENV = "MLXCEL_FUSE"
+NORM_ENV = "MLXCEL_FUSE_NORM"
 FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (decode batches)
 _PARAMS = ("weight", "scales", "biases", "bias")
 _QUANTIZED = (nn.QuantizedLinear, fast_linear.FastQuantizedLinear)
@@ -42,6 +46,15 @@ def fusion_enabled() -> bool:
     if env in ("0", "1"):
         return env == "1"
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def norm_fusion_enabled() -> bool:
+    """Whether fused 4-bit projections on the kernel take their block's RMSNorm into the launch (MLXCEL_FUSE_NORM=1)."""
+    return os.environ.get(NORM_ENV, "").strip() == "1"
+
+
+def _normed(x: mx.array, norm: nn.Module | None) -> mx.array:
+    return x if norm is None else norm(x)
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
@@ -77,6 +90,8 @@ class FusedProjection:
         self.group_size = getattr(layers[0], "group_size", None)
         # The qmv kernel's modes serve this projection (decided once, as fast_linear's swap is, at load).
         self.kernel = self.quantized and self.bits == qmv.BITS and fast_linear.enabled()
+        self.fold_norm = self.kernel and norm_fusion_enabled()
+        self._eps: dict[float, mx.array] = {}  # a norm's epsilon as the kernel's float32 [1] input
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.
         self.qkv_split = (widths[0], widths[1]) if len(widths) == 3 and widths[1] == widths[2] else None
         self.params = {}
@@ -112,25 +127,48 @@ class FusedProjection:
             y = x @ p["weight"].T
         return y + p["bias"] if "bias" in p else y
 
-    def split(self, x: mx.array) -> list[mx.array]:
-        """Each layer's output, in order."""
-        args = self._kernel_args(x, "qkv", self.qkv_split) if self.qkv_split else None
+    def _norm_inputs(self, norm: nn.Module | None) -> tuple[mx.array, mx.array] | None:
+        """(weight, eps) of a norm the kernel can take into its launch (an nn.RMSNorm, with MLXCEL_FUSE_NORM), else
+        None."""
+        if norm is None or not self.fold_norm or type(norm) is not nn.RMSNorm:
+            return None
+        eps = self._eps.get(norm.eps)
+        if eps is None:
+            eps = self._eps[norm.eps] = mx.array([norm.eps], dtype=mx.float32)
+        return norm.weight, eps
+
+    def _launch(self, x: mx.array, mode: str, norm: nn.Module | None, split=None):
+        """The kernel's `mode` on x (norm(x) with a norm: folded into the launch where it can be), or None where the
+        kernel does not run this call."""
+        folded = self._norm_inputs(norm)
+        if folded is not None:
+            mode += "_norm"
+        args = self._kernel_args(x, mode, split)
         if args is None:
-            return mx.split(self.matmul(x), self.bounds, axis=-1)
+            return None
         p = self.params
-        outs = qmv.launch(args, x, p["weight"], p["scales"], p["biases"], "qkv")
+        x_in = x if folded is not None else _normed(x, norm)
+        return qmv.launch(args, x_in, p["weight"], p["scales"], p["biases"], mode, folded or ())
+
+    def split(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
+        """Each layer's output, in order, of x (of norm(x) when given)."""
+        outs = self._launch(x, "qkv", norm, self.qkv_split) if self.qkv_split else None
+        if outs is None:
+            return mx.split(self.matmul(_normed(x, norm)), self.bounds, axis=-1)
+        p = self.params
         if "bias" in p:
             outs = [o + b for o, b in zip(outs, mx.split(p["bias"], self.bounds))]
         return outs
 
-    def gated(self, x: mx.array, activation: Callable[[mx.array, mx.array], mx.array]) -> mx.array:
-        """activation(gate(x), up(x)) for layers [gate, up]: the kernel's swiglu mode where it applies."""
+    def gated(self, x: mx.array, activation: Callable[[mx.array, mx.array], mx.array],
+              norm: nn.Module | None = None) -> mx.array:
+        """activation(gate(x), up(x)) for layers [gate, up] (of norm(x) when given): the kernel's swiglu mode where it
+        applies."""
         if activation is swiglu and "bias" not in self.params:
-            args = self._kernel_args(x, "swiglu")
-            if args is not None:
-                p = self.params
-                return qmv.launch(args, x, p["weight"], p["scales"], p["biases"], "swiglu")
-        gate, up = self.split(x)
+            y = self._launch(x, "swiglu", norm)
+            if y is not None:
+                return y
+        gate, up = self.split(x, norm)
         return activation(gate, up)
 
 

@@ -32,339 +32,24 @@ travel packed in one template argument, CFG, as MLX converts and formats every t
 N and K are runtime values. Its name carries a hash of the source, because MLX caches compiled kernels on disk by name
 (MLX_PTX_CACHE_DIR, default /tmp/mlx/<version>/ptx): an edited source must not load a stale binary.
 
-Validated by tests/mlxcel_core/kernels/test_qmv.py (the kernel tests are skipped without CUDA); timed by
-benchmarks/qmv.py.
+The source text is kernels/qmv_source.py. Validated by tests/mlxcel_core/kernels/test_qmv.py (the kernel tests
+are skipped without CUDA); timed by benchmarks/qmv.py.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 
 import mlx.core as mx
 
 from ..kv.cuda_paged_attention import cuda_kernel_available
+from .qmv_source import _HEADER, KERNEL_NAME, MODES, base_mode, kernel_name, kernel_source  # noqa: F401
 
 MAX_ROWS = 8  # rows of x one launch handles (decode batch); more rows go to mx.quantized_matmul
 GROUP_SIZES = (32, 64, 128)
 BITS = 4
 CHUNK = 32  # elements of K per lane per chunk (one uint4 of packed weights)
 FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
-
-_HEADER = r"""
-// mx.result_type for {float16, bfloat16, float32}: the same type, else float32.
-template <typename A, typename B>
-struct mlxcel_qmv_result {
-    using type = float;
-};
-template <typename A>
-struct mlxcel_qmv_result<A, A> {
-    using type = A;
-};
-template <typename A, typename B>
-struct mlxcel_qmv_same {
-    static constexpr bool value = false;
-};
-template <typename A>
-struct mlxcel_qmv_same<A, A> {
-    static constexpr bool value = true;
-};
-template <typename P>
-struct mlxcel_qmv_pointee;
-template <typename A>
-struct mlxcel_qmv_pointee<A*> {
-    using type = A;
-};
-
-// 16 bytes of packed weights (32 nibbles), streamed: read once, so marked evict-first.
-__device__ __forceinline__ uint4 mlxcel_qmv_load_w(const uint32_t* p, bool vec) {
-    if (vec) {
-        return __ldcs(reinterpret_cast<const uint4*>(p));
-    }
-    return make_uint4(p[0], p[1], p[2], p[3]);
-}
-
-__device__ __forceinline__ uint32_t mlxcel_qmv_word(const uint4& v, int i) {
-    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
-}
-
-// Nibbles 0 and 4 of v (bits 0-3 and 16-19) as the floats (1024 + q0, 1024 + q4).
-__device__ __forceinline__ float2 mlxcel_qmv_even(uint32_t v) {
-    const uint32_t h = (v & 0x000F000Fu) | 0x64006400u;
-    return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
-// Nibbles 1 and 5 of v (bits 4-7 and 20-23) as the floats (64 + q1, 64 + q5).
-__device__ __forceinline__ float2 mlxcel_qmv_odd(uint32_t v) {
-    const uint32_t h = (v & 0x00F000F0u) | 0x54005400u;
-    return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
-// Eight consecutive activations as float; 16-byte loads when the row is aligned.
-template <typename T>
-__device__ __forceinline__ void mlxcel_qmv_load_x(const T* p, float* out, bool vec) {
-    alignas(16) T t[8];
-    if (vec) {
-#pragma unroll
-        for (int j = 0; j < int(8 * sizeof(T) / 16); ++j) {
-            reinterpret_cast<uint4*>(t)[j] = reinterpret_cast<const uint4*>(p)[j];
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            t[j] = p[j];
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        out[j] = static_cast<float>(t[j]);
-    }
-}
-"""
-
-_SOURCE = r"""
-    // One int template argument carries the launch configuration (fewer arguments: less host time per call).
-    constexpr int M = CFG & 15;  // rows of x
-    constexpr int GS = (CFG >> 4) & 255;  // group size
-    constexpr int ROWS = (CFG >> 12) & 15;  // output rows per block
-    constexpr int WARPS = (CFG >> 16) & 15;  // warps per block (splitting K)
-    constexpr int UNROLL = (CFG >> 20) & 15;  // chunks per lane whose loads are in flight together
-    using OUT = typename mlxcel_qmv_result<T, S>::type;  // mx.result_type(x, scales)
-    // A float32 output removes the offsets per element (exact): per chunk, their cancellation costs ~1e-5 of
-    // |x| @ |W|.T, below fp16/bf16 rounding but 100x float32's.
-    constexpr bool EXACT = mlxcel_qmv_same<OUT, float>::value;
-    static_assert(mlxcel_qmv_same<OUT, typename mlxcel_qmv_pointee<decltype(/*OUT0*/)>::type>::value,
-                  "output dtype must be mx.result_type(x, scales)");
-    constexpr int CHUNK = 32;
-    constexpr int STRIDE = WARPS * 32 * CHUNK;  // K covered by one round of the block's lanes
-    const int N = w_shape[0];
-    const int K = w_shape[1] * 8;  // x is M rows of K (any leading shape: only its data is read)
-    const int KW = K / 8;  // packed words per weight row
-    const int G = K / GS;  // groups per weight row
-    const int lane = threadIdx.x & 31;
-    const int wid = threadIdx.x >> 5;
-/*ROWS_OF_BLOCK*/
-
-    const bool w_vec = (reinterpret_cast<size_t>(w) & 15) == 0;  // rows are K/2 bytes apart: 16-byte multiples
-    const bool x_vec = (reinterpret_cast<size_t>(x) & 15) == 0;
-
-    const uint32_t* w_row[ROWS];
-    const S* s_row[ROWS];
-    const S* b_row[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-/*ROW_MAP*/
-        w_row[r] = w + n * KW;
-        s_row[r] = scales + n * G;
-        b_row[r] = biases + n * G;
-    }
-
-    float acc[ROWS][M];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            acc[r][m] = 0.0f;
-        }
-    }
-
-    for (int k0 = (wid * 32 + lane) * CHUNK; k0 < K; k0 += UNROLL * STRIDE) {
-        // Every load of the UNROLL chunks first (weights, scales, biases), then the arithmetic.
-        uint4 q[UNROLL][ROWS];
-        float s[UNROLL][ROWS];
-        float b[UNROLL][ROWS];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = k0 + u * STRIDE;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (k < K) {
-                    q[u][r] = mlxcel_qmv_load_w(w_row[r] + k / 8, w_vec);
-                    s[u][r] = static_cast<float>(s_row[r][k / GS]);
-                    b[u][r] = static_cast<float>(b_row[r][k / GS]);
-                } else {
-                    q[u][r] = make_uint4(0u, 0u, 0u, 0u);
-                    s[u][r] = 0.0f;
-                    b[u][r] = 0.0f;
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = k0 + u * STRIDE;
-            if (k < K) {
-                float part[ROWS][M];  // sum over the chunk of x * (offset + q)
-                float xs[M];  // sum of x over the chunk
-                float xo[M];  // sum of x * offset over the chunk
-#pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    xs[m] = 0.0f;
-                    xo[m] = 0.0f;
-#pragma unroll
-                    for (int r = 0; r < ROWS; ++r) {
-                        part[r][m] = 0.0f;
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {  // word i of the uint4: elements k + 8i .. k + 8i + 7
-                    float xv[M][8];
-#pragma unroll
-                    for (int m = 0; m < M; ++m) {
-                        mlxcel_qmv_load_x(x + size_t(m) * K + k + 8 * i, xv[m], x_vec);
-                        const float se = (xv[m][0] + xv[m][2]) + (xv[m][4] + xv[m][6]);
-                        const float so = (xv[m][1] + xv[m][3]) + (xv[m][5] + xv[m][7]);
-                        xs[m] += se + so;
-                        if (!EXACT) {
-                            xo[m] = fmaf(1024.0f, se, fmaf(64.0f, so, xo[m]));
-                        }
-                    }
-#pragma unroll
-                    for (int r = 0; r < ROWS; ++r) {
-                        const uint32_t word = mlxcel_qmv_word(q[u][r], i);
-                        const uint32_t w8 = word >> 8;
-                        float2 v04 = mlxcel_qmv_even(word);  // elements 0, 4 (offset 1024)
-                        float2 v15 = mlxcel_qmv_odd(word);  // elements 1, 5 (offset 64)
-                        float2 v26 = mlxcel_qmv_even(w8);  // elements 2, 6 (offset 1024)
-                        float2 v37 = mlxcel_qmv_odd(w8);  // elements 3, 7 (offset 64)
-                        if (EXACT) {  // (O + q) - O is exact in float32
-                            v04 = make_float2(v04.x - 1024.0f, v04.y - 1024.0f);
-                            v15 = make_float2(v15.x - 64.0f, v15.y - 64.0f);
-                            v26 = make_float2(v26.x - 1024.0f, v26.y - 1024.0f);
-                            v37 = make_float2(v37.x - 64.0f, v37.y - 64.0f);
-                        }
-#pragma unroll
-                        for (int m = 0; m < M; ++m) {
-                            float p = part[r][m];
-                            p = fmaf(xv[m][0], v04.x, p);
-                            p = fmaf(xv[m][1], v15.x, p);
-                            p = fmaf(xv[m][2], v26.x, p);
-                            p = fmaf(xv[m][3], v37.x, p);
-                            p = fmaf(xv[m][4], v04.y, p);
-                            p = fmaf(xv[m][5], v15.y, p);
-                            p = fmaf(xv[m][6], v26.y, p);
-                            p = fmaf(xv[m][7], v37.y, p);
-                            part[r][m] = p;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-                    for (int m = 0; m < M; ++m) {
-                        acc[r][m] = fmaf(s[u][r], part[r][m] - xo[m], fmaf(b[u][r], xs[m], acc[r][m]));
-                    }
-                }
-            }
-        }
-    }
-
-    // Sum over the warp's lanes, then over the block's warps; one write per (row of x, output).
-    __shared__ float red[WARPS][ROWS * M];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                v += __shfl_xor_sync(0xffffffffu, v, o);
-            }
-            if (lane == 0) {
-                red[wid][r * M + m] = v;
-            }
-        }
-    }
-    __syncthreads();
-/*EPILOGUE*/
-"""
-
-# The block's weight rows: ROWS consecutive rows (plain and qkv), or ROWS / 2 rows of the gate half and the same rows
-# of the up half (swiglu: the weight is [gate; up], N = 2 * NOUT). A block's rows past the end read the last row and
-# write nothing.
-_ROWS_CONSECUTIVE = """    const int n0 = blockIdx.x * ROWS;"""
-_ROW_MAP_CONSECUTIVE = """        const size_t n = size_t(min(n0 + r, N - 1));"""
-_ROWS_GATE_UP = """    constexpr int HALF = ROWS / 2;
-    static_assert(ROWS % 2 == 0, "swiglu blocks take rows in gate/up pairs");
-    const int NOUT = N / 2;
-    const int n0 = blockIdx.x * HALF;  // first output (gate/up row pair) of this block"""
-_ROW_MAP_GATE_UP = """        const int j = min(n0 + r % HALF, NOUT - 1);
-        const size_t n = size_t(r < HALF ? j : NOUT + j);"""
-
-# One output per weight row: the block's sums, then WRITE stores t, weight row n's output for row m of x.
-_EPILOGUE_ROWS = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
-        const int r = i / M;
-        const int m = i % M;
-        const int n = n0 + r;
-        if (n < N) {
-            float t = 0.0f;
-#pragma unroll
-            for (int v = 0; v < WARPS; ++v) {
-                t += red[v][i];
-            }
-/*WRITE*/
-        }
-    }"""
-# y [M, N].
-_EPILOGUE_PLAIN = _EPILOGUE_ROWS.replace("/*WRITE*/", "            y[size_t(m) * N + n] = static_cast<OUT>(t);")
-# Weight rows [0, NQ) -> q_out [M, NQ], [NQ, NQ + NK) -> k_out [M, NK], the rest -> v_out [M, NK].
-_EPILOGUE_QKV = _EPILOGUE_ROWS.replace("/*WRITE*/", """            const OUT o = static_cast<OUT>(t);
-            if (n < NQ) {
-                q_out[size_t(m) * NQ + n] = o;
-            } else if (n < NQ + NK) {
-                k_out[size_t(m) * NK + (n - NQ)] = o;
-            } else {
-                v_out[size_t(m) * NK + (n - NQ - NK)] = o;
-            }""")
-
-# y [M, N] = residual + x @ w.T: the product rounded to OUT first, as the separate matvec returns it, then the add
-# in float32 and one rounding to OUT, as a separate add computes it.
-_EPILOGUE_RESIDUAL = _EPILOGUE_ROWS.replace("/*WRITE*/", """            const size_t o = size_t(m) * N + n;
-            y[o] = static_cast<OUT>(static_cast<float>(static_cast<OUT>(t)) + static_cast<float>(residual[o]));""")
-
-# y [M, NOUT] = silu(gate) * up. gate and up are first rounded to OUT, as two separate matvecs would return them,
-# then silu(g) * u = g * sigmoid(g) * u in float32 and one rounding (the unfused path rounds after every op).
-_EPILOGUE_SWIGLU = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 32) {
-        const int r = i / M;
-        const int m = i % M;
-        const int j = n0 + r;
-        if (j < NOUT) {
-            float g = 0.0f;
-            float u = 0.0f;
-#pragma unroll
-            for (int v = 0; v < WARPS; ++v) {
-                g += red[v][r * M + m];
-                u += red[v][(r + HALF) * M + m];
-            }
-            g = static_cast<float>(static_cast<OUT>(g));
-            u = static_cast<float>(static_cast<OUT>(u));
-            y[size_t(m) * NOUT + j] = static_cast<OUT>(g / (1.0f + expf(-g)) * u);
-        }
-    }"""
-
-# mode -> (inputs after x, w, scales, biases; output names, block rows, row map, epilogue)
-MODES = {
-    "plain": ((), ("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_PLAIN),
-    "qkv": ((), ("q_out", "k_out", "v_out"), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_QKV),
-    "swiglu": ((), ("y",), _ROWS_GATE_UP, _ROW_MAP_GATE_UP, _EPILOGUE_SWIGLU),
-    "residual": (("residual",), ("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_RESIDUAL),
-}
-
-
-def kernel_source(mode: str = "plain") -> str:
-    """The kernel body for `mode`: plain y = x @ w.T; qkv the same split into three outputs by weight row ranges
-    (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]; residual y = residual +
-    x @ w.T (residual [M, N], of the output's dtype)."""
-    _, outputs, block_rows, row_map, epilogue = MODES[mode]
-    return (_SOURCE.replace("/*OUT0*/", outputs[0]).replace("/*ROWS_OF_BLOCK*/", block_rows)
-            .replace("/*ROW_MAP*/", row_map).replace("/*EPILOGUE*/", epilogue))
-
-def kernel_name(mode: str = "plain") -> str:
-    """Carries a hash of the source: MLX caches compiled kernels on disk by name."""
-    digest = hashlib.sha256(f"{_HEADER}{kernel_source(mode)}".encode()).hexdigest()[:8]
-    return f"mlxcel_qmv_{digest}" if mode == "plain" else f"mlxcel_qmv_{mode}_{digest}"
-
-
-KERNEL_NAME = kernel_name()
 
 
 @functools.cache
@@ -446,7 +131,8 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
     """Everything but the inputs of one launch (cached: a decode step makes hundreds of calls with few shapes),
     or None when x does not suit the kernel (more than max_rows rows, none, or not a float type).
 
-    n is the weight's rows. mode "qkv" takes split = (NQ, NK), n = NQ + 2 NK; "swiglu" writes n / 2 outputs."""
+    n is the weight's rows. mode "qkv" (and "qkv_norm") takes split = (NQ, NK), n = NQ + 2 NK; "swiglu" (and
+    "swiglu_norm") writes n / 2 outputs."""
     m = rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in FLOAT_TYPES:
         return None
@@ -455,13 +141,14 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
     threads = warps * 32
     template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))]
     blocks = -(-n // rows)
-    if mode == "qkv":
+    base = base_mode(mode)
+    if base == "qkv":
         nq, nk = split
         if nq + 2 * nk != n:
             raise ValueError(f"qkv split {split} does not add up to the weight's {n} rows")
         template += [("NQ", nq), ("NK", nk)]
         outputs = [nq, nk, nk]
-    elif mode == "swiglu":
+    elif base == "swiglu":
         if n % 2 or rows % 2:
             raise ValueError(f"swiglu needs an even number of weight rows and of rows per block, got {n}, {rows}")
         outputs = [n // 2]
@@ -480,9 +167,9 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
 def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, mode: str = "plain",
            extra: tuple = ()):
     """Run the kernel with `launch_args`' result: y for plain, swiglu and residual (`extra` = (residual,)),
-    [q, k, v] for qkv."""
+    [q, k, v] for qkv; the "_norm" modes take `extra` = (norm weight, eps as a float32 [1] array)."""
     outputs = _kernel(mode)(inputs=[x, w, scales, biases, *extra], **args)
-    return outputs if mode == "qkv" else outputs[0]
+    return outputs if base_mode(mode) == "qkv" else outputs[0]
 
 
 def cuda_quantized_matvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64,

@@ -124,7 +124,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.switch_mlp = SwitchGLU(hidden_size, intermediate_size, num_experts)
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
+        x = x if norm is None else norm(x)
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         k = self.top_k
         indices = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])

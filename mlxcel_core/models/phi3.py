@@ -45,7 +45,8 @@ class FusedAttention(Attention):
         self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def project(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        x = x if norm is None else norm(x)
         return tuple(mx.split(self.qkv_proj(x), [self.q_size, self.q_size + self.kv_size], axis=-1))
 
 
@@ -57,7 +58,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
+        x = x if norm is None else norm(x)
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         return add_projection(self.down_proj, swiglu(gate, up), residual)
 

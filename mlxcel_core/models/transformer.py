@@ -85,7 +85,8 @@ class Attention(nn.Module):
     (`qk_norm`, a norm class, applied before RoPE), the scale (default head_dim**-0.5), a sliding `window`,
     attention-logit `softcap`. A fused checkpoint layout (Phi-3) overrides `init_projections` and `project`.
     `fused_qkv` (kernels/fused_projections.py) computes q, k and v of a decode step as one matmul. `residual`:
-    return residual + the block's output (add_projection).
+    return residual + the block's output (add_projection); `norm`: the block's input is norm(x) (the pre-norm, which
+    the fused projection may take into its launch).
     """
 
     fused_qkv = None  # a FusedProjection once fuse_projections has run
@@ -113,15 +114,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden_size, bias=o_bias)
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries, keys, values [B, L, heads * head_dim]."""
+    def project(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys, values [B, L, heads * head_dim] of x, or of norm(x)."""
         if self.fused_qkv is not None and self.fused_qkv.takes(x):
-            return tuple(self.fused_qkv.split(x))
+            return tuple(self.fused_qkv.split(x, norm))
+        x = x if norm is None else norm(x)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None,
+                 norm: nn.Module | None = None) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, norm)
         q = q.reshape(B, L, self.n_heads, self.head_dim)
         k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -137,7 +140,7 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); act is the fused SwiGLU (SiLU families) or GeGLU (Gemma).
     `fused_gate_up` (kernels/fused_projections.py) computes act(gate(x)) * up(x) of a decode step in one matmul.
-    `residual`: return residual + the block's output (add_projection)."""
+    `residual`: return residual + the block's output (add_projection); `norm`: the block's input is norm(x)."""
 
     fused_gate_up = None  # a FusedProjection once fuse_projections has run
 
@@ -149,9 +152,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.activation = activation
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
         if self.fused_gate_up is not None and self.fused_gate_up.takes(x):
-            return add_projection(self.down_proj, self.fused_gate_up.gated(x, self.activation), residual)
+            return add_projection(self.down_proj, self.fused_gate_up.gated(x, self.activation, norm), residual)
+        x = x if norm is None else norm(x)
         return add_projection(self.down_proj, self.activation(self.gate_proj(x), self.up_proj(x)), residual)
 
 
@@ -159,7 +163,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual layer: h = x + attn(norm(x)); out = h + mlp(norm(h)), with RMSNorm.
 
     `mlp_name` is the feed-forward block's checkpoint name (Mixtral's is `block_sparse_moe`). Both blocks take the
-    residual (`residual=`) and add it themselves, so a fast output projection can fuse the add."""
+    residual (`residual=`) and add it themselves, and their input's norm (`norm=`) and apply it themselves, so fused
+    projections can take the norm and the add into their launches."""
 
     def __init__(self, args, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
         super().__init__()
@@ -170,8 +175,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
-        h = self.self_attn(self.input_layernorm(x), cache, residual=x)
-        return self[self.mlp_name](self.post_attention_layernorm(h), residual=h)
+        h = self.self_attn(x, cache, residual=x, norm=self.input_layernorm)
+        return self[self.mlp_name](h, residual=h, norm=self.post_attention_layernorm)
 
 
 class TransformerModel(nn.Module):

@@ -93,7 +93,7 @@ def test_rows_above_the_limit_use_the_separate_layers(monkeypatch):
     model, _ = build_random_model("tiny", dtype="float32", seed=5)
     fuse_projections(model)
     calls, split = [], FusedProjection.split
-    monkeypatch.setattr(FusedProjection, "split", lambda self, x: calls.append(x.shape) or split(self, x))
+    monkeypatch.setattr(FusedProjection, "split", lambda self, x, norm=None: calls.append(x.shape) or split(self, x, norm))
     x = mx.zeros((1, FUSED_MAX_ROWS + 1, model.args.hidden_size))
     model.layers[0].self_attn.project(x)
     assert calls == []
@@ -274,3 +274,102 @@ def test_fusion_marks_the_fast_output_projections(monkeypatch):
     assert attn.o_proj.fuses_residual and mlp.down_proj.fuses_residual and not attn.q_proj.fuses_residual
     unfuse_projections(model)
     assert not attn.o_proj.fuses_residual and not mlp.down_proj.fuses_residual
+
+
+# -- the RMSNorm taken into the q/k/v and gate/up launches (MLXCEL_FUSE_NORM=1; modes "qkv_norm", "swiglu_norm") --
+def _rms_norm_reference(x, g, eps):
+    """rms_norm(x) * g in float64 (numpy), from the same float32 values the kernel reads."""
+    x64 = np.array(x.astype(mx.float32), np.float64)
+    r = 1 / np.sqrt((x64**2).mean(-1, keepdims=True) + eps)
+    return x64 * r * np.array(g.astype(mx.float32), np.float64)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 64, 4096), (2, 48, 2048), (5, 40, 576)])
+def test_emulated_norm_fold_matches_norm_then_matvec(m, n, k):
+    """The kernel's algebra for a folded norm, in numpy float32: W (g x) summed with the kernel's arithmetic, then
+    scaled by r = rsqrt(mean(x^2) + eps) -- against float64 rms_norm then matvec."""
+    from test_qmv import ATOL_MAG, emulate_kernel
+
+    x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, seed=k)
+    x = x * 3.0  # a hidden state's scale, not a normalized one
+    g = (mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(k))).astype(mx.bfloat16)
+    eps = 1e-5
+    xg = np.array(x.astype(mx.float32)) * np.array(g.astype(mx.float32))
+    sq = (np.array(x.astype(mx.float32)) ** 2).sum(-1, dtype=np.float32)
+    r = 1 / np.sqrt(sq / np.float32(k) + np.float32(eps), dtype=np.float32)
+    got = emulate_kernel(mx.array(xg), w, scales, biases, 64) * r[:, None]
+    normed = _rms_norm_reference(x, g, eps)
+    ref, mag = reference(mx.array(normed.astype(np.float32)), w, scales, biases)
+    err = np.abs(got - ref) / mag
+    assert err.max() <= ATOL_MAG[mx.bfloat16], f"{err.max():.3g} of |x| @ |W|.T"
+
+
+def test_norm_fold_needs_the_gate_an_rmsnorm_and_the_kernel(monkeypatch):
+    model, _ = build_random_model("tiny", bits=4, seed=4)
+    fuse_projections(model)
+    proj, norm = model.layers[0].self_attn.fused_qkv, model.layers[0].input_layernorm
+    assert not proj.fold_norm  # no kernel here (or MLXCEL_FUSE_NORM unset): the norm runs on its own
+    assert proj._norm_inputs(norm) is None
+    proj.fold_norm = True
+    weight, eps = proj._norm_inputs(norm)
+    assert weight is norm.weight and eps.dtype == mx.float32 and eps.item() == pytest.approx(norm.eps)
+    assert proj._norm_inputs(norm)[1] is eps  # made once per epsilon
+    assert proj._norm_inputs(nn.LayerNorm(norm.weight.shape[0])) is None
+    monkeypatch.setenv("MLXCEL_FUSE_NORM", "1")
+    assert fused_projections.norm_fusion_enabled()
+    monkeypatch.delenv("MLXCEL_FUSE_NORM")
+    assert not fused_projections.norm_fusion_enabled()
+
+
+def test_layers_pass_their_norms_and_compute_the_same_values():
+    """Where the kernel does not run, the norm is applied before the projections exactly as before."""
+    model, _ = build_random_model("tiny", bits=4, seed=6)
+    want = _decode_logits(model, 1)
+    fuse_projections(model)
+    for layer in model.layers:
+        layer.self_attn.fused_qkv.fold_norm = layer.mlp.fused_gate_up.fold_norm = True  # (no kernel: unused)
+    assert mx.array_equal(_decode_logits(model, 1), want).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("mode", ["qkv_norm", "swiglu_norm"])
+def test_norm_modes_match_rms_norm_then_matvec(mode, m):
+    k, nq, nk, inter = 2048, 2048, 512, 8192
+    n = nq + 2 * nk if mode == "qkv_norm" else 2 * inter
+    x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, seed=m)
+    x = x * 3.0
+    g = (mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(m))).astype(mx.bfloat16)
+    eps = mx.array([1e-5], dtype=mx.float32)
+    normed = _rms_norm_reference(x, g, 1e-5)
+    ref, mag = reference(mx.array(normed.astype(np.float32)), w, scales, biases)
+    split = (nq, nk) if mode == "qkv_norm" else None
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, n, 64, mode=mode, split=split)
+    out = qmv.launch(args, x, w, scales, biases, mode, (g, eps))
+    if mode == "qkv_norm":
+        check_close(mx.concatenate(out, axis=-1), ref, mag, mx.bfloat16, mode)
+        return
+    gate = np.array(mx.array(ref[:, :inter].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    up = np.array(mx.array(ref[:, inter:].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    want = gate / (1 + np.exp(-gate)) * up
+    got = np.array(out.astype(mx.float32), np.float64)
+    assert np.all(np.abs(got - want) <= 2.0**-6 * np.abs(want) + 1e-3 * np.abs(want).mean())  # as the swiglu test
+
+
+@needs_cuda
+def test_model_decode_with_folded_norms_agrees(monkeypatch):
+    """llama-3.2-1b 4-bit bf16: folded norms against separate ones, teacher-forced logits within 0.25 x their std
+    (the tolerance of the kernel's bf16 model tests: the folded norm skips a bf16 rounding of the activations)."""
+    monkeypatch.setenv("MLXCEL_QMV", "1")
+    monkeypatch.setenv("MLXCEL_FUSE_NORM", "1")
+    model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=7)
+    assert model.layers[0].self_attn.fused_qkv.fold_norm and model.layers[0].mlp.fused_gate_up.fold_norm
+    for batch in (1, 2):
+        folded = np.array(_decode_logits(model, batch).astype(mx.float32))
+        for layer in model.layers:
+            layer.self_attn.fused_qkv.fold_norm = layer.mlp.fused_gate_up.fold_norm = False
+        separate = np.array(_decode_logits(model, batch).astype(mx.float32))
+        for layer in model.layers:
+            layer.self_attn.fused_qkv.fold_norm = layer.mlp.fused_gate_up.fold_norm = True
+        assert np.isfinite(folded).all()
+        assert np.abs(folded - separate).max() <= 0.25 * separate.std(), np.abs(folded - separate).max()

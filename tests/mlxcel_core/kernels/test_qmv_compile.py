@@ -27,7 +27,7 @@ using Strides = cuda::std::array<int64_t, 10>;
 def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode="plain"):
     """What MLX 0.32's CUDA custom_kernel.cpp (build_kernel) compiles for our kernel, with a stand-in for its
     default header (mlx/backend/cuda/device/utils.cuh is not installed with a CPU build of MLX)."""
-    n, split = (512 + 2 * 128, (512, 128)) if mode == "qkv" else (64, None)
+    n, split = (512 + 2 * 128, (512, 128)) if qmv.base_mode(mode) == "qkv" else (64, None)
     args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, (rows, warps, unroll), mode=mode, split=split)
     template = dict(args["template"])
     source = qmv.kernel_source(mode)
@@ -36,7 +36,8 @@ def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, un
     params = [f"    const {_CUDA_TYPES[x_dtype]}* x",
               "    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
               f"    const {_CUDA_TYPES[s_dtype]}* scales", f"    const {_CUDA_TYPES[s_dtype]}* biases"]
-    params += [f"    const {_CUDA_TYPES[out_dtype]}* {name}" for name in inputs]  # residual: the output's dtype
+    extra_types = {"residual": out_dtype, "norm_w": x_dtype, "eps": mx.float32}
+    params += [f"    const {_CUDA_TYPES[extra_types[name]]}* {name}" for name in inputs]
     params += [f"    {_CUDA_TYPES[out_dtype]}* {name}" for name in outputs]
     consts = [f"  using {k} = {_CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
               for k, v in template.items()]
@@ -58,7 +59,9 @@ def _nvcc():
     (mx.bfloat16, mx.float16, 4, 64, 2, 2, 1, "plain"), (mx.float32, mx.float32, 8, 64, 4, 1, 1, "plain"),
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "qkv"), (mx.float16, mx.float16, 2, 32, 8, 4, 1, "qkv"),
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "swiglu"), (mx.float32, mx.bfloat16, 2, 128, 8, 1, 1, "swiglu"),
-    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "residual"), (mx.float16, mx.float32, 3, 64, 8, 1, 1, "residual")])
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "residual"), (mx.float16, mx.float32, 3, 64, 8, 1, 1, "residual"),
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "qkv_norm"), (mx.float16, mx.float16, 4, 32, 8, 4, 1, "qkv_norm"),
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "swiglu_norm"), (mx.float32, mx.float32, 8, 64, 8, 1, 1, "swiglu_norm")])
 def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, rows, warps, unroll,
                                                  mode):
     import subprocess
