@@ -12,6 +12,8 @@ LAYER_MAX_ROWS rows (decode) runs the kernel on the CUDA device; anything else i
 Gate: on only when MLX runs on CUDA and MLXCEL_QMV is not "0" (default "1" since the kernel's accuracy tests passed
 on the H200 and, with compiled decode steps and fused projections, batch-1 decode of the 8B 4-bit shape went from
 0.92x to 1.25x mlx-lm: benchmarks/RESULTS.md). MLXCEL_QMV=0 restores MLX's quantized_matmul everywhere.
+
+16-bit layers the same way on kernels/hmv.py (`FastLinear`, `FastEmbedding`; MLXCEL_HMV=1, off by default).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import qmv
+from . import hmv, qmv
 
 ENV = "MLXCEL_QMV"
 DEFAULT_QMV = "1"  # on where MLX runs on CUDA
@@ -102,8 +104,49 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
         return super().as_linear(x) if y is None else y
 
 
+def _half_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
+    """x @ layer's 16-bit weight on kernels/hmv.py, or None when this call is not for it."""
+    w = layer["weight"]
+    args = hmv.launch_args(x.shape, x.dtype, w.dtype, w.shape[0], None, LAYER_MAX_ROWS, mode)
+    if args is None or not qmv.kernel_ready():
+        return None
+    return hmv.launch(args, x, w, mode, extra)
+
+
+class FastLinear(nn.Linear):
+    """nn.Linear (bf16/fp16) whose decode calls run kernels/hmv.py (MLXCEL_HMV=1); `fuses_residual` as in
+    FastQuantizedLinear."""
+
+    fuses_residual = False
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _half_matvec(self, x)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+    def add_to(self, x: mx.array, residual: mx.array) -> mx.array:
+        """residual + self(x), one launch of the kernel's residual mode for a decode call."""
+        out_shape = (*x.shape[:-1], self["weight"].shape[0])
+        if (self.fuses_residual and "bias" not in self and residual.shape == out_shape
+                and residual.dtype == mx.result_type(x, self["weight"])):
+            y = _half_matvec(self, x, "residual", (residual,))
+            if y is not None:
+                return y
+        return residual + self(x)
+
+
+class FastEmbedding(nn.Embedding):
+    """nn.Embedding (bf16/fp16) whose `as_linear` (a tied LM head) runs kernels/hmv.py for decode."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = _half_matvec(self, x)
+        return super().as_linear(x) if y is None else y
+
+
 _SWAPS = {nn.QuantizedLinear: FastQuantizedLinear, nn.QuantizedEmbedding: FastQuantizedEmbedding}
-_RESTORES = {fast: plain for plain, fast in _SWAPS.items()}
+_HALF_SWAPS = {nn.Linear: FastLinear, nn.Embedding: FastEmbedding}
+_RESTORES = {fast: plain for plain, fast in (*_SWAPS.items(), *_HALF_SWAPS.items())}
 
 
 def use_fast_quantized_linear(model: nn.Module) -> int:
@@ -124,7 +167,8 @@ def use_fast_quantized_linear(model: nn.Module) -> int:
 
 
 def restore_quantized_linear(model: nn.Module) -> int:
-    """Undo `use_fast_quantized_linear`: the fast layers become MLX's classes again; return how many."""
+    """Undo `use_fast_quantized_linear` and `use_fast_half_linear`: the fast layers become MLX's classes again;
+    return how many."""
     from ..engine.compiled_decode import forget_traces
 
     forget_traces(model)
@@ -137,6 +181,28 @@ def restore_quantized_linear(model: nn.Module) -> int:
     return restored
 
 
+def _half_layer_supported(layer: nn.Module) -> bool:
+    w = layer["weight"]
+    return w.ndim == 2 and hmv.shape_supported((1, w.shape[1]), w.dtype, w.shape, w.dtype)
+
+
+def use_fast_half_linear(model: nn.Module) -> int:
+    """Swap every plain bf16/fp16 nn.Linear / nn.Embedding kernels/hmv.py supports; return how many (unconditional,
+    as use_fast_quantized_linear)."""
+    from ..engine.compiled_decode import forget_traces
+
+    forget_traces(model)
+    swapped = 0
+    for _, module in model.named_modules():
+        fast = _HALF_SWAPS.get(type(module))
+        if fast is not None and _half_layer_supported(module):
+            module.__class__ = fast
+            swapped += 1
+    return swapped
+
+
 def maybe_use_fast_quantized_linear(model: nn.Module) -> int:
-    """`use_fast_quantized_linear` when `enabled()` (MLX on CUDA and MLXCEL_QMV not "0"), else nothing."""
-    return use_fast_quantized_linear(model) if enabled() else 0
+    """`use_fast_quantized_linear` when `enabled()` (MLX on CUDA and MLXCEL_QMV not "0"), and `use_fast_half_linear`
+    when `hmv.enabled()` (MLXCEL_HMV=1); return how many layers were swapped."""
+    swapped = use_fast_quantized_linear(model) if enabled() else 0
+    return swapped + (use_fast_half_linear(model) if hmv.enabled() else 0)

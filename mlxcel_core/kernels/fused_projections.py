@@ -32,13 +32,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..models.activations import swiglu
-from . import fast_linear, qmv
+from . import fast_linear, hmv, qmv
 
 ENV = "MLXCEL_FUSE"
 NORM_ENV = "MLXCEL_FUSE_NORM"
 FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (decode batches)
 _PARAMS = ("weight", "scales", "biases", "bias")
 _QUANTIZED = (nn.QuantizedLinear, fast_linear.FastQuantizedLinear)
+_PLAIN = (nn.Linear, fast_linear.FastLinear)
 
 
 def fusion_enabled() -> bool:
@@ -61,7 +62,7 @@ def _fusable(layers: list[nn.Module]) -> bool:
     """Same class (plain Linear, or affine QuantizedLinear with the same bits and groups), input size, dtypes and
     bias; tensor-parallel subclasses keep their own calls."""
     first = layers[0]
-    kinds = {nn.Linear} if type(first) is nn.Linear else set(_QUANTIZED)
+    kinds = set(_PLAIN) if type(first) in _PLAIN else set(_QUANTIZED)
     if not all(type(layer) in kinds for layer in layers):
         return False
     if isinstance(first, nn.QuantizedLinear):
@@ -90,7 +91,9 @@ class FusedProjection:
         self.group_size = getattr(layers[0], "group_size", None)
         # The qmv kernel's modes serve this projection (decided once, as fast_linear's swap is, at load).
         self.kernel = self.quantized and self.bits == qmv.BITS and fast_linear.enabled()
-        self.fold_norm = self.kernel and norm_fusion_enabled()
+        # 16-bit layers: kernels/hmv.py's same modes (MLXCEL_HMV=1).
+        self.half_kernel = not self.quantized and layers[0]["weight"].dtype in hmv.WEIGHT_TYPES and hmv.enabled()
+        self.fold_norm = (self.kernel or self.half_kernel) and norm_fusion_enabled()
         self._eps: dict[float, mx.array] = {}  # a norm's epsilon as the kernel's float32 [1] input
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.
         self.qkv_split = (widths[0], widths[1]) if len(widths) == 3 and widths[1] == widths[2] else None
@@ -111,9 +114,12 @@ class FusedProjection:
 
     def _kernel_args(self, x: mx.array, mode: str, split=None) -> dict | None:
         """The qmv kernel's launch for x in `mode`, or None where the kernel does not run this call."""
-        if not (self.kernel and qmv.kernel_ready()):
+        if not ((self.kernel or self.half_kernel) and qmv.kernel_ready()):
             return None
         p = self.params
+        if self.half_kernel:
+            return hmv.launch_args(x.shape, x.dtype, p["weight"].dtype, p["weight"].shape[0], None,
+                                   fast_linear.LAYER_MAX_ROWS, mode, split)
         return qmv.launch_args(x.shape, x.dtype, p["scales"].dtype, p["weight"].shape[0], self.group_size, None,
                                fast_linear.LAYER_MAX_ROWS, mode, split)
 
@@ -148,6 +154,8 @@ class FusedProjection:
             return None
         p = self.params
         x_in = x if folded is not None else _normed(x, norm)
+        if self.half_kernel:
+            return hmv.launch(args, x_in, p["weight"], mode, folded or ())
         return qmv.launch(args, x_in, p["weight"], p["scales"], p["biases"], mode, folded or ())
 
     def split(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
@@ -183,7 +191,7 @@ def fuse_projections(model: nn.Module) -> int:
     for _, module in model.named_modules():
         out_proj = module.get("o_proj") if isinstance(module, Attention) else (
             module.get("down_proj") if isinstance(module, GatedMLP) else None)
-        if isinstance(out_proj, fast_linear.FastQuantizedLinear):
+        if isinstance(out_proj, (fast_linear.FastQuantizedLinear, fast_linear.FastLinear)):
             out_proj.fuses_residual = True
         if isinstance(module, Attention) and module.fused_qkv is None and "q_proj" in module:
             layers = [module.q_proj, module.k_proj, module.v_proj]
@@ -206,7 +214,7 @@ def unfuse_projections(model: nn.Module) -> int:
     forget_traces(model)
     count = 0
     for _, module in model.named_modules():
-        if isinstance(module, fast_linear.FastQuantizedLinear):
+        if isinstance(module, (fast_linear.FastQuantizedLinear, fast_linear.FastLinear)):
             module.fuses_residual = False
         if isinstance(module, Attention) and module.fused_qkv is not None:
             module.fused_qkv, count = None, count + 1

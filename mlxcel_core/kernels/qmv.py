@@ -10,22 +10,20 @@ q * scales[n, k // group_size] + biases[n, k // group_size]. y [..., N] has MLX'
 bits 4, group size 32/64/128, K a multiple of 32, at most MAX_ROWS rows of x; anything else (and every call on
 CPU or Metal) is ``mx.quantized_matmul`` itself, so the result there is MLX's, bit for bit.
 
-Kernel ("mlxcel_qmv"): one thread block of WARPS x 32 threads per ROWS consecutive output rows. Lane l of warp v
-takes 32-element chunks of K at k = (v * 32 + l) * 32 + i * WARPS * 1024, i.e. one 16-byte load (a uint4: 4 words,
-32 nibbles) per weight row per chunk, the warp's 32 loads contiguous along K (coalesced 512 bytes), UNROLL chunks'
-loads issued before any is used. A chunk lies inside one quantization group, so per chunk and row the lane reads
-one scale and one bias and uses
-    sum_k x_k (q_k s + b) = s * sum_k x_k q_k + b * sum_k x_k,
-where sum_k x_k is shared by all ROWS rows. Dequantization costs one LOP3 per two nibbles: (word & 0x000F000F) |
-0x64006400 is the fp16 pair (1024 + q_0, 1024 + q_4); (word & 0x00F000F0) | 0x54005400 is (64 + q_1, 64 + q_5)
-(0x5400 is 64.0, whose mantissa unit is 1/16, so a nibble in bits 4-7 reads as q); word >> 8 gives nibbles 2,6
-and 3,7 the same way. The pairs are widened to float32 and multiplied with x in float32; the constant offsets
-(1024 for even nibbles, 64 for odd ones) are removed once per chunk, sum x (O + q) - (1024 sum_even x + 64
-sum_odd x) (exact in real arithmetic; in float32 it costs a few ulps of 1024 |x| per chunk, far below the output's
-fp16/bf16 rounding). A float32 output (x or scales float32) instead subtracts the offset from each weight, exactly,
-before the multiply: float32 models get float32 accuracy. All of x's rows (M <= MAX_ROWS) are handled by the same launch, reusing each loaded word M
-times. Accumulation is float32 throughout; a warp-shuffle reduction, then one shared-memory sum across the WARPS
-warps, then one write per output.
+Kernel ("mlxcel_qmv"): one thread block of WARPS x 32 threads per ROWS consecutive output rows. Lane l of warp v takes
+32-element chunks of K at k = (v * 32 + l) * 32 + i * WARPS * 1024, i.e. one 16-byte load (a uint4: 4 words, 32
+nibbles) per weight row per chunk, the warp's 32 loads contiguous along K (coalesced 512 bytes), UNROLL chunks' loads
+issued before any is used. A chunk lies inside one quantization group, so per chunk and row the lane reads one scale
+and one bias and uses sum_k x_k (q_k s + b) = s * sum_k x_k q_k + b * sum_k x_k, where sum_k x_k is shared by all ROWS
+rows. Dequantization costs one LOP3 per two nibbles: (word & 0x000F000F) | 0x64006400 is the fp16 pair (1024 + q_0,
+1024 + q_4); (word & 0x00F000F0) | 0x54005400 is (64 + q_1, 64 + q_5) (0x5400 is 64.0, whose mantissa unit is 1/16, so
+a nibble in bits 4-7 reads as q); word >> 8 gives nibbles 2,6 and 3,7 the same way. The pairs are widened to float32
+and multiplied with x in float32; the constant offsets (1024 for even nibbles, 64 for odd ones) are removed once per
+chunk, sum x (O + q) - (1024 sum_even x + 64 sum_odd x) (exact in real arithmetic; in float32 it costs a few ulps of
+1024 |x| per chunk, far below the output's fp16/bf16 rounding). A float32 output (x or scales float32) instead
+subtracts the offset from each weight, exactly, before the multiply: float32 models get float32 accuracy. All of x's
+rows (M <= MAX_ROWS) are handled by the same launch, reusing each loaded word M times. Accumulation is float32
+throughout; a warp-shuffle reduction, then one shared-memory sum across the WARPS warps, then one write per output.
 
 The kernel is compiled (NVRTC, by MLX) once per (dtypes, M, group size, ROWS, WARPS, UNROLL) -- the five ints
 travel packed in one template argument, CFG, as MLX converts and formats every template argument on every call;
@@ -121,32 +119,24 @@ def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
 
 
 def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int) -> int:
-    """The kernel's one int template argument CFG (unpacked at the top of _SOURCE)."""
+    """The kernel's one int template argument CFG (unpacked at the top of each main loop in qmv_source.py)."""
     return m | group_size << 4 | rows << 12 | warps << 16 | unroll << 20
 
 
-@functools.lru_cache(maxsize=4096)
-def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None = None,
-                max_rows: int = MAX_ROWS, mode: str = "plain", split: tuple[int, int] | None = None) -> dict | None:
-    """Everything but the inputs of one launch (cached: a decode step makes hundreds of calls with few shapes),
-    or None when x does not suit the kernel (more than max_rows rows, none, or not a float type).
+def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[int, int] | None,
+                x_shape: tuple, out_dtype, template: list) -> dict:
+    """The launch of `mode` over a weight of n rows (both weight kinds): template ints, grid and outputs.
 
-    n is the weight's rows. mode "qkv" (and "qkv_norm") takes split = (NQ, NK), n = NQ + 2 NK; "swiglu" (and
-    "swiglu_norm") writes n / 2 outputs."""
-    m = rows_of(x_shape)
-    if not 1 <= m <= max_rows or x_dtype not in FLOAT_TYPES:
-        return None
-    rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
-    out_dtype = mx.result_type(x_dtype, s_dtype)
+    mode "qkv" (and "qkv_norm") takes split = (NQ, NK), n = NQ + 2 NK; "swiglu" (and "swiglu_norm") writes n / 2
+    outputs."""
     threads = warps * 32
-    template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))]
     blocks = -(-n // rows)
     base = base_mode(mode)
     if base == "qkv":
         nq, nk = split
         if nq + 2 * nk != n:
             raise ValueError(f"qkv split {split} does not add up to the weight's {n} rows")
-        template += [("NQ", nq), ("NK", nk)]
+        template = template + [("NQ", nq), ("NK", nk)]
         outputs = [nq, nk, nk]
     elif base == "swiglu":
         if n % 2 or rows % 2:
@@ -162,6 +152,20 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
         output_shapes=[(*x_shape[:-1], width) for width in outputs],
         output_dtypes=[out_dtype] * len(outputs),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None = None,
+                max_rows: int = MAX_ROWS, mode: str = "plain", split: tuple[int, int] | None = None) -> dict | None:
+    """Everything but the inputs of one launch (cached: a decode step makes hundreds of calls with few shapes),
+    or None when x does not suit the kernel (more than max_rows rows, none, or not a float type). n is the weight's
+    rows; `mode_layout` says what each mode adds."""
+    m = rows_of(x_shape)
+    if not 1 <= m <= max_rows or x_dtype not in FLOAT_TYPES:
+        return None
+    rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
+    template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))]
+    return mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, s_dtype), template)
 
 
 def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, mode: str = "plain",

@@ -1,10 +1,13 @@
-"""The CUDA source of the 4-bit matvec kernel (kernels/qmv.py explains the kernel; this file is its text): the
-header, the body shared by every mode, and each mode's block rows, row map and epilogue, assembled by kernel_source.
+"""The CUDA source of the decode matvec kernels (kernels/qmv.py explains the 4-bit one, kernels/hmv.py the 16-bit one;
+this file is their text): the header, each weight kind's main loop, the reductions and each mode's block rows, row
+map and epilogue, assembled by kernel_source.
 """
 
 from __future__ import annotations
 
 import hashlib
+
+from .hmv_source import _HEADER_HALF, _MAIN_HALF
 
 _HEADER = r"""
 // mx.result_type for {float16, bfloat16, float32}: the same type, else float32.
@@ -28,6 +31,10 @@ template <typename P>
 struct mlxcel_qmv_pointee;
 template <typename A>
 struct mlxcel_qmv_pointee<A*> {
+    using type = A;
+};
+template <typename A>
+struct mlxcel_qmv_pointee<const A*> {
     using type = A;
 };
 
@@ -77,7 +84,7 @@ __device__ __forceinline__ void mlxcel_qmv_load_x(const T* p, float* out, bool v
 }
 """
 
-_SOURCE = r"""
+_MAIN_Q4 = r"""
     // One int template argument carries the launch configuration (fewer arguments: less host time per call).
     constexpr int M = CFG & 15;  // rows of x
     constexpr int GS = (CFG >> 4) & 255;  // group size
@@ -215,7 +222,10 @@ _SOURCE = r"""
             }
         }
     }
+"""
 
+# Shared by both weight kinds: the reductions and the mode's epilogue.
+_TAIL = r"""
     // Sum over the warp's lanes, then over the block's warps; one write per (row of x, output).
     __shared__ float red[WARPS][ROWS * M];
 #pragma unroll
@@ -315,7 +325,7 @@ _NORM = {
         sq[m] = 0.0f;
     }""",
     "/*NORM_G*/": """                    float gv[8];  // the norm's weight over these eight elements
-                    mlxcel_qmv_load_x(norm_w + k + 8 * i, gv, g_vec);""",
+                    mlxcel_qmv_load_x(norm_w + /*KX*/, gv, g_vec);""",
     "/*NORM_X*/": """#pragma unroll
                         for (int j = 0; j < 8; ++j) {
                             sq[m] = fmaf(xv[m][j], xv[m][j], sq[m]);
@@ -341,7 +351,8 @@ _RNORM = """            float ssq = 0.0f;
             }
             const float rn = rsqrtf(ssq / float(K) + eps[0]);  // row m's RMSNorm factor
 """
-_NORM_SCALE = {"/*SCALE*/": _RNORM + "            t *= rn;", "/*SCALE_GU*/": _RNORM + "            g *= rn;\n            u *= rn;"}
+_NORM_SCALE = {"/*SCALE*/": _RNORM + "            t *= rn;",
+               "/*SCALE_GU*/": _RNORM + "            g *= rn;\n            u *= rn;"}
 
 # mode -> (inputs after x, w, scales, biases; output names, block rows, row map, epilogue)
 MODES = {
@@ -360,22 +371,32 @@ def base_mode(mode: str) -> str:
     return mode.removesuffix("_norm")
 
 
-def kernel_source(mode: str = "plain") -> str:
-    """The kernel body for `mode`: plain y = x @ w.T; qkv the same split into three outputs by weight row ranges
-    (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]; residual y = residual +
-    x @ w.T (residual [M, N], of the output's dtype); qkv_norm and swiglu_norm the same of rms_norm(x)."""
+WEIGHTS = ("q4", "half")  # 4-bit affine (w, scales, biases) or 16-bit (w)
+
+
+def header(weights: str = "q4") -> str:
+    return _HEADER if weights == "q4" else _HEADER + _HEADER_HALF
+
+
+def kernel_source(mode: str = "plain", weights: str = "q4") -> str:
+    """The kernel body for `mode` and `weights`: plain y = x @ w.T; qkv the same split into three outputs by weight
+    row ranges (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]; residual y =
+    residual + x @ w.T (residual [M, N], of the output's dtype); qkv_norm and swiglu_norm the same of rms_norm(x)."""
     _, outputs, block_rows, row_map, epilogue = MODES[mode]
-    source = (_SOURCE.replace("/*OUT0*/", outputs[0]).replace("/*ROWS_OF_BLOCK*/", block_rows)
+    body = (_MAIN_Q4 if weights == "q4" else _MAIN_HALF) + _TAIL
+    source = (body.replace("/*OUT0*/", outputs[0]).replace("/*ROWS_OF_BLOCK*/", block_rows)
               .replace("/*ROW_MAP*/", row_map).replace("/*EPILOGUE*/", epilogue))
     norm = mode.endswith("_norm")
     for marker, code in {**_NORM, **_NORM_SCALE}.items():
         source = source.replace(marker + "\n", code + "\n" if norm else "")
-    return source
+    return source.replace("/*KX*/", "k + 8 * i" if weights == "q4" else "k")  # the x chunk's first element
 
-def kernel_name(mode: str = "plain") -> str:
+
+def kernel_name(mode: str = "plain", weights: str = "q4") -> str:
     """Carries a hash of the source: MLX caches compiled kernels on disk by name."""
-    digest = hashlib.sha256(f"{_HEADER}{kernel_source(mode)}".encode()).hexdigest()[:8]
-    return f"mlxcel_qmv_{digest}" if mode == "plain" else f"mlxcel_qmv_{mode}_{digest}"
+    digest = hashlib.sha256(f"{header(weights)}{kernel_source(mode, weights)}".encode()).hexdigest()[:8]
+    kind = "qmv" if weights == "q4" else "hmv"
+    return f"mlxcel_{kind}_{digest}" if mode == "plain" else f"mlxcel_{kind}_{mode}_{digest}"
 
 
 KERNEL_NAME = kernel_name()

@@ -93,7 +93,8 @@ def test_rows_above_the_limit_use_the_separate_layers(monkeypatch):
     model, _ = build_random_model("tiny", dtype="float32", seed=5)
     fuse_projections(model)
     calls, split = [], FusedProjection.split
-    monkeypatch.setattr(FusedProjection, "split", lambda self, x, norm=None: calls.append(x.shape) or split(self, x, norm))
+    monkeypatch.setattr(FusedProjection, "split",
+                        lambda self, x, norm=None: calls.append(x.shape) or split(self, x, norm))
     x = mx.zeros((1, FUSED_MAX_ROWS + 1, model.args.hidden_size))
     model.layers[0].self_attn.project(x)
     assert calls == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxcel_core.kernels import qmv
+from mlxcel_core.kernels import hmv, qmv, qmv_source
 
 # -- compile check (where nvcc is installed): the source as MLX's cuda_kernel assembles it -------------------
 _CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.uint32: "uint32_t"}
@@ -24,25 +24,32 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 
-def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode="plain"):
+def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode="plain", weights="q4"):
     """What MLX 0.32's CUDA custom_kernel.cpp (build_kernel) compiles for our kernel, with a stand-in for its
-    default header (mlx/backend/cuda/device/utils.cuh is not installed with a CPU build of MLX)."""
+    default header (mlx/backend/cuda/device/utils.cuh is not installed with a CPU build of MLX). For weights "half"
+    (kernels/hmv.py) s_dtype is the weight's dtype and group_size is unused."""
     n, split = (512 + 2 * 128, (512, 128)) if qmv.base_mode(mode) == "qkv" else (64, None)
-    args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, (rows, warps, unroll), mode=mode, split=split)
+    config = (rows, warps, unroll)
+    if weights == "q4":
+        args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, config, mode=mode, split=split)
+        operands = ["    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
+                    f"    const {_CUDA_TYPES[s_dtype]}* scales", f"    const {_CUDA_TYPES[s_dtype]}* biases"]
+    else:
+        args = hmv.launch_args((m, 4096), x_dtype, s_dtype, n, config, mode=mode, split=split)
+        operands = [f"    const {_CUDA_TYPES[s_dtype]}* w", "    const __grid_constant__ Shape w_shape"]
     template = dict(args["template"])
-    source = qmv.kernel_source(mode)
+    source = qmv.kernel_source(mode, weights)
     inputs, outputs = qmv.MODES[mode][:2]
     assert args["output_dtypes"] == [out_dtype] * len(outputs) and "x_shape" not in source  # x comes without shape
-    params = [f"    const {_CUDA_TYPES[x_dtype]}* x",
-              "    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
-              f"    const {_CUDA_TYPES[s_dtype]}* scales", f"    const {_CUDA_TYPES[s_dtype]}* biases"]
+    params = [f"    const {_CUDA_TYPES[x_dtype]}* x", *operands]
     extra_types = {"residual": out_dtype, "norm_w": x_dtype, "eps": mx.float32}
     params += [f"    const {_CUDA_TYPES[extra_types[name]]}* {name}" for name in inputs]
     params += [f"    {_CUDA_TYPES[out_dtype]}* {name}" for name in outputs]
     consts = [f"  using {k} = {_CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
               for k, v in template.items()]
-    return (_STAND_IN_HEADER + qmv._HEADER + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            f"__global__ void custom_kernel_{qmv.kernel_name(mode)}(\n" + ",\n".join(params) + ") {\n"
+    return (_STAND_IN_HEADER + qmv_source.header(weights)
+            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            f"__global__ void custom_kernel_{qmv.kernel_name(mode, weights)}(\n" + ",\n".join(params) + ") {\n"
             + "\n".join(consts) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
@@ -52,8 +59,19 @@ def _nvcc():
     return shutil.which("nvcc")
 
 
+# 16-bit weights (kernels/hmv.py): s_dtype is the weight's dtype, no group size.
+_HALF = [
+    (mx.bfloat16, mx.bfloat16, 1, 0, 4, 2, 1, "plain", "half"),
+    (mx.float16, mx.float16, 8, 0, 8, 4, 2, "plain", "half"),
+    (mx.float32, mx.bfloat16, 3, 0, 4, 1, 1, "plain", "half"), (mx.bfloat16, mx.bfloat16, 2, 0, 4, 2, 1, "qkv", "half"),
+    (mx.bfloat16, mx.bfloat16, 1, 0, 8, 1, 1, "swiglu", "half"),
+    (mx.bfloat16, mx.bfloat16, 2, 0, 4, 2, 1, "residual", "half"),
+    (mx.bfloat16, mx.bfloat16, 1, 0, 4, 2, 1, "qkv_norm", "half"),
+    (mx.float16, mx.float16, 4, 0, 8, 2, 1, "swiglu_norm", "half")]
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (compile check only; nothing runs)")
-@pytest.mark.parametrize("x_dtype,s_dtype,m,group_size,rows,warps,unroll,mode", [
+@pytest.mark.parametrize("x_dtype,s_dtype,m,group_size,rows,warps,unroll,mode,weights", [*(c + ("q4",) for c in [
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "plain"), (mx.float16, mx.float16, 2, 64, 8, 4, 1, "plain"),
     (mx.float32, mx.bfloat16, 3, 32, 1, 8, 2, "plain"), (mx.bfloat16, mx.float32, 5, 128, 4, 1, 2, "plain"),
     (mx.bfloat16, mx.float16, 4, 64, 2, 2, 1, "plain"), (mx.float32, mx.float32, 8, 64, 4, 1, 1, "plain"),
@@ -61,14 +79,16 @@ def _nvcc():
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "swiglu"), (mx.float32, mx.bfloat16, 2, 128, 8, 1, 1, "swiglu"),
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "residual"), (mx.float16, mx.float32, 3, 64, 8, 1, 1, "residual"),
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "qkv_norm"), (mx.float16, mx.float16, 4, 32, 8, 4, 1, "qkv_norm"),
-    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "swiglu_norm"), (mx.float32, mx.float32, 8, 64, 8, 1, 1, "swiglu_norm")])
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "swiglu_norm"),
+    (mx.float32, mx.float32, 8, 64, 8, 1, 1, "swiglu_norm")]),
+    *_HALF])
 def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, rows, warps, unroll,
-                                                 mode):
+                                                 mode, weights):
     import subprocess
 
     out_dtype = mx.result_type(x_dtype, s_dtype)
     src = tmp_path / "qmv.cu"
-    src.write_text(mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode))
+    src.write_text(mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode, weights))
     run = subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
                           str(tmp_path / "qmv.cubin"), str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
