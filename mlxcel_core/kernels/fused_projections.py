@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..models.activations import swiglu
+from ..models.base import normed
 from . import fast_linear, hmv, qmv
 
 ENV = "MLXCEL_FUSE"
@@ -52,10 +53,6 @@ def fusion_enabled() -> bool:
 def norm_fusion_enabled() -> bool:
     """Whether fused 4-bit projections on the kernel take their block's RMSNorm into the launch (MLXCEL_FUSE_NORM=1)."""
     return os.environ.get(NORM_ENV, "").strip() == "1"
-
-
-def _normed(x: mx.array, norm: nn.Module | None) -> mx.array:
-    return x if norm is None else norm(x)
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
@@ -153,7 +150,7 @@ class FusedProjection:
         if args is None:
             return None
         p = self.params
-        x_in = x if folded is not None else _normed(x, norm)
+        x_in = x if folded is not None else normed(x, norm)
         if self.half_kernel:
             return hmv.launch(args, x_in, p["weight"], mode, folded or ())
         return qmv.launch(args, x_in, p["weight"], p["scales"], p["biases"], mode, folded or ())
@@ -162,7 +159,7 @@ class FusedProjection:
         """Each layer's output, in order, of x (of norm(x) when given)."""
         outs = self._launch(x, "qkv", norm, self.qkv_split) if self.qkv_split else None
         if outs is None:
-            return mx.split(self.matmul(_normed(x, norm)), self.bounds, axis=-1)
+            return mx.split(self.matmul(normed(x, norm)), self.bounds, axis=-1)
         p = self.params
         if "bias" in p:
             outs = [o + b for o, b in zip(outs, mx.split(p["bias"], self.bounds))]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
@@ -109,3 +109,8 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: LayerC
 
 def cache_offset(cache: LayerCache | None) -> int | mx.array:
     return 0 if cache is None else cache.offset
+
+
+def normed(x: mx.array, norm: Callable[[mx.array], mx.array] | None) -> mx.array:
+    """norm(x), or x when there is no norm: a block whose input norm may be applied inside it (DecoderLayer's norm=)."""
+    return x if norm is None else norm(x)

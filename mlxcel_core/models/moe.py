@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .activations import swiglu
+from .base import normed
 
 # Fewer routed (token, expert) pairs than this (decode): skip sorting tokens by expert.
 SORT_THRESHOLD = 64
@@ -125,7 +126,7 @@ class SparseMoeBlock(nn.Module):
         self.switch_mlp = SwitchGLU(hidden_size, intermediate_size, num_experts)
 
     def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
-        x = x if norm is None else norm(x)
+        x = normed(x, norm)
         probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
         k = self.top_k
         indices = mx.stop_gradient(mx.argpartition(-probs, kth=k - 1, axis=-1)[..., :k])

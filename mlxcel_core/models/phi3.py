@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .activations import swiglu
+from .base import normed
 from .rope import initialize_rope
 from .transformer import Attention, DecoderLayer, TransformerArgs, TransformerLM, add_projection
 
@@ -46,7 +47,7 @@ class FusedAttention(Attention):
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
 
     def project(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
-        x = x if norm is None else norm(x)
+        x = normed(x, norm)
         return tuple(mx.split(self.qkv_proj(x), [self.q_size, self.q_size + self.kv_size], axis=-1))
 
 
@@ -59,7 +60,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
-        x = x if norm is None else norm(x)
+        x = normed(x, norm)
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         return add_projection(self.down_proj, swiglu(gate, up), residual)
 

@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
 from .activations import swiglu
-from .base import BaseModelArgs, LayerCache, attention, cache_offset
+from .base import BaseModelArgs, LayerCache, attention, cache_offset, normed
 from .rope import RoPE, rope_base, rope_scaling_config
 
 
@@ -62,8 +62,8 @@ class TransformerArgs(BaseModelArgs):
 
 @runtime_checkable
 class AddsResidual(Protocol):
-    """A projection that adds a residual to its output itself (kernels/fast_linear.py's FastQuantizedLinear: a
-    decode step's o_proj or down_proj and the residual add in one kernel launch)."""
+    """A projection that adds a residual to its output itself (kernels/fast_linear.py's FastQuantizedLinear and
+    FastLinear: a decode step's o_proj or down_proj and the residual add in one kernel launch)."""
 
     def add_to(self, x: mx.array, residual: mx.array) -> mx.array: ...
 
@@ -118,7 +118,7 @@ class Attention(nn.Module):
         """Queries, keys, values [B, L, heads * head_dim] of x, or of norm(x)."""
         if self.fused_qkv is not None and self.fused_qkv.takes(x):
             return tuple(self.fused_qkv.split(x, norm))
-        x = x if norm is None else norm(x)
+        x = normed(x, norm)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None,
@@ -155,7 +155,7 @@ class GatedMLP(nn.Module):
     def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
         if self.fused_gate_up is not None and self.fused_gate_up.takes(x):
             return add_projection(self.down_proj, self.fused_gate_up.gated(x, self.activation, norm), residual)
-        x = x if norm is None else norm(x)
+        x = normed(x, norm)
         return add_projection(self.down_proj, self.activation(self.gate_proj(x), self.up_proj(x)), residual)
 
 

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The H200 checks of the opt-in decode kernels (MLXCEL_HMV, MLXCEL_FUSE_NORM), one step per device call (each fits
+# the 10-minute limit): run from the project root after staging MLX (../shared/gpu/README.md), with
+#   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+#   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
+#   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
+#   bash benchmarks/h200_kernels.sh compare    # compare_mlx_lm with each gate off, then on
+# Commit what they print to benchmarks/RESULTS.md; flip a default only where its tests pass and it wins.
+set -u
+A="--prompt-tokens 512 --gen-tokens 128"
+case "${1:-}" in
+  tests)
+    timeout 280 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py \
+      tests/mlxcel_core/kernels/test_fused_projections.py -k "cuda or kernel or modes or norm or residual" \
+      --timeout 120 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -40 ;;
+  hmv)
+    timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
+  compare)
+    for gate in "MLXCEL_HMV=0" "MLXCEL_HMV=1"; do
+      for shape in "llama-3.2-1b" "llama-3-8b"; do
+        echo "== $gate $shape bf16"
+        env $gate timeout 110 python benchmarks/compare_mlx_lm.py --model-shape $shape --dtype bfloat16 $A \
+          --rounds 2 2>&1 | grep -E "round|median|kernel"
+      done
+    done
+    for gate in "MLXCEL_FUSE_NORM=0" "MLXCEL_FUSE_NORM=1"; do
+      echo "== $gate llama-3.2-1b 4-bit"
+      env $gate timeout 60 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --bits 4 $A --rounds 3 \
+        2>&1 | grep -E "round|median|kernel"
+    done ;;
+  *)
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|compare" >&2; exit 2 ;;
+esac
