@@ -71,15 +71,21 @@ def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tu
     return qmv.launch(args, x, w, scales, layer["biases"], mode, extra)
 
 
-class FastQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel.
-    `fuses_residual` (set by kernels/fused_projections.py on o_proj and down_proj): add_to runs the kernel's residual
-    mode."""
+class _DecodeKernelLayer:
+    """A linear layer's `__call__` and `add_to` whose decode calls run a kernel (`_matvec`, None where it does not
+    run that call: then the MLX class's own call). `fuses_residual` (set by kernels/fused_projections.py on o_proj
+    and down_proj): add_to runs the kernel's residual mode."""
 
     fuses_residual = False
 
+    def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
+        raise NotImplementedError
+
+    def _product_dtype(self, x: mx.array):
+        raise NotImplementedError
+
     def __call__(self, x: mx.array) -> mx.array:
-        y = _kernel_matvec(self, x)
+        y = self._matvec(x)
         if y is None:
             return super().__call__(x)
         return y + self["bias"] if "bias" in self else y
@@ -89,11 +95,21 @@ class FastQuantizedLinear(nn.QuantizedLinear):
         residual mode, the same values as the separate matvec and add."""
         out_shape = (*x.shape[:-1], self["weight"].shape[0])
         if (self.fuses_residual and "bias" not in self and residual.shape == out_shape
-                and residual.dtype == mx.result_type(x, self["scales"])):
-            y = _kernel_matvec(self, x, "residual", (residual,))
+                and residual.dtype == self._product_dtype(x)):
+            y = self._matvec(x, "residual", (residual,))
             if y is not None:
                 return y
         return residual + self(x)
+
+
+class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
+    """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel."""
+
+    def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
+        return _kernel_matvec(self, x, mode, extra)
+
+    def _product_dtype(self, x: mx.array):
+        return mx.result_type(x, self["scales"])
 
 
 class FastQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -113,27 +129,14 @@ def _half_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tupl
     return hmv.launch(args, x, w, mode, extra)
 
 
-class FastLinear(nn.Linear):
-    """nn.Linear (bf16/fp16) whose decode calls run kernels/hmv.py (MLXCEL_HMV=1); `fuses_residual` as in
-    FastQuantizedLinear."""
+class FastLinear(_DecodeKernelLayer, nn.Linear):
+    """nn.Linear (bf16/fp16) whose decode calls run kernels/hmv.py (MLXCEL_HMV=1)."""
 
-    fuses_residual = False
+    def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
+        return _half_matvec(self, x, mode, extra)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        y = _half_matvec(self, x)
-        if y is None:
-            return super().__call__(x)
-        return y + self["bias"] if "bias" in self else y
-
-    def add_to(self, x: mx.array, residual: mx.array) -> mx.array:
-        """residual + self(x), one launch of the kernel's residual mode for a decode call."""
-        out_shape = (*x.shape[:-1], self["weight"].shape[0])
-        if (self.fuses_residual and "bias" not in self and residual.shape == out_shape
-                and residual.dtype == mx.result_type(x, self["weight"])):
-            y = _half_matvec(self, x, "residual", (residual,))
-            if y is not None:
-                return y
-        return residual + self(x)
+    def _product_dtype(self, x: mx.array):
+        return mx.result_type(x, self["weight"])
 
 
 class FastEmbedding(nn.Embedding):

@@ -86,10 +86,20 @@ class FusedProjection:
         self.quantized = isinstance(layers[0], nn.QuantizedLinear)
         self.bits = getattr(layers[0], "bits", None)
         self.group_size = getattr(layers[0], "group_size", None)
-        # The qmv kernel's modes serve this projection (decided once, as fast_linear's swap is, at load).
-        self.kernel = self.quantized and self.bits == qmv.BITS and fast_linear.enabled()
-        # 16-bit layers: kernels/hmv.py's same modes (MLXCEL_HMV=1).
-        self.half_kernel = not self.quantized and layers[0]["weight"].dtype in hmv.WEIGHT_TYPES and hmv.enabled()
+        # The qmv kernel's modes serve this projection (decided once, as fast_linear's swap is, at load), where its
+        # gate is on and it takes these operands; 16-bit layers: kernels/hmv.py's same modes (MLXCEL_HMV=1).
+        first = layers[0]
+        w = first["weight"]
+        if self.quantized:
+            k = w.shape[1] * 32 // first.bits
+            self.kernel = fast_linear.enabled() and "biases" in first and qmv.shape_supported(
+                (1, k), first["scales"].dtype, (sum(widths), w.shape[1]), w.dtype, (sum(widths), k // first.group_size),
+                first["scales"].dtype, (sum(widths), k // first.group_size), first["biases"].dtype, first.group_size,
+                first.bits)
+        else:
+            self.kernel = False
+        self.half_kernel = not self.quantized and hmv.enabled() and hmv.shape_supported(
+            (1, w.shape[1]), w.dtype, (sum(widths), w.shape[1]), w.dtype)
         self.fold_norm = (self.kernel or self.half_kernel) and norm_fusion_enabled()
         self._eps: dict[float, mx.array] = {}  # a norm's epsilon as the kernel's float32 [1] input
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.

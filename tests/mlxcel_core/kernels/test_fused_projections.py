@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from test_qmv import check_close, make_operands, needs_cuda, reference
 
 from mlxcel_core.cache import make_cache
-from mlxcel_core.kernels import fast_linear, fused_projections, prepare_model, qmv
+from mlxcel_core.kernels import fast_linear, fused_projections, hmv, prepare_model, qmv
 from mlxcel_core.kernels.fused_projections import (FUSED_MAX_ROWS, FusedProjection, fuse_projections,
                                                    fusion_enabled, unfuse_projections)
 from mlxcel_core.models.activations import geglu, swiglu
@@ -144,6 +144,17 @@ def test_generate_cli_gives_the_same_tokens_fused(tiny_llama_dir, monkeypatch):
     assert outputs["0"] == outputs["1"]
 
 
+def assert_swiglu_close(y: mx.array, ref: np.ndarray, inter: int) -> None:
+    """y (bf16) against silu(gate) * up of the float64 [gate | up] products `ref`, gate and up first rounded to bf16
+    as the kernel does. Off by the rounding of gate and up (one bf16 ulp each where the kernel's float32 sums
+    straddle a rounding boundary) and the final rounding: at most ~3 bf16 ulps of the result."""
+    g = np.array(mx.array(ref[:, :inter].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    u = np.array(mx.array(ref[:, inter:].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    got = np.array(y.astype(mx.float32), np.float64)
+    assert np.all(np.abs(got - want) <= 2.0**-6 * np.abs(want) + 1e-3 * np.abs(want).mean())
+
+
 # -- CUDA: the kernel's fused modes ------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 2, 5])
@@ -168,14 +179,7 @@ def test_swiglu_mode_matches_reference(m, inter, k):
     args = qmv.launch_args(x.shape, x.dtype, scales.dtype, 2 * inter, 64, mode="swiglu")
     y = qmv.launch(args, x, w, scales, biases, "swiglu")
     assert y.shape == (m, inter) and y.dtype == mx.bfloat16
-    # The reference rounds gate and up to bf16 as the kernel does, then silu(g) * u in float64.
-    g = np.array(mx.array(ref[:, :inter].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
-    u = np.array(mx.array(ref[:, inter:].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
-    want = g / (1 + np.exp(-g)) * u
-    got = np.array(y.astype(mx.float32), np.float64)
-    # Off by the rounding of gate and up (one bf16 ulp each where the kernel's float32 sums straddle a rounding
-    # boundary) and the final rounding: at most ~3 bf16 ulps of the result.
-    assert np.all(np.abs(got - want) <= 2.0**-6 * np.abs(want) + 1e-3 * np.abs(want).mean())
+    assert_swiglu_close(y, ref, inter)
 
 
 @needs_cuda
@@ -350,11 +354,7 @@ def test_norm_modes_match_rms_norm_then_matvec(mode, m):
     if mode == "qkv_norm":
         check_close(mx.concatenate(out, axis=-1), ref, mag, mx.bfloat16, mode)
         return
-    gate = np.array(mx.array(ref[:, :inter].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
-    up = np.array(mx.array(ref[:, inter:].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
-    want = gate / (1 + np.exp(-gate)) * up
-    got = np.array(out.astype(mx.float32), np.float64)
-    assert np.all(np.abs(got - want) <= 2.0**-6 * np.abs(want) + 1e-3 * np.abs(want).mean())  # as the swiglu test
+    assert_swiglu_close(out, ref, inter)
 
 
 @needs_cuda
@@ -374,3 +374,14 @@ def test_model_decode_with_folded_norms_agrees(monkeypatch):
             layer.self_attn.fused_qkv.fold_norm = layer.mlp.fused_gate_up.fold_norm = True
         assert np.isfinite(folded).all()
         assert np.abs(folded - separate).max() <= 0.25 * separate.std(), np.abs(folded - separate).max()
+
+
+def test_the_kernels_serve_only_operands_they_take(monkeypatch):
+    monkeypatch.setattr(fast_linear, "enabled", lambda: True)
+    monkeypatch.setattr(hmv, "enabled", lambda: True)
+    for kwargs, kernel, half in [(dict(bits=4), True, False), (dict(bits=8), False, False),
+                                 (dict(dtype="bfloat16"), False, True), (dict(dtype="float32"), False, False)]:
+        model, _ = build_random_model("tiny", seed=1, **kwargs)
+        fuse_projections(model)
+        proj = model.layers[0].self_attn.fused_qkv
+        assert (proj.kernel, proj.half_kernel) == (kernel, half), kwargs

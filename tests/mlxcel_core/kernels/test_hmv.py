@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from test_fused_projections import assert_swiglu_close
 from test_qmv import check_close, needs_cuda
 
 from mlxcel_core.kernels import fast_linear, hmv, qmv
@@ -115,11 +116,7 @@ def test_modes():
     x, w = _operands(m, 2 * inter, k, mx.bfloat16, seed=2)
     ref, _ = _reference(x, w)
     y = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, 2 * inter, mode="swiglu"), x, w, "swiglu")
-    gate = np.array(mx.array(ref[:, :inter].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
-    up = np.array(mx.array(ref[:, inter:].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
-    want = gate / (1 + np.exp(-gate)) * up
-    got = np.array(y.astype(mx.float32), np.float64)
-    assert np.all(np.abs(got - want) <= 2.0**-6 * np.abs(want) + 1e-3 * np.abs(want).mean())
+    assert_swiglu_close(y, ref, inter)
 
 
 @needs_cuda
