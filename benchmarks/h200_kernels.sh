@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The H200 checks of the opt-in decode kernels (MLXCEL_HMV, MLXCEL_FUSE_NORM), one step per device call (each fits
-# the 10-minute limit): run from the project root after staging MLX (../shared/gpu/README.md), with
+# The H200 checks of the opt-in decode kernels (MLXCEL_HMV, MLXCEL_FUSE_NORM, MLXCEL_FUSE_ROPE), one step per device
+# call (each fits the 10-minute limit): run from the project root after staging MLX (../shared/gpu/README.md), with
 #   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
-#   bash benchmarks/h200_kernels.sh compare    # compare_mlx_lm with each gate off, then on
+#   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
+#   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
+#   bash benchmarks/h200_kernels.sh suite      # the engine and model tests with the GPU defaults (never run there)
 # Commit what they print to benchmarks/RESULTS.md; flip a default only where its tests pass and it wins.
 set -u
 A="--prompt-tokens 512 --gen-tokens 128"
@@ -13,22 +15,26 @@ case "${1:-}" in
     timeout 140 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py --timeout 100 \
       --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -30
     timeout 140 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_fused_projections.py \
-      -k "norm" --timeout 100 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -20 ;;
+      -k "norm or rope" --timeout 100 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -20 ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
-  compare)
+  bf16)
     for gate in "MLXCEL_HMV=0" "MLXCEL_HMV=1"; do
       for shape in "llama-3.2-1b" "llama-3-8b"; do
         echo "== $gate $shape bf16"
         env $gate timeout 110 python benchmarks/compare_mlx_lm.py --model-shape $shape --dtype bfloat16 $A \
           --rounds 2 2>&1 | grep -E "round|median|kernel"
       done
-    done
-    for gate in "MLXCEL_FUSE_NORM=0" "MLXCEL_FUSE_NORM=1"; do
+    done ;;
+  q4)
+    for gate in "MLXCEL_FUSE_NORM=0" "MLXCEL_FUSE_NORM=1" "MLXCEL_FUSE_ROPE=1" "MLXCEL_FUSE_NORM=1 MLXCEL_FUSE_ROPE=1"; do
       echo "== $gate llama-3.2-1b 4-bit"
       env $gate timeout 60 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --bits 4 $A --rounds 3 \
         2>&1 | grep -E "round|median|kernel"
     done ;;
+  suite)
+    timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine tests/mlxcel_core/models \
+      --timeout 120 2>&1 | tail -25 ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|compare" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|bf16|q4|suite" >&2; exit 2 ;;
 esac

@@ -33,6 +33,8 @@ ENVIRONMENT = [
                     "and op. Default: fused when MLX runs on a GPU."),
     ("MLXCEL_FUSE_NORM", "1: also take each layer's RMSNorm into its fused 4-bit q/k/v and gate/up launches. Default: "
                          "off (not yet run on a GPU)."),
+    ("MLXCEL_FUSE_ROPE", "1: also apply RoPE to q and k inside the fused q/k/v launch (plain non-traditional RoPE, "
+                         "no q/k norms). Default: off (not yet run on a GPU)."),
     ("MLXCEL_HMV", "1: bf16/fp16 layers' decode matvecs (with their fused projections and residual adds) run mlxcel's "
                    "16-bit CUDA kernel. Default: off (not yet run on a GPU)."),
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "

@@ -24,11 +24,12 @@ def prepare_model(model) -> None:
 def describe_decode_kernels() -> str:
     """For benchmark headers: which decode kernels this process's models get."""
     from . import hmv
-    from .fused_projections import fusion_enabled, norm_fusion_enabled
+    from .fused_projections import fusion_enabled, norm_fusion_enabled, rope_fusion_enabled
 
     def on(flag: bool) -> str:
         return "on" if flag else "off"
 
     return (f"fused q/k/v, gate/up and residual adds {on(fusion_enabled())} (MLXCEL_FUSE), "
-            f"norms folded {on(norm_fusion_enabled())} (MLXCEL_FUSE_NORM), "
+            f"norms folded {on(norm_fusion_enabled())} (MLXCEL_FUSE_NORM), rope folded {on(rope_fusion_enabled())} "
+            "(MLXCEL_FUSE_ROPE), "
             f"4-bit matvec kernel {on(enabled())} (MLXCEL_QMV), 16-bit matvec kernel {on(hmv.enabled())} (MLXCEL_HMV)")

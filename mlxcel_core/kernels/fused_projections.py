@@ -18,6 +18,8 @@ into the same launch (FastQuantizedLinear.fuses_residual, the kernel's "residual
 
 MLXCEL_FUSE_NORM=1 (off by default: not yet measured on a GPU) also takes each block's pre-norm (an RMSNorm) into
 the "qkv" and "swiglu" launches (modes "qkv_norm", "swiglu_norm"): two more launches fewer per layer.
+MLXCEL_FUSE_ROPE=1 (off by default, likewise) rotates q and k in the q/k/v launch (modes "qkv_rope",
+"qkv_norm_rope"; Attention._project_roped): two more.
 
 Gate (fusion_enabled): MLXCEL_FUSE=1 / 0 forces it; unset, on only where MLX runs on a GPU (on the CPU a
 matmul's launch costs nothing worth saving, and concatenating costs a copy of those weights at load).
@@ -37,6 +39,7 @@ from . import fast_linear, hmv, qmv
 
 ENV = "MLXCEL_FUSE"
 NORM_ENV = "MLXCEL_FUSE_NORM"
+ROPE_ENV = "MLXCEL_FUSE_ROPE"
 FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (decode batches)
 _PARAMS = ("weight", "scales", "biases", "bias")
 _QUANTIZED = (nn.QuantizedLinear, fast_linear.FastQuantizedLinear)
@@ -53,6 +56,11 @@ def fusion_enabled() -> bool:
 def norm_fusion_enabled() -> bool:
     """Whether fused 4-bit projections on the kernel take their block's RMSNorm into the launch (MLXCEL_FUSE_NORM=1)."""
     return os.environ.get(NORM_ENV, "").strip() == "1"
+
+
+def rope_fusion_enabled() -> bool:
+    """Whether fused q/k/v projections on a kernel apply the RoPE to q and k in the launch (MLXCEL_FUSE_ROPE=1)."""
+    return os.environ.get(ROPE_ENV, "").strip() == "1"
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
@@ -101,9 +109,12 @@ class FusedProjection:
         self.half_kernel = not self.quantized and hmv.enabled() and hmv.shape_supported(
             (1, w.shape[1]), w.dtype, (sum(widths), w.shape[1]), w.dtype)
         self.fold_norm = (self.kernel or self.half_kernel) and norm_fusion_enabled()
+        self.fold_rope = False  # set below for q/k/v (no biases: they come before the rotation)
         self._eps: dict[float, mx.array] = {}  # a norm's epsilon as the kernel's float32 [1] input
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.
         self.qkv_split = (widths[0], widths[1]) if len(widths) == 3 and widths[1] == widths[2] else None
+        self.fold_rope = bool((self.kernel or self.half_kernel) and self.qkv_split and "bias" not in first
+                              and rope_fusion_enabled())
         self.params = {}
         for name in _PARAMS:
             if name in layers[0]:
@@ -150,20 +161,32 @@ class FusedProjection:
             eps = self._eps[norm.eps] = mx.array([norm.eps], dtype=mx.float32)
         return norm.weight, eps
 
-    def _launch(self, x: mx.array, mode: str, norm: nn.Module | None, split=None):
-        """The kernel's `mode` on x (norm(x) with a norm: folded into the launch where it can be), or None where the
-        kernel does not run this call."""
+    def _launch(self, x: mx.array, mode: str, norm: nn.Module | None, split=None, rope: tuple = ()):
+        """The kernel's `mode` on x (norm(x) with a norm: folded into the launch where it can be; `rope` = (positions,
+        inverse frequencies): the "_rope" variant), or None where the kernel does not run this call."""
         folded = self._norm_inputs(norm)
         if folded is not None:
             mode += "_norm"
+        if rope:
+            mode += "_rope"
         args = self._kernel_args(x, mode, split)
         if args is None:
             return None
         p = self.params
         x_in = x if folded is not None else normed(x, norm)
+        extra = (*(folded or ()), *rope)
         if self.half_kernel:
-            return hmv.launch(args, x_in, p["weight"], mode, folded or ())
-        return qmv.launch(args, x_in, p["weight"], p["scales"], p["biases"], mode, folded or ())
+            return hmv.launch(args, x_in, p["weight"], mode, extra)
+        return qmv.launch(args, x_in, p["weight"], p["scales"], p["biases"], mode, extra)
+
+    def split_roped(self, x: mx.array, norm: nn.Module | None, positions: mx.array, inv_freq: mx.array,
+                    head_dim: int) -> list[mx.array] | None:
+        """q, k, v of x (of norm(x)) with q and k already rotated (non-traditional RoPE: `positions` [rows of x],
+        float32, times the RoPE's scale; `inv_freq` [head_dim / 2]), in one launch; None where that launch cannot
+        run (gate off, no kernel for this call): the caller then projects and rotates as usual."""
+        if not self.fold_rope:
+            return None
+        return self._launch(x, "qkv", norm, (*self.qkv_split, head_dim), (positions, inv_freq))
 
     def split(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
         """Each layer's output, in order, of x (of norm(x) when given)."""

@@ -54,7 +54,7 @@ def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def launch_args(x_shape: tuple, x_dtype, w_dtype, n: int, config: tuple | None = None, max_rows: int = MAX_ROWS,
-                mode: str = "plain", split: tuple[int, int] | None = None) -> dict | None:
+                mode: str = "plain", split: tuple[int, ...] | None = None) -> dict | None:
     """Everything but the inputs of one launch, or None when x does not suit the kernel (qmv.launch_args' rules)."""
     m = qmv.rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in qmv.FLOAT_TYPES or w_dtype not in WEIGHT_TYPES:

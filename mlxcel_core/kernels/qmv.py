@@ -123,21 +123,27 @@ def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int) -> 
     return m | group_size << 4 | rows << 12 | warps << 16 | unroll << 20
 
 
-def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[int, int] | None,
+def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[int, ...] | None,
                 x_shape: tuple, out_dtype, template: list) -> dict:
     """The launch of `mode` over a weight of n rows (both weight kinds): template ints, grid and outputs.
 
-    mode "qkv" (and "qkv_norm") takes split = (NQ, NK), n = NQ + 2 NK; "swiglu" (and "swiglu_norm") writes n / 2
-    outputs."""
+    mode "qkv" (and "qkv_norm") takes split = (NQ, NK), n = NQ + 2 NK, and "qkv_rope" / "qkv_norm_rope" split =
+    (NQ, NK, head_dim); "swiglu" (and "swiglu_norm") writes n / 2 outputs."""
     threads = warps * 32
     blocks = -(-n // rows)
     base = base_mode(mode)
     if base == "qkv":
-        nq, nk = split
+        nq, nk = split[:2]
         if nq + 2 * nk != n:
             raise ValueError(f"qkv split {split} does not add up to the weight's {n} rows")
         template = template + [("NQ", nq), ("NK", nk)]
         outputs = [nq, nk, nk]
+        if mode.endswith("_rope"):  # split = (NQ, NK, head_dim); a block takes rows / 2 rotation pairs
+            hd = split[2]
+            if hd % 2 or nq % hd or nk % hd or rows % 2:
+                raise ValueError(f"rope needs an even head_dim dividing q and k ({split}) and even rows, got {rows}")
+            template = template + [("HD", hd)]
+            blocks = -(-(n // 2) // (rows // 2))
     elif base == "swiglu":
         if n % 2 or rows % 2:
             raise ValueError(f"swiglu needs an even number of weight rows and of rows per block, got {n}, {rows}")
@@ -156,7 +162,7 @@ def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[i
 
 @functools.lru_cache(maxsize=4096)
 def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None = None,
-                max_rows: int = MAX_ROWS, mode: str = "plain", split: tuple[int, int] | None = None) -> dict | None:
+                max_rows: int = MAX_ROWS, mode: str = "plain", split: tuple[int, ...] | None = None) -> dict | None:
     """Everything but the inputs of one launch (cached: a decode step makes hundreds of calls with few shapes),
     or None when x does not suit the kernel (more than max_rows rows, none, or not a float type). n is the weight's
     rows; `mode_layout` says what each mode adds."""

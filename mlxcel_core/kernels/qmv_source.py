@@ -38,6 +38,18 @@ struct mlxcel_qmv_pointee<const A*> {
     using type = A;
 };
 
+// Output n of row m of [q; k; v] (NQ, NK, NK wide) into its array.
+template <typename O>
+__device__ __forceinline__ void mlxcel_qmv_store_qkv(O* q, O* k, O* v, int nq, int nk, int m, int n, O o) {
+    if (n < nq) {
+        q[size_t(m) * nq + n] = o;
+    } else if (n < nq + nk) {
+        k[size_t(m) * nk + (n - nq)] = o;
+    } else {
+        v[size_t(m) * nk + (n - nq - nk)] = o;
+    }
+}
+
 // 16 bytes of packed weights (32 nibbles), streamed: read once, so marked evict-first.
 __device__ __forceinline__ uint4 mlxcel_qmv_load_w(const uint32_t* p, bool vec) {
     if (vec) {
@@ -277,14 +289,51 @@ _EPILOGUE_ROWS = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32)
 # y [M, N].
 _EPILOGUE_PLAIN = _EPILOGUE_ROWS.replace("/*WRITE*/", "            y[size_t(m) * N + n] = static_cast<OUT>(t);")
 # Weight rows [0, NQ) -> q_out [M, NQ], [NQ, NQ + NK) -> k_out [M, NK], the rest -> v_out [M, NK].
-_EPILOGUE_QKV = _EPILOGUE_ROWS.replace("/*WRITE*/", """            const OUT o = static_cast<OUT>(t);
-            if (n < NQ) {
-                q_out[size_t(m) * NQ + n] = o;
-            } else if (n < NQ + NK) {
-                k_out[size_t(m) * NK + (n - NQ)] = o;
-            } else {
-                v_out[size_t(m) * NK + (n - NQ - NK)] = o;
-            }""")
+_EPILOGUE_QKV = _EPILOGUE_ROWS.replace(
+    "/*WRITE*/", "            mlxcel_qmv_store_qkv(q_out, k_out, v_out, NQ, NK, m, n, static_cast<OUT>(t));")
+
+# qkv with RoPE ("qkv_rope", "qkv_norm_rope"): a block takes ROWS / 2 rotation pairs, rows (h HD + i, h HD + i + HD/2)
+# of one head (non-traditional RoPE rotates element i with element i + HD/2), over all of [q; k; v] (v's pairs are
+# written unrotated). Each product is rounded to OUT first, as the separate matvec returns it; then, for q and k rows,
+# (a, b) -> (a cos - b sin, b cos + a sin) with angle positions[m] * inv_freq[i] in float32 and one rounding, as
+# mx.fast.rope computes it from the rounded q and k. positions [M] (float32: the row's position times the RoPE's
+# scale), inv_freq [HD / 2] (float32). Template int HD (head_dim).
+_ROWS_PAIRS = """    constexpr int HALF = ROWS / 2;
+    static_assert(ROWS % 2 == 0, "rope blocks take rows in rotation pairs");
+    const int NPAIR = N / 2;
+    const int n0 = blockIdx.x * HALF;  // first rotation pair of this block"""
+_ROW_MAP_PAIRS = """        const int p = min(n0 + r % HALF, NPAIR - 1);
+        const size_t n = size_t((p / (HD / 2)) * HD + p % (HD / 2) + (r < HALF ? 0 : HD / 2));"""
+_EPILOGUE_QKV_ROPE = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 32) {
+        const int r = i / M;
+        const int m = i % M;
+        const int p = n0 + r;
+        if (p < NPAIR) {
+            float a = 0.0f;
+            float b = 0.0f;
+#pragma unroll
+            for (int v = 0; v < WARPS; ++v) {
+                a += red[v][r * M + m];
+                b += red[v][(r + HALF) * M + m];
+            }
+/*SCALE_AB*/
+            a = static_cast<float>(static_cast<OUT>(a));
+            b = static_cast<float>(static_cast<OUT>(b));
+            const int j = p % (HD / 2);
+            const int n = (p / (HD / 2)) * HD + j;
+            float oa = a;
+            float ob = b;
+            if (n < NQ + NK) {  // q and k rotate; v does not
+                const float angle = positions[m] * inv_freq[j];
+                const float c = cosf(angle);
+                const float s = sinf(angle);
+                oa = a * c - b * s;
+                ob = b * c + a * s;
+            }
+            mlxcel_qmv_store_qkv(q_out, k_out, v_out, NQ, NK, m, n, static_cast<OUT>(oa));
+            mlxcel_qmv_store_qkv(q_out, k_out, v_out, NQ, NK, m, n + HD / 2, static_cast<OUT>(ob));
+        }
+    }"""
 
 # y [M, N] = residual + x @ w.T: the product rounded to OUT first, as the separate matvec returns it, then the add
 # in float32 and one rounding to OUT, as a separate add computes it.
@@ -352,7 +401,8 @@ _RNORM = """            float ssq = 0.0f;
             const float rn = rsqrtf(ssq / float(K) + eps[0]);  // row m's RMSNorm factor
 """
 _NORM_SCALE = {"/*SCALE*/": _RNORM + "            t *= rn;",
-               "/*SCALE_GU*/": _RNORM + "            g *= rn;\n            u *= rn;"}
+               "/*SCALE_GU*/": _RNORM + "            g *= rn;\n            u *= rn;",
+               "/*SCALE_AB*/": _RNORM + "            a *= rn;\n            b *= rn;"}
 
 # mode -> (inputs after x, w, scales, biases; output names, block rows, row map, epilogue)
 MODES = {
@@ -362,13 +412,17 @@ MODES = {
     "residual": (("residual",), ("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_RESIDUAL),
 }
 NORM_INPUTS = ("norm_w", "eps")
+ROPE_INPUTS = ("positions", "inv_freq")
 for _base in ("qkv", "swiglu"):
     MODES[f"{_base}_norm"] = (NORM_INPUTS, *MODES[_base][1:])
+_QKV_OUT = MODES["qkv"][1]
+MODES["qkv_rope"] = (ROPE_INPUTS, _QKV_OUT, _ROWS_PAIRS, _ROW_MAP_PAIRS, _EPILOGUE_QKV_ROPE)
+MODES["qkv_norm_rope"] = (NORM_INPUTS + ROPE_INPUTS, _QKV_OUT, _ROWS_PAIRS, _ROW_MAP_PAIRS, _EPILOGUE_QKV_ROPE)
 
 
 def base_mode(mode: str) -> str:
-    """The mode without its "_norm" (the outputs and row layout are the base mode's)."""
-    return mode.removesuffix("_norm")
+    """The mode without its "_norm" / "_rope" (the outputs are the base mode's)."""
+    return mode.removesuffix("_rope").removesuffix("_norm")
 
 
 WEIGHTS = ("q4", "half")  # 4-bit affine (w, scales, biases) or 16-bit (w)
@@ -386,7 +440,7 @@ def kernel_source(mode: str = "plain", weights: str = "q4") -> str:
     body = (_MAIN_Q4 if weights == "q4" else _MAIN_HALF) + _TAIL
     source = (body.replace("/*OUT0*/", outputs[0]).replace("/*ROWS_OF_BLOCK*/", block_rows)
               .replace("/*ROW_MAP*/", row_map).replace("/*EPILOGUE*/", epilogue))
-    norm = mode.endswith("_norm")
+    norm = "_norm" in mode
     for marker, code in {**_NORM, **_NORM_SCALE}.items():
         source = source.replace(marker + "\n", code + "\n" if norm else "")
     return source.replace("/*KX*/", "k + 8 * i" if weights == "q4" else "k")  # the x chunk's first element

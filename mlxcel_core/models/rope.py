@@ -24,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..errors import UnsupportedModelError
 
@@ -152,6 +153,31 @@ class RoPE(nn.Module):
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return self._rope(x, offset, self._periods)
+
+
+def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
+    """The float32 inverse frequencies [head_dim / 2] with which a kernel can apply `rope` itself
+    (kernels/fused_projections.py, MLXCEL_FUSE_ROPE), or None for a RoPE it cannot: only the plain class
+    (not LongRoPE), non-traditional, over the whole head, without an attention factor. Made once per module."""
+    if type(rope) is not RoPE or rope.traditional or rope.dims != head_dim or rope.mscale != 1.0:
+        return None
+    cached = getattr(rope, "_fold_inv_freq", None)
+    if cached is None:
+        if rope._periods is not None:
+            cached = (1.0 / rope._periods).astype(mx.float32)
+        else:
+            exponents = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
+            cached = mx.array((rope.base ** -exponents).astype(np.float32))
+        rope._fold_inv_freq = cached
+    return cached
+
+
+def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float) -> mx.array:
+    """Each row's RoPE position times `scale` (what mx.fast.rope multiplies the frequencies by), float32
+    [batch * length]: offset is the cache's (an int, or an array of one or `batch` entries)."""
+    start = mx.array(offset, dtype=mx.float32) if isinstance(offset, int) else offset.astype(mx.float32)
+    start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
+    return ((start + mx.arange(length, dtype=mx.float32)[None]) * scale).reshape(-1)
 
 
 class LongRoPE(RoPE):

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from ..errors import UnsupportedModelError
 from .activations import swiglu
 from .base import BaseModelArgs, LayerCache, attention, cache_offset, normed
-from .rope import RoPE, rope_base, rope_scaling_config
+from .rope import RoPE, fold_frequencies, fold_positions, rope_base, rope_scaling_config
 
 
 @dataclass
@@ -121,19 +121,32 @@ class Attention(nn.Module):
         x = normed(x, norm)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def _project_roped(self, x: mx.array, norm: nn.Module | None, offset) -> list[mx.array] | None:
+        """q, k, v with q and k rotated by the fused projection's launch (MLXCEL_FUSE_ROPE), or None."""
+        fused = self.fused_qkv
+        if fused is None or not fused.fold_rope or self.qk_norm or not fused.takes(x):
+            return None
+        inv_freq = fold_frequencies(self.rope, self.head_dim)
+        if inv_freq is None:
+            return None
+        B, L, _ = x.shape
+        return fused.split_roped(x, norm, fold_positions(offset, B, L, self.rope.scale), inv_freq, self.head_dim)
+
     def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None,
                  norm: nn.Module | None = None) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = self.project(x, norm)
+        offset = cache_offset(cache)
+        roped = self._project_roped(x, norm, offset)
+        q, k, v = roped if roped is not None else self.project(x, norm)
         q = q.reshape(B, L, self.n_heads, self.head_dim)
         k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         v = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        offset = cache_offset(cache)
-        out = attention(self.rope(q, offset), self.rope(k, offset), v, cache, self.scale,
-                        window=self.window, softcap=self.softcap)
+        if roped is None:
+            q, k = self.rope(q, offset), self.rope(k, offset)
+        out = attention(q, k, v, cache, self.scale, window=self.window, softcap=self.softcap)
         return add_projection(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
 
 

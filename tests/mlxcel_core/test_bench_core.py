@@ -207,9 +207,10 @@ def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     monkeypatch.setenv("MLXCEL_FUSE", "1")
     monkeypatch.setenv("MLXCEL_QMV", "0")
     monkeypatch.setenv("MLXCEL_FUSE_NORM", "1")
+    monkeypatch.setenv("MLXCEL_FUSE_ROPE", "0")
     monkeypatch.setenv("MLXCEL_HMV", "0")
     assert bench_header(model).endswith(
-        "fused q/k/v, gate/up and residual adds on (MLXCEL_FUSE), norms folded on (MLXCEL_FUSE_NORM), "
-        "4-bit matvec kernel off (MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV)")
+        "fused q/k/v, gate/up and residual adds on (MLXCEL_FUSE), norms folded on (MLXCEL_FUSE_NORM), rope folded off "
+        "(MLXCEL_FUSE_ROPE), 4-bit matvec kernel off (MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV)")
     monkeypatch.setenv("MLXCEL_FUSE", "0")
     assert "fused q/k/v, gate/up and residual adds off (MLXCEL_FUSE)" in bench_header(model)

@@ -385,3 +385,125 @@ def test_the_kernels_serve_only_operands_they_take(monkeypatch):
         fuse_projections(model)
         proj = model.layers[0].self_attn.fused_qkv
         assert (proj.kernel, proj.half_kernel) == (kernel, half), kwargs
+
+
+# -- RoPE applied to q and k in the q/k/v launch (MLXCEL_FUSE_ROPE=1; modes "qkv_rope", "qkv_norm_rope") -----------
+def _rope_epilogue(products: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, nq: int, nk: int,
+                   hd: int) -> np.ndarray:
+    """The kernel's rope epilogue in numpy: each (row, row + hd/2) pair of a head rounded to bf16, then rotated in
+    float32 for q and k rows (v's pass through), then rounded to bf16. products [M, NQ + 2 NK] (float64)."""
+    def bf16(a):
+        return np.array(mx.array(a.astype(np.float32)).astype(mx.bfloat16).astype(mx.float32))
+
+    out = bf16(products).copy()
+    half = hd // 2
+    for head in range((nq + nk) // hd):
+        a = out[:, head * hd:head * hd + half].copy()
+        b = out[:, head * hd + half:(head + 1) * hd].copy()
+        angle = (positions[:, None] * inv_freq[None]).astype(np.float32)
+        c, s = np.cos(angle, dtype=np.float32), np.sin(angle, dtype=np.float32)
+        out[:, head * hd:head * hd + half] = a * c - b * s
+        out[:, head * hd + half:(head + 1) * hd] = b * c + a * s
+    return bf16(out)
+
+
+@pytest.mark.parametrize("offset,scale", [(0, 1.0), (37, 1.0), (1000, 0.25)])
+def test_emulated_rope_epilogue_is_mlx_rope_of_the_rounded_products(offset, scale):
+    from mlxcel_core.models.rope import RoPE, fold_frequencies, fold_positions
+
+    m, nq, nk, hd = 3, 4 * 32, 2 * 32, 32
+    rng = np.random.default_rng(offset)
+    products = rng.standard_normal((m, nq + 2 * nk))
+    rope = RoPE(hd, 10000.0, scale=scale)
+    positions = np.array(fold_positions(offset, m, 1, scale))  # three sequences at the same position
+    got = _rope_epilogue(products, positions, np.array(fold_frequencies(rope, hd)), nq, nk, hd)
+    rounded = mx.array(products.astype(np.float32)).astype(mx.bfloat16)
+    q = rounded[:, :nq].reshape(m, 1, nq // hd, hd).transpose(0, 2, 1, 3)
+    k = rounded[:, nq:nq + nk].reshape(m, 1, nk // hd, hd).transpose(0, 2, 1, 3)
+    want_q = np.array(rope(q, offset).transpose(0, 2, 1, 3).reshape(m, nq).astype(mx.float32))
+    want_k = np.array(rope(k, offset).transpose(0, 2, 1, 3).reshape(m, nk).astype(mx.float32))
+    ulp = 2.0**-7 * np.abs(want_q).max()
+    assert np.abs(got[:, :nq] - want_q).max() <= ulp and np.abs(got[:, nq:nq + nk] - want_k).max() <= ulp
+    assert np.array_equal(got[:, nq + nk:], np.array(rounded[:, nq + nk:].astype(mx.float32)))  # v unrotated
+
+
+def test_rope_pairs_cover_every_row_once():
+    """The kernel's pair row map: pair p -> rows (p // (hd/2)) * hd + p % (hd/2) and that + hd/2."""
+    nq, nk, hd = 6 * 64, 2 * 64, 64
+    rows = []
+    for p in range((nq + 2 * nk) // 2):
+        n = (p // (hd // 2)) * hd + p % (hd // 2)
+        rows += [n, n + hd // 2]
+    assert sorted(rows) == list(range(nq + 2 * nk))
+
+
+def test_rope_fold_frequencies_and_gate(monkeypatch):
+    from mlxcel_core.models.rope import LongRoPE, RoPE, fold_frequencies
+
+    base = fold_frequencies(RoPE(64, 500000.0), 64)
+    assert base.dtype == mx.float32 and np.allclose(np.array(base), 500000.0 ** -(np.arange(0, 64, 2) / 64))
+    custom = mx.array(np.linspace(1.0, 0.01, 32).astype(np.float32))
+    assert np.allclose(np.array(fold_frequencies(RoPE(64, 1.0, inv_freq=custom), 64)), np.array(custom), rtol=1e-6)
+    assert fold_frequencies(RoPE(64, 1e4, traditional=True), 64) is None
+    assert fold_frequencies(RoPE(32, 1e4), 64) is None  # a partial rotation
+    assert fold_frequencies(RoPE(64, 1e4, mscale=1.2), 64) is None
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64, "factor": 2.0,
+               "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
+    assert fold_frequencies(LongRoPE(64, 1e4, False, scaling), 64) is None
+    monkeypatch.setenv("MLXCEL_FUSE_ROPE", "1")
+    assert fused_projections.rope_fusion_enabled()
+    monkeypatch.delenv("MLXCEL_FUSE_ROPE")
+    assert not fused_projections.rope_fusion_enabled()
+
+
+def test_attention_rotates_as_before_where_the_launch_cannot():
+    """fold_rope on without a kernel: split_roped declines and the layer projects and rotates as before."""
+    model, _ = build_random_model("tiny", bits=4, seed=9)
+    want = _decode_logits(model, 2)
+    fuse_projections(model)
+    for layer in model.layers:
+        layer.self_attn.fused_qkv.fold_rope = True
+    assert model.layers[0].self_attn.fused_qkv.split_roped(mx.zeros((1, 1, 128)), None, mx.zeros((1,)),
+                                                           mx.zeros((16,)), 32) is None
+    assert mx.array_equal(_decode_logits(model, 2), want).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("mode", ["qkv_rope", "qkv_norm_rope"])
+def test_rope_modes_match_products_then_rope(mode, m):
+    k, nq, nk, hd = 2048, 2048, 512, 64
+    x, w, scales, biases = make_operands(m, nq + 2 * nk, k, mx.bfloat16, seed=m)
+    extra, x_in = (), x
+    if mode == "qkv_norm_rope":
+        g = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(m)).astype(mx.bfloat16)
+        extra = (g, mx.array([1e-5], dtype=mx.float32))
+        x_in = mx.array(_rms_norm_reference(x, g, 1e-5).astype(np.float32))
+    ref, _ = reference(x_in, w, scales, biases)
+    positions = mx.array(np.arange(m, dtype=np.float32) * 7 + 100)
+    inv_freq = mx.array((500000.0 ** -(np.arange(0, hd, 2) / hd)).astype(np.float32))
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, nq + 2 * nk, 64, mode=mode, split=(nq, nk, hd))
+    q, kk, v = qmv.launch(args, x, w, scales, biases, mode, (*extra, positions, inv_freq))
+    got = np.array(mx.concatenate([q, kk, v], axis=-1).astype(mx.float32))
+    want = _rope_epilogue(ref, np.array(positions), np.array(inv_freq), nq, nk, hd)
+    # two bf16 ulps: the products' own rounding may differ by one where float32 sums straddle a boundary
+    assert np.all(np.abs(got - want) <= 2.0**-7 * np.abs(want) + 2.0**-8 * np.abs(want).mean())
+
+
+@needs_cuda
+def test_model_decode_with_rope_folded_agrees(monkeypatch):
+    """llama-3.2-1b 4-bit bf16 (llama3 RoPE scaling: custom frequencies): folded against separate rotations,
+    logits within 0.25 x their std, batch 1 and 2 (rows at different positions after the ragged prompt)."""
+    monkeypatch.setenv("MLXCEL_QMV", "1")
+    monkeypatch.setenv("MLXCEL_FUSE_ROPE", "1")
+    model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=7)
+    assert model.layers[0].self_attn.fused_qkv.fold_rope
+    for batch in (1, 2):
+        folded = np.array(_decode_logits(model, batch).astype(mx.float32))
+        for layer in model.layers:
+            layer.self_attn.fused_qkv.fold_rope = False
+        separate = np.array(_decode_logits(model, batch).astype(mx.float32))
+        for layer in model.layers:
+            layer.self_attn.fused_qkv.fold_rope = True
+        assert np.isfinite(folded).all()
+        assert np.abs(folded - separate).max() <= 0.25 * separate.std(), np.abs(folded - separate).max()

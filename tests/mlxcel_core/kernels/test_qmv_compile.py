@@ -29,6 +29,8 @@ def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, un
     default header (mlx/backend/cuda/device/utils.cuh is not installed with a CPU build of MLX). For weights "half"
     (kernels/hmv.py) s_dtype is the weight's dtype and group_size is unused."""
     n, split = (512 + 2 * 128, (512, 128)) if qmv.base_mode(mode) == "qkv" else (64, None)
+    if mode.endswith("_rope"):
+        split = (512, 128, 64)
     config = (rows, warps, unroll)
     if weights == "q4":
         args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, config, mode=mode, split=split)
@@ -42,7 +44,8 @@ def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, un
     inputs, outputs = qmv.MODES[mode][:2]
     assert args["output_dtypes"] == [out_dtype] * len(outputs) and "x_shape" not in source  # x comes without shape
     params = [f"    const {_CUDA_TYPES[x_dtype]}* x", *operands]
-    extra_types = {"residual": out_dtype, "norm_w": x_dtype, "eps": mx.float32}
+    extra_types = {"residual": out_dtype, "norm_w": x_dtype, "eps": mx.float32, "positions": mx.float32,
+                   "inv_freq": mx.float32}
     params += [f"    const {_CUDA_TYPES[extra_types[name]]}* {name}" for name in inputs]
     params += [f"    {_CUDA_TYPES[out_dtype]}* {name}" for name in outputs]
     consts = [f"  using {k} = {_CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
@@ -67,7 +70,9 @@ _HALF = [
     (mx.bfloat16, mx.bfloat16, 1, 0, 8, 1, 1, "swiglu", "half"),
     (mx.bfloat16, mx.bfloat16, 2, 0, 4, 2, 1, "residual", "half"),
     (mx.bfloat16, mx.bfloat16, 1, 0, 4, 2, 1, "qkv_norm", "half"),
-    (mx.float16, mx.float16, 4, 0, 8, 2, 1, "swiglu_norm", "half")]
+    (mx.float16, mx.float16, 4, 0, 8, 2, 1, "swiglu_norm", "half"),
+    (mx.bfloat16, mx.bfloat16, 1, 0, 4, 2, 1, "qkv_rope", "half"),
+    (mx.bfloat16, mx.bfloat16, 2, 0, 8, 1, 1, "qkv_norm_rope", "half")]
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (compile check only; nothing runs)")
@@ -80,7 +85,9 @@ _HALF = [
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "residual"), (mx.float16, mx.float32, 3, 64, 8, 1, 1, "residual"),
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "qkv_norm"), (mx.float16, mx.float16, 4, 32, 8, 4, 1, "qkv_norm"),
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "swiglu_norm"),
-    (mx.float32, mx.float32, 8, 64, 8, 1, 1, "swiglu_norm")]),
+    (mx.float32, mx.float32, 8, 64, 8, 1, 1, "swiglu_norm"),
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "qkv_rope"), (mx.float16, mx.float16, 3, 32, 8, 4, 1, "qkv_rope"),
+    (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "qkv_norm_rope")]),
     *_HALF])
 def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, rows, warps, unroll,
                                                  mode, weights):
