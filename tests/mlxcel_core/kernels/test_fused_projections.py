@@ -309,7 +309,7 @@ def test_emulated_norm_fold_matches_norm_then_matvec(m, n, k):
     assert err.max() <= ATOL_MAG[mx.bfloat16], f"{err.max():.3g} of |x| @ |W|.T"
 
 
-def test_norm_fold_needs_the_gate_an_rmsnorm_and_the_kernel(monkeypatch):
+def test_norm_fold_needs_the_gate_an_rmsnorm_and_the_kernel():
     model, _ = build_random_model("tiny", bits=4, seed=4)
     fuse_projections(model)
     proj, norm = model.layers[0].self_attn.fused_qkv, model.layers[0].input_layernorm
@@ -320,10 +320,15 @@ def test_norm_fold_needs_the_gate_an_rmsnorm_and_the_kernel(monkeypatch):
     assert weight is norm.weight and eps.dtype == mx.float32 and eps.item() == pytest.approx(norm.eps)
     assert proj._norm_inputs(norm)[1] is eps  # made once per epsilon
     assert proj._norm_inputs(nn.LayerNorm(norm.weight.shape[0])) is None
-    monkeypatch.setenv("MLXCEL_FUSE_NORM", "1")
-    assert fused_projections.norm_fusion_enabled()
-    monkeypatch.delenv("MLXCEL_FUSE_NORM")
-    assert not fused_projections.norm_fusion_enabled()
+
+
+@pytest.mark.parametrize("env,gate", [("MLXCEL_FUSE_NORM", "norm_fusion_enabled"),
+                                      ("MLXCEL_FUSE_ROPE", "rope_fusion_enabled")])
+def test_fold_gates_are_off_unless_set(monkeypatch, env, gate):
+    monkeypatch.delenv(env, raising=False)
+    assert not getattr(fused_projections, gate)()
+    monkeypatch.setenv(env, "1")
+    assert getattr(fused_projections, gate)()
 
 
 def test_layers_pass_their_norms_and_compute_the_same_values():
@@ -357,23 +362,32 @@ def test_norm_modes_match_rms_norm_then_matvec(mode, m):
     assert_swiglu_close(out, ref, inter)
 
 
+def _assert_fold_agrees(model, flag: str, projections) -> None:
+    """Decode logits (batch 1 and 2) with `flag` on every fused projection in `projections` (a function of a layer)
+    against the same with it off: within 0.25 x their std, the tolerance of the kernel's bf16 model tests (a fold
+    skips a bf16 rounding of the activations, or rounds the rotation differently)."""
+    def set_flag(on: bool):
+        for layer in model.layers:
+            for proj in projections(layer):
+                setattr(proj, flag, on)
+
+    assert all(getattr(proj, flag) for proj in projections(model.layers[0]))
+    for batch in (1, 2):
+        folded = np.array(_decode_logits(model, batch).astype(mx.float32))
+        set_flag(False)
+        separate = np.array(_decode_logits(model, batch).astype(mx.float32))
+        set_flag(True)
+        assert np.isfinite(folded).all()
+        assert np.abs(folded - separate).max() <= 0.25 * separate.std(), np.abs(folded - separate).max()
+
+
 @needs_cuda
 def test_model_decode_with_folded_norms_agrees(monkeypatch):
-    """llama-3.2-1b 4-bit bf16: folded norms against separate ones, teacher-forced logits within 0.25 x their std
-    (the tolerance of the kernel's bf16 model tests: the folded norm skips a bf16 rounding of the activations)."""
+    """llama-3.2-1b 4-bit bf16: folded norms against separate ones."""
     monkeypatch.setenv("MLXCEL_QMV", "1")
     monkeypatch.setenv("MLXCEL_FUSE_NORM", "1")
     model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=7)
-    assert model.layers[0].self_attn.fused_qkv.fold_norm and model.layers[0].mlp.fused_gate_up.fold_norm
-    for batch in (1, 2):
-        folded = np.array(_decode_logits(model, batch).astype(mx.float32))
-        for layer in model.layers:
-            layer.self_attn.fused_qkv.fold_norm = layer.mlp.fused_gate_up.fold_norm = False
-        separate = np.array(_decode_logits(model, batch).astype(mx.float32))
-        for layer in model.layers:
-            layer.self_attn.fused_qkv.fold_norm = layer.mlp.fused_gate_up.fold_norm = True
-        assert np.isfinite(folded).all()
-        assert np.abs(folded - separate).max() <= 0.25 * separate.std(), np.abs(folded - separate).max()
+    _assert_fold_agrees(model, "fold_norm", lambda layer: (layer.self_attn.fused_qkv, layer.mlp.fused_gate_up))
 
 
 def test_the_kernels_serve_only_operands_they_take(monkeypatch):
@@ -437,7 +451,7 @@ def test_rope_pairs_cover_every_row_once():
     assert sorted(rows) == list(range(nq + 2 * nk))
 
 
-def test_rope_fold_frequencies_and_gate(monkeypatch):
+def test_rope_fold_frequencies():
     from mlxcel_core.models.rope import LongRoPE, RoPE, fold_frequencies
 
     base = fold_frequencies(RoPE(64, 500000.0), 64)
@@ -450,10 +464,6 @@ def test_rope_fold_frequencies_and_gate(monkeypatch):
     scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64, "factor": 2.0,
                "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
     assert fold_frequencies(LongRoPE(64, 1e4, False, scaling), 64) is None
-    monkeypatch.setenv("MLXCEL_FUSE_ROPE", "1")
-    assert fused_projections.rope_fusion_enabled()
-    monkeypatch.delenv("MLXCEL_FUSE_ROPE")
-    assert not fused_projections.rope_fusion_enabled()
 
 
 def test_attention_rotates_as_before_where_the_launch_cannot():
@@ -492,18 +502,8 @@ def test_rope_modes_match_products_then_rope(mode, m):
 
 @needs_cuda
 def test_model_decode_with_rope_folded_agrees(monkeypatch):
-    """llama-3.2-1b 4-bit bf16 (llama3 RoPE scaling: custom frequencies): folded against separate rotations,
-    logits within 0.25 x their std, batch 1 and 2 (rows at different positions after the ragged prompt)."""
+    """llama-3.2-1b 4-bit bf16 (llama3 RoPE scaling: custom frequencies): folded against separate rotations."""
     monkeypatch.setenv("MLXCEL_QMV", "1")
     monkeypatch.setenv("MLXCEL_FUSE_ROPE", "1")
     model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=7)
-    assert model.layers[0].self_attn.fused_qkv.fold_rope
-    for batch in (1, 2):
-        folded = np.array(_decode_logits(model, batch).astype(mx.float32))
-        for layer in model.layers:
-            layer.self_attn.fused_qkv.fold_rope = False
-        separate = np.array(_decode_logits(model, batch).astype(mx.float32))
-        for layer in model.layers:
-            layer.self_attn.fused_qkv.fold_rope = True
-        assert np.isfinite(folded).all()
-        assert np.abs(folded - separate).max() <= 0.25 * separate.std(), np.abs(folded - separate).max()
+    _assert_fold_agrees(model, "fold_rope", lambda layer: (layer.self_attn.fused_qkv,))
