@@ -31,8 +31,8 @@ ENVIRONMENT = [
     ("MLXCEL_FUSE", "1: compute a decode step's q/k/v and gate/up projections as one matmul each and, with the "
                     "4-bit kernel, each residual add inside its o_proj/down_proj launch; 0: one launch per layer "
                     "and op. Default: fused when MLX runs on a GPU."),
-    ("MLXCEL_FUSE_NORM", "1: also take each layer's RMSNorm into its fused 4-bit q/k/v and gate/up launches. Default: "
-                         "off (not yet run on a GPU)."),
+    ("MLXCEL_FUSE_NORM", "1: also take each layer's RMSNorm into its fused q/k/v and gate/up kernel launches (4-bit, "
+                         "or 16-bit with MLXCEL_HMV=1). Default: off (not yet run on a GPU)."),
     ("MLXCEL_FUSE_ROPE", "1: also apply RoPE to q and k inside the fused q/k/v launch (plain non-traditional RoPE, "
                          "no q/k norms). Default: off (not yet run on a GPU)."),
     ("MLXCEL_HMV", "1: bf16/fp16 layers' decode matvecs (with their fused projections and residual adds) run mlxcel's "

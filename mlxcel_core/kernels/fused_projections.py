@@ -54,7 +54,7 @@ def fusion_enabled() -> bool:
 
 
 def norm_fusion_enabled() -> bool:
-    """Whether fused 4-bit projections on the kernel take their block's RMSNorm into the launch (MLXCEL_FUSE_NORM=1)."""
+    """Whether fused projections on a kernel take their block's RMSNorm into the launch (MLXCEL_FUSE_NORM=1)."""
     return os.environ.get(NORM_ENV, "").strip() == "1"
 
 
