@@ -17,7 +17,6 @@ End to end, the same model with the kernel off and on, beside mlx-lm:
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import sys
@@ -30,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.kernels import hmv, qmv  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("bench_qmv", HERE / "qmv.py")  # its timing helpers
+_spec = importlib.util.spec_from_file_location("bench_qmv", HERE / "qmv.py")  # its timing helpers and arguments
 bench_qmv = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_qmv)
 
@@ -65,14 +64,7 @@ def ours(config=None):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8], help="rows of x (1..8)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--shapes", nargs="*", help="only these shape names")
-    parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
-    args = parser.parse_args()
+    args = bench_qmv.gemv_parser(__doc__.splitlines()[2]).parse_args()
     if not qmv.kernel_ready():
         print("hmv.py needs MLX's CUDA backend and a CUDA device", file=sys.stderr)
         return 1

@@ -193,14 +193,20 @@ def bench_e2e(args) -> None:
           f"{'identical' if same else 'differ (random weights in bf16: near-ties, see tests)'}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+def gemv_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of this script's GEMV table (benchmarks/hmv.py's too)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8], help="rows of x (1..8)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--shapes", nargs="*", help="only these shape names")
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    return parser
+
+
+def main() -> int:
+    parser = gemv_parser(__doc__.splitlines()[2])
     parser.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--e2e-tokens", type=int, default=128)
     args = parser.parse_args()

@@ -50,15 +50,20 @@ def enabled() -> bool:
     return os.environ.get(ENV, DEFAULT_QMV).strip() != "0" and qmv.cuda_kernel_available()
 
 
-def _layer_supported(layer: nn.Module) -> bool:
-    """The layer's own operands suit the kernel and it is big enough to gain (checked once, at the swap)."""
+def kernel_takes(layer: nn.Module) -> bool:
+    """The 4-bit layer's own operands suit kernels/qmv.py (also what a fused projection of such layers asks)."""
     weight, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
     if getattr(layer, "mode", "affine") != "affine" or biases is None or weight.ndim != 2:
         return False
     k = weight.shape[1] * 32 // layer.bits
-    return weight.shape[0] * k >= MIN_WEIGHT and qmv.shape_supported(
-        (1, k), mx.float32, weight.shape, weight.dtype, scales.shape, scales.dtype, biases.shape, biases.dtype,
-        layer.group_size, layer.bits)
+    return qmv.shape_supported((1, k), mx.float32, weight.shape, weight.dtype, scales.shape, scales.dtype,
+                               biases.shape, biases.dtype, layer.group_size, layer.bits)
+
+
+def _layer_supported(layer: nn.Module) -> bool:
+    """The kernel takes the layer and it is big enough to gain (checked once, at the swap)."""
+    weight = layer["weight"]
+    return kernel_takes(layer) and weight.shape[0] * weight.shape[1] * 32 // layer.bits >= MIN_WEIGHT
 
 
 def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
@@ -184,7 +189,8 @@ def restore_quantized_linear(model: nn.Module) -> int:
     return restored
 
 
-def _half_layer_supported(layer: nn.Module) -> bool:
+def half_kernel_takes(layer: nn.Module) -> bool:
+    """The 16-bit layer's weight suits kernels/hmv.py (also what a fused projection of such layers asks)."""
     w = layer["weight"]
     return w.ndim == 2 and hmv.shape_supported((1, w.shape[1]), w.dtype, w.shape, w.dtype)
 
@@ -198,7 +204,7 @@ def use_fast_half_linear(model: nn.Module) -> int:
     swapped = 0
     for _, module in model.named_modules():
         fast = _HALF_SWAPS.get(type(module))
-        if fast is not None and _half_layer_supported(module):
+        if fast is not None and half_kernel_takes(module):
             module.__class__ = fast
             swapped += 1
     return swapped

@@ -96,23 +96,15 @@ class FusedProjection:
         self.group_size = getattr(layers[0], "group_size", None)
         # The qmv kernel's modes serve this projection (decided once, as fast_linear's swap is, at load), where its
         # gate is on and it takes these operands; 16-bit layers: kernels/hmv.py's same modes (MLXCEL_HMV=1).
+        # (_fusable made the layers alike in everything the kernels check but their rows.)
         first = layers[0]
-        w = first["weight"]
-        if self.quantized:
-            k = w.shape[1] * 32 // first.bits
-            self.kernel = fast_linear.enabled() and "biases" in first and qmv.shape_supported(
-                (1, k), first["scales"].dtype, (sum(widths), w.shape[1]), w.dtype, (sum(widths), k // first.group_size),
-                first["scales"].dtype, (sum(widths), k // first.group_size), first["biases"].dtype, first.group_size,
-                first.bits)
-        else:
-            self.kernel = False
-        self.half_kernel = not self.quantized and hmv.enabled() and hmv.shape_supported(
-            (1, w.shape[1]), w.dtype, (sum(widths), w.shape[1]), w.dtype)
+        self.kernel = self.quantized and fast_linear.enabled() and fast_linear.kernel_takes(first)
+        self.half_kernel = not self.quantized and hmv.enabled() and fast_linear.half_kernel_takes(first)
         self.fold_norm = (self.kernel or self.half_kernel) and norm_fusion_enabled()
-        self.fold_rope = False  # set below for q/k/v (no biases: they come before the rotation)
         self._eps: dict[float, mx.array] = {}  # a norm's epsilon as the kernel's float32 [1] input
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.
         self.qkv_split = (widths[0], widths[1]) if len(widths) == 3 and widths[1] == widths[2] else None
+        # q and k rotated in that launch (no biases: they come before the rotation).
         self.fold_rope = bool((self.kernel or self.half_kernel) and self.qkv_split and "bias" not in first
                               and rope_fusion_enabled())
         self.params = {}

@@ -80,9 +80,3 @@ def launch(args: dict, x: mx.array, w: mx.array, mode: str = "plain", extra: tup
     outputs = _kernel(mode)(inputs=[x, w, *extra], **args)
     return outputs if base_mode(mode) == "qkv" else outputs[0]
 
-
-def matvec(x: mx.array, w: mx.array) -> mx.array:
-    """x @ w.T: the kernel where MLX runs on CUDA and the operands suit it, else MLX's matmul."""
-    if qmv.kernel_ready() and shape_supported(x.shape, x.dtype, w.shape, w.dtype):
-        return launch(launch_args(x.shape, x.dtype, w.dtype, w.shape[0]), x, w)
-    return x @ w.T

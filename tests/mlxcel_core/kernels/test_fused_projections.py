@@ -331,14 +331,20 @@ def test_fold_gates_are_off_unless_set(monkeypatch, env, gate):
     assert getattr(fused_projections, gate)()
 
 
-def test_layers_pass_their_norms_and_compute_the_same_values():
-    """Where the kernel does not run, the norm is applied before the projections exactly as before."""
+@pytest.mark.parametrize("flag", ["fold_norm", "fold_rope"])
+def test_folds_compute_the_same_values_where_the_kernel_does_not_run(flag):
+    """A fold switched on without a kernel: the layers pass their norms (and positions) to the fused projections,
+    which decline to fold, and the block normalizes / rotates exactly as before."""
     model, _ = build_random_model("tiny", bits=4, seed=6)
-    want = _decode_logits(model, 1)
+    want = [_decode_logits(model, batch) for batch in (1, 2)]
     fuse_projections(model)
     for layer in model.layers:
-        layer.self_attn.fused_qkv.fold_norm = layer.mlp.fused_gate_up.fold_norm = True  # (no kernel: unused)
-    assert mx.array_equal(_decode_logits(model, 1), want).item()
+        for proj in (layer.self_attn.fused_qkv, layer.mlp.fused_gate_up):
+            setattr(proj, flag, True)
+    qkv = model.layers[0].self_attn.fused_qkv
+    assert qkv.split_roped(mx.zeros((1, 1, 128)), None, mx.zeros((1,)), mx.zeros((16,)), 32) is None
+    for batch, logits in zip((1, 2), want):
+        assert mx.array_equal(_decode_logits(model, batch), logits).item()
 
 
 @needs_cuda
@@ -464,18 +470,6 @@ def test_rope_fold_frequencies():
     scaling = {"rope_type": "longrope", "original_max_position_embeddings": 64, "factor": 2.0,
                "short_factor": [1.0] * 32, "long_factor": [2.0] * 32}
     assert fold_frequencies(LongRoPE(64, 1e4, False, scaling), 64) is None
-
-
-def test_attention_rotates_as_before_where_the_launch_cannot():
-    """fold_rope on without a kernel: split_roped declines and the layer projects and rotates as before."""
-    model, _ = build_random_model("tiny", bits=4, seed=9)
-    want = _decode_logits(model, 2)
-    fuse_projections(model)
-    for layer in model.layers:
-        layer.self_attn.fused_qkv.fold_rope = True
-    assert model.layers[0].self_attn.fused_qkv.split_roped(mx.zeros((1, 1, 128)), None, mx.zeros((1,)),
-                                                           mx.zeros((16,)), 32) is None
-    assert mx.array_equal(_decode_logits(model, 2), want).item()
 
 
 @needs_cuda

@@ -67,15 +67,6 @@ def test_swapped_layers_compute_mlx_values_where_the_kernel_does_not_run():
     assert restore_quantized_linear(model) == swapped and type(model.lm_head) is nn.Linear
 
 
-def test_matvec_falls_back_to_matmul():
-    x = mx.random.normal((2, 64)).astype(mx.bfloat16)
-    w = mx.random.normal((32, 64)).astype(mx.bfloat16)
-    if not qmv.kernel_ready():
-        assert mx.array_equal(hmv.matvec(x, w), x @ w.T).item()
-    w32 = w.astype(mx.float32)
-    assert mx.array_equal(hmv.matvec(x, w32), x @ w32.T).item()  # float32 weights are never the kernel's
-
-
 # -- CUDA -----------------------------------------------------------------------------------------------------
 def _operands(m, n, k, dtype, seed):
     x = mx.random.normal((m, k), key=mx.random.key(seed)).astype(dtype)
