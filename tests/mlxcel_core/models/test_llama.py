@@ -61,4 +61,7 @@ def test_last_only_is_the_last_position_of_the_full_logits():
     full = model(prompt, make_cache(len(model.layers)))
     last = model(prompt, make_cache(len(model.layers)), last_only=True)
     assert last.shape == (1, 1, full.shape[-1])
-    assert mx.array_equal(last[:, 0], full[:, -1]).item()
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(last[:, 0], full[:, -1]).item()
+    else:  # a GPU picks another matmul kernel for one row than for eight: same values up to rounding
+        assert mx.allclose(last[:, 0], full[:, -1], rtol=0, atol=1e-5).item()
