@@ -32,11 +32,16 @@ ENVIRONMENT = [
                     "4-bit kernel, each residual add inside its o_proj/down_proj launch; 0: one launch per layer "
                     "and op. Default: fused when MLX runs on a GPU."),
     ("MLXCEL_FUSE_NORM", "1: also take each layer's RMSNorm into its fused q/k/v and gate/up kernel launches (4-bit, "
-                         "or 16-bit with MLXCEL_HMV=1). Default: off (not yet run on a GPU)."),
+                         "or 16-bit where MLXCEL_HMV applies). Default: off (no speed-up measured on an H200 "
+                         "yet)."),
     ("MLXCEL_FUSE_ROPE", "1: also apply RoPE to q and k inside the fused q/k/v launch (plain non-traditional RoPE, "
-                         "no q/k norms). Default: off (not yet run on a GPU)."),
+                         "no q/k norms). Default: off (no speed-up measured on an H200 yet)."),
     ("MLXCEL_HMV", "1: bf16/fp16 layers' decode matvecs (with their fused projections and residual adds) run mlxcel's "
-                   "16-bit CUDA kernel. Default: off (not yet run on a GPU)."),
+                   "16-bit CUDA kernel; 0: MLX's. Default: the kernel for models up to 2048 wide (CUDA only; "
+                   "wider ones decoded slower with it on an H200)."),
+    ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
+                        "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
+                        "unaffected)."),
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
                    "Default: 1 (CUDA only; elsewhere always MLX's)."),
 ]

@@ -23,7 +23,6 @@ def prepare_model(model) -> None:
 
 def describe_decode_kernels() -> str:
     """For benchmark headers: which decode kernels this process's models get."""
-    from . import hmv
     from .fused_projections import fusion_enabled, norm_fusion_enabled, rope_fusion_enabled
 
     def on(flag: bool) -> str:
@@ -32,4 +31,13 @@ def describe_decode_kernels() -> str:
     return (f"fused q/k/v, gate/up and residual adds {on(fusion_enabled())} (MLXCEL_FUSE), "
             f"norms folded {on(norm_fusion_enabled())} (MLXCEL_FUSE_NORM), rope folded {on(rope_fusion_enabled())} "
             "(MLXCEL_FUSE_ROPE), "
-            f"4-bit matvec kernel {on(enabled())} (MLXCEL_QMV), 16-bit matvec kernel {on(hmv.enabled())} (MLXCEL_HMV)")
+            f"4-bit matvec kernel {on(enabled())} (MLXCEL_QMV), 16-bit matvec kernel {half_kernel_state()} (MLXCEL_HMV)")
+
+
+def half_kernel_state() -> str:
+    """hmv.enabled in words: decided by MLXCEL_HMV, or by each model's hidden size where it is unset."""
+    from . import hmv
+
+    if hmv.enabled(0) == hmv.enabled(1 << 30):
+        return "on" if hmv.enabled(0) else "off"
+    return f"on for models up to {hmv.DEFAULT_MAX_HIDDEN} wide"

@@ -13,7 +13,8 @@ Gate: on only when MLX runs on CUDA and MLXCEL_QMV is not "0" (default "1" since
 on the H200 and, with compiled decode steps and fused projections, batch-1 decode of the 8B 4-bit shape went from
 0.92x to 1.25x mlx-lm: benchmarks/RESULTS.md). MLXCEL_QMV=0 restores MLX's quantized_matmul everywhere.
 
-16-bit layers the same way on kernels/hmv.py (`FastLinear`, `FastEmbedding`; MLXCEL_HMV=1, off by default).
+16-bit layers the same way on kernels/hmv.py (`FastLinear`, `FastEmbedding`; MLXCEL_HMV, by default on models up
+to hmv.DEFAULT_MAX_HIDDEN wide).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _half_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tupl
 
 
 class FastLinear(_DecodeKernelLayer, nn.Linear):
-    """nn.Linear (bf16/fp16) whose decode calls run kernels/hmv.py (MLXCEL_HMV=1)."""
+    """nn.Linear (bf16/fp16) whose decode calls run kernels/hmv.py (hmv.enabled)."""
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
         return _half_matvec(self, x, mode, extra)
@@ -210,8 +211,15 @@ def use_fast_half_linear(model: nn.Module) -> int:
     return swapped
 
 
+def embedding_width(model: nn.Module) -> int | None:
+    """The hidden size of a model with a 16-bit token embedding (the largest-vocabulary one: a vision tower's position
+    embedding is not it), else None; what hmv.enabled's default asks."""
+    tables = [module.weight.shape for _, module in model.named_modules() if type(module) in (nn.Embedding, FastEmbedding)]
+    return max(tables)[1] if tables else None
+
+
 def maybe_use_fast_quantized_linear(model: nn.Module) -> int:
     """`use_fast_quantized_linear` when `enabled()` (MLX on CUDA and MLXCEL_QMV not "0"), and `use_fast_half_linear`
-    when `hmv.enabled()` (MLXCEL_HMV=1); return how many layers were swapped."""
+    when `hmv.enabled` for the model's width (MLXCEL_HMV, or its size default); return how many layers were swapped."""
     swapped = use_fast_quantized_linear(model) if enabled() else 0
-    return swapped + (use_fast_half_linear(model) if hmv.enabled() else 0)
+    return swapped + (use_fast_half_linear(model) if hmv.enabled(embedding_width(model)) else 0)

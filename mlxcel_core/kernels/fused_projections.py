@@ -16,7 +16,7 @@ Inputs of at most FUSED_MAX_ROWS rows take the fused path:
 The output projections (o_proj, down_proj) that run the 4-bit kernel also take the residual add of their block
 into the same launch (FastQuantizedLinear.fuses_residual, the kernel's "residual" mode): two launches fewer per layer.
 
-MLXCEL_FUSE_NORM=1 (off by default: not yet measured on a GPU) also takes each block's pre-norm (an RMSNorm) into
+MLXCEL_FUSE_NORM=1 (off by default: no speed-up measured on the H200 yet) also takes each block's pre-norm (an RMSNorm) into
 the "qkv" and "swiglu" launches (modes "qkv_norm", "swiglu_norm"): two more launches fewer per layer.
 MLXCEL_FUSE_ROPE=1 (off by default, likewise) rotates q and k in the q/k/v launch (modes "qkv_rope",
 "qkv_norm_rope"; Attention._project_roped): two more.
@@ -95,11 +95,12 @@ class FusedProjection:
         self.bits = getattr(layers[0], "bits", None)
         self.group_size = getattr(layers[0], "group_size", None)
         # The qmv kernel's modes serve this projection (decided once, as fast_linear's swap is, at load), where its
-        # gate is on and it takes these operands; 16-bit layers: kernels/hmv.py's same modes (MLXCEL_HMV=1).
+        # gate is on and it takes these operands; 16-bit layers: kernels/hmv.py's same modes.
         # (_fusable made the layers alike in everything the kernels check but their rows.)
         first = layers[0]
         self.kernel = self.quantized and fast_linear.enabled() and fast_linear.kernel_takes(first)
-        self.half_kernel = not self.quantized and hmv.enabled() and fast_linear.half_kernel_takes(first)
+        # (16-bit: where the model's layers were swapped, as hmv.enabled decided for the model's width)
+        self.half_kernel = type(first) is fast_linear.FastLinear and fast_linear.half_kernel_takes(first)
         self.fold_norm = (self.kernel or self.half_kernel) and norm_fusion_enabled()
         self._eps: dict[float, mx.array] = {}  # a norm's epsilon as the kernel's float32 [1] input
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.

@@ -8,8 +8,10 @@ Why: on the H200 MLX's bf16 GEMV reads a 16384 x 8192 weight at 2.1 TB/s, 49% of
 (../shared/gpu/README.md), and the fused decode projections (kernels/fused_projections.py) of bf16 models are a
 matmul plus a split plus the activation, and the residual adds separate launches; in these modes each is one launch.
 
-Gate (`enabled`): MLXCEL_HMV=1 and MLX on CUDA. Off by default: the source compiles for sm_90 without spills and the
-layers fall back to MLX's matmul bit for bit (tested on CPU), but it has not yet run on a GPU.
+Gate (`enabled`): MLX on CUDA, and MLXCEL_HMV=1, or unset and the model at most DEFAULT_MAX_HIDDEN wide. On the H200 its
+tests pass (against float64, every mode, and a llama-3.2-1b decode against MLX's matmuls); alone it reads a single
+row slower than MLX's GEMV at the default launch shapes (benchmarks/hmv.py), so its wins come from the fused launches,
+which is why wide (bandwidth-bound) models keep MLX's.
 """
 
 from __future__ import annotations
@@ -28,9 +30,22 @@ CHUNK = 8  # elements of K per lane per step (one 16-byte load of a weight row)
 WEIGHT_TYPES = (mx.bfloat16, mx.float16)
 
 
-def enabled() -> bool:
-    """Whether loaded models get the 16-bit kernel: MLXCEL_HMV=1 and MLX on CUDA."""
-    return os.environ.get(ENV, "0").strip() == "1" and qmv.cuda_kernel_available()
+# MLXCEL_HMV unset: the kernel serves 16-bit models up to this hidden size (see enabled()).
+DEFAULT_MAX_HIDDEN = 2048
+
+
+def enabled(hidden_size: int | None = None) -> bool:
+    """Whether a 16-bit model `hidden_size` wide gets the kernel (MLX on CUDA only): MLXCEL_HMV=1 or 0 decides;
+    unset, models up to DEFAULT_MAX_HIDDEN wide. Their decode is launch-bound, and the kernel's fused launches
+    (q/k/v, gate/up with SwiGLU, residual adds) save more than its lower single-row bandwidth costs; on wider
+    models it loses (H200, benchmarks/RESULTS.md: llama-3.2-1b bf16 1.35x mlx-lm with it, 1.05x without;
+    llama-3-8b bf16 0.68x with it, 1.22x without)."""
+    if not qmv.cuda_kernel_available():
+        return False
+    env = os.environ.get(ENV, "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return hidden_size is not None and hidden_size <= DEFAULT_MAX_HIDDEN
 
 
 def shape_supported(x_shape, x_dtype, w_shape, w_dtype) -> bool:

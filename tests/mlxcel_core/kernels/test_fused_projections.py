@@ -399,7 +399,7 @@ def test_model_decode_with_folded_norms_agrees(monkeypatch):
 
 def test_the_kernels_serve_only_operands_they_take(monkeypatch):
     monkeypatch.setattr(fast_linear, "enabled", lambda: True)
-    monkeypatch.setattr(hmv, "enabled", lambda: True)
+    monkeypatch.setattr(hmv, "enabled", lambda hidden_size=None: True)
     for kwargs, kernel, half in [(dict(bits=4), True, False), (dict(bits=8), False, False),
                                  (dict(dtype="bfloat16"), False, True), (dict(dtype="float32"), False, False)]:
         model, _ = build_random_model("tiny", seed=1, **kwargs)

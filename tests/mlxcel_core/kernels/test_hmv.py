@@ -43,9 +43,20 @@ def test_launch_layouts():
 
 def test_gate(monkeypatch):
     monkeypatch.delenv("MLXCEL_HMV", raising=False)
-    assert not hmv.enabled()  # off by default
+    cuda = qmv.cuda_kernel_available()
+    # unset: models up to DEFAULT_MAX_HIDDEN wide, on CUDA only
+    assert [hmv.enabled(w) for w in (None, 2048, 2049, 4096)] == [False, cuda, False, False]
     monkeypatch.setenv("MLXCEL_HMV", "1")
-    assert hmv.enabled() == qmv.cuda_kernel_available()
+    assert hmv.enabled(4096) == hmv.enabled(None) == cuda
+    monkeypatch.setenv("MLXCEL_HMV", "0")
+    assert not hmv.enabled(2048)
+
+
+def test_the_default_asks_the_token_embedding_width():
+    model, _ = build_random_model("tiny", dtype="bfloat16", seed=1)
+    assert fast_linear.embedding_width(model) == 128
+    model, _ = build_random_model("tiny", bits=4, seed=1)
+    assert fast_linear.embedding_width(model) is None  # a 4-bit model: no 16-bit layers to swap
 
 
 def _logits(model, prompt=(3, 1, 4, 1, 5)):
