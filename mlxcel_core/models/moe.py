@@ -157,6 +157,11 @@ def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
     fused = weights.pop(f"{prefix}.experts.gate_up_proj", None)
     if fused is not None:
         gate, up = fused.split(2, axis=1)  # the method: tensor-parallel loading's handles split unread too
+        if isinstance(fused, mx.array):
+            # Own copies, not views with the fused tensor's strides: on the H200 the fused-layout checkpoints' logits
+            # were off by up to 3.6 while the same weights stacked per expert matched (suspected: MLX's CUDA
+            # gather_mm over expert-sorted rows reads a strided expert bank wrong). One copy, at load.
+            gate, up = mx.contiguous(gate), mx.contiguous(up)
         weights[f"{out_prefix}.gate_proj.weight"] = gate
         weights[f"{out_prefix}.up_proj.weight"] = up
         weights[f"{out_prefix}.down_proj.weight"] = weights.pop(f"{prefix}.experts.down_proj")
