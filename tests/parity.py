@@ -36,7 +36,9 @@ def reference(path: Path, prompt: list[int], steps: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Eager attention, asked for here and not only in config.json: it is the reference definition (Gemma 2's
+    # attention soft-capping exists only there), whichever transformers the machine has and whatever it defaults to.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         ref_logits = model(ids).logits[0].float().numpy()
