@@ -4,6 +4,7 @@
 #   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
+#   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
@@ -19,6 +20,10 @@ case "${1:-}" in
       -k "norm or rope" --timeout 100 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -20 ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
+  blocks)
+    for shape in "llama-3-8b" "llama-3.2-1b"; do
+      timeout 280 python benchmarks/decode_blocks.py --model-shape $shape --m 1 2
+    done ;;
   bf16)
     for gate in "MLXCEL_HMV=0" "MLXCEL_HMV=1"; do
       for shape in "llama-3.2-1b" "llama-3-8b"; do
@@ -38,5 +43,5 @@ case "${1:-}" in
     timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/$1 --timeout 60 --tb=line -rf 2>&1 \
       | grep -vE "^\s*$|Writing model shards" | tail -60 ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|bf16|q4|engine|models" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|engine|models" >&2; exit 2 ;;
 esac
