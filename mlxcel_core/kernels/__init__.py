@@ -14,14 +14,14 @@ __all__ = ["FastQuantizedEmbedding", "FastQuantizedLinear", "enabled", "maybe_us
 
 def prepare_model(model) -> None:
     """What load_model and build_random_model do to every built model: on CUDA, quantized layers MLX computes wrong
-    dequantized (mlx_workarounds.py); the decode kernels' layer swaps (MLXCEL_QMV, MLXCEL_HMV), then the fused
+    routed around (mlx_workarounds.py); the decode kernels' layer swaps (MLXCEL_QMV, MLXCEL_HMV), then the fused
     decode projections (MLXCEL_FUSE), each where its gate allows."""
     from . import qmv
     from .fused_projections import maybe_fuse_projections
-    from .mlx_workarounds import dequantize_faulty_layers
+    from .mlx_workarounds import route_around_qmm_fault
 
     if qmv.cuda_kernel_available():
-        dequantize_faulty_layers(model)
+        route_around_qmm_fault(model)
     maybe_use_fast_quantized_linear(model)
     maybe_fuse_projections(model)
 

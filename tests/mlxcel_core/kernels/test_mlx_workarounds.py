@@ -3,6 +3,7 @@
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 
 from mlxcel_core.kernels import mlx_workarounds, prepare_model, qmv
 
@@ -24,14 +25,18 @@ def quantized_tiny():
     return model
 
 
-def test_only_layers_whose_input_is_one_group_are_dequantized():
+def test_only_layers_whose_input_is_one_group_change_class():
     model = quantized_tiny()
     x = mx.random.normal((3, 64))
     before = {name: np.array(getattr(model, name)(x)) for name in ("narrow", "grouped32")}
     lm_head_before = np.array(model.embed.as_linear(x))
-    assert mlx_workarounds.dequantize_faulty_layers(model) == 2
-    assert type(model.narrow) is nn.Linear and type(model.embed) is nn.Embedding
+    params_before = dict(tree_flatten(model.parameters()))
+    assert mlx_workarounds.route_around_qmm_fault(model) == 2
+    assert type(model.narrow) is mlx_workarounds.OneGroupQuantizedLinear
+    assert type(model.embed) is mlx_workarounds.OneGroupQuantizedEmbedding
     assert type(model.wide) is nn.QuantizedLinear and type(model.grouped32) is nn.QuantizedLinear
+    # the parameters stay packed and the same
+    assert dict(tree_flatten(model.parameters())).keys() == params_before.keys()
     # the same weights the quantized matmul used: equal up to float32 rounding
     np.testing.assert_allclose(np.array(model.narrow(x)), before["narrow"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(np.array(model.grouped32(x)), before["grouped32"], rtol=0, atol=0)
@@ -41,4 +46,4 @@ def test_only_layers_whose_input_is_one_group_are_dequantized():
 def test_prepare_model_routes_around_it_only_on_cuda():
     model = quantized_tiny()
     prepare_model(model)
-    assert (type(model.narrow) is nn.Linear) == qmv.cuda_kernel_available()
+    assert (type(model.narrow) is mlx_workarounds.OneGroupQuantizedLinear) == qmv.cuda_kernel_available()
