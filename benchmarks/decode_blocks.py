@@ -85,7 +85,8 @@ def main() -> int:
             print(f"{name:<15} {m:>2} | {a * 1e6:>8.1f} | {b * 1e6:>9.1f} | {a / b:>6.2f}x")
         total_a = sum(v for k, v in mlx_times[m].items() if k != "lm_head")
         total_b = sum(v for k, v in ours[m].items() if k != "lm_head")
-        print(f"{'layer (sum)':<15} {m:>2} | {total_a * 1e6:>8.1f} | {total_b * 1e6:>9.1f} | {total_a / total_b:>6.2f}x")
+        print(f"{'layer (sum)':<15} {m:>2} | {total_a * 1e6:>8.1f} | {total_b * 1e6:>9.1f} | "
+              f"{total_a / total_b:>6.2f}x")
     return 0
 
 

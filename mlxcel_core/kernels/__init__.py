@@ -36,7 +36,8 @@ def describe_decode_kernels() -> str:
     return (f"fused q/k/v, gate/up and residual adds {on(fusion_enabled())} (MLXCEL_FUSE), "
             f"norms folded {on(norm_fusion_enabled())} (MLXCEL_FUSE_NORM), rope folded {on(rope_fusion_enabled())} "
             "(MLXCEL_FUSE_ROPE), "
-            f"4-bit matvec kernel {on(enabled())} (MLXCEL_QMV), 16-bit matvec kernel {half_kernel_state()} (MLXCEL_HMV)")
+            f"4-bit matvec kernel {on(enabled())} (MLXCEL_QMV), "
+            f"16-bit matvec kernel {half_kernel_state()} (MLXCEL_HMV)")
 
 
 def half_kernel_state() -> str:

@@ -214,7 +214,8 @@ def use_fast_half_linear(model: nn.Module) -> int:
 def embedding_width(model: nn.Module) -> int | None:
     """The hidden size of a model with a 16-bit token embedding (the largest-vocabulary one: a vision tower's position
     embedding is not it), else None; what hmv.enabled's default asks."""
-    tables = [module.weight.shape for _, module in model.named_modules() if type(module) in (nn.Embedding, FastEmbedding)]
+    tables = [module.weight.shape for _, module in model.named_modules()
+              if type(module) in (nn.Embedding, FastEmbedding)]
     return max(tables)[1] if tables else None
 
 

@@ -16,8 +16,8 @@ Inputs of at most FUSED_MAX_ROWS rows take the fused path:
 The output projections (o_proj, down_proj) that run the 4-bit kernel also take the residual add of their block
 into the same launch (FastQuantizedLinear.fuses_residual, the kernel's "residual" mode): two launches fewer per layer.
 
-MLXCEL_FUSE_NORM=1 (off by default: no speed-up measured on the H200 yet) also takes each block's pre-norm (an RMSNorm) into
-the "qkv" and "swiglu" launches (modes "qkv_norm", "swiglu_norm"): two more launches fewer per layer.
+MLXCEL_FUSE_NORM=1 (off by default: no speed-up measured on the H200 yet) also takes each block's pre-norm (an
+RMSNorm) into the "qkv" and "swiglu" launches (modes "qkv_norm", "swiglu_norm"): two more launches fewer per layer.
 MLXCEL_FUSE_ROPE=1 (off by default, likewise) rotates q and k in the q/k/v launch (modes "qkv_rope",
 "qkv_norm_rope"; Attention._project_roped): two more.
 
