@@ -1,9 +1,9 @@
 """The 16-bit decode matvec kernel (mlxcel_core/kernels/hmv.py) and its layers (FastLinear, FastEmbedding).
 
-Everywhere: the shape predicate, launch layouts, the MLXCEL_HMV gate (off by default), the layer swap, and that the
-swapped layers (and fused projections over them) compute MLX's values bit for bit where the kernel does not run.
-CUDA only (skipped elsewhere): the kernel against float64 in every mode, and a llama-3.2-1b bf16 decode with and
-without it. test_qmv_compile.py compiles its source for sm_90.
+Everywhere: the shape predicate, launch layouts, the MLXCEL_HMV gate (by default: models up to 2048 wide), the
+layer swap, and that the swapped layers (and fused projections over them) compute MLX's values bit for bit where the
+kernel does not run. CUDA only (skipped elsewhere): the kernel against float64 in every mode, a llama-3.2-1b bf16
+decode with and without it, and greedy tokens against a float32 stand-in. test_qmv_compile.py compiles its source for sm_90.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from test_fused_projections import assert_swiglu_close
-from test_qmv import check_close, needs_cuda
+from test_qmv import _check_model_agreement, check_close, needs_cuda
 
 from mlxcel_core.kernels import fast_linear, hmv, qmv
 from mlxcel_core.kernels.fast_linear import FastEmbedding, FastLinear, restore_quantized_linear, use_fast_half_linear
@@ -137,3 +137,48 @@ def test_model_decode_with_the_kernel_agrees(monkeypatch):
     assert np.isfinite(runs["1"]).all()
     assert np.abs(runs["1"] - runs["0"]).max() <= 0.25 * runs["0"].std()
     assert fast_linear.LAYER_MAX_ROWS >= 2  # batch 2 took the kernel too
+
+
+# -- CUDA: greedy decoding against a float32 stand-in --------------------------------------------------------
+def _accurate(weight: mx.array, x: mx.array) -> mx.array:
+    """x @ W.T in float32 with no matmul (as test_qmv's 4-bit stand-in), one row at a time."""
+    w = weight.astype(mx.float32)
+    rows = x.astype(mx.float32).reshape(-1, x.shape[-1])
+    y = mx.stack([(rows[i][None, :] * w).sum(-1) for i in range(rows.shape[0])])
+    return y.reshape(*x.shape[:-1], w.shape[0]).astype(mx.result_type(x, weight))
+
+
+class _AccurateLinear(nn.Linear):
+    def __call__(self, x):
+        if x.size > hmv.MAX_ROWS * x.shape[-1]:
+            return super().__call__(x)
+        y = _accurate(self["weight"], x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class _AccurateEmbedding(nn.Embedding):
+    def as_linear(self, x):
+        return super().as_linear(x) if x.size > hmv.MAX_ROWS * x.shape[-1] else _accurate(self["weight"], x)
+
+
+_HALF_LAYERS = {"mlx": (nn.Linear, nn.Embedding), "kernel": (FastLinear, FastEmbedding),
+                "accurate": (_AccurateLinear, _AccurateEmbedding)}
+
+
+def _use_half(model, kind):
+    """Give every 16-bit layer of `model` (of the classes above) the classes of `kind`."""
+    linear, embedding = _HALF_LAYERS[kind]
+    for _, module in model.named_modules():
+        if type(module) in {v[0] for v in _HALF_LAYERS.values()}:
+            module.__class__ = linear
+        elif type(module) in {v[1] for v in _HALF_LAYERS.values()}:
+            module.__class__ = embedding
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", ["tiny", "llama-3.2-1b"])
+def test_greedy_bfloat16_vs_float32_matvec(shape):
+    """The greedy tokens of a random bf16 model with the kernel against the float32 stand-in: identical but at
+    near-ties (test_qmv._check_model_agreement), as the 4-bit kernel's bf16 test."""
+    model, _ = build_random_model(shape, dtype="bfloat16", seed=1)
+    _check_model_agreement(model, f"{shape} bfloat16", 16, rel_tol=0.25, reference="accurate", use=_use_half)

@@ -525,9 +525,9 @@ def _use(model, kind):
             module.__class__ = embedding
 
 
-def _check_model_agreement(model, label, steps, rel_tol, reference):
+def _check_model_agreement(model, label, steps, rel_tol, reference, use=_use):
     """Greedy decoding of `model`: the kernel vs `reference` ("mlx": MLX's layers, i.e. MLXCEL_QMV=0; "accurate":
-    the float32 stand-in above).
+    the float32 stand-in above), the layers' classes set by `use(model, kind)` (test_hmv passes its 16-bit one).
 
     Tokens must be identical, except that a divergence is accepted at a near-tie: teacher-forced on the reference
     tokens, every step's logits must agree within rel_tol x (logit std), and where the two argmaxes differ the
@@ -539,10 +539,10 @@ def _check_model_agreement(model, label, steps, rel_tol, reference):
 
     unfuse_projections(model)  # fused projections (a GPU default) would bypass the layer classes compared here
     for prompt in (list(range(7, 19)), [3, 1, 4, 1]):
-        _use(model, reference)
+        use(model, reference)
         want = greedy(model, prompt, steps)
         ref_logits = forced_logits(model, prompt, want)
-        _use(model, "kernel")
+        use(model, "kernel")
         got = greedy(model, prompt, steps)
         fast_logits = forced_logits(model, prompt, want)
         spread = float(np.std(ref_logits))
