@@ -14,7 +14,7 @@ set -u
 A="--prompt-tokens 512 --gen-tokens 128"
 case "${1:-}" in
   tests)
-    timeout 140 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py --timeout 100 \
+    timeout 240 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py --timeout 100 \
       --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -30
     timeout 140 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_fused_projections.py \
       -k "norm or rope" --timeout 100 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -20
