@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from test_fused_projections import assert_swiglu_close
-from test_qmv import _check_model_agreement, check_close, needs_cuda
+from test_qmv import _check_model_agreement, check_close, needs_cuda, rowwise_float32, switch_layers
 
 from mlxcel_core.kernels import fast_linear, hmv, qmv
 from mlxcel_core.kernels.fast_linear import FastEmbedding, FastLinear, restore_quantized_linear, use_fast_half_linear
@@ -141,11 +141,7 @@ def test_model_decode_with_the_kernel_agrees(monkeypatch):
 
 # -- CUDA: greedy decoding against a float32 stand-in --------------------------------------------------------
 def _accurate(weight: mx.array, x: mx.array) -> mx.array:
-    """x @ W.T in float32 with no matmul (as test_qmv's 4-bit stand-in), one row at a time."""
-    w = weight.astype(mx.float32)
-    rows = x.astype(mx.float32).reshape(-1, x.shape[-1])
-    y = mx.stack([(rows[i][None, :] * w).sum(-1) for i in range(rows.shape[0])])
-    return y.reshape(*x.shape[:-1], w.shape[0]).astype(mx.result_type(x, weight))
+    return rowwise_float32(weight, x, mx.result_type(x, weight))
 
 
 class _AccurateLinear(nn.Linear):
@@ -167,12 +163,7 @@ _HALF_LAYERS = {"mlx": (nn.Linear, nn.Embedding), "kernel": (FastLinear, FastEmb
 
 def _use_half(model, kind):
     """Give every 16-bit layer of `model` (of the classes above) the classes of `kind`."""
-    linear, embedding = _HALF_LAYERS[kind]
-    for _, module in model.named_modules():
-        if type(module) in {v[0] for v in _HALF_LAYERS.values()}:
-            module.__class__ = linear
-        elif type(module) in {v[1] for v in _HALF_LAYERS.values()}:
-            module.__class__ = embedding
+    switch_layers(model, _HALF_LAYERS, kind)
 
 
 @needs_cuda

@@ -488,13 +488,20 @@ def test_more_rows_fall_back_and_results_are_deterministic():
 
 
 # -- CUDA: whole models ---------------------------------------------------------------------------------------
+def rowwise_float32(w: mx.array, x: mx.array, out_dtype) -> mx.array:
+    """x @ w.T in float32 with no matmul (a float32 matmul's own error is what these stand-ins avoid), one row of x
+    at a time."""
+    w = w.astype(mx.float32)
+    rows = x.astype(mx.float32).reshape(-1, x.shape[-1])
+    y = mx.stack([(rows[i][None, :] * w).sum(-1) for i in range(rows.shape[0])])
+    return y.reshape(*x.shape[:-1], w.shape[0]).astype(out_dtype)
+
+
 def _accurate(layer, x):
-    """x @ W.T in float32 with no matmul (MLX runs float32 matmuls on CUDA as TF32), one row at a time."""
+    """The 4-bit layer's product on its float32 dequantized weight (rowwise_float32)."""
     deq = mx.dequantize(layer["weight"], layer["scales"].astype(mx.float32), layer["biases"].astype(mx.float32),
                         group_size=layer.group_size, bits=layer.bits)
-    rows = x.astype(mx.float32).reshape(-1, x.shape[-1])
-    y = mx.stack([(rows[i][None, :] * deq).sum(-1) for i in range(rows.shape[0])])
-    return y.reshape(*x.shape[:-1], deq.shape[0]).astype(mx.result_type(x, layer["scales"]))
+    return rowwise_float32(deq, x, mx.result_type(x, layer["scales"]))
 
 
 class _AccurateQuantizedLinear(nn.QuantizedLinear):
@@ -515,14 +522,21 @@ _LAYERS = {"mlx": (nn.QuantizedLinear, nn.QuantizedEmbedding),
            "accurate": (_AccurateQuantizedLinear, _AccurateQuantizedEmbedding)}
 
 
+def switch_layers(model, layers: dict, kind: str) -> None:
+    """Give every layer of `model` whose class is one of `layers`' (kind -> (linear, embedding) classes) the classes
+    of `kind`."""
+    linear, embedding = layers[kind]
+    linears, embeddings = {v[0] for v in layers.values()}, {v[1] for v in layers.values()}
+    for _, module in model.named_modules():
+        if type(module) in linears:
+            module.__class__ = linear
+        elif type(module) in embeddings:
+            module.__class__ = embedding
+
+
 def _use(model, kind):
     """Give every 4-bit layer of `model` the classes of `kind`: MLX's, the kernel's or the float32 stand-in."""
-    linear, embedding = _LAYERS[kind]
-    for _, module in model.named_modules():
-        if isinstance(module, nn.QuantizedLinear) and type(module) in {v[0] for v in _LAYERS.values()}:
-            module.__class__ = linear
-        elif isinstance(module, nn.QuantizedEmbedding) and type(module) in {v[1] for v in _LAYERS.values()}:
-            module.__class__ = embedding
+    switch_layers(model, _LAYERS, kind)
 
 
 def _check_model_agreement(model, label, steps, rel_tol, reference, use=_use):
