@@ -12,8 +12,10 @@ Default (the built-in heuristic, what runs when nothing is tuned):
   below that (measured: within noise at 1024 tokens) and a few splits help a little at 16384 tokens.
 - CUDA kernel: enough thread blocks to fill the GPU. One split launches batch x kv heads x query-head
   groups blocks of 128 threads; double the splits until that reaches 512 blocks (about four per SM of
-  an H100/H200), while every split keeps at least 256 tokens, capped. (A first H200 run of `mlxcel tune`
-  with a 256-block target found 2x more splits 14-34% faster at batch 8, context 4096-16384.)
+  an H100/H200), while every split keeps at least 64 tokens (of the context bucket), capped. (A first H200
+  run of `mlxcel tune` with a 256-block target found 2x more splits 14-34% faster at batch 8, context
+  4096-16384. Batch 1 at a 528-token context, in a whole decode step on the H200: 16 splits cost 12.5 us a
+  layer with the combine step against 22.6 us at 4, the split this rule chose while it asked 256 tokens.)
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 OP = "paged-decode-splits"
 MAX_SPLITS = 32
+MIN_CUDA_SPLIT_TOKENS = 64  # the CUDA kernel's default never splits the context bucket finer than this
 RUNNER_OPS = "mlx-ops"
 DTYPES = ("float16", "bfloat16", "float32")
 # Max-abs tolerance when checking a candidate's output against the default's (both computed in float32
@@ -115,7 +118,7 @@ def default_splits(bucket: Bucket, runner: str) -> int:
     if runner.startswith("cuda-kernel"):
         blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim)
         s = 1
-        while s * 2 <= cap and blocks * s < 512 and bucket.context // (s * 2) >= 256:
+        while s * 2 <= cap and blocks * s < 512 and bucket.context // (s * 2) >= MIN_CUDA_SPLIT_TOKENS:
             s *= 2
         return s
     s = 1

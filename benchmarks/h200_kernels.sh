@@ -7,6 +7,7 @@
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
+#   bash benchmarks/h200_kernels.sh profile    # where a decode token's GPU time goes, mlxcel vs mlx-lm (CUPTI)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
 # Commit what they print to benchmarks/RESULTS.md; flip a default only where its tests pass and it wins.
@@ -40,10 +41,14 @@ case "${1:-}" in
       env $gate timeout 120 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --bits 4 $A --rounds 3 \
         2>&1 | grep -E "round|median|kernel"
     done ;;
+  profile)
+    for shape in "llama-3.2-1b" "llama-3-8b"; do
+      timeout 140 python benchmarks/gpu_profile.py --model-shape $shape --top 12 2>&1 | grep -vi "warn"
+    done ;;
   engine|models)
     # -rf: the failures by name (the whole list of both directories does not fit one call's output or 10 minutes)
     timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/$1 --timeout 60 --tb=line -rf 2>&1 \
       | grep -vE "^\s*$|Writing model shards" | tail -60 ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|engine|models" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|profile|engine|models" >&2; exit 2 ;;
 esac

@@ -20,6 +20,7 @@ from ..kv.block_pool import BlockPool, BlockTable
 from ..kv.cuda_paged_attention import RUNNER_OPS, cuda_paged_decode_attention, runner_for
 from ..kv.paged_attention import paged_decode_attention
 from ..models.base import causal_mask, scaled_dot_product_attention
+from .step_inputs import int_views
 
 DEFAULT_KV_BUDGET_TOKENS = 16384
 MIN_POOL_BLOCKS = 64  # the pools' first allocation (blocks); they grow by doubling up to the budget
@@ -60,8 +61,7 @@ class PagedStorage:
         table.ensure_capacity(start + length)
         self.lengths[seq_id] = start + length
         self._reserve()
-        slots = mx.array([table.slot(p) for p in range(start, start + length)])
-        blocks = mx.array(table.blocks)
+        slots, blocks = int_views([table.slot(p) for p in range(start, start + length)], table.blocks)
         return [_PrefillView(self, layer, slots, blocks, start) for layer in range(len(self.pools))]
 
     def finish_prefill(self, seq_id: int) -> None:
@@ -79,10 +79,11 @@ class PagedStorage:
         width = max(len(t) for t in tables)
         if self.pad_block_tables:
             width = 1 << (width - 1).bit_length()
-        block_tables = mx.array([t + [0] * (width - len(t)) for t in tables])
-        slots = mx.array([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)])
-        positions = mx.array(positions)
-        return [DecodeView(self, layer, slots, block_tables, positions) for layer in range(len(self.pools))]
+        slots, block_tables, positions, context_lens = int_views(
+            [self.tables[s].slot(p) for s, p in zip(seq_ids, positions)], [t + [0] * (width - len(t)) for t in tables],
+            positions, [p + 1 for p in positions])
+        return [DecodeView(self, layer, slots, block_tables, positions, context_lens)
+                for layer in range(len(self.pools))]
 
     def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
         """Several new tokens of one decoding sequence (speculative verification): a prompt chunk's view."""
@@ -183,9 +184,10 @@ class _PrefillView:
 class DecodeView:
     """LayerCache for one decode step over several rows, each with its own position and blocks."""
 
-    def __init__(self, storage: PagedStorage, layer: int, slots, block_tables, positions):
+    def __init__(self, storage: PagedStorage, layer: int, slots, block_tables, positions, context_lens):
         self.storage, self.layer = storage, layer
         self.slots, self.block_tables, self.offset = slots, block_tables, positions
+        self.context_lens = context_lens  # positions + 1, made on the host with them (engine/step_inputs.py)
 
     @property
     def state(self) -> list[mx.array]:
@@ -193,7 +195,7 @@ class DecodeView:
 
     def attend(self, queries, keys, values, scale, window=None, softcap=None):
         pools = self.storage.write(self.layer, self.slots, keys[:, :, 0], values[:, :, 0])
-        context_lens = self.offset + 1
+        context_lens = self.context_lens
         if window is None and softcap is None and self.storage.kv_bits is None:
             attention, num_splits = self.storage.decode_attention(queries, pools, self.block_tables)
             out = attention(queries[:, :, 0], pools[0], pools[1], self.block_tables, context_lens,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import struct
 
 import mlx.core as mx
 
@@ -57,7 +59,7 @@ _SOURCE = r"""
     const int chunk = (len + S - 1) / S;
     const int t0 = min(len, split * chunk);
     const int t1 = min(len, t0 + chunk);
-    const float sc = scale[0];
+    const float sc = __int_as_float(SCALE_BITS);  // the softmax scale, a compile-time constant (see _scale_bits)
     const float NEG_INF = __int_as_float(0xff800000);
 
     float qv[G][EPL];
@@ -262,7 +264,7 @@ def runner_for(head_dim: int) -> str:
 def _kernel():
     return mx.fast.cuda_kernel(
         name="paged_decode_split",
-        input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
+        input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens"],
         output_names=["o_part", "m_part", "l_part"],
         source=_SOURCE,
     )
@@ -278,9 +280,13 @@ def _combine_kernel():
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _scale_array(scale: float) -> mx.array:
-    return mx.array(scale, dtype=mx.float32)  # made once per value, not per call
+def _scale_bits(scale: float) -> int:
+    """The float32 bits of a positive, finite softmax scale, as the kernel's SCALE_BITS template constant. Not an
+    input array: MLX's CUDA allocator keeps arrays of <= 8 bytes in one shared managed-memory page, and a kernel
+    reading a scalar from it stalls on page migration whenever the host touched the page (engine/step_inputs.py)."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"the CUDA paged-decode kernel needs a positive, finite scale, got {scale!r}")
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
 
 
 def combine_partials(o_part: mx.array, m_part: mx.array, l_part: mx.array) -> mx.array:
@@ -304,10 +310,10 @@ def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, n
     scale = D ** -0.5 if scale is None else scale
     S = num_splits
     o_part, m_part, l_part = _kernel()(
-        inputs=[q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32),
-                _scale_array(float(scale))],
-        template=[("KV", k_pool.dtype), ("D", D), ("BS", block_size), ("HKV", Hkv), ("NREP", n_rep),
-                  ("G", geo["G"]), ("LPT", geo["LPT"]), ("EPL", geo["EPL"]), ("TPB", THREADS), ("UNROLL", UNROLL)],
+        inputs=[q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)],
+        template=[("KV", k_pool.dtype), ("SCALE_BITS", _scale_bits(float(scale))), ("D", D), ("BS", block_size),
+                  ("HKV", Hkv), ("NREP", n_rep), ("G", geo["G"]), ("LPT", geo["LPT"]), ("EPL", geo["EPL"]),
+                  ("TPB", THREADS), ("UNROLL", UNROLL)],
         grid=(S * THREADS, Hkv * (n_rep // geo["G"]), B),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],

@@ -59,7 +59,7 @@ def test_bucket_rounding_candidates_and_heuristic():
     ops_defaults = [default_splits(Bucket.of(1, c, Geometry()), "mlx-ops") for c in (1024, 4096, 8192, 16384)]
     assert ops_defaults == [1, 2, 4, 8]
     cuda = [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x") for b, c in ((1, 1024), (8, 4096), (8, 16384))]
-    assert cuda == [4, 8, 8]
+    assert cuda == [16, 8, 8]  # batch 1: 8 kv heads x 16 splits; batch 8: 64 x 8 = 512 blocks
     for b in (1, 8):
         for c in (64, 1024, 16384):
             for runner in ("mlx-ops", "cuda-kernel-x"):

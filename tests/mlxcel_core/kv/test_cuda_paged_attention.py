@@ -220,3 +220,15 @@ def test_engine_uses_the_kernel(monkeypatch, tmp_path):
         engine.step()
     assert calls and set(calls) == {4}
     assert all(engine.sequence(i).finish_reason is not None for i in ids)
+
+
+def test_scale_is_a_compile_time_constant_of_its_float32_bits():
+    import struct
+
+    for scale in (128 ** -0.5, 0.3, 1.0, 1e-6):
+        bits = cpa._scale_bits(scale)
+        assert 0 < bits < 2 ** 31  # a positive int32 template argument
+        assert struct.unpack("<f", struct.pack("<i", bits))[0] == pytest.approx(scale, rel=1e-7)
+    for bad in (0.0, -0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="positive, finite scale"):
+            cpa._scale_bits(bad)

@@ -1,0 +1,154 @@
+"""Which CUDA kernels one batch-1 decode token runs, and for how long: mlxcel's engine beside mlx-lm's generate_step,
+on a random model shape, under torch.profiler (CUPTI records every kernel of the process, MLX's included).
+
+    python benchmarks/gpu_profile.py --model-shape llama-3-8b --dtype bfloat16
+    MLXCEL_HMV=1 python benchmarks/gpu_profile.py --model-shape llama-3-8b --top 25
+
+Needs PyTorch built with CUDA next to MLX's CUDA backend (the H200 image has it). Per side: wall ms per token, GPU
+busy ms per token (the union of kernel intervals: wall minus busy is time the GPU waited for the host), launches per
+token, and the kernels that took the most GPU time per token. Both sides decode the same prompt for the same number of
+tokens after the same warm-up; it is one measurement, not a speed claim (use compare_mlx_lm.py for those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import mlx.core as mx  # noqa: E402
+
+from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
+from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
+from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.sampling import SamplingParams  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+import compare_mlx_lm as compare  # noqa: E402  (its mlx_lm_twin)
+
+
+def mlxcel_tokens(model, vocab: int, prompt: list[int], warm: int, count: int):
+    """A generator over the engine's greedy tokens (decode as generate/serve run it)."""
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1))
+    seq = engine.open(prompt, SamplingParams(max_tokens=warm + count + 1))
+    while engine.has_work():
+        for out in engine.step():
+            if out.finish_reason == "error":
+                raise RuntimeError(f"mlxcel: {out.error}")
+            if out.token is not None:
+                yield out.token
+    engine.release(seq)
+
+
+def mlx_lm_tokens(model, prompt: list[int], warm: int, count: int):
+    from mlx_lm.generate import generate_step
+
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=warm + count + 1):
+        yield int(token)
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its arguments and template parameters, so instances group together."""
+    name = re.sub(r"\(.*", "", name)
+    depth, out = 0, []
+    for ch in name:  # drop <...> however nested
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    return "".join(out).replace("void ", "").strip()[:70]
+
+
+def busy_us(intervals: list[tuple[int, int]]) -> float:
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def profile_tokens(tokens, warm: int, count: int) -> dict:
+    """Consume `warm` tokens, then profile the next `count` (CUDA activity only)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warm):
+        next(tokens)
+    mx.synchronize()
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    prof.start()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        next(tokens)
+    mx.synchronize()
+    wall = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    prof.stop()
+    for _ in tokens:  # let the generator finish (releases the engine's sequence)
+        pass
+    kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
+               if e.device_type() == DeviceType.CUDA]
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, _, dur in kernels:
+        row = by_name[short_name(name)]
+        row[0] += 1
+        row[1] += dur / 1e3
+    return {"wall_ms": wall * 1e3 / count, "busy_ms": busy_us([(s, s + d) for _, s, d in kernels]) / 1e3 / count,
+            "launches": len(kernels) / count, "by_name": dict(by_name)}
+
+
+def report(side: str, r: dict, count: int, top: int) -> None:
+    print(f"{side}: wall {r['wall_ms']:.3f} ms/token, GPU busy {r['busy_ms']:.3f} ms/token "
+          f"({100 * r['busy_ms'] / r['wall_ms']:.0f}%), {r['launches']:.0f} kernel launches/token")
+    ranked = sorted(r["by_name"].items(), key=lambda kv: -kv[1][1])
+    for name, (n, us) in ranked[:top]:
+        print(f"  {us / count:9.1f} us/token {n / count:6.1f} calls/token {us / n:8.2f} us/call  {name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-shape", choices=shape_names(), default="llama-3-8b")
+    parser.add_argument("--bits", type=int, choices=(4, 8))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--warm", type=int, default=16, help="decode tokens before profiling (kernels compile)")
+    parser.add_argument("--tokens", type=int, default=32, help="decode tokens profiled")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--side", choices=("both", "mlxcel", "mlx-lm"), default="both")
+    args = parser.parse_args(argv)
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ImportError("torch.cuda.is_available() is False")
+    except ImportError as e:
+        print(f"gpu_profile.py needs PyTorch with CUDA: {e}", file=sys.stderr)
+        return 1
+    ours, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
+    vocab = config["vocab_size"]
+    prompt = random_prompt(vocab, args.prompt_tokens, 0, "gpu-profile")
+    print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
+          f"{args.warm} warm-up tokens, {args.tokens} profiled")
+    if args.side in ("both", "mlxcel"):
+        r = profile_tokens(mlxcel_tokens(ours, vocab, prompt, args.warm, args.tokens), args.warm, args.tokens)
+        report("mlxcel", r, args.tokens, args.top)
+    if args.side in ("both", "mlx-lm"):
+        theirs = compare.mlx_lm_twin(ours, config)
+        r = profile_tokens(mlx_lm_tokens(theirs, prompt, args.warm, args.tokens), args.warm, args.tokens)
+        report("mlx-lm", r, args.tokens, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
