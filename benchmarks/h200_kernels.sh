@@ -7,6 +7,8 @@
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
+#   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, norm+rope folds off then on (fewer launches
+#                                              # a layer: the 1B step is host-bound), 3 rounds each
 #   bash benchmarks/h200_kernels.sh profile    # where a decode token's GPU time goes, mlxcel vs mlx-lm (CUPTI)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
@@ -41,6 +43,14 @@ case "${1:-}" in
       env $gate timeout 120 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --bits 4 $A --rounds 3 \
         2>&1 | grep -E "round|median|kernel"
     done ;;
+  folds)
+    for what in "--dtype bfloat16" "--bits 4"; do
+      for gate in "MLXCEL_FUSE_NORM=0 MLXCEL_FUSE_ROPE=0" "MLXCEL_FUSE_NORM=1 MLXCEL_FUSE_ROPE=1"; do
+        echo "== $gate llama-3.2-1b $what"
+        env $gate timeout 140 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b $what $A --rounds 3 \
+          2>&1 | grep -E "round|median decode"
+      done
+    done ;;
   profile)
     for shape in "llama-3.2-1b" "llama-3-8b"; do
       timeout 140 python benchmarks/gpu_profile.py --model-shape $shape --top 12 2>&1 | grep -vi "warn"
@@ -50,5 +60,5 @@ case "${1:-}" in
     timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/$1 --timeout 60 --tb=line -rf 2>&1 \
       | grep -vE "^\s*$|Writing model shards" | tail -60 ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|profile|engine|models" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|folds|profile|engine|models" >&2; exit 2 ;;
 esac
