@@ -170,8 +170,7 @@ class Engine:
         if speculated is not None:
             outputs += speculated
         elif batch.decode:
-            latest = [self._latest[s].reshape(1) for s in batch.decode]
-            tokens = latest[0] if len(latest) == 1 else mx.concatenate(latest)  # batch 1: no copy launch
+            tokens = mx.concatenate([self._latest[s].reshape(1) for s in batch.decode])
             outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens))
         if batch.prefill is not None:
             work = batch.prefill
@@ -181,8 +180,8 @@ class Engine:
             outputs += self._run((work.seq_id,), produced, run, sample=work.last)
         # The host reads this step's rows as one vector (-1: NaN logits), built and scheduled now with the step:
         # made later in _commit it would queue behind the next step's forward and wait for it (no overlap).
-        rows = [mx.where(s.nan, -1, s.token.astype(mx.int32)).reshape(1) for s in produced.values()]
-        readout = (rows[0] if len(rows) == 1 else mx.concatenate(rows)) if rows else None
+        readout = mx.stack([mx.where(s.nan, -1, s.token.astype(mx.int32)).reshape(())
+                            for s in produced.values()]) if produced else None
         mx.async_eval([a for sampled in produced.values() for a in sampled.arrays()] + ([readout] if produced else []))
         self._latest.update({s: sampled.token for s, sampled in produced.items()})
         if sync:
