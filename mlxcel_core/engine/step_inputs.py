@@ -3,27 +3,22 @@
 Why: on CUDA, MLX keeps every array in managed memory, and arrays of <= 8 bytes (a batch-1 step's position, slot or
 context length) share the pages of one small-block pool (mlx/backend/cuda/allocator.cpp in MLX 0.32). Our reading of
 the measurements (not traced further): a kernel that reads such a scalar stalls on page migration whenever the host
-has just written into the same page, as it does for every array it makes. On the H200 the paged-decode kernel took 25-30 us a call, whatever its work, while it read a
-4-byte context length computed in every layer and a 4-byte scale (now a compile-time constant); with this module
-11 us (1B) and 21 us (8B) at the same split count (benchmarks/RESULTS.md). One packed array of at least MIN_INTS
+has just written into the same page, as it does for every array it makes. On the H200 the paged-decode kernel took
+25-30 us a call, whatever its work, while it read a 4-byte context length computed in every layer and a 4-byte
+scale (now a compile-time constant); with this module 11 us (1B) and 21 us (8B) at the same split count
+(benchmarks/RESULTS.md). One packed array of at least MIN_INTS
 ints is one allocation outside that pool, written once per step; its slices and reshapes are views, not copies.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import mlx.core as mx
 
+from ..kv.cuda_paged_attention import cuda_kernel_available
+
 MIN_INTS = 4  # 16 bytes: more than the allocator's 8-byte small blocks
-
-
-@functools.cache
-def _on_cuda() -> bool:
-    from ..kv.cuda_paged_attention import cuda_kernel_available
-
-    return cuda_kernel_available()
 
 
 def int_views(*parts: Sequence[int] | Sequence[Sequence[int]]) -> list[mx.array]:
@@ -40,7 +35,7 @@ def int_views(*parts: Sequence[int] | Sequence[Sequence[int]]) -> list[mx.array]
         spans.append((len(flat), len(values), shape))
         flat.extend(values)
     packed = mx.array(flat + [0] * max(0, MIN_INTS - len(flat)), dtype=mx.int32)
-    if _on_cuda():
+    if cuda_kernel_available():
         # One copy made by the GPU, so every layer's kernels read memory the GPU wrote. Reading the host-written
         # array itself, rope ran 1.1-1.6x and the KV scatter 1.1-1.2x slower per call on the H200.
         packed = packed + 0

@@ -282,8 +282,8 @@ def _combine_kernel():
 
 def _scale_bits(scale: float) -> int:
     """The float32 bits of a positive, finite softmax scale, as the kernel's SCALE_BITS template constant. Not an
-    input array: MLX's CUDA allocator keeps arrays of <= 8 bytes in one shared managed-memory page, and a kernel
-    reading a scalar from it stalls on page migration whenever the host touched the page (engine/step_inputs.py)."""
+    input array: MLX's CUDA allocator keeps arrays of <= 8 bytes in shared managed-memory pages, which the H200
+    measurements suggest make a kernel reading them stall (engine/step_inputs.py)."""
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"the CUDA paged-decode kernel needs a positive, finite scale, got {scale!r}")
     return struct.unpack("<i", struct.pack("<f", scale))[0]
