@@ -10,6 +10,7 @@
 #   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, norm+rope folds off then on (fewer launches
 #                                              # a layer: the 1B step is host-bound), 3 rounds each
 #   bash benchmarks/h200_kernels.sh profile    # where a decode token's GPU time goes, mlxcel vs mlx-lm (CUPTI)
+#   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
 # Commit what they print to benchmarks/RESULTS.md; flip a default only where its tests pass and it wins.
@@ -55,10 +56,14 @@ case "${1:-}" in
     for shape in "llama-3.2-1b" "llama-3-8b"; do
       timeout 140 python benchmarks/gpu_profile.py --model-shape $shape --top 12 2>&1 | grep -vi "warn"
     done ;;
+  host)
+    for what in "--dtype bfloat16" "--bits 4"; do
+      timeout 140 python benchmarks/host_profile.py --model-shape llama-3.2-1b $what --top 16 2>&1 | grep -vi "warn"
+    done ;;
   engine|models)
     # -rf: the failures by name (the whole list of both directories does not fit one call's output or 10 minutes)
     timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/$1 --timeout 60 --tb=line -rf 2>&1 \
       | grep -vE "^\s*$|Writing model shards" | tail -60 ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|folds|profile|engine|models" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|folds|profile|host|engine|models" >&2; exit 2 ;;
 esac
