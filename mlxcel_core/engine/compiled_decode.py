@@ -113,13 +113,13 @@ class StepTraces:
         logits = self.model(tokens[:, None], caches)[:, -1, :]
         return logits, [c.keys for c in caches], [c.values for c in caches]
 
-    def _paged_forward(self, tokens: mx.array, slots: mx.array, block_tables: mx.array, positions: mx.array,
-                       context_lens: mx.array, pools: list[list[mx.array]]):
+    def _paged_forward(self, tokens: mx.array, slot_blocks: mx.array, slot_offsets: mx.array, block_tables: mx.array,
+                       positions: mx.array, context_lens: mx.array, pools: list[list[mx.array]]):
         self.traced += 1
         storage = self.storage
         kept, storage.pools = storage.pools, [list(p) for p in pools]  # the views write into these
         try:
-            views = [DecodeView(storage, layer, slots, block_tables, positions, context_lens)
+            views = [DecodeView(storage, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
                      for layer in range(len(pools))]
             logits = self.model(tokens[:, None], views)[:, -1, :]
             return logits, storage.pools
@@ -188,7 +188,7 @@ class CompiledDecoder:
     def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView]) -> mx.array:
         view = views[0]
         self.traces.storage = view.storage
-        logits, pools = self.traces.paged(tokens, view.slots, view.block_tables, view.offset, view.context_lens,
+        logits, pools = self.traces.paged(tokens, *view.slots, view.block_tables, view.offset, view.context_lens,
                                           view.storage.pools)
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
         return logits

@@ -38,12 +38,17 @@ PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees so the first wor
 class _Sampled:
     """A row's sampled token, still lazy until the host reads it."""
 
-    token: mx.array
-    nan: mx.array
+    token: mx.array  # [1]: the next step's input for this row
+    readout: mx.array  # int32 [1]: the token as the host reads it, -1 where the logits held a NaN
     logprobs: mx.array | None = None  # the row's log-softmax [V] when the request asked for logprobs
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.token, self.nan, self.logprobs) if a is not None]
+        return [a for a in (self.token, self.readout, self.logprobs) if a is not None]
+
+
+def _readout(tokens: mx.array, logits: mx.array) -> mx.array:
+    """int32 tokens [N], -1 in rows whose logits [N, V] hold a NaN."""
+    return mx.where(mx.isnan(logits).any(axis=-1), -1, tokens.astype(mx.int32))
 
 
 def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
@@ -170,7 +175,7 @@ class Engine:
         if speculated is not None:
             outputs += speculated
         elif batch.decode:
-            tokens = mx.concatenate([self._latest[s].reshape(1) for s in batch.decode])
+            tokens = mx.concatenate([self._latest[s] for s in batch.decode])  # one row: the array itself
             outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens))
         if batch.prefill is not None:
             work = batch.prefill
@@ -180,8 +185,7 @@ class Engine:
             outputs += self._run((work.seq_id,), produced, run, sample=work.last)
         # The host reads this step's rows as one vector (-1: NaN logits), built and scheduled now with the step:
         # made later in _commit it would queue behind the next step's forward and wait for it (no overlap).
-        readout = mx.stack([mx.where(s.nan, -1, s.token.astype(mx.int32)).reshape(())
-                            for s in produced.values()]) if produced else None
+        readout = mx.concatenate([s.readout for s in produced.values()]) if produced else None
         mx.async_eval([a for sampled in produced.values() for a in sampled.arrays()] + ([readout] if produced else []))
         self._latest.update({s: sampled.token for s, sampled in produced.items()})
         if sync:
@@ -229,11 +233,16 @@ class Engine:
         if not sample:
             return []
         outputs = []
-        nan = mx.isnan(logits).any(axis=-1)
         seqs = [self._sequences[s] for s in seq_ids]
         if all(s.params.plain_greedy and s.params.logprobs is None for s in seqs):
+            # The whole batch's tokens and readout at once; a lone row takes them as they are (each op in a step's
+            # graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
             tokens = mx.argmax(logits, axis=-1)
-            produced.update({s.seq_id: _Sampled(tokens[i], nan[i]) for i, s in enumerate(seqs)})
+            readout = _readout(tokens, logits)
+            if len(seqs) == 1:
+                produced[seqs[0].seq_id] = _Sampled(tokens, readout)
+            else:
+                produced.update({s.seq_id: _Sampled(tokens[i:i + 1], readout[i:i + 1]) for i, s in enumerate(seqs)})
             return outputs
         for i, seq in enumerate(seqs):
             try:
@@ -242,7 +251,8 @@ class Engine:
                 if seq.params.logprobs is not None:  # of the model's distribution, before sampling filters
                     raw = logits[i].astype(mx.float32)
                     logprobs = raw - mx.logsumexp(raw)
-                produced[seq.seq_id] = _Sampled(seq.sampler.draw(row).reshape(()), mx.isnan(row).any(), logprobs)
+                token = seq.sampler.draw(row).reshape(1)
+                produced[seq.seq_id] = _Sampled(token, _readout(token, row), logprobs)
             except Exception as exc:  # a bad logits processor ends its own row only
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
@@ -266,7 +276,7 @@ class Engine:
         self.speculator.drafter.rollback(seq.seq_id, len(history) + accepted)
         self.speculator.record(seq, len(proposals), accepted)
         self.scheduler.advance(seq.seq_id, accepted)
-        self._latest[seq.seq_id] = mx.array(verdict.tokens[-1])
+        self._latest[seq.seq_id] = mx.array([verdict.tokens[-1]])
         outputs = []
         for token in verdict.tokens:  # EOS, a stop string or max_tokens may end the row mid-draft
             outputs.append(self._append(seq, token))

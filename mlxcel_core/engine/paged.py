@@ -79,10 +79,12 @@ class PagedStorage:
         width = max(len(t) for t in tables)
         if self.pad_block_tables:
             width = 1 << (width - 1).bit_length()
-        slots, block_tables, positions, context_lens = int_views(
-            [self.tables[s].slot(p) for s, p in zip(seq_ids, positions)], [t + [0] * (width - len(t)) for t in tables],
-            positions, [p + 1 for p in positions])
-        return [DecodeView(self, layer, slots, block_tables, positions, context_lens)
+        # Each row's KV slot as (block, offset in the block): the write indexes the pools as they are (see write)
+        bs = self.pool.block_size
+        blocks, offsets = zip(*(divmod(self.tables[s].slot(p), bs) for s, p in zip(seq_ids, positions)))
+        slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(
+            blocks, offsets, [t + [0] * (width - len(t)) for t in tables], positions, [p + 1 for p in positions])
+        return [DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
                 for layer in range(len(self.pools))]
 
     def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
@@ -117,8 +119,12 @@ class PagedStorage:
             want = max(MIN_POOL_BLOCKS, 1 << (top - 1).bit_length())
             self.pool_rows = max(top, min(self.pool.num_blocks, want))
 
-    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> list[mx.array]:
-        """keys/values [N, Hkv, D] into `slots`; returns the layer's updated pools."""
+    def write(self, layer: int, slots: mx.array | tuple[mx.array, mx.array], keys: mx.array,
+              values: mx.array) -> list[mx.array]:
+        """keys/values [N, Hkv, D] into `slots`, flat slot ids [N] or a pair (blocks [N], offsets in the block [N]);
+        returns the layer's updated pools. The pair indexes the pools as they are, without reshaping them to flat
+        slots and back: 2 ops fewer per pool in a decode step's graph (a batch-1 step on a GPU is bound by the host's
+        cost per op, benchmarks/host_profile.py)."""
         parts = [keys, values]
         if self.kv_bits is not None:
             group = kv_group_size(keys.shape[-1])
@@ -131,6 +137,13 @@ class PagedStorage:
                                                                pool.dtype)]) for pool in self.pools[layer]]
         updated = []
         for pool, part in zip(self.pools[layer], parts):
+            if isinstance(slots, tuple):
+                # A slice update at (block, offset) would be fewer ops still, but MLX's CUDA dynamic-offset copy
+                # took 23.5 us a call on the H200 (the scatter 4 us): 0.75 ms a token at 1B.
+                pool = pool[...]  # a new array: the assignment leaves the caller's pool untouched
+                pool[slots] = part.astype(pool.dtype)
+                updated.append(pool)
+                continue
             flat = pool.reshape(-1, *pool.shape[2:])
             flat[slots] = part.astype(pool.dtype)
             updated.append(flat.reshape(pool.shape))
@@ -184,9 +197,11 @@ class _PrefillView:
 class DecodeView:
     """LayerCache for one decode step over several rows, each with its own position and blocks."""
 
-    def __init__(self, storage: PagedStorage, layer: int, slots, block_tables, positions, context_lens):
+    def __init__(self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], block_tables, positions,
+                 context_lens):
         self.storage, self.layer = storage, layer
-        self.slots, self.block_tables, self.offset = slots, block_tables, positions
+        self.slots = slots  # (blocks [B], offsets [B]): each row's KV slot (PagedStorage.write)
+        self.block_tables, self.offset = block_tables, positions
         self.context_lens = context_lens  # positions + 1, made on the host with them (engine/step_inputs.py)
 
     @property
@@ -194,13 +209,15 @@ class DecodeView:
         return self.storage.pools[self.layer] or []
 
     def attend(self, queries, keys, values, scale, window=None, softcap=None):
-        pools = self.storage.write(self.layer, self.slots, keys[:, :, 0], values[:, :, 0])
+        # [B, H, 1, D] <-> [B, H, D]: reshapes (one op each in the step's graph, where indexing makes two)
+        B, Hkv, _, D = keys.shape
+        pools = self.storage.write(self.layer, self.slots, keys.reshape(B, Hkv, D), values.reshape(B, Hkv, D))
         context_lens = self.context_lens
         if window is None and softcap is None and self.storage.kv_bits is None:
             attention, num_splits = self.storage.decode_attention(queries, pools, self.block_tables)
-            out = attention(queries[:, :, 0], pools[0], pools[1], self.block_tables, context_lens,
-                            num_splits=num_splits, scale=scale)
-            return out[:, :, None, :]
+            out = attention(queries.reshape(B, queries.shape[1], D), pools[0], pools[1], self.block_tables,
+                            context_lens, num_splits=num_splits, scale=scale)
+            return out.reshape(B, out.shape[1], 1, D)
         # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
         all_keys, all_values = self.storage.gather(pools, self.block_tables, queries.dtype)
         k_pos = mx.arange(all_keys.shape[2])[None, :]

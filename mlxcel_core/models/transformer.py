@@ -78,6 +78,24 @@ def add_projection(layer: nn.Module, x: mx.array, residual: mx.array | None) -> 
     return residual + layer(x)
 
 
+def heads_first(x: mx.array, heads: int) -> mx.array:
+    """[B, L, heads * D] -> [B, heads, L, D]. At L = 1 (a decode step) both layouts are the same memory, so it is one
+    reshape, not a reshape and a transpose: a decode step's graph has an op fewer per tensor (the 1B step on a GPU is
+    bound by the host's cost per op, benchmarks/host_profile.py)."""
+    B, L, _ = x.shape
+    if L == 1:
+        return x.reshape(B, heads, 1, -1)
+    return x.reshape(B, L, heads, -1).transpose(0, 2, 1, 3)
+
+
+def heads_last(x: mx.array) -> mx.array:
+    """[B, heads, L, D] -> [B, L, heads * D] (heads_first's inverse; one reshape at L = 1)."""
+    B, H, L, D = x.shape
+    if L == 1:
+        return x.reshape(B, 1, H * D)
+    return x.transpose(0, 2, 1, 3).reshape(B, L, H * D)
+
+
 class Attention(nn.Module):
     """Grouped-query attention with RoPE over q/k/v/o projections (reads the head counts and head_dim from args).
 
@@ -138,16 +156,13 @@ class Attention(nn.Module):
         offset = cache_offset(cache)
         roped = self._project_roped(x, norm, offset)
         q, k, v = roped if roped is not None else self.project(x, norm)
-        q = q.reshape(B, L, self.n_heads, self.head_dim)
-        k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
+        q, k, v = (heads_first(t, n) for t, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
-        v = v.reshape(B, L, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         if roped is None:
             q, k = self.rope(q, offset), self.rope(k, offset)
         out = attention(q, k, v, cache, self.scale, window=self.window, softcap=self.softcap)
-        return add_projection(self.o_proj, out.transpose(0, 2, 1, 3).reshape(B, L, -1), residual)
+        return add_projection(self.o_proj, heads_last(out), residual)
 
 
 class GatedMLP(nn.Module):

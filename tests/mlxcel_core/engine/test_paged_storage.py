@@ -72,3 +72,38 @@ def test_decoding_across_a_pool_growth_gives_the_dense_tokens(tiny_llama_dir):
     assert len(dense) == 60
     for compiled in (False, True):
         assert tokens(storage="paged", block_size=2, compile_decode=compiled) == dense, compiled
+
+
+@pytest.mark.parametrize("kv_bits", [None, 8])
+def test_writing_by_block_and_offset_equals_writing_by_flat_slot(kv_bits):
+    """Decode steps write KV at (block, offset) pairs (PagedStorage.write); the pools must come out exactly as the
+    flat-slot write leaves them (the prefill's), and the pools written over must stay as they were."""
+    for slots in ([0], [13], [3, 4, 13]):
+        pools = []
+        for by_pair in (False, True):
+            storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64, kv_bits=kv_bits)
+            storage.pool_rows = 4
+            shape = (len(slots), 2, 64)
+            keys, values = (mx.random.normal(shape, key=mx.random.key(i)) for i in (1, 2))
+            # something already there (distinct slots: a GPU scatter of several rows into one slot keeps any of them)
+            before = storage.write(0, mx.arange(5, 5 + len(slots), dtype=mx.int32), keys, values)
+            mx.eval(before)
+            kept = [mx.array(p) for p in before]
+            at = mx.array(slots, dtype=mx.int32)
+            if by_pair:
+                at = (at // 4, at % 4)
+            pools.append(storage.write(0, at, keys * 2, values * 3))
+            assert all(mx.array_equal(a, b) for a, b in zip(before, kept))
+        for flat, paired in zip(*pools):
+            assert mx.array_equal(flat, paired), slots
+
+
+def test_decode_views_carry_each_rows_block_and_offset():
+    storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64, max_batch_size=2)
+    for seq, length in ((0, 6), (1, 9)):
+        storage.add(seq, list(range(length)))
+        storage.prefill_caches(seq, 0, length)
+    (view,) = storage.decode_caches([0, 1])
+    blocks, offsets = (a.tolist() for a in view.slots)
+    expected = [divmod(storage.tables[s].slot(p), 4) for s, p in ((0, 6), (1, 9))]
+    assert list(zip(blocks, offsets)) == expected and view.offset.tolist() == [6, 9]
