@@ -168,16 +168,35 @@ def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
         else:
             exponents = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
             cached = mx.array((rope.base ** -exponents).astype(np.float32))
+        # Evaluated now (allowed inside a compile trace: it depends on no input), so a compiled decode step holds it as
+        # a constant; left lazy, every step recomputed it, one launch per layer.
+        mx.eval(cached)
         rope._fold_inv_freq = cached
     return cached
 
 
+_last_positions: tuple | None = None  # (offset array, (batch, length, scale), positions): fold_positions' memo
+
+
 def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float) -> mx.array:
     """Each row's RoPE position times `scale` (what mx.fast.rope multiplies the frequencies by), float32
-    [batch * length]: offset is the cache's (an int, or an array of one or `batch` entries)."""
+    [batch * length]: offset is the cache's (an int, or an array of one or `batch` entries).
+
+    Every layer of a decode step passes the same offset array (its cache views share it), so the result for the last
+    array seen is kept and returned again: one computation a step, not one a layer (each is ops in the step's graph
+    and a launch). The memo holds the array itself, so an identity match is the same array, never a reused id."""
+    global _last_positions
+    key = (batch, length, scale)
+    if not isinstance(offset, int) and _last_positions is not None:
+        last, last_key, positions = _last_positions
+        if last is offset and last_key == key:
+            return positions
     start = mx.array(offset, dtype=mx.float32) if isinstance(offset, int) else offset.astype(mx.float32)
     start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
-    return ((start + mx.arange(length, dtype=mx.float32)[None]) * scale).reshape(-1)
+    positions = ((start + mx.arange(length, dtype=mx.float32)[None]) * scale).reshape(-1)
+    if not isinstance(offset, int):
+        _last_positions = (offset, key, positions)
+    return positions
 
 
 class LongRoPE(RoPE):

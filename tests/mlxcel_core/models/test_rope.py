@@ -8,6 +8,8 @@ misplaced mscale, a wrong partial-rotary split or a wrong short/long choice all 
 from __future__ import annotations
 
 import math
+import re
+import tempfile
 
 import mlx.core as mx
 import numpy as np
@@ -199,3 +201,34 @@ def test_unknown_rope_type_is_a_clear_error():
 
     with pytest.raises(UnsupportedModelError, match="rope scaling type 'dynamic' is not supported"):
         initialize_rope(16, 10000.0, False, {"rope_type": "dynamic", "factor": 2.0})
+
+
+def test_fold_positions_is_computed_once_per_offset_array():
+    """Every layer of a decode step passes the same offset array: the second call returns the first's result; another
+    array (the next step's), or another shape or scale, is computed afresh, with the right values."""
+    from mlxcel_core.models.rope import fold_positions
+
+    offset = mx.array([7, 3], dtype=mx.int32)
+    first = fold_positions(offset, 2, 1, 0.5)
+    assert fold_positions(offset, 2, 1, 0.5) is first
+    assert first.tolist() == [3.5, 1.5]
+    assert fold_positions(offset, 2, 1, 1.0).tolist() == [7.0, 3.0]
+    same_values = mx.array([7, 3], dtype=mx.int32)
+    again = fold_positions(same_values, 2, 1, 0.5)
+    assert again is not first and again.tolist() == [3.5, 1.5]
+    assert fold_positions(mx.array([9, 4], dtype=mx.int32), 2, 2, 1.0).tolist() == [9.0, 10.0, 4.0, 5.0]
+    assert fold_positions(5, 1, 2, 1.0).tolist() == [5.0, 6.0]
+
+
+def test_fold_frequencies_are_evaluated_constants():
+    """Made once per RoPE and already evaluated, so a compiled step holds them as a constant (no op per step)."""
+    from mlxcel_core.models.rope import RoPE, fold_frequencies
+
+    rope = RoPE(64, 10000.0, inv_freq=mx.array(np.linspace(1.0, 0.01, 32).astype(np.float32)))
+    step = mx.compile(lambda x: x * fold_frequencies(rope, 64))
+    out = step(mx.ones(32))
+    assert fold_frequencies(rope, 64) is rope._fold_inv_freq
+    with tempfile.TemporaryDirectory() as tmp:
+        mx.export_to_dot(f"{tmp}/g.dot", out)
+        ops = re.findall(r'label\s*=\s*"(\w+)"', open(f"{tmp}/g.dot").read())
+    assert "Divide" not in ops and ops.count("Multiply") == 1, ops
