@@ -7,8 +7,8 @@
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
-#   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, norm+rope folds off then on (fewer launches
-#                                              # a layer: the 1B step is host-bound), 3 rounds each
+#   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, 8B 4-bit: norm+rope folds off then on (fewer
+#                                              # launches a layer: the 1B step is host-bound)
 #   bash benchmarks/h200_kernels.sh profile    # where a decode token's GPU time goes, mlxcel vs mlx-lm (CUPTI)
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
@@ -45,11 +45,12 @@ case "${1:-}" in
         2>&1 | grep -E "round|median|kernel"
     done ;;
   folds)
-    for what in "--dtype bfloat16" "--bits 4"; do
+    for what in "llama-3.2-1b --dtype bfloat16 --rounds 3" "llama-3.2-1b --bits 4 --rounds 3" \
+                "llama-3-8b --bits 4 --rounds 2"; do
       for gate in "MLXCEL_FUSE_NORM=0 MLXCEL_FUSE_ROPE=0" "MLXCEL_FUSE_NORM=1 MLXCEL_FUSE_ROPE=1"; do
-        echo "== $gate llama-3.2-1b $what"
-        env $gate timeout 140 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b $what $A --rounds 3 \
-          2>&1 | grep -E "round|median decode"
+        echo "== $gate $what"
+        env $gate timeout 110 python benchmarks/compare_mlx_lm.py --model-shape $what $A 2>&1 \
+          | grep -E "round|median decode"
       done
     done ;;
   profile)
