@@ -61,8 +61,10 @@ class PagedStorage:
         table.ensure_capacity(start + length)
         self.lengths[seq_id] = start + length
         self._reserve()
-        slots, blocks = int_views([table.slot(p) for p in range(start, start + length)], table.blocks)
-        return [_PrefillView(self, layer, slots, blocks, start) for layer in range(len(self.pools))]
+        slot_blocks, slot_offsets, blocks = int_views(
+            *self._block_offsets([table.slot(p) for p in range(start, start + length)]), table.blocks)
+        return [_PrefillView(self, layer, (slot_blocks, slot_offsets), blocks, start)
+                for layer in range(len(self.pools))]
 
     def finish_prefill(self, seq_id: int) -> None:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
@@ -79,11 +81,9 @@ class PagedStorage:
         width = max(len(t) for t in tables)
         if self.pad_block_tables:
             width = 1 << (width - 1).bit_length()
-        # Each row's KV slot as (block, offset in the block): the write indexes the pools as they are (see write)
-        bs = self.pool.block_size
-        blocks, offsets = zip(*(divmod(self.tables[s].slot(p), bs) for s, p in zip(seq_ids, positions)))
         slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(
-            blocks, offsets, [t + [0] * (width - len(t)) for t in tables], positions, [p + 1 for p in positions])
+            *self._block_offsets([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)]),
+            [t + [0] * (width - len(t)) for t in tables], positions, [p + 1 for p in positions])
         return [DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
                 for layer in range(len(self.pools))]
 
@@ -119,12 +119,15 @@ class PagedStorage:
             want = max(MIN_POOL_BLOCKS, 1 << (top - 1).bit_length())
             self.pool_rows = max(top, min(self.pool.num_blocks, want))
 
-    def write(self, layer: int, slots: mx.array | tuple[mx.array, mx.array], keys: mx.array,
-              values: mx.array) -> list[mx.array]:
-        """keys/values [N, Hkv, D] into `slots`, flat slot ids [N] or a pair (blocks [N], offsets in the block [N]);
-        returns the layer's updated pools. The pair indexes the pools as they are, without reshaping them to flat
-        slots and back: 2 ops fewer per pool in a decode step's graph (a batch-1 step on a GPU is bound by the host's
-        cost per op, benchmarks/host_profile.py)."""
+    def _block_offsets(self, slots: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Flat slot ids as (blocks, offsets in the block): how `write` indexes the pools."""
+        blocks, offsets = zip(*(divmod(slot, self.pool.block_size) for slot in slots))
+        return blocks, offsets
+
+    def write(self, layer: int, slots: tuple[mx.array, mx.array], keys: mx.array, values: mx.array) -> list[mx.array]:
+        """keys/values [N, Hkv, D] into `slots` = (blocks [N], offsets in the block [N]); returns the layer's updated
+        pools. Indexing the pools as they are, not reshaped to flat slots and back, saves 2 ops per pool in a decode
+        step's graph (a batch-1 step on a GPU is bound by the host's cost per op, benchmarks/host_profile.py)."""
         parts = [keys, values]
         if self.kv_bits is not None:
             group = kv_group_size(keys.shape[-1])
@@ -137,16 +140,11 @@ class PagedStorage:
                                                                pool.dtype)]) for pool in self.pools[layer]]
         updated = []
         for pool, part in zip(self.pools[layer], parts):
-            if isinstance(slots, tuple):
-                # A slice update at (block, offset) would be fewer ops still, but MLX's CUDA dynamic-offset copy
-                # took 23.5 us a call on the H200 (the scatter 4 us): 0.75 ms a token at 1B.
-                pool = pool[...]  # a new array: the assignment leaves the caller's pool untouched
-                pool[slots] = part.astype(pool.dtype)
-                updated.append(pool)
-                continue
-            flat = pool.reshape(-1, *pool.shape[2:])
-            flat[slots] = part.astype(pool.dtype)
-            updated.append(flat.reshape(pool.shape))
+            # (A slice update at (block, offset) would be fewer ops still, but MLX's CUDA dynamic-offset copy took
+            # 23.5 us a call on the H200, the scatter 4 us: 0.75 ms a token at 1B.)
+            pool = pool[...]  # a new array: the assignment leaves the caller's pool untouched
+            pool[slots] = part.astype(pool.dtype)
+            updated.append(pool)
         self.pools[layer] = updated
         return updated
 
@@ -172,7 +170,8 @@ class PagedStorage:
 class _PrefillView:
     """LayerCache for a chunk of one sequence's prompt (batch of one)."""
 
-    def __init__(self, storage: PagedStorage, layer: int, slots: mx.array, blocks: mx.array, start: int):
+    def __init__(self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], blocks: mx.array,
+                 start: int):
         self.storage, self.layer, self.slots, self.blocks, self.offset = storage, layer, slots, blocks, start
 
     @property

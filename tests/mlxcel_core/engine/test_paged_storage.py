@@ -1,8 +1,10 @@
 """PagedStorage's prefill views: a sequence's first chunk attends over its own keys, later chunks gather."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from mlxcel_core.cache import kv_group_size
 from mlxcel_core.engine.paged import PagedStorage
 from mlxcel_core.models.base import causal_mask, scaled_dot_product_attention
 
@@ -74,28 +76,39 @@ def test_decoding_across_a_pool_growth_gives_the_dense_tokens(tiny_llama_dir):
         assert tokens(storage="paged", block_size=2, compile_decode=compiled) == dense, compiled
 
 
+def _flat_slot_write(pools, slots, parts):
+    """The oracle: each part scattered into its pool viewed as flat slots [blocks * block_size, ...]."""
+    out = []
+    for pool, part in zip(pools, parts):
+        flat = pool.reshape(-1, *pool.shape[2:])
+        flat[slots] = part.astype(pool.dtype)
+        out.append(flat.reshape(pool.shape))
+    return out
+
+
 @pytest.mark.parametrize("kv_bits", [None, 8])
 def test_writing_by_block_and_offset_equals_writing_by_flat_slot(kv_bits):
-    """Decode steps write KV at (block, offset) pairs (PagedStorage.write); the pools must come out exactly as the
-    flat-slot write leaves them (the prefill's), and the pools written over must stay as they were."""
+    """PagedStorage.write takes each row's slot as (block, offset); the pools must come out exactly as a flat-slot
+    scatter leaves them, and the pools written over must stay as they were."""
     for slots in ([0], [13], [3, 4, 13]):
-        pools = []
-        for by_pair in (False, True):
-            storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64, kv_bits=kv_bits)
-            storage.pool_rows = 4
-            shape = (len(slots), 2, 64)
-            keys, values = (mx.random.normal(shape, key=mx.random.key(i)) for i in (1, 2))
-            # something already there (distinct slots: a GPU scatter of several rows into one slot keeps any of them)
-            before = storage.write(0, mx.arange(5, 5 + len(slots), dtype=mx.int32), keys, values)
-            mx.eval(before)
-            kept = [mx.array(p) for p in before]
-            at = mx.array(slots, dtype=mx.int32)
-            if by_pair:
-                at = (at // 4, at % 4)
-            pools.append(storage.write(0, at, keys * 2, values * 3))
-            assert all(mx.array_equal(a, b) for a, b in zip(before, kept))
-        for flat, paired in zip(*pools):
-            assert mx.array_equal(flat, paired), slots
+        storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64, kv_bits=kv_bits)
+        storage.pool_rows = 4
+        keys, values = (mx.random.normal((len(slots), 2, 64), key=mx.random.key(i)) for i in (1, 2))
+        # something already there (distinct slots: a GPU scatter of several rows into one slot keeps any of them)
+        first = mx.arange(5, 5 + len(slots), dtype=mx.int32)
+        before = storage.write(0, (first // 4, first % 4), keys, values)
+        mx.eval(before)
+        kept = [mx.array(np.array(p)) for p in before]
+        at = mx.array(slots, dtype=mx.int32)
+        written = storage.write(0, (at // 4, at % 4), keys * 2, values * 3)
+        parts = [keys * 2, values * 3]
+        if kv_bits is not None:
+            parts = [p for x in parts for p in mx.quantize(x, group_size=kv_group_size(64), bits=kv_bits)]
+        expected = _flat_slot_write(kept, at, parts)
+        assert len(written) == len(expected)
+        for got, want in zip(written, expected):
+            assert mx.array_equal(got, want), slots
+        assert all(mx.array_equal(a, b) for a, b in zip(before, kept))
 
 
 def test_decode_views_carry_each_rows_block_and_offset():
