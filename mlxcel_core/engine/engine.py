@@ -235,14 +235,11 @@ class Engine:
         outputs = []
         seqs = [self._sequences[s] for s in seq_ids]
         if all(s.params.plain_greedy and s.params.logprobs is None for s in seqs):
-            # The whole batch's tokens and readout at once; a lone row takes them as they are (each op in a step's
-            # graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
+            # The whole batch's tokens and readout at once, each row a slice (a lone row's whole-array slice is no op:
+            # each op in a step's graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
             tokens = mx.argmax(logits, axis=-1)
             readout = _readout(tokens, logits)
-            if len(seqs) == 1:
-                produced[seqs[0].seq_id] = _Sampled(tokens, readout)
-            else:
-                produced.update({s.seq_id: _Sampled(tokens[i:i + 1], readout[i:i + 1]) for i, s in enumerate(seqs)})
+            produced.update({s.seq_id: _Sampled(tokens[i:i + 1], readout[i:i + 1]) for i, s in enumerate(seqs)})
             return outputs
         for i, seq in enumerate(seqs):
             try:
