@@ -33,9 +33,9 @@ sys.path.insert(0, str(HERE))
 import compare_mlx_lm as compare  # noqa: E402  (its mlx_lm_twin)
 
 
-def mlxcel_tokens(model, vocab: int, prompt: list[int], warm: int, count: int):
+def mlxcel_tokens(model, vocab: int, prompt: list[int], warm: int, count: int, storage: str = "auto"):
     """A generator over the engine's greedy tokens (decode as generate/serve run it)."""
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1))
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=storage))
     seq = engine.open(prompt, SamplingParams(max_tokens=warm + count + 1))
     while engine.has_work():
         for out in engine.step():

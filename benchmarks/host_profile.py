@@ -38,6 +38,7 @@ from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import compare_mlx_lm as compare  # noqa: E402  (its mlx_lm_twin)
+import gpu_profile as gpu  # noqa: E402  (its token loops)
 
 PARTS = ("build", "launch", "read")
 
@@ -79,20 +80,8 @@ def count_ops(*arrays: mx.array, dot_file: str | None = None) -> collections.Cou
     return ops
 
 
-def mlxcel_loop(model, vocab: int, prompt: list[int], tokens: int, storage: str):
-    """Decode `tokens` greedy tokens through the engine (as generate and serve run it)."""
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=storage))
-    seq = engine.open(prompt, SamplingParams(max_tokens=tokens + 1))
-    while engine.has_work():
-        for out in engine.step():
-            if out.finish_reason == "error":
-                raise RuntimeError(f"mlxcel: {out.error}")
-    engine.release(seq)
-
-
 def mlx_lm_loop(model, prompt: list[int], tokens: int, clock: Clock):
-    """Decode `tokens` greedy tokens through generate_step, the model's calls clocked as "build"."""
-    from mlx_lm.generate import generate_step
+    """gpu_profile's mlx-lm token loop with the model's calls clocked as "build"."""
 
     class Timed:  # the model, with its calls clocked as "build"
         def __init__(self, inner):
@@ -105,7 +94,12 @@ def mlx_lm_loop(model, prompt: list[int], tokens: int, clock: Clock):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    for _ in generate_step(mx.array(prompt), Timed(model), max_tokens=tokens + 1):
+    drain(gpu.mlx_lm_tokens(Timed(model), prompt, 0, tokens))
+
+
+def drain(tokens) -> None:
+    """Run a token generator to its end (gpu_profile's loops decode `count` + 1 tokens after `warm`)."""
+    for _ in tokens:
         pass
 
 
@@ -187,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.tokens} tokens timed")
     sides = []
     if args.side in ("both", "mlxcel"):
-        sides.append(("mlxcel", lambda n, clock: mlxcel_loop(ours, vocab, prompt, n, args.storage),
+        sides.append(("mlxcel", lambda n, clock: drain(gpu.mlxcel_tokens(ours, vocab, prompt, 0, n, args.storage)),
                       mlxcel_step_ops(ours, args.storage, args.dot)))
     if args.side in ("both", "mlx-lm"):
         theirs = compare.mlx_lm_twin(ours, config)
