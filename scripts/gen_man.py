@@ -31,11 +31,11 @@ ENVIRONMENT = [
     ("MLXCEL_FUSE", "1: compute a decode step's q/k/v and gate/up projections as one matmul each and, with the "
                     "4-bit kernel, each residual add inside its o_proj/down_proj launch; 0: one launch per layer "
                     "and op. Default: fused when MLX runs on a GPU."),
-    ("MLXCEL_FUSE_NORM", "1: also take each layer's RMSNorm into its fused q/k/v and gate/up kernel launches (4-bit, "
-                         "or 16-bit where MLXCEL_HMV applies). Default: off (no speed-up measured on an H200 "
-                         "yet)."),
-    ("MLXCEL_FUSE_ROPE", "1: also apply RoPE to q and k inside the fused q/k/v launch (plain non-traditional RoPE, "
-                         "no q/k norms). Default: off (no speed-up measured on an H200 yet)."),
+    ("MLXCEL_FUSE_NORM", "0: do not take each layer's RMSNorm into its fused q/k/v and gate/up kernel launches. "
+                         "Default: taken there wherever those kernels run (4-bit, or 16-bit where MLXCEL_HMV "
+                         "applies; CUDA only)."),
+    ("MLXCEL_FUSE_ROPE", "0: do not apply RoPE to q and k inside the fused q/k/v launch. Default: applied there "
+                         "wherever that kernel runs (plain non-traditional RoPE, no q/k norms)."),
     ("MLXCEL_HMV", "1: bf16/fp16 layers' decode matvecs (with their fused projections and residual adds) run mlxcel's "
                    "16-bit CUDA kernel; 0: MLX's. Default: the kernel for models up to 2048 wide (CUDA only; "
                    "wider ones decoded slower with it on an H200)."),

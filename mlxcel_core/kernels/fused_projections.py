@@ -16,10 +16,11 @@ Inputs of at most FUSED_MAX_ROWS rows take the fused path:
 The output projections (o_proj, down_proj) that run the 4-bit kernel also take the residual add of their block
 into the same launch (FastQuantizedLinear.fuses_residual, the kernel's "residual" mode): two launches fewer per layer.
 
-MLXCEL_FUSE_NORM=1 (off by default: no speed-up measured on the H200 yet) also takes each block's pre-norm (an
-RMSNorm) into the "qkv" and "swiglu" launches (modes "qkv_norm", "swiglu_norm"): two more launches fewer per layer.
-MLXCEL_FUSE_ROPE=1 (off by default, likewise) rotates q and k in the q/k/v launch (modes "qkv_rope",
-"qkv_norm_rope"; Attention._project_roped): two more.
+Where those launches run (the kernels are CUDA-only), each block's pre-norm (an RMSNorm) is also taken into the "qkv"
+and "swiglu" launches (modes "qkv_norm", "swiglu_norm"; MLXCEL_FUSE_NORM=0 turns it off): two launches fewer per
+layer; and q and k are rotated in the q/k/v launch (modes "qkv_rope", "qkv_norm_rope"; Attention._project_roped;
+MLXCEL_FUSE_ROPE=0 turns it off): two more. On by default since the ninth session's H200 runs: 438 -> 380 ops and
+7% less host time a 1B step, and a higher ratio to mlx-lm in every paired run (benchmarks/RESULTS.md).
 
 Gate (fusion_enabled): MLXCEL_FUSE=1 / 0 forces it; unset, on only where MLX runs on a GPU (on the CPU a
 matmul's launch costs nothing worth saving, and concatenating costs a copy of those weights at load).
@@ -53,14 +54,19 @@ def fusion_enabled() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
 
 
+def _on_unless_zero(env: str) -> bool:
+    return os.environ.get(env, "").strip() != "0"
+
+
 def norm_fusion_enabled() -> bool:
-    """Whether fused projections on a kernel take their block's RMSNorm into the launch (MLXCEL_FUSE_NORM=1)."""
-    return os.environ.get(NORM_ENV, "").strip() == "1"
+    """Whether fused projections on a kernel take their block's RMSNorm into the launch (on unless MLXCEL_FUSE_NORM=0)."""
+    return _on_unless_zero(NORM_ENV)
 
 
 def rope_fusion_enabled() -> bool:
-    """Whether fused q/k/v projections on a kernel apply the RoPE to q and k in the launch (MLXCEL_FUSE_ROPE=1)."""
-    return os.environ.get(ROPE_ENV, "").strip() == "1"
+    """Whether fused q/k/v projections on a kernel apply the RoPE to q and k in the launch (on unless
+    MLXCEL_FUSE_ROPE=0)."""
+    return _on_unless_zero(ROPE_ENV)
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
@@ -145,7 +151,7 @@ class FusedProjection:
         return y + p["bias"] if "bias" in p else y
 
     def _norm_inputs(self, norm: nn.Module | None) -> tuple[mx.array, mx.array] | None:
-        """(weight, eps) of a norm the kernel can take into its launch (an nn.RMSNorm, with MLXCEL_FUSE_NORM), else
+        """(weight, eps) of a norm the kernel can take into its launch (an nn.RMSNorm, unless MLXCEL_FUSE_NORM=0), else
         None."""
         if norm is None or not self.fold_norm or type(norm) is not nn.RMSNorm:
             return None

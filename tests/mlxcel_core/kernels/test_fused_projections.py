@@ -313,7 +313,8 @@ def test_norm_fold_needs_the_gate_an_rmsnorm_and_the_kernel():
     model, _ = build_random_model("tiny", bits=4, seed=4)
     fuse_projections(model)
     proj, norm = model.layers[0].self_attn.fused_qkv, model.layers[0].input_layernorm
-    assert not proj.fold_norm  # no kernel here (or MLXCEL_FUSE_NORM unset): the norm runs on its own
+    assert proj.fold_norm == bool(proj.kernel or proj.half_kernel)  # only where a kernel runs the launch
+    proj.fold_norm = False
     assert proj._norm_inputs(norm) is None
     proj.fold_norm = True
     weight, eps = proj._norm_inputs(norm)
@@ -324,8 +325,10 @@ def test_norm_fold_needs_the_gate_an_rmsnorm_and_the_kernel():
 
 @pytest.mark.parametrize("env,gate", [("MLXCEL_FUSE_NORM", "norm_fusion_enabled"),
                                       ("MLXCEL_FUSE_ROPE", "rope_fusion_enabled")])
-def test_fold_gates_are_off_unless_set(monkeypatch, env, gate):
+def test_fold_gates_are_on_unless_set_to_zero(monkeypatch, env, gate):
     monkeypatch.delenv(env, raising=False)
+    assert getattr(fused_projections, gate)()
+    monkeypatch.setenv(env, "0")
     assert not getattr(fused_projections, gate)()
     monkeypatch.setenv(env, "1")
     assert getattr(fused_projections, gate)()
