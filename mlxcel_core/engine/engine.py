@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..errors import InputError
+from ..kernels.greedy import greedy_tokens, readout_of
 from ..models.base import CausalLM
 from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
@@ -44,11 +45,6 @@ class _Sampled:
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.token, self.readout, self.logprobs) if a is not None]
-
-
-def _readout(tokens: mx.array, logits: mx.array) -> mx.array:
-    """int32 tokens [N], -1 in rows whose logits [N, V] hold a NaN."""
-    return mx.where(mx.isnan(logits).any(axis=-1), -1, tokens.astype(mx.int32))
 
 
 def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
@@ -237,8 +233,7 @@ class Engine:
         if all(s.params.plain_greedy and s.params.logprobs is None for s in seqs):
             # The whole batch's tokens and readout at once, each row a slice (a lone row's whole-array slice is no op:
             # each op in a step's graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
-            tokens = mx.argmax(logits, axis=-1)
-            readout = _readout(tokens, logits)
+            tokens, readout = greedy_tokens(logits)  # one launch on CUDA (kernels/greedy.py)
             produced.update({s.seq_id: _Sampled(tokens[i:i + 1], readout[i:i + 1]) for i, s in enumerate(seqs)})
             return outputs
         for i, seq in enumerate(seqs):
@@ -249,7 +244,7 @@ class Engine:
                     raw = logits[i].astype(mx.float32)
                     logprobs = raw - mx.logsumexp(raw)
                 token = seq.sampler.draw(row).reshape(1)
-                produced[seq.seq_id] = _Sampled(token, _readout(token, row), logprobs)
+                produced[seq.seq_id] = _Sampled(token, readout_of(token, row), logprobs)
             except Exception as exc:  # a bad logits processor ends its own row only
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs

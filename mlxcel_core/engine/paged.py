@@ -214,9 +214,9 @@ class DecodeView:
         context_lens = self.context_lens
         if window is None and softcap is None and self.storage.kv_bits is None:
             attention, num_splits = self.storage.decode_attention(queries, pools, self.block_tables)
-            out = attention(queries.reshape(B, queries.shape[1], D), pools[0], pools[1], self.block_tables,
-                            context_lens, num_splits=num_splits, scale=scale)
-            return out.reshape(B, out.shape[1], 1, D)
+            # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
+            return attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
+                             scale=scale)
         # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
         all_keys, all_values = self.storage.gather(pools, self.block_tables, queries.dtype)
         k_pos = mx.arange(all_keys.shape[2])[None, :]

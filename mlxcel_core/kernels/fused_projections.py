@@ -36,6 +36,7 @@ import mlx.nn as nn
 
 from ..models.activations import swiglu
 from ..models.base import normed
+from ..models.transformer import heads_first
 from . import fast_linear, hmv, qmv
 
 ENV = "MLXCEL_FUSE"
@@ -180,12 +181,16 @@ class FusedProjection:
 
     def split_roped(self, x: mx.array, norm: nn.Module | None, positions: mx.array, inv_freq: mx.array,
                     head_dim: int) -> list[mx.array] | None:
-        """q, k, v of x (of norm(x)) with q and k already rotated (non-traditional RoPE: `positions` [rows of x],
-        float32, times the RoPE's scale; `inv_freq` [head_dim / 2]), in one launch; None where that launch cannot
-        run (gate off, no kernel for this call): the caller then projects and rotates as usual."""
+        """q, k, v of x [B, L, K] (of norm(x)) with q and k already rotated (non-traditional RoPE: `positions` [B * L],
+        float32, times the RoPE's scale; `inv_freq` [head_dim / 2]), in one launch, heads first: [B, heads, L,
+        head_dim] (at L = 1 the launch writes that layout). None where that launch cannot run (gate off, no kernel
+        for this call): the caller then projects and rotates as usual."""
         if not self.fold_rope:
             return None
-        return self._launch(x, "qkv", norm, (*self.qkv_split, head_dim), (positions, inv_freq))
+        outs = self._launch(x, "qkv", norm, (*self.qkv_split, head_dim), (positions, inv_freq))
+        if outs is None or outs[0].ndim == 4:
+            return outs
+        return [heads_first(t, t.shape[-1] // head_dim) for t in outs]
 
     def split(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
         """Each layer's output, in order, of x (of norm(x) when given)."""

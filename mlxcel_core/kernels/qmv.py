@@ -128,10 +128,15 @@ def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[i
     """The launch of `mode` over a weight of n rows (both weight kinds): template ints, grid and outputs.
 
     mode "qkv" (and "qkv_norm") takes split = (NQ, NK), n = NQ + 2 NK, and "qkv_rope" / "qkv_norm_rope" split =
-    (NQ, NK, head_dim); "swiglu" (and "swiglu_norm") writes n / 2 outputs."""
+    (NQ, NK, head_dim); "swiglu" (and "swiglu_norm") writes n / 2 outputs.
+
+    Outputs are [..., width] like x, except the rope modes' for one token per row (x [B, 1, K]): q, k and v come out
+    as [B, heads, 1, head_dim], the attention's layout, which at one token is the same memory (no reshape op after
+    the launch: a decode step's host cost grows with its ops, benchmarks/host_profile.py)."""
     threads = warps * 32
     blocks = -(-n // rows)
     base = base_mode(mode)
+    shapes = None
     if base == "qkv":
         nq, nk = split[:2]
         if nq + 2 * nk != n:
@@ -144,6 +149,8 @@ def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[i
                 raise ValueError(f"rope needs an even head_dim dividing q and k ({split}) and even rows, got {rows}")
             template = template + [("HD", hd)]
             blocks = -(-(n // 2) // (rows // 2))
+            if len(x_shape) == 3 and x_shape[1] == 1:
+                shapes = [(x_shape[0], width // hd, 1, hd) for width in outputs]
     elif base == "swiglu":
         if n % 2 or rows % 2:
             raise ValueError(f"swiglu needs an even number of weight rows and of rows per block, got {n}, {rows}")
@@ -155,7 +162,7 @@ def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[i
         template=template,
         grid=(blocks * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(*x_shape[:-1], width) for width in outputs],
+        output_shapes=shapes or [(*x_shape[:-1], width) for width in outputs],
         output_dtypes=[out_dtype] * len(outputs),
     )
 

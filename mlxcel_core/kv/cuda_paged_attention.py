@@ -1,9 +1,9 @@
 """Paged decode attention as one CUDA kernel with a split-K launch parameter (``mx.fast.cuda_kernel``).
 
 Same contract and results as ``paged_attention.paged_decode_attention`` (the MLX-ops path, which runs
-on every backend and stays the fallback): q [B, Hq, D], pools [num_blocks, block_size, Hkv, D],
-block_tables int [B, max_blocks], context_lens int [B]; returns [B, Hq, D] in q's dtype, zeros for a
-row whose context is empty.
+on every backend and stays the fallback): q [B, Hq, D] or [B, Hq, 1, D], pools [num_blocks, block_size, Hkv,
+D], block_tables int [B, max_blocks], context_lens int [B]; returns q's shape and dtype, zeros for a row whose
+context is empty.
 
 Kernel ("paged_decode_split"): one thread block per (split, kv head x query-head group, row). A row's
 context is cut into ``num_splits`` contiguous chunks of ceil(len / num_splits) tokens; the block of split
@@ -303,7 +303,7 @@ def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, n
                                 scale: float | None = None) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring)."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
-    B, Hq, D = q.shape
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
     geo = launch_geometry(D, n_rep)
@@ -325,7 +325,7 @@ def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, n
         template=[("OUT", q.dtype), ("D", D)],
         grid=(-(-B * Hq * D // combine_threads) * combine_threads, 1, 1),
         threadgroup=(combine_threads, 1, 1),
-        output_shapes=[(B, Hq, D)],
+        output_shapes=[q.shape],
         output_dtypes=[q.dtype],
     )
     return out

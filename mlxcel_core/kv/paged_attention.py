@@ -29,9 +29,9 @@ def _check_pools(k_pool: mx.array, v_pool: mx.array) -> None:
 def check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits) -> None:
     """The contract every paged decode attention implementation (MLX ops, CUDA kernel) validates."""
     _check_pools(k_pool, v_pool)
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, Hq, D], got shape {q.shape}")
-    B, Hq, D = q.shape
+    if not (q.ndim == 3 or (q.ndim == 4 and q.shape[2] == 1)):
+        raise ValueError(f"q must be [B, Hq, D] or [B, Hq, 1, D], got shape {q.shape}")
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     Hkv, Dk = k_pool.shape[2], k_pool.shape[3]
     if Dk != D:
         raise ValueError(f"head dim mismatch: q has D={D}, pools have D={Dk}")
@@ -49,11 +49,11 @@ def check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_sp
 
 def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
                            scale: float | None = None) -> mx.array:
-    """One decode step of attention for B rows. q: [B, Hq, D]; pools: [num_blocks, block_size, Hkv, D];
-    block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens, current one included).
-    Returns [B, Hq, D] in q's dtype. A row with context_len 0 yields zeros."""
+    """One decode step of attention for B rows. q: [B, Hq, D] (or [B, Hq, 1, D], the model's layout at one token);
+    pools: [num_blocks, block_size, Hkv, D]; block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens,
+    current one included). Returns q's shape and dtype. A row with context_len 0 yields zeros."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
-    B, Hq, D = q.shape
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
     scale = D ** -0.5 if scale is None else scale
@@ -97,7 +97,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_sp
     L = (alpha * l).sum(axis=2)  # [B, Hkv, n_rep, 1]
     O = (alpha * o).sum(axis=2)  # [B, Hkv, n_rep, D]
     out = mx.where(L > 0, O / mx.where(L > 0, L, 1.0), 0.0)
-    return out.reshape(B, Hq, D).astype(q.dtype)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 def write_kv(k_pool, v_pool, slots, k, v) -> tuple[mx.array, mx.array]:

@@ -140,7 +140,8 @@ class Attention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def _project_roped(self, x: mx.array, norm: nn.Module | None, offset) -> list[mx.array] | None:
-        """q, k, v with q and k rotated by the fused projection's launch (MLXCEL_FUSE_ROPE), or None."""
+        """q, k, v [B, heads, L, head_dim] with q and k rotated by the fused projection's launch (MLXCEL_FUSE_ROPE),
+        or None."""
         fused = self.fused_qkv
         if fused is None or not fused.fold_rope or self.qk_norm or not fused.takes(x):
             return None
@@ -152,14 +153,15 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None,
                  norm: nn.Module | None = None) -> mx.array:
-        B, L, _ = x.shape
         offset = cache_offset(cache)
         roped = self._project_roped(x, norm, offset)
-        q, k, v = roped if roped is not None else self.project(x, norm)
-        q, k, v = (heads_first(t, n) for t, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if roped is None:
+        if roped is not None:
+            q, k, v = roped
+        else:
+            q, k, v = self.project(x, norm)
+            q, k, v = (heads_first(t, n) for t, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rope(q, offset), self.rope(k, offset)
         out = attention(q, k, v, cache, self.scale, window=self.window, softcap=self.softcap)
         return add_projection(self.o_proj, heads_last(out), residual)

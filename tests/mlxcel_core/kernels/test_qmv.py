@@ -243,6 +243,21 @@ def test_launch_args():
     assert qmv.launch_args((0, 4096), mx.bfloat16, mx.bfloat16, 64, 64) is None
 
 
+def test_rope_launch_writes_heads_first_at_one_token():
+    """The qkv_rope modes' outputs for x [B, 1, K] are [B, heads, 1, head_dim] (the attention's layout, the same
+    memory as [B, 1, heads * head_dim]); other shapes of x keep [..., width]."""
+    split = (2048, 512, 64)
+    for mode in ("qkv_rope", "qkv_norm_rope"):
+        args = qmv.launch_args((2, 1, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split)
+        assert args["output_shapes"] == [(2, 32, 1, 64), (2, 8, 1, 64), (2, 8, 1, 64)]
+        args = qmv.launch_args((1, 3, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split)
+        assert args["output_shapes"] == [(1, 3, 2048), (1, 3, 512), (1, 3, 512)]
+        args = qmv.launch_args((4, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split)
+        assert args["output_shapes"] == [(4, 2048), (4, 512), (4, 512)]
+    args = qmv.launch_args((2, 1, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode="qkv", split=split[:2])
+    assert args["output_shapes"] == [(2, 1, 2048), (2, 1, 512), (2, 1, 512)]
+
+
 def test_launch_config():
     for n, k in DECODE_SHAPES + [(128256, 4096), (576, 1536), (49152, 576)]:
         for m in range(1, qmv.MAX_ROWS + 1):

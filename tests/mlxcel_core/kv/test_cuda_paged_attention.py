@@ -143,6 +143,14 @@ def test_custom_scale_int64_tables_and_fp32_query_on_fp16_pools():
 
 
 @needs_cuda
+def test_one_token_query_layout():
+    q, k_pool, v_pool, table, lens = make_case([100, 333], 32, 8, 2, 64, mx.bfloat16)
+    flat = cuda_paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=4)
+    out = cuda_paged_decode_attention(q[:, :, None, :], k_pool, v_pool, table, lens, num_splits=4)
+    assert out.shape == (2, 8, 1, 64) and mx.array_equal(out.reshape(flat.shape), flat).item()
+
+
+@needs_cuda
 def test_results_are_deterministic():
     case = make_case([3000, 1234], 32, 32, 8, 128, mx.float16)
     a = cuda_paged_decode_attention(*case, num_splits=8)

@@ -122,6 +122,16 @@ def test_write_then_decode_matches_dense():
         assert max_err(paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=s), ref) <= 1e-5
 
 
+def test_one_token_query_layout_gives_the_same_values():
+    """q [B, Hq, 1, D] (the model's layout at one token) is the same memory as [B, Hq, D]: same output, its shape."""
+    q, kp, vp, table, lens = make_case([5, 40], 16, 8, 2)
+    flat = paged_decode_attention(q, kp, vp, table, lens, num_splits=4)
+    out = paged_decode_attention(q[:, :, None, :], kp, vp, table, lens, num_splits=4)
+    assert out.shape == (2, 8, 1, D) and mx.array_equal(out.reshape(flat.shape), flat).item()
+    with pytest.raises(ValueError, match="q must be"):
+        paged_decode_attention(mx.concatenate([q[:, :, None]] * 2, axis=2), kp, vp, table, lens)
+
+
 def test_bad_arguments():
     q, kp, vp, table, lens = make_case([5, 9], 16, 8, 2)
     with pytest.raises(ValueError, match="num_splits"):
