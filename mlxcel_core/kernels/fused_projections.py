@@ -60,7 +60,8 @@ def _on_unless_zero(env: str) -> bool:
 
 
 def norm_fusion_enabled() -> bool:
-    """Whether fused projections on a kernel take their block's RMSNorm into the launch (on unless MLXCEL_FUSE_NORM=0)."""
+    """Whether fused projections on a kernel take their block's RMSNorm into the launch (on unless
+    MLXCEL_FUSE_NORM=0)."""
     return _on_unless_zero(NORM_ENV)
 
 
