@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 checks of the opt-in decode kernels (MLXCEL_HMV, MLXCEL_FUSE_NORM, MLXCEL_FUSE_ROPE), one step per device
+# The H200 checks of the decode kernels (MLXCEL_HMV, MLXCEL_FUSE_NORM, MLXCEL_FUSE_ROPE, ...), one step per device
 # call (each fits the 10-minute limit): run from the project root after staging MLX (../shared/gpu/README.md), with
 #   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
@@ -13,6 +13,10 @@
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
+#   bash benchmarks/h200_kernels.sh ab SHAPE.. # a change's paired runs: the tree in before/ (made on your machine
+#                                              # with `mkdir before && git archive REF | tar -x -C before`; it is
+#                                              # carried because it is untracked; delete it after) and this tree,
+#                                              # alternately, twice, per shape (e.g. "llama-3.2-1b --dtype bfloat16")
 # Commit what they print to benchmarks/RESULTS.md; flip a default only where its tests pass and it wins.
 set -u
 A="--prompt-tokens 512 --gen-tokens 128"
@@ -65,6 +69,17 @@ case "${1:-}" in
     # -rf: the failures by name (the whole list of both directories does not fit one call's output or 10 minutes)
     timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/$1 --timeout 60 --tb=line -rf 2>&1 \
       | grep -vE "^\s*$|Writing model shards" | tail -60 ;;
+  ab)
+    shift
+    [ -d before ] || { echo "ab: no before/ tree (see the usage above)" >&2; exit 2; }
+    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
+      for tree in before . before .; do
+        echo "== ${tree/./after} $what"
+        (cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 100 python benchmarks/compare_mlx_lm.py --model-shape $what $A \
+          --rounds 2 2>&1 | grep -E "round|median decode")
+      done
+    done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|folds|profile|host|engine|models" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|folds|profile|host|engine|models|ab" >&2
+    exit 2 ;;
 esac
