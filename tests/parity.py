@@ -48,7 +48,8 @@ def reference(path: Path, prompt: list[int], steps: int):
 
 
 def ours(path: Path, prompt: list[int], steps: int):
-    """Our logits (one forward, no cache) and greedy tokens through the engine, loaded like the CLI does.
+    """Our logits (one forward, no cache) and greedy tokens through the engine, loaded like the CLI does; the
+    last_only forward (with a cache) must give the last position's logits.
 
     The tokens are generated three times, with decode steps built op by op, compiled (engine/compiled_decode.py,
     the default on a GPU), and compiled with the fused q/k/v and gate/up projections (kernels/fused_projections.py,
@@ -58,8 +59,14 @@ def ours(path: Path, prompt: list[int], steps: int):
     from mlxcel_core.kernels.fused_projections import fuse_projections, unfuse_projections
     from mlxcel_core.sampling import SamplingParams
 
+    from mlxcel_core.cache import make_cache
+
     loaded = load_quiet(path)
     forward = logits(loaded.model, prompt)
+    # A prompt's last chunk as the engine runs it: the last layer past its attention on the last position only.
+    last = loaded.model(mx.array([prompt]), make_cache(len(loaded.model.layers)), last_only=True)
+    np.testing.assert_allclose(np.array(last[0, -1].astype(mx.float32)), forward[-1], atol=1e-4, rtol=0,
+                               err_msg="last_only logits differ from the full forward's last position")
     loaded.tokenizer.eos_token_ids = set()  # random weights: compare all `steps` tokens
 
     def generate(compiled: bool) -> list[int]:

@@ -179,16 +179,18 @@ class _PrefillView:
         return self.storage.pools[self.layer] or []
 
     def attend(self, queries, keys, values, scale, window=None, softcap=None):
-        length = keys.shape[2]
+        # queries may be the chunk's last positions only (a prompt's last layer, last_only): masks align them with
+        # the last keys
+        length, queried = keys.shape[2], queries.shape[2]
         pools = self.storage.write(self.layer, self.slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
         if self.offset == 0 and self.storage.kv_bits is None:
             # The sequence's first chunk: the blocks now hold exactly these keys/values, so attend over them
             # as they are instead of gathering them back (on the GPU the gather cost ~0.3 ms per layer of TTFT).
-            return scaled_dot_product_attention(queries, keys, values, scale, causal_mask(length, length, None, window),
-                                                softcap)
+            return scaled_dot_product_attention(queries, keys, values, scale,
+                                                causal_mask(queried, length, None, window), softcap)
         total = self.offset + length
         all_keys, all_values = self.storage.gather(pools, self.blocks[None], queries.dtype)
-        mask = causal_mask(length, total, None, window)
+        mask = causal_mask(queried, total, None, window)
         return scaled_dot_product_attention(queries, all_keys[:, :, :total], all_values[:, :, :total], scale,
                                             mask, softcap)
 

@@ -20,22 +20,12 @@ class ModelRunner:
         self.prefill_tokens = 0  # prompt tokens actually computed (prefix-cache hits are not)
         # Decode steps as one compiled graph where the caches allow (compiled_decode.py); None: op by op.
         self.compiled = CompiledDecoder(model) if compile_decode else None
-        # Where MLX computes on the CPU, a prompt's last chunk runs as its body, caches only, then its last token.
-        # In one forward the last layer's attention output, MLP and norm run for every position of the chunk though
-        # only the last position's are used; MLX evaluates lazily, so a caches-only forward never computes them. On
-        # the 2-core CPU that made a SmolLM2 bf16 128-token prompt 1.7% faster (benchmarks/RESULTS.md). On a GPU
-        # one forward stays: there the second forward's host cost (a decode step's) outweighs that work.
-        self.split_last_token = mx.default_device() == mx.cpu
 
     def prefill(self, seq_id: int, tokens: list[int], start: int, last: bool) -> mx.array | None:
         """Compute prompt positions [start, start + len(tokens)); return [1, V] logits if this ends the prompt.
 
-        One forward per chunk (on the CPU the last chunk's last token has its own, `split_last_token`); the LM head
-        runs on the prompt's last position only (last_only), never on the body (a chunk that does not end the prompt
-        evaluates only its caches)."""
-        if last and len(tokens) > 1 and self.split_last_token:
-            self.prefill(seq_id, tokens[:-1], start, last=False)
-            return self.prefill(seq_id, tokens[-1:], start + len(tokens) - 1, last=True)
+        One forward per chunk. The last chunk's forward runs its last layer past the attention (and the LM head) on
+        the last position only (last_only); a chunk that does not end the prompt evaluates only its caches."""
         self.prefill_tokens += len(tokens)
         caches = self.storage.prefill_caches(seq_id, start, len(tokens))
         if not last:

@@ -111,8 +111,10 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(dims, eps)
         self.post_feedforward_layernorm = RMSNorm(dims, eps)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+    def __call__(self, x: mx.array, cache: LayerCache | None, last_only: bool = False) -> mx.array:
+        """`last_only`: the last position's output only, every position's keys and values cached."""
+        attended = self.self_attn(self.input_layernorm(x), cache, last_only=last_only)
+        h = (x[:, -1:, :] if last_only else x) + self.post_attention_layernorm(attended)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 

@@ -152,7 +152,9 @@ class Attention(nn.Module):
         return fused.split_roped(x, norm, fold_positions(offset, B, L, self.rope.scale), inv_freq, self.head_dim)
 
     def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None,
-                 norm: nn.Module | None = None) -> mx.array:
+                 norm: nn.Module | None = None, last_only: bool = False) -> mx.array:
+        """`last_only`: keys and values of every position go to the cache, but the output (and the residual) is the
+        last position's only ([B, 1, hidden]): the last layer of a prompt whose LM head reads one position."""
         offset = cache_offset(cache)
         roped = self._project_roped(x, norm, offset)
         if roped is not None:
@@ -163,6 +165,9 @@ class Attention(nn.Module):
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rope(q, offset), self.rope(k, offset)
+        if last_only:  # one query, at the last position: the caches' masks align queries with the last keys
+            q = q[:, :, -1:, :]
+            residual = None if residual is None else residual[:, -1:, :]
         out = attention(q, k, v, cache, self.scale, window=self.window, softcap=self.softcap)
         return add_projection(self.o_proj, heads_last(out), residual)
 
@@ -204,8 +209,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, cache: LayerCache | None) -> mx.array:
-        h = self.self_attn(x, cache, residual=x, norm=self.input_layernorm)
+    def __call__(self, x: mx.array, cache: LayerCache | None, last_only: bool = False) -> mx.array:
+        """`last_only`: the last position's output only, every position's keys and values cached."""
+        h = self.self_attn(x, cache, residual=x, norm=self.input_layernorm, last_only=last_only)
         return self[self.mlp_name](h, residual=h, norm=self.post_attention_layernorm)
 
 
@@ -220,12 +226,19 @@ class TransformerModel(nn.Module):
         self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
         self.embed_scale = embed_scale
 
-    def __call__(self, inputs: mx.array, cache) -> mx.array:
+    def __call__(self, inputs: mx.array, cache, last_only: bool = False) -> mx.array:
+        """Hidden states [B, L, hidden]; `last_only`: [B, 1, hidden], the last position's. Its last layer then runs
+        attention output, MLP and norm for that position alone (its keys and values for all of them): a prompt's
+        other positions feed only the discarded hidden states there."""
         h = self.embed_tokens(inputs)
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the embedding dtype, as transformers
-        for layer, layer_cache in zip(self.layers, cache or [None] * len(self.layers)):
-            h = layer(h, layer_cache)
+        caches = cache or [None] * len(self.layers)
+        last = len(self.layers) - 1
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
+            h = layer(h, layer_cache, last_only=True) if last_only and i == last else layer(h, layer_cache)
+        if last_only:
+            h = h[:, -1:, :]  # (a model without layers)
         return self.norm(h)
 
 
@@ -242,9 +255,7 @@ class TransformerLM(nn.Module):
         self.max_context_length = args.max_position_embeddings
 
     def __call__(self, inputs: mx.array, cache=None, last_only: bool = False) -> mx.array:
-        h = self.model(inputs, cache)
-        if last_only:  # a prompt's last chunk: the LM head runs on its last position only
-            h = h[:, -1:, :]
+        h = self.model(inputs, cache, last_only)  # last_only: a prompt's last chunk; the LM head reads one position
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
