@@ -54,7 +54,8 @@ class CausalLM(Protocol):
 
     def __call__(self, inputs: mx.array, cache: Sequence[LayerCache] | None = None,
                  last_only: bool = False) -> mx.array:
-        """Logits [B, L, V]; `last_only`: [B, 1, V] of the last position (the LM head skips the others)."""
+        """Logits [B, L, V]; `last_only`: [B, 1, V] of the last position (the LM head and the last layer past its
+        attention skip the others)."""
 
 
 def causal_mask(query_len: int, key_len: int, left_padding: mx.array | None = None,
