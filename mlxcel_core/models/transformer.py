@@ -237,8 +237,6 @@ class TransformerModel(nn.Module):
         last = len(self.layers) - 1
         for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, layer_cache, last_only=True) if last_only and i == last else layer(h, layer_cache)
-        if last_only:
-            h = h[:, -1:, :]  # (a model without layers)
         return self.norm(h)
 
 
