@@ -3,8 +3,8 @@
     python benchmarks/decode_blocks.py --model-shape llama-3-8b          # bf16, M = 1
     python benchmarks/decode_blocks.py --model-shape llama-3.2-1b --m 1 2
 
-Per block of a decoder layer, the median GPU time of one call (calls built lazily and evaluated together, layers
-cycled so weights come from HBM, as benchmarks/qmv.py times GEMVs): the fused q/k/v projection split into q, k, v;
+Per block of a decoder layer, the median GPU time of one call (calls built lazily and evaluated together, one
+stream unless --concurrent, layers cycled so weights come from HBM, as benchmarks/qmv.py times GEMVs): the fused q/k/v projection split into q, k, v;
 o_proj with the residual add; gate/up with SwiGLU; down_proj with the residual add; and the LM head. The same
 model is timed with its layers on MLX's matmuls and then swapped onto the kernel (and re-fused), so a block that
 makes the whole model slower with the kernel (the H200 measured llama-3-8b bf16 at 0.68x mlx-lm with it, 1.22x
@@ -21,6 +21,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+if "--concurrent" not in sys.argv:  # one stream, calls in sequence as in a model (benchmarks/qmv.py says why)
+    os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
 import mlx.core as mx  # noqa: E402
 
@@ -67,6 +70,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4, help="layers cycled through (each call reads new weights)")
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--concurrent", action="store_true",
+                        help="keep MLX's CUDA graphs: independent calls overlap (read before MLX starts)")
     args = parser.parse_args()
     os.environ["MLXCEL_HMV"] = "0"  # built on MLX's matmuls first
     os.environ["MLXCEL_FUSE"] = "1"

@@ -77,7 +77,28 @@ def busy_us(intervals: list[tuple[int, int]]) -> float:
     return total / 1e3
 
 
-def profile_tokens(tokens, warm: int, count: int) -> dict:
+def launch_shapes(prof) -> dict:
+    """(kernel, grid, block) -> [calls, us, registers, achieved occupancy %] from the profile's trace: which launch
+    shape of a kernel takes the time (one kernel name serves several weights and configurations)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    shapes: dict[tuple, list] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("cat") != "kernel":
+            continue
+        a = ev.get("args", {})
+        key = (short_name(ev["name"]), tuple(a.get("grid", ())), tuple(a.get("block", ())))
+        row = shapes.setdefault(key, [0, 0.0, a.get("registers per thread"), a.get("est. achieved occupancy %")])
+        row[0] += 1
+        row[1] += float(ev.get("dur", 0.0))
+    return shapes
+
+
+def profile_tokens(tokens, warm: int, count: int, detail: bool = False) -> dict:
     """Consume `warm` tokens, then profile the next `count` (CUDA activity only)."""
     import torch
     from torch.autograd import DeviceType
@@ -105,7 +126,8 @@ def profile_tokens(tokens, warm: int, count: int) -> dict:
         row[0] += 1
         row[1] += dur / 1e3
     return {"wall_ms": wall * 1e3 / count, "busy_ms": busy_us([(s, s + d) for _, s, d in kernels]) / 1e3 / count,
-            "launches": len(kernels) / count, "by_name": dict(by_name)}
+            "launches": len(kernels) / count, "by_name": dict(by_name),
+            "by_shape": launch_shapes(prof) if detail else {}}
 
 
 def report(side: str, r: dict, count: int, top: int) -> None:
@@ -114,6 +136,12 @@ def report(side: str, r: dict, count: int, top: int) -> None:
     ranked = sorted(r["by_name"].items(), key=lambda kv: -kv[1][1])
     for name, (n, us) in ranked[:top]:
         print(f"  {us / count:9.1f} us/token {n / count:6.1f} calls/token {us / n:8.2f} us/call  {name}")
+    if r["by_shape"]:
+        print("  by launch shape (grid, block; registers a thread, achieved occupancy %):")
+        ranked = sorted(r["by_shape"].items(), key=lambda kv: -kv[1][1])
+        for (name, grid, block), (n, us, regs, occ) in ranked[:top]:
+            print(f"  {us / count:9.1f} us/token {n / count:6.1f} calls/token {us / n:8.2f} us/call  grid {grid} "
+                  f"block {block} regs {regs} occ {occ}  {name[:48]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens profiled")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--side", choices=("both", "mlxcel", "mlx-lm"), default="both")
+    parser.add_argument("--shapes", action="store_true", help="also rank launches by (kernel, grid, block)")
     args = parser.parse_args(argv)
     try:
         import torch
@@ -141,11 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
           f"{args.warm} warm-up tokens, {args.tokens} profiled")
     if args.side in ("both", "mlxcel"):
-        r = profile_tokens(mlxcel_tokens(ours, vocab, prompt, args.warm, args.tokens), args.warm, args.tokens)
+        r = profile_tokens(mlxcel_tokens(ours, vocab, prompt, args.warm, args.tokens), args.warm, args.tokens,
+                           args.shapes)
         report("mlxcel", r, args.tokens, args.top)
     if args.side in ("both", "mlx-lm"):
         theirs = compare.mlx_lm_twin(ours, config)
-        r = profile_tokens(mlx_lm_tokens(theirs, prompt, args.warm, args.tokens), args.warm, args.tokens)
+        r = profile_tokens(mlx_lm_tokens(theirs, prompt, args.warm, args.tokens), args.warm, args.tokens,
+                           args.shapes)
         report("mlx-lm", r, args.tokens, args.top)
     return 0
 

@@ -8,7 +8,8 @@ MLX's bf16 matmul (x @ W.T) vs mlxcel's 16-bit decode matvec kernel (mlxcel_core
 For each decode GEMV and M (rows of x): the median time of one call, GB/s of weight bytes read (and the share of the
 H200's 4.3 TB/s copy bandwidth), the speedup, and with --sweep (default) the fastest (ROWS, WARPS, UNROLL) of SWEEP
 next to the default `hmv.launch_config` picks: if it is much faster, update `launch_config`. Timing as
-benchmarks/qmv.py (its `time_calls`: calls built lazily, one eval, weights cycled past the L2).
+benchmarks/qmv.py (its `time_calls`: calls built lazily, one eval, weights cycled past the L2, one stream
+unless --concurrent).
 
 End to end, the same model with the kernel off and on, beside mlx-lm:
     MLXCEL_HMV=0 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --dtype bfloat16 --rounds 3
@@ -19,11 +20,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+
+if "--concurrent" not in sys.argv:  # one stream, calls in sequence as in a model (benchmarks/qmv.py says why)
+    os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
 import mlx.core as mx  # noqa: E402
 
@@ -36,11 +41,12 @@ _spec.loader.exec_module(bench_qmv)
 ROOFLINE_GBS = 4300  # the H200's measured copy bandwidth (../shared/gpu/README.md)
 SHAPES = [  # (name, N, K)
     ("8b:q/o_proj", 4096, 4096), ("8b:k/v_proj", 1024, 4096), ("8b:gate/up", 14336, 4096),
+    ("8b:gate+up", 28672, 4096), ("1b:gate+up", 16384, 2048),  # fused as the model runs them (swiglu mode)
     ("8b:down_proj", 4096, 14336), ("8b:lm_head", 128256, 4096),
     ("1b:q/o_proj", 2048, 2048), ("1b:k/v_proj", 512, 2048), ("1b:gate/up", 8192, 2048),
     ("1b:down_proj", 2048, 8192), ("1b:lm_head", 128256, 2048),
 ]
-SWEEP = [(rows, warps, unroll) for rows in (2, 4, 8) for warps in (1, 2, 4, 8) for unroll in (1, 2)]
+SWEEP = [(rows, warps, unroll) for rows in (2, 4, 8) for warps in (1, 2, 4, 8) for unroll in (1, 2, 4)]
 
 
 def make_weights(n: int, k: int, dtype, copies: int) -> list[tuple[mx.array]]:

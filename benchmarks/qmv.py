@@ -9,7 +9,8 @@ MLX's quantized_matmul vs mlxcel's 4-bit decode matvec kernel (mlxcel_core/kerne
 For each of Llama-3-8B's decode GEMVs (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336, the LM
 head 128256x4096; 4-bit, group size 64) and each M (rows of x): the median time of one call, GB/s = bytes of the
 packed weights + scales + biases / time, and the speedup. Timing: `--calls` independent calls are built as one
-lazy graph (not timed), then one mx.eval runs them back to back on the GPU; the time per call is that eval's wall
+lazy graph (not timed), then one mx.eval runs them one after another on one stream (MLX_USE_CUDA_GRAPHS=0 unless
+--concurrent: inside a CUDA graph independent calls overlap, which hides a launch too small to fill the GPU); the time per call is that eval's wall
 time / calls, median over `--reps` repetitions after a warm-up (compilation included there). Calls cycle over
 enough copies of the weights (>= 3 x the 50 MB L2) that every call reads its weights from HBM. "host us" is the
 Python + MLX graph-building time per call (not in the GPU time; the engine overlaps it with the GPU via
@@ -20,7 +21,7 @@ expected; the kernel's accuracy is what tests/mlxcel_core/kernels checks against
 the default that `launch_config` picks: if the best is much faster, update `launch_config`. The M at which the
 kernel stops beating MLX is what fast_linear.LAYER_MAX_ROWS (MLXCEL_QMV_MAX_ROWS, default 2) should be.
 
-End to end (--e2e, default on): a random 4-bit Llama-3-8B (mlxcel_core.models.shapes), greedy decode of
+End to end (--e2e, default on; with --concurrent only, as decoding runs with CUDA graphs): a random 4-bit Llama-3-8B (mlxcel_core.models.shapes), greedy decode of
 --e2e-tokens tokens at batch 1 (graph of step t+1 built while step t runs, mx.async_eval), plain MLX layers vs the
 swapped layers (use_fast_quantized_linear: MIN_WEIGHT and LAYER_MAX_ROWS as configured), tok/s, the weight bytes
 per second that implies, and the host time spent building each step's graph (when it is close to the time per
@@ -33,12 +34,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# Calls that share no array run concurrently inside MLX's CUDA graphs, so a launch that leaves most of the GPU idle
+# looks fast here and is slow in a model, where each projection waits for the one before (H200, tenth session:
+# occupancy 24-42% in the model). Without CUDA graphs MLX launches onto one stream, one kernel after another, as a
+# model's chain runs them; --concurrent keeps the graphs (the older, misleading timing). Read before MLX starts.
+if "--concurrent" not in sys.argv:
+    os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
 import mlx.core as mx  # noqa: E402
 
@@ -54,7 +63,7 @@ SHAPES = [  # (name, N, K): Llama-3-8B
     ("lm_head", 128256, 4096),
 ]
 # UNROLL 2 and ROWS 1 never won the first H200 sweep; every ROWS x WARPS config compiles once per M (NVRTC).
-SWEEP = [(rows, warps, 1) for rows in (2, 4, 8) for warps in (1, 2, 4, 8)]
+SWEEP = [(rows, warps, unroll) for rows in (2, 4, 8) for warps in (1, 2, 4, 8) for unroll in (1, 2)]
 
 
 def weight_bytes(w: mx.array, scales: mx.array, biases: mx.array) -> int:
@@ -202,6 +211,8 @@ def gemv_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--concurrent", action="store_true",
+                        help="keep MLX's CUDA graphs: independent calls overlap (read before MLX starts)")
     return parser
 
 
@@ -218,7 +229,10 @@ def main() -> int:
     if any(not 1 <= m <= qmv.MAX_ROWS for m in args.m):
         parser.error(f"--m values must be 1..{qmv.MAX_ROWS}")
     bench_gemvs(args)
-    if args.e2e:
+    if args.e2e and os.environ.get("MLX_USE_CUDA_GRAPHS") == "0":
+        print("\nend to end: skipped, CUDA graphs are off for the GEMV table (a decode runs with them: rerun with "
+              "--concurrent, or use compare_mlx_lm.py)")
+    elif args.e2e:
         bench_e2e(args)
     return 0
 

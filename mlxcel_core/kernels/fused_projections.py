@@ -110,7 +110,6 @@ class FusedProjection:
         # (16-bit: where the model's layers were swapped, as hmv.enabled decided for the model's width)
         self.half_kernel = type(first) is fast_linear.FastLinear and fast_linear.half_kernel_takes(first)
         self.fold_norm = (self.kernel or self.half_kernel) and norm_fusion_enabled()
-        self._eps: dict[float, mx.array] = {}  # a norm's epsilon as the kernel's float32 [1] input
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.
         self.qkv_split = (widths[0], widths[1]) if len(widths) == 3 and widths[1] == widths[2] else None
         # q and k rotated in that launch (no biases: they come before the rotation).
@@ -131,16 +130,17 @@ class FusedProjection:
     def takes(self, x: mx.array) -> bool:
         return qmv.rows_of(x.shape) <= FUSED_MAX_ROWS
 
-    def _kernel_args(self, x: mx.array, mode: str, split=None) -> dict | None:
-        """The qmv kernel's launch for x in `mode`, or None where the kernel does not run this call."""
+    def _kernel_args(self, x: mx.array, mode: str, split=None, eps: float | None = None) -> dict | None:
+        """The qmv kernel's launch for x in `mode` (a "_norm" mode: with the norm's `eps`), or None where the kernel
+        does not run this call."""
         if not ((self.kernel or self.half_kernel) and qmv.kernel_ready()):
             return None
         p = self.params
         if self.half_kernel:
             return hmv.launch_args(x.shape, x.dtype, p["weight"].dtype, p["weight"].shape[0], None,
-                                   fast_linear.LAYER_MAX_ROWS, mode, split)
+                                   fast_linear.LAYER_MAX_ROWS, mode, split, eps)
         return qmv.launch_args(x.shape, x.dtype, p["scales"].dtype, p["weight"].shape[0], self.group_size, None,
-                               fast_linear.LAYER_MAX_ROWS, mode, split)
+                               fast_linear.LAYER_MAX_ROWS, mode, split, eps)
 
     def matmul(self, x: mx.array) -> mx.array:
         """x @ the fused weight (+ bias), every layer's output side by side."""
@@ -152,15 +152,12 @@ class FusedProjection:
             y = x @ p["weight"].T
         return y + p["bias"] if "bias" in p else y
 
-    def _norm_inputs(self, norm: nn.Module | None) -> tuple[mx.array, mx.array] | None:
+    def _norm_inputs(self, norm: nn.Module | None) -> tuple[mx.array, float] | None:
         """(weight, eps) of a norm the kernel can take into its launch (an nn.RMSNorm, unless MLXCEL_FUSE_NORM=0), else
-        None."""
+        None. The weight is the launch's input; eps a constant of its compiled kernel."""
         if norm is None or not self.fold_norm or type(norm) is not nn.RMSNorm:
             return None
-        eps = self._eps.get(norm.eps)
-        if eps is None:
-            eps = self._eps[norm.eps] = mx.array([norm.eps], dtype=mx.float32)
-        return norm.weight, eps
+        return norm.weight, float(norm.eps)
 
     def _launch(self, x: mx.array, mode: str, norm: nn.Module | None, split=None, rope: tuple = ()):
         """The kernel's `mode` on x (norm(x) with a norm: folded into the launch where it can be; `rope` = (positions,
@@ -170,12 +167,12 @@ class FusedProjection:
             mode += "_norm"
         if rope:
             mode += "_rope"
-        args = self._kernel_args(x, mode, split)
+        args = self._kernel_args(x, mode, split, folded[1] if folded is not None else None)
         if args is None:
             return None
         p = self.params
         x_in = x if folded is not None else normed(x, norm)
-        extra = (*(folded or ()), *rope)
+        extra = (*(folded[:1] if folded is not None else ()), *rope)
         if self.half_kernel:
             return hmv.launch(args, x_in, p["weight"], mode, extra)
         return qmv.launch(args, x_in, p["weight"], p["scales"], p["biases"], mode, extra)

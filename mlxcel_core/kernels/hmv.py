@@ -9,9 +9,10 @@ Why: on the H200 MLX's bf16 GEMV reads a 16384 x 8192 weight at 2.1 TB/s, 49% of
 matmul plus a split plus the activation, and the residual adds separate launches; in these modes each is one launch.
 
 Gate (`enabled`): MLX on CUDA, and MLXCEL_HMV=1, or unset and the model at most DEFAULT_MAX_HIDDEN wide. On the H200 its
-tests pass (against float64, every mode, and a llama-3.2-1b decode against MLX's matmuls); alone it reads a single
-row slower than MLX's GEMV at the default launch shapes (benchmarks/hmv.py), so its wins come from the fused launches,
-which is why wide (bandwidth-bound) models keep MLX's.
+tests pass (against float64, every mode, and a llama-3.2-1b decode against MLX's matmuls). Timed one launch after
+another (benchmarks/hmv.py), a single row now reads 1.0-1.2x as fast as MLX's GEMV on the Llama-3-8B shapes and
+0.84-1.1x on the 1B ones; but inside an 8B decode its fused gate/up + SwiGLU launch still reads slower than MLX's
+plain GEMV does (68 vs 55 us), so wide (bandwidth-bound) models keep MLX's.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def enabled(hidden_size: int | None = None) -> bool:
     unset, models up to DEFAULT_MAX_HIDDEN wide. Their decode is launch-bound, and the kernel's fused launches
     (q/k/v, gate/up with SwiGLU, residual adds) save more than its lower single-row bandwidth costs; on wider
     models it loses (H200, benchmarks/RESULTS.md: llama-3.2-1b bf16 1.35x mlx-lm with it, 1.05x without;
-    llama-3-8b bf16 0.68x with it, 1.22x without)."""
+    llama-3-8b bf16 0.68x with it, 1.22x without; after the tenth session's launch shapes, 8B GPU time a token
+    5.18 ms with it against 4.81 ms without)."""
     if not qmv.cuda_kernel_available():
         return False
     env = os.environ.get(ENV, "").strip()
@@ -57,26 +59,32 @@ def shape_supported(x_shape, x_dtype, w_shape, w_dtype) -> bool:
 
 
 def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
-    """(ROWS, WARPS, UNROLL): qmv.launch_config's rule with this kernel's chunk (each warp keeps at least two rounds
-    of K, 512 elements). Not yet tuned on a GPU (benchmarks/qmv.py's sweep is for the 4-bit kernel)."""
-    rows = 8 if n > 16384 else 4
-    blocks = -(-n // rows)
-    warps = 1
-    while warps < 8 and blocks * warps < 2048 and k >= warps * 2 * 32 * CHUNK:
-        warps *= 2
-    return rows, warps, 1
+    """(ROWS, WARPS, UNROLL): two rows a block; as many warps (up to 8) splitting K as leave each two rounds of it
+    (512 elements a lane-round of 8 warps); both of a lane's rounds' loads in flight (UNROLL 2) where it has two.
+
+    Why: a decode projection waits for the one before it, so one launch must keep enough loads in flight on its own.
+    The older rule stopped at about 2048 warps a grid (24-42% achieved occupancy in the model on the H200, 1.9-2.9
+    TB/s); it had been picked by a sweep whose independent calls overlapped inside MLX's CUDA graphs. Timed one
+    after another (benchmarks/hmv.py, tenth session), the best configurations at M = 1 were all 2-4 rows, 4-8 warps,
+    mostly UNROLL 2: 4096x4096 (4,4,2), 14336x4096 (2,8,2), 4096x14336 (2,4,1), 128256x4096 (2,8,2), 8192x2048
+    (2,4,2), 2048x8192 (4,8,2), 128256x2048 (2,4,2), and this rule is within a few percent of each."""
+    warps = 8
+    while warps > 1 and k < warps * 2 * 32 * CHUNK:
+        warps //= 2
+    rounds = k // (warps * 32 * CHUNK)
+    return 2, warps, 2 if rounds >= 2 else 1
 
 
 @functools.lru_cache(maxsize=4096)
 def launch_args(x_shape: tuple, x_dtype, w_dtype, n: int, config: tuple | None = None, max_rows: int = MAX_ROWS,
-                mode: str = "plain", split: tuple[int, ...] | None = None) -> dict | None:
+                mode: str = "plain", split: tuple[int, ...] | None = None, eps: float | None = None) -> dict | None:
     """Everything but the inputs of one launch, or None when x does not suit the kernel (qmv.launch_args' rules)."""
     m = qmv.rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in qmv.FLOAT_TYPES or w_dtype not in WEIGHT_TYPES:
         return None
     rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
     template = [("T", x_dtype), ("CFG", qmv.pack_config(m, 0, rows, warps, unroll))]
-    return qmv.mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, w_dtype), template)
+    return qmv.mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, w_dtype), template, eps)
 
 
 @functools.cache

@@ -37,6 +37,8 @@ are skipped without CUDA); timed by benchmarks/qmv.py.
 from __future__ import annotations
 
 import functools
+import math
+import struct
 
 import mlx.core as mx
 
@@ -109,7 +111,10 @@ def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
     (~16 per SM on an H200). UNROLL 1. This reproduces the fastest configuration benchmarks/qmv.py --sweep found on
     the H200 (an earlier build of this kernel, M=1) for 4096x4096 (4,2,1), 14336x4096 (4,1,1), 4096x14336 (8,4,1)
     and 128256x4096 (8,1,1); for 1024x4096 it found (8,2,1), 1.1x this rule's (4,4,1). UNROLL 2 never won there
-    (its registers cost occupancy). Re-run the sweep after changing the kernel."""
+    (its registers cost occupancy). Re-run the sweep after changing the kernel. That sweep's calls overlapped in
+    MLX's CUDA graphs; timed one after another (tenth session) the best configurations were 1.0-1.2x this rule's,
+    and in a model the launches reach 24-36% occupancy (128 registers a thread in the residual and SwiGLU modes):
+    what to look at next for this kernel."""
     rows = 8 if k > 4096 or n > 16384 else 4
     blocks = -(-n // rows)
     warps = 1
@@ -123,9 +128,16 @@ def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int) -> 
     return m | group_size << 4 | rows << 12 | warps << 16 | unroll << 20
 
 
+def float32_bits(value: float) -> int:
+    """A float's float32 bits as an int, for a kernel's template constant (read with __int_as_float)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[int, ...] | None,
-                x_shape: tuple, out_dtype, template: list) -> dict:
+                x_shape: tuple, out_dtype, template: list, eps: float | None = None) -> dict:
     """The launch of `mode` over a weight of n rows (both weight kinds): template ints, grid and outputs.
+
+    The "_norm" modes take the norm's epsilon `eps` (a compile-time constant of the launch).
 
     mode "qkv" (and "qkv_norm") takes split = (NQ, NK), n = NQ + 2 NK, and "qkv_rope" / "qkv_norm_rope" split =
     (NQ, NK, head_dim); "swiglu" (and "swiglu_norm") writes n / 2 outputs.
@@ -136,6 +148,10 @@ def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[i
     threads = warps * 32
     blocks = -(-n // rows)
     base = base_mode(mode)
+    if "_norm" in mode:
+        if eps is None or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"mode {mode} needs the norm's epsilon (finite, >= 0), got {eps!r}")
+        template = template + [("EPS_BITS", float32_bits(eps))]
     shapes = None
     if base == "qkv":
         nq, nk = split[:2]
@@ -169,7 +185,8 @@ def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[i
 
 @functools.lru_cache(maxsize=4096)
 def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, config: tuple | None = None,
-                max_rows: int = MAX_ROWS, mode: str = "plain", split: tuple[int, ...] | None = None) -> dict | None:
+                max_rows: int = MAX_ROWS, mode: str = "plain", split: tuple[int, ...] | None = None,
+                eps: float | None = None) -> dict | None:
     """Everything but the inputs of one launch (cached: a decode step makes hundreds of calls with few shapes),
     or None when x does not suit the kernel (more than max_rows rows, none, or not a float type). n is the weight's
     rows; `mode_layout` says what each mode adds."""
@@ -178,13 +195,13 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
         return None
     rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
     template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))]
-    return mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, s_dtype), template)
+    return mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, s_dtype), template, eps)
 
 
 def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, mode: str = "plain",
            extra: tuple = ()):
     """Run the kernel with `launch_args`' result: y for plain, swiglu and residual (`extra` = (residual,)),
-    [q, k, v] for qkv; the "_norm" modes take `extra` = (norm weight, eps as a float32 [1] array)."""
+    [q, k, v] for qkv; the "_norm" modes take `extra` = (norm weight,) (launch_args took its epsilon)."""
     outputs = _kernel(mode)(inputs=[x, w, scales, biases, *extra], **args)
     return outputs if base_mode(mode) == "qkv" else outputs[0]
 

@@ -362,7 +362,9 @@ _EPILOGUE_SWIGLU = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 3
     }"""
 
 # The "_norm" modes take the RMSNorm before the projection into the launch: x is the raw hidden state, norm_w [K] the
-# norm's weight, eps [1] (float32) its epsilon. W (g * x * r) = r * W (g * x) with r = rsqrt(mean(x^2) + eps): the
+# norm's weight, the template int EPS_BITS its epsilon's float32 bits (a constant, not a [1] input: MLX's CUDA
+# allocator keeps arrays of <= 8 bytes in shared managed pages, and kernels reading one stalled on the H200).
+# W (g * x * r) = r * W (g * x) with r = rsqrt(mean(x^2) + eps): the
 # lanes multiply x by g as they load it and sum x^2 on the way (a block's lanes cover every element of K once, so
 # the block sums whole rows), and the epilogue scales each sum by r. Unlike MLX's rms_norm, the normalized x is never
 # rounded to the input dtype: closer to the exact value than the separate norm and matvec, so not bit-identical.
@@ -398,7 +400,7 @@ _RNORM = """            float ssq = 0.0f;
             for (int v = 0; v < WARPS; ++v) {
                 ssq += red_sq[v][m];
             }
-            const float rn = rsqrtf(ssq / float(K) + eps[0]);  // row m's RMSNorm factor
+            const float rn = rsqrtf(ssq / float(K) + __int_as_float(EPS_BITS));  // row m's RMSNorm factor
 """
 _NORM_SCALE = {"/*SCALE*/": _RNORM + "            t *= rn;",
                "/*SCALE_GU*/": _RNORM + "            g *= rn;\n            u *= rn;",
@@ -411,7 +413,7 @@ MODES = {
     "swiglu": ((), ("y",), _ROWS_GATE_UP, _ROW_MAP_GATE_UP, _EPILOGUE_SWIGLU),
     "residual": (("residual",), ("y",), _ROWS_CONSECUTIVE, _ROW_MAP_CONSECUTIVE, _EPILOGUE_RESIDUAL),
 }
-NORM_INPUTS = ("norm_w", "eps")
+NORM_INPUTS = ("norm_w",)
 ROPE_INPUTS = ("positions", "inv_freq")
 for _base in ("qkv", "swiglu"):
     MODES[f"{_base}_norm"] = (NORM_INPUTS, *MODES[_base][1:])

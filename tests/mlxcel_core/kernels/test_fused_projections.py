@@ -318,8 +318,7 @@ def test_norm_fold_needs_the_gate_an_rmsnorm_and_the_kernel():
     assert proj._norm_inputs(norm) is None
     proj.fold_norm = True
     weight, eps = proj._norm_inputs(norm)
-    assert weight is norm.weight and eps.dtype == mx.float32 and eps.item() == pytest.approx(norm.eps)
-    assert proj._norm_inputs(norm)[1] is eps  # made once per epsilon
+    assert weight is norm.weight and eps == norm.eps  # eps: a constant of the launch, no [1] input array
     assert proj._norm_inputs(nn.LayerNorm(norm.weight.shape[0])) is None
 
 
@@ -360,12 +359,11 @@ def test_norm_modes_match_rms_norm_then_matvec(mode, m):
     x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, seed=m)
     x = x * 3.0
     g = (mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(m))).astype(mx.bfloat16)
-    eps = mx.array([1e-5], dtype=mx.float32)
     normed = _rms_norm_reference(x, g, 1e-5)
     ref, mag = reference(mx.array(normed.astype(np.float32)), w, scales, biases)
     split = (nq, nk) if mode == "qkv_norm" else None
-    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, n, 64, mode=mode, split=split)
-    out = qmv.launch(args, x, w, scales, biases, mode, (g, eps))
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, n, 64, mode=mode, split=split, eps=1e-5)
+    out = qmv.launch(args, x, w, scales, biases, mode, (g,))
     if mode == "qkv_norm":
         check_close(mx.concatenate(out, axis=-1), ref, mag, mx.bfloat16, mode)
         return
@@ -490,13 +488,15 @@ def test_rope_modes_match_products_then_rope(mode, m):
         # checks those against float64): both launches share the main loop, so the rope epilogue sees the same
         # float32 sums.
         g = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(m)).astype(mx.bfloat16)
-        extra = (g, mx.array([1e-5], dtype=mx.float32))
-        norm_args = qmv.launch_args(x.shape, x.dtype, scales.dtype, nq + 2 * nk, 64, mode="qkv_norm", split=(nq, nk))
+        extra = (g,)
+        norm_args = qmv.launch_args(x.shape, x.dtype, scales.dtype, nq + 2 * nk, 64, mode="qkv_norm", split=(nq, nk),
+                                    eps=1e-5)
         normed = mx.concatenate(qmv.launch(norm_args, x, w, scales, biases, "qkv_norm", extra), axis=-1)
         ref = np.array(normed.astype(mx.float32)).astype(np.float64)
     positions = mx.array(np.arange(m, dtype=np.float32) * 7 + 100)
     inv_freq = mx.array((500000.0 ** -(np.arange(0, hd, 2) / hd)).astype(np.float32))
-    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, nq + 2 * nk, 64, mode=mode, split=(nq, nk, hd))
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, nq + 2 * nk, 64, mode=mode, split=(nq, nk, hd),
+                           eps=1e-5 if extra else None)
     q, kk, v = qmv.launch(args, x, w, scales, biases, mode, (*extra, positions, inv_freq))
     got = np.array(mx.concatenate([q, kk, v], axis=-1).astype(mx.float32))
     want = _rope_epilogue(ref, np.array(positions), np.array(inv_freq), nq, nk, hd)

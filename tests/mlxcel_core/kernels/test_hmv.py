@@ -35,8 +35,11 @@ def test_launch_layouts():
     assert args["output_shapes"] == [(2, 2048), (2, 512), (2, 512)] and args["output_dtypes"] == [mx.bfloat16] * 3
     rows, warps, _ = hmv.launch_config(3072, 2048, 2)
     assert args["grid"] == (-(-3072 // rows) * warps * 32, 1, 1) and dict(args["template"])["NQ"] == 2048
-    args = hmv.launch_args((1, 2048), mx.float32, mx.bfloat16, 2 * 8192, mode="swiglu_norm")
+    args = hmv.launch_args((1, 2048), mx.float32, mx.bfloat16, 2 * 8192, mode="swiglu_norm", eps=1e-5)
     assert args["output_shapes"] == [(1, 8192)] and args["output_dtypes"] == [mx.float32]
+    assert dict(args["template"])["EPS_BITS"] == 0x3727C5AC  # 1e-5 as float32: a constant, not a [1] input
+    with pytest.raises(ValueError, match="epsilon"):
+        hmv.launch_args((1, 2048), mx.float32, mx.bfloat16, 2 * 8192, mode="swiglu_norm")
     assert hmv.launch_args((9, 2048), mx.bfloat16, mx.bfloat16, 64) is None
     assert hmv.launch_args((1, 2048), mx.bfloat16, mx.float32, 64) is None
 
@@ -64,13 +67,13 @@ def _logits(model, prompt=(3, 1, 4, 1, 5)):
 
 
 def test_swapped_layers_compute_mlx_values_where_the_kernel_does_not_run():
+    if qmv.kernel_ready():  # (and a tiny model's layers come swapped already there)
+        pytest.skip("with CUDA the kernel runs: see the CUDA tests")
     model, _ = build_random_model("tiny", dtype="bfloat16", seed=3)
     want = _logits(model)
     swapped = use_fast_half_linear(model)
     assert swapped == 7 * len(model.layers) + 2  # every projection, the embedding, the LM head
     assert type(model.lm_head) is FastLinear and type(model.model.embed_tokens) is FastEmbedding
-    if qmv.kernel_ready():
-        pytest.skip("with CUDA the kernel runs: see the CUDA tests")
     assert mx.array_equal(_logits(model), want).item()
     fuse_projections(model)  # fused projections over FastLinear layers, the residual marked
     assert model.layers[0].self_attn.fused_qkv is not None and model.layers[0].mlp.down_proj.fuses_residual

@@ -28,7 +28,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxcel_core.kernels import fast_linear, qmv
+from mlxcel_core.kernels import fast_linear, hmv, qmv
 from mlxcel_core.kernels.fast_linear import (FastQuantizedEmbedding, FastQuantizedLinear, enabled,
                                              maybe_use_fast_quantized_linear, restore_quantized_linear,
                                              use_fast_quantized_linear)
@@ -247,12 +247,12 @@ def test_rope_launch_writes_heads_first_at_one_token():
     """The qkv_rope modes' outputs for x [B, 1, K] are [B, heads, 1, head_dim] (the attention's layout, the same
     memory as [B, 1, heads * head_dim]); other shapes of x keep [..., width]."""
     split = (2048, 512, 64)
-    for mode in ("qkv_rope", "qkv_norm_rope"):
-        args = qmv.launch_args((2, 1, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split)
+    for mode, eps in (("qkv_rope", None), ("qkv_norm_rope", 1e-6)):
+        args = qmv.launch_args((2, 1, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split, eps=eps)
         assert args["output_shapes"] == [(2, 32, 1, 64), (2, 8, 1, 64), (2, 8, 1, 64)]
-        args = qmv.launch_args((1, 3, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split)
+        args = qmv.launch_args((1, 3, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split, eps=eps)
         assert args["output_shapes"] == [(1, 3, 2048), (1, 3, 512), (1, 3, 512)]
-        args = qmv.launch_args((4, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split)
+        args = qmv.launch_args((4, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode=mode, split=split, eps=eps)
         assert args["output_shapes"] == [(4, 2048), (4, 512), (4, 512)]
     args = qmv.launch_args((2, 1, 2048), mx.bfloat16, mx.bfloat16, 3072, 64, mode="qkv", split=split[:2])
     assert args["output_shapes"] == [(2, 1, 2048), (2, 1, 512), (2, 1, 512)]
@@ -409,8 +409,9 @@ def test_load_model_and_random_model_apply_the_swap(monkeypatch, tiny_q4):
         assert type(model.model.layers[0].self_attn.q_proj) is expect and type(model.lm_head) is expect
         random_model, _ = build_random_model("tiny", bits=4)
         assert type(random_model.model.layers[1].mlp.down_proj) is expect
-        unquantized, _ = build_random_model("tiny")
-        assert type(unquantized.model.layers[0].mlp.down_proj) is nn.Linear
+        unquantized, _ = build_random_model("tiny")  # 16-bit layers: the 16-bit kernel's gate decides (hmv.enabled)
+        half = fast_linear.FastLinear if hmv.enabled(128) else nn.Linear
+        assert type(unquantized.model.layers[0].mlp.down_proj) is half
 
 
 # -- CUDA: the kernel ------------------------------------------------------------------------------------------

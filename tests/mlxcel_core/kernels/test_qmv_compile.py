@@ -33,18 +33,18 @@ def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, un
         split = (512, 128, 64)
     config = (rows, warps, unroll)
     if weights == "q4":
-        args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, config, mode=mode, split=split)
+        args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, config, mode=mode, split=split, eps=1e-5)
         operands = ["    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
                     f"    const {_CUDA_TYPES[s_dtype]}* scales", f"    const {_CUDA_TYPES[s_dtype]}* biases"]
     else:
-        args = hmv.launch_args((m, 4096), x_dtype, s_dtype, n, config, mode=mode, split=split)
+        args = hmv.launch_args((m, 4096), x_dtype, s_dtype, n, config, mode=mode, split=split, eps=1e-5)
         operands = [f"    const {_CUDA_TYPES[s_dtype]}* w", "    const __grid_constant__ Shape w_shape"]
     template = dict(args["template"])
     source = qmv.kernel_source(mode, weights)
     inputs, outputs = qmv.MODES[mode][:2]
     assert args["output_dtypes"] == [out_dtype] * len(outputs) and "x_shape" not in source  # x comes without shape
     params = [f"    const {_CUDA_TYPES[x_dtype]}* x", *operands]
-    extra_types = {"residual": out_dtype, "norm_w": x_dtype, "eps": mx.float32, "positions": mx.float32,
+    extra_types = {"residual": out_dtype, "norm_w": x_dtype, "positions": mx.float32,
                    "inv_freq": mx.float32}
     params += [f"    const {_CUDA_TYPES[extra_types[name]]}* {name}" for name in inputs]
     params += [f"    {_CUDA_TYPES[out_dtype]}* {name}" for name in outputs]

@@ -220,6 +220,22 @@ def test_fold_positions_is_computed_once_per_offset_array():
     assert fold_positions(5, 1, 2, 1.0).tolist() == [5.0, 6.0]
 
 
+@pytest.mark.parametrize("batch,length", [(1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2), (5, 1), (1, 7), (3, 4)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_fold_positions_small_steps_give_row_major_positions(batch, length, shared):
+    """Under 4 positions the values come from a padded 16-byte array (a view of it): the same row-major
+    [batch * length] values as the plain formula, for one offset per row or one shared by all."""
+    from mlxcel_core.models.rope import fold_positions
+
+    starts = [11] * batch if shared else [11 + 5 * b for b in range(batch)]
+    offset = mx.array(starts[:1] if shared else starts, dtype=mx.int32)
+    got = fold_positions(offset, batch, length, 0.25)
+    want = [(s + t) * 0.25 for s in starts for t in range(length)]
+    assert got.dtype == mx.float32 and got.shape == (batch * length,) and got.tolist() == want
+    assert fold_positions(11, batch, length, 0.25).tolist() == [(11 + t) * 0.25 for _ in range(batch)
+                                                                for t in range(length)]
+
+
 def test_fold_frequencies_are_evaluated_constants():
     """Made once per RoPE and already evaluated, so a compiled step holds them as a constant (no op per step)."""
     from mlxcel_core.models.rope import RoPE, fold_frequencies
