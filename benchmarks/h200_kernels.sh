@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The H200 checks of the decode kernels (MLXCEL_HMV, MLXCEL_FUSE_NORM, MLXCEL_FUSE_ROPE, ...), one step per device
-# call (each fits the 10-minute limit): run from the project root after staging MLX (../shared/gpu/README.md), with
+# call (each fits the 10-minute limit): run from the project root after staging MLX (../shared/gpu/README.md; add
+# mlx-lm==0.32.2 to stage.sh's package list, or compare_mlx_lm.py and gpu_profile.py's mlx-lm side have no mlx_lm), with
 #   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
+#                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
 #   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, 8B 4-bit: norm+rope folds off then on (fewer
 #                                              # launches a layer: the 1B step is host-bound)
-#   bash benchmarks/h200_kernels.sh profile    # where a decode token's GPU time goes, mlxcel vs mlx-lm (CUPTI)
+#   bash benchmarks/h200_kernels.sh profile    # where a decode token's GPU time goes, mlxcel vs mlx-lm (CUPTI), and
+#                                              # by launch shape (grid, block, registers, achieved occupancy)
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
@@ -60,7 +63,7 @@ case "${1:-}" in
     done ;;
   profile)
     for shape in "llama-3.2-1b" "llama-3-8b"; do
-      timeout 140 python benchmarks/gpu_profile.py --model-shape $shape --top 12 2>&1 | grep -vi "warn"
+      timeout 140 python benchmarks/gpu_profile.py --model-shape $shape --top 12 --shapes 2>&1 | grep -vi "warn"
     done ;;
   host)
     for what in "--dtype bfloat16" "--bits 4"; do
