@@ -7,6 +7,8 @@
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
+#   bash benchmarks/h200_kernels.sh sweep      # launch configurations inside 8B decodes (16-bit kernel on bf16, 4-bit
+#                                              # kernel on 4-bit): each mode's GPU time per configuration
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
 #   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, 8B 4-bit: norm+rope folds off then on (fewer
@@ -38,6 +40,9 @@ case "${1:-}" in
     for shape in "llama-3-8b" "llama-3.2-1b"; do
       timeout 280 python benchmarks/decode_blocks.py --model-shape $shape --m 1 2
     done ;;
+  sweep)
+    timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --dtype bfloat16 2>&1 | grep -vi "warn"
+    timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --bits 4 2>&1 | grep -vi "warn" ;;
   bf16)
     for gate in "MLXCEL_HMV=0" "MLXCEL_HMV=1"; do
       for shape in "llama-3.2-1b" "llama-3-8b"; do
@@ -88,6 +93,6 @@ case "${1:-}" in
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
     exit 2 ;;
 esac
