@@ -1,13 +1,9 @@
 """A step's integer inputs (positions, slots, context lengths, block tables) as views of ONE host-built array.
 
-Why: on CUDA, MLX keeps every array in managed memory, and arrays of <= 8 bytes (a batch-1 step's position, slot or
-context length) share the pages of one small-block pool (mlx/backend/cuda/allocator.cpp in MLX 0.32). Our reading of
-the measurements (not traced further): a kernel that reads such a scalar stalls on page migration whenever the host
-has just written into the same page, as it does for every array it makes. On the H200 the paged-decode kernel took
-25-30 us a call, whatever its work, while it read a 4-byte context length computed in every layer and a 4-byte
-scale (now a compile-time constant); with this module 11 us (1B) and 21 us (8B) at the same split count
-(benchmarks/RESULTS.md). One packed array of at least MIN_INTS
-ints is one allocation outside that pool, written once per step; its slices and reshapes are views, not copies.
+Why: a kernel reading an array of <= 8 bytes (a batch-1 step's position, slot or context length) stalls on CUDA
+(cuda_small_arrays.py; on the H200 the paged-decode kernel took 25-30 us a call with them, 11 us (1B) and 21 us (8B)
+at the same split count with this module, benchmarks/RESULTS.md). One packed array of at least MIN_INTS ints is one
+allocation outside MLX's small-block pool, written once per step; its slices and reshapes are views, not copies.
 """
 
 from __future__ import annotations
@@ -16,9 +12,10 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from ..cuda_small_arrays import MIN_ELEMENTS
 from ..kv.cuda_paged_attention import cuda_kernel_available
 
-MIN_INTS = 4  # 16 bytes: more than the allocator's 8-byte small blocks
+MIN_INTS = MIN_ELEMENTS  # 16 bytes: more than the allocator's 8-byte small blocks
 
 
 def int_views(*parts: Sequence[int] | Sequence[Sequence[int]]) -> list[mx.array]:

@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 
 import mlx.core as mx
 
+from ..cuda_small_arrays import float32_bits
 from ..kv.cuda_paged_attention import cuda_kernel_available
 from .qmv_source import _HEADER, KERNEL_NAME, MODES, base_mode, kernel_name, kernel_source  # noqa: F401
 
@@ -126,11 +126,6 @@ def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
 def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int) -> int:
     """The kernel's one int template argument CFG (unpacked at the top of each main loop in qmv_source.py)."""
     return m | group_size << 4 | rows << 12 | warps << 16 | unroll << 20
-
-
-def float32_bits(value: float) -> int:
-    """A float's float32 bits as an int, for a kernel's template constant (read with __int_as_float)."""
-    return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
 def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[int, ...] | None,

@@ -362,8 +362,8 @@ _EPILOGUE_SWIGLU = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 3
     }"""
 
 # The "_norm" modes take the RMSNorm before the projection into the launch: x is the raw hidden state, norm_w [K] the
-# norm's weight, the template int EPS_BITS its epsilon's float32 bits (a constant, not a [1] input: MLX's CUDA
-# allocator keeps arrays of <= 8 bytes in shared managed pages, and kernels reading one stalled on the H200).
+# norm's weight, the template int EPS_BITS its epsilon's float32 bits (a constant, not a [1] input: see
+# cuda_small_arrays.py).
 # W (g * x * r) = r * W (g * x) with r = rsqrt(mean(x^2) + eps): the
 # lanes multiply x by g as they load it and sum x^2 on the way (a block's lanes cover every element of K once, so
 # the block sums whole rows), and the epilogue scales each sum by r. Unlike MLX's rms_norm, the normalized x is never

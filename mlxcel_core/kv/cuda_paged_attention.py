@@ -29,10 +29,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import struct
 
 import mlx.core as mx
 
+from ..cuda_small_arrays import float32_bits
 from .paged_attention import check_decode_arguments
 
 RUNNER_OPS = "mlx-ops"
@@ -281,12 +281,11 @@ def _combine_kernel():
 
 
 def _scale_bits(scale: float) -> int:
-    """The float32 bits of a positive, finite softmax scale, as the kernel's SCALE_BITS template constant. Not an
-    input array: MLX's CUDA allocator keeps arrays of <= 8 bytes in shared managed-memory pages, which the H200
-    measurements suggest make a kernel reading them stall (engine/step_inputs.py)."""
+    """The float32 bits of a positive, finite softmax scale, as the kernel's SCALE_BITS template constant, not an
+    input array (cuda_small_arrays.py says why)."""
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"the CUDA paged-decode kernel needs a positive, finite scale, got {scale!r}")
-    return struct.unpack("<i", struct.pack("<f", scale))[0]
+    return float32_bits(scale)
 
 
 def combine_partials(o_part: mx.array, m_part: mx.array, l_part: mx.array) -> mx.array:

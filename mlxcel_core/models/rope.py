@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..cuda_small_arrays import MIN_ELEMENTS
 from ..errors import UnsupportedModelError
 
 SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope", "su")
@@ -176,7 +177,6 @@ def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
 
 
 _last_positions: tuple | None = None  # (offset array, (batch, length, scale), positions): fold_positions' memo
-_MIN_KERNEL_INPUT_ELEMENTS = 4  # float32s: 16 bytes, past MLX's small-array pool (see fold_positions)
 
 
 def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float) -> mx.array:
@@ -193,15 +193,14 @@ def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float
         if last is offset and last_key == key:
             return positions
     start = mx.array(offset, dtype=mx.float32) if isinstance(offset, int) else offset.astype(mx.float32)
-    if batch * length >= _MIN_KERNEL_INPUT_ELEMENTS:
+    if batch * length >= MIN_ELEMENTS:
         start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
         positions = ((start + mx.arange(length, dtype=mx.float32)[None]) * scale).reshape(-1)
     else:
-        # A one-token step's positions would be a 4-8 byte array, which MLX's CUDA allocator keeps in shared managed
-        # pages that the host writes into; a kernel reading it stalled on the H200. So compute them into a
-        # 16-byte array, (length padded, batch) laid out so the first `length` rows (a view, no copy) are
-        # row-major, and hand out that view: one op as before.
-        rows = max(length, -(-_MIN_KERNEL_INPUT_ELEMENTS // batch))
+        # A one-token step's positions would be a 4-8 byte array, which a kernel reading it stalls on
+        # (cuda_small_arrays.py). So compute them into a 16-byte array, (length padded, batch) laid out so the first
+        # `length` rows (a view, no copy) are row-major, and hand out that view: one op as before.
+        rows = max(length, -(-MIN_ELEMENTS // batch))
         start = mx.broadcast_to(start.reshape(1, -1), (1, batch))
         padded = (start + mx.arange(rows, dtype=mx.float32)[:, None]) * scale  # [rows, batch]
         positions = padded[:length].T.reshape(-1) if length > 1 else padded[0]
