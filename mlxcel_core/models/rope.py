@@ -19,6 +19,7 @@ of a padded row by its padding).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -179,6 +180,15 @@ def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
 _last_positions: tuple | None = None  # (offset array, (batch, length, scale), positions): fold_positions' memo
 
 
+@functools.lru_cache(maxsize=64)
+def _ramp(n: int) -> mx.array:
+    """0, 1, ..., n - 1 as float32, evaluated once: a compiled decode step holds it as a constant instead of running
+    an arange each step (as fold_frequencies does for the frequencies)."""
+    ramp = mx.arange(n, dtype=mx.float32)
+    mx.eval(ramp)
+    return ramp
+
+
 def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float) -> mx.array:
     """Each row's RoPE position times `scale` (what mx.fast.rope multiplies the frequencies by), float32
     [batch * length]: offset is the cache's (an int, or an array of one or `batch` entries).
@@ -195,14 +205,14 @@ def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float
     start = mx.array(offset, dtype=mx.float32) if isinstance(offset, int) else offset.astype(mx.float32)
     if batch * length >= MIN_ELEMENTS:
         start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
-        positions = ((start + mx.arange(length, dtype=mx.float32)[None]) * scale).reshape(-1)
+        positions = ((start + _ramp(length)[None]) * scale).reshape(-1)
     else:
         # A one-token step's positions would be a 4-8 byte array, which a kernel reading it stalls on
         # (cuda_small_arrays.py). So compute them into a 16-byte array, (length padded, batch) laid out so the first
-        # `length` rows (a view, no copy) are row-major, and hand out that view: one op as before.
+        # `length` rows (a view, no copy) are row-major, and hand out that view (one elementwise op).
         rows = max(length, -(-MIN_ELEMENTS // batch))
         start = mx.broadcast_to(start.reshape(1, -1), (1, batch))
-        padded = (start + mx.arange(rows, dtype=mx.float32)[:, None]) * scale  # [rows, batch]
+        padded = (start + _ramp(rows)[:, None]) * scale  # [rows, batch]
         positions = padded[:length].T.reshape(-1) if length > 1 else padded[0]
     if not isinstance(offset, int):
         _last_positions = (offset, key, positions)

@@ -236,6 +236,23 @@ def test_fold_positions_small_steps_give_row_major_positions(batch, length, shar
                                                                 for t in range(length)]
 
 
+def test_fold_positions_ramp_is_a_constant_inside_a_compiled_step():
+    """The 0..n-1 ramp is made and evaluated once (no arange op in each step's graph), and a compiled step that
+    computes positions from its offset input gives the eager values, step after step."""
+    from mlxcel_core.models import rope
+
+    assert rope._ramp(4) is rope._ramp(4) and rope._ramp(4).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    def step(offset):
+        rope._last_positions = None  # each traced call computes afresh
+        return rope.fold_positions(offset, 1, 1, 0.5) * 1.0
+
+    compiled = mx.compile(step)
+    for value in (7, 8, 300):
+        offset = mx.array([value], dtype=mx.int32)
+        assert compiled(offset).tolist() == step(offset).tolist() == [value * 0.5]
+
+
 def test_fold_frequencies_are_evaluated_constants():
     """Made once per RoPE and already evaluated, so a compiled step holds them as a constant (no op per step)."""
     from mlxcel_core.models.rope import RoPE, fold_frequencies
