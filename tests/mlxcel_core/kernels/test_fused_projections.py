@@ -206,7 +206,7 @@ class _RecordingProjection(nn.Linear):
 
 
 def test_decoder_layers_hand_the_residual_to_the_output_projections():
-    from mlxcel_core.models.transformer import AddsResidual
+    from mlxcel_core.models.transformer import AddsResidual, adds_residual
 
     _RecordingProjection.calls = 0
     model, _ = build_random_model("tiny", dtype="float32", seed=3)
@@ -217,6 +217,7 @@ def test_decoder_layers_hand_the_residual_to_the_output_projections():
         layer.mlp.down_proj.__class__ = _RecordingProjection
     assert isinstance(model.layers[0].mlp.down_proj, AddsResidual)
     assert not isinstance(nn.Linear(2, 2), AddsResidual)
+    assert adds_residual(_RecordingProjection) and not adds_residual(nn.Linear)  # what add_projection asks
     assert mx.array_equal(model(prompt), want).item()  # residual + layer(x) == x + layer(x), bit for bit
     assert _RecordingProjection.calls == 2 * len(model.layers)
 
