@@ -6,7 +6,8 @@
 benchmarks/hmv.py and qmv.py time one launch shape alone; in a model the same launch ran 10-25% slower than alone
 (tenth session: the fused gate/up + SwiGLU launch 68.5 us in an 8B decode, 62.3 us timed alone, where MLX's GEMV
 took 55.2 us in the model), so which (ROWS, WARPS, UNROLL) is best is a question for the model itself. This builds
-the model once, then for each configuration makes the kernel's `launch_config` return it (every mode and weight of
+the model once, then for each configuration (ROWS, WARPS, UNROLL[, GROUPS]) makes the kernel's `launch_config` return
+it (every mode and weight of
 the kernel), drops the compiled steps traced with the old one, and decodes `--tokens` tokens under torch.profiler
 (gpu_profile.py's loop) after `--warm` ones: the GPU-busy and wall time a token, and the GPU time of each of the
 kernel's modes per call. Then, per mode, the configuration with the lowest time. The default candidates are the
@@ -34,7 +35,10 @@ from mlxcel_core.kernels import hmv, qmv  # noqa: E402
 from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
 
 CANDIDATES = [(2, 8, 2), (2, 4, 2), (2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 2, 2), (4, 4, 2), (4, 4, 4), (4, 8, 1),
-              (4, 8, 2), (8, 2, 1), (8, 4, 1), (4, 1, 1), (4, 2, 1)]
+              (4, 8, 2), (8, 2, 1), (8, 4, 1), (4, 1, 1), (4, 2, 1),
+              # (ROWS, WARPS, UNROLL, GROUPS): several independent groups to a CUDA block; one-warp groups stream
+              # whole rows as MLX's GEMV does, without the 32-blocks-a-SM cap of one-warp blocks
+              (2, 1, 2, 8), (2, 1, 4, 8), (2, 1, 1, 8), (4, 1, 1, 8), (2, 2, 2, 4), (4, 1, 2, 4)]
 _MODE = re.compile(r"mlxcel_(hmv|qmv)_(?:([a-z_]+)_)?[0-9a-f]{8}")
 
 
@@ -44,14 +48,19 @@ def kernel_mode(name: str) -> str | None:
     return f"{found.group(1)} {found.group(2) or 'plain'}" if found else None
 
 
-def parse_config(text: str) -> tuple[int, int, int]:
-    rows, warps, unroll = (int(v) for v in text.split(","))
-    if rows not in (2, 4, 8) or warps not in (1, 2, 4, 8) or unroll not in (1, 2, 4):
-        raise argparse.ArgumentTypeError(f"{text}: ROWS 2/4/8, WARPS 1/2/4/8, UNROLL 1/2/4")
-    return rows, warps, unroll
+def parse_config(text: str) -> tuple[int, ...]:
+    """"R,W,U" or "R,W,U,G" (GROUPS)."""
+    try:
+        config = tuple(int(v) for v in text.split(","))
+        if len(config) not in (3, 4) or config[0] not in (2, 4, 8):  # even rows: the pair modes need them
+            raise ValueError("ROWS 2/4/8")
+        qmv.unpack_launch(config)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text}: R,W,U[,G] ({e})") from None
+    return config
 
 
-def use_config(module, model, config: tuple[int, int, int] | None, rule) -> None:
+def use_config(module, model, config: tuple[int, ...] | None, rule) -> None:
     """Every launch of `module`'s kernel takes `config` (None: the module's own rule) from the next trace on."""
     module.launch_config = rule if config is None else (lambda n, k, m: config)
     module.launch_args.cache_clear()

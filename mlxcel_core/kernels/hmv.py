@@ -82,9 +82,10 @@ def launch_args(x_shape: tuple, x_dtype, w_dtype, n: int, config: tuple | None =
     m = qmv.rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in qmv.FLOAT_TYPES or w_dtype not in WEIGHT_TYPES:
         return None
-    rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
-    template = [("T", x_dtype), ("CFG", qmv.pack_config(m, 0, rows, warps, unroll))]
-    return qmv.mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, w_dtype), template, eps)
+    rows, warps, unroll, groups = qmv.unpack_launch(config or launch_config(n, x_shape[-1], m))
+    template = [("T", x_dtype), ("CFG", qmv.pack_config(m, 0, rows, warps, unroll, groups))]
+    return qmv.mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, w_dtype), template, eps,
+                           groups)
 
 
 @functools.cache

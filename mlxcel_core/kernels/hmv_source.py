@@ -12,6 +12,7 @@ _MAIN_HALF = r"""
     constexpr int ROWS = (CFG >> 12) & 15;  // output rows per block
     constexpr int WARPS = (CFG >> 16) & 15;  // warps per block (splitting K)
     constexpr int UNROLL = (CFG >> 20) & 15;  // chunks per lane whose loads are in flight together
+/*GROUP_IDS*/
     using W = typename mlxcel_qmv_pointee<decltype(w)>::type;
     using OUT = typename mlxcel_qmv_result<T, W>::type;  // mx.result_type(x, w)
     static_assert(sizeof(W) == 2, "16-bit weights");
@@ -21,8 +22,6 @@ _MAIN_HALF = r"""
     constexpr int STRIDE = WARPS * 32 * CHUNK;  // K covered by one round of the block's lanes
     const int N = w_shape[0];
     const int K = w_shape[1];  // x is M rows of K (any leading shape: only its data is read)
-    const int lane = threadIdx.x & 31;
-    const int wid = threadIdx.x >> 5;
 /*ROWS_OF_BLOCK*/
 
     const bool w_vec = (reinterpret_cast<size_t>(w) & 15) == 0;  // K % 8 == 0: rows are 16-byte multiples apart

@@ -123,13 +123,24 @@ def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
     return rows, warps, 1
 
 
-def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int) -> int:
+def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int, groups: int = 1) -> int:
     """The kernel's one int template argument CFG (unpacked at the top of each main loop in qmv_source.py)."""
-    return m | group_size << 4 | rows << 12 | warps << 16 | unroll << 20
+    return m | group_size << 4 | rows << 12 | warps << 16 | unroll << 20 | groups << 24
+
+
+def unpack_launch(config: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(ROWS, WARPS, UNROLL, GROUPS) of a launch configuration given as (ROWS, WARPS, UNROLL) or with GROUPS, the
+    independent groups of WARPS warps in one CUDA block (qmv_source.py's _GROUP_IDS; 1 unless given)."""
+    rows, warps, unroll, *more = config
+    groups = more[0] if more else 1
+    if not (1 <= rows <= 15 and warps in (1, 2, 4, 8) and 1 <= unroll <= 15 and groups in (1, 2, 4, 8)
+            and groups * warps <= 32):
+        raise ValueError(f"launch configuration {config}: ROWS 1-15, WARPS and GROUPS 1/2/4/8, at most 32 warps")
+    return rows, warps, unroll, groups
 
 
 def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[int, ...] | None,
-                x_shape: tuple, out_dtype, template: list, eps: float | None = None) -> dict:
+                x_shape: tuple, out_dtype, template: list, eps: float | None = None, groups: int = 1) -> dict:
     """The launch of `mode` over a weight of n rows (both weight kinds): template ints, grid and outputs.
 
     The "_norm" modes take the norm's epsilon `eps` (a compile-time constant of the launch).
@@ -169,6 +180,8 @@ def mode_layout(mode: str, n: int, m: int, rows: int, warps: int, split: tuple[i
         blocks = -(-(n // 2) // (rows // 2))  # a block reads rows / 2 gate/up row pairs
     else:
         outputs = [n]
+    blocks = -(-blocks // groups)  # `blocks` counted groups (the kernels' logical blocks); a CUDA block has `groups`
+    threads *= groups
     return dict(
         template=template,
         grid=(blocks * threads, 1, 1),
@@ -188,9 +201,10 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, group_size: int, confi
     m = rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in FLOAT_TYPES:
         return None
-    rows, warps, unroll = config or launch_config(n, x_shape[-1], m)
-    template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll))]
-    return mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, s_dtype), template, eps)
+    rows, warps, unroll, groups = unpack_launch(config or launch_config(n, x_shape[-1], m))
+    template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll, groups))]
+    return mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, s_dtype), template, eps,
+                       groups)
 
 
 def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, mode: str = "plain",

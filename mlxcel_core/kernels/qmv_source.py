@@ -103,6 +103,7 @@ _MAIN_Q4 = r"""
     constexpr int ROWS = (CFG >> 12) & 15;  // output rows per block
     constexpr int WARPS = (CFG >> 16) & 15;  // warps per block (splitting K)
     constexpr int UNROLL = (CFG >> 20) & 15;  // chunks per lane whose loads are in flight together
+/*GROUP_IDS*/
     using OUT = typename mlxcel_qmv_result<T, S>::type;  // mx.result_type(x, scales)
     // A float32 output removes the offsets per element (exact): per chunk, their cancellation costs ~1e-5 of
     // |x| @ |W|.T, below fp16/bf16 rounding but 100x float32's.
@@ -115,8 +116,6 @@ _MAIN_Q4 = r"""
     const int K = w_shape[1] * 8;  // x is M rows of K (any leading shape: only its data is read)
     const int KW = K / 8;  // packed words per weight row
     const int G = K / GS;  // groups per weight row
-    const int lane = threadIdx.x & 31;
-    const int wid = threadIdx.x >> 5;
 /*ROWS_OF_BLOCK*/
 
     const bool w_vec = (reinterpret_cast<size_t>(w) & 15) == 0;  // rows are K/2 bytes apart: 16-byte multiples
@@ -236,10 +235,24 @@ _MAIN_Q4 = r"""
     }
 """
 
+# Shared by both main loops: the block's threads as GROUPS independent groups of WARPS warps. A group is what the
+# kernels call a block: it takes ROWS rows (its logical block `lblock`) and its warps split K. GROUPS > 1 puts several
+# such groups in one CUDA block, so a launch of one-warp groups (each warp streams whole rows) is not capped at 32
+# blocks of one warp per SM.
+_GROUP_IDS = """    constexpr int GROUPS = (CFG >> 24) & 15;  // independent groups of WARPS warps per CUDA block
+    static_assert(GROUPS >= 1, "GROUPS >= 1");
+    // (GROUPS == 1: the plain block, the ids compile-time simple as before)
+    const int gtid = GROUPS == 1 ? int(threadIdx.x) : int(threadIdx.x % (WARPS * 32));  // the thread in its group
+    const int grp = GROUPS == 1 ? 0 : int(threadIdx.x / (WARPS * 32));
+    const int lblock = blockIdx.x * GROUPS + grp;  // the group's logical block: which rows it takes
+    const int lane = threadIdx.x & 31;
+    const int wid = gtid >> 5;  // the warp in its group"""
+
 # Shared by both weight kinds: the reductions and the mode's epilogue.
 _TAIL = r"""
-    // Sum over the warp's lanes, then over the block's warps; one write per (row of x, output).
-    __shared__ float red[WARPS][ROWS * M];
+    // Sum over the warp's lanes, then over the group's warps; one write per (row of x, output).
+    __shared__ float red_all[GROUPS][WARPS][ROWS * M];
+    float (&red)[WARPS][ROWS * M] = red_all[grp];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
@@ -255,24 +268,28 @@ _TAIL = r"""
         }
     }
 /*NORM_REDUCE*/
-    __syncthreads();
+    if (GROUPS > 1 && WARPS == 1) {
+        __syncwarp();  // each group is one warp: no other warp reads its sums
+    } else {
+        __syncthreads();
+    }
 /*EPILOGUE*/
 """
 
 # The block's weight rows: ROWS consecutive rows (plain and qkv), or ROWS / 2 rows of the gate half and the same rows
 # of the up half (swiglu: the weight is [gate; up], N = 2 * NOUT). A block's rows past the end read the last row and
 # write nothing.
-_ROWS_CONSECUTIVE = """    const int n0 = blockIdx.x * ROWS;"""
+_ROWS_CONSECUTIVE = """    const int n0 = lblock * ROWS;"""
 _ROW_MAP_CONSECUTIVE = """        const size_t n = size_t(min(n0 + r, N - 1));"""
 _ROWS_GATE_UP = """    constexpr int HALF = ROWS / 2;
     static_assert(ROWS % 2 == 0, "swiglu blocks take rows in gate/up pairs");
     const int NOUT = N / 2;
-    const int n0 = blockIdx.x * HALF;  // first output (gate/up row pair) of this block"""
+    const int n0 = lblock * HALF;  // first output (gate/up row pair) of this group"""
 _ROW_MAP_GATE_UP = """        const int j = min(n0 + r % HALF, NOUT - 1);
         const size_t n = size_t(r < HALF ? j : NOUT + j);"""
 
 # One output per weight row: the block's sums, then WRITE stores t, weight row n's output for row m of x.
-_EPILOGUE_ROWS = """    for (int i = threadIdx.x; i < ROWS * M; i += WARPS * 32) {
+_EPILOGUE_ROWS = """    for (int i = gtid; i < ROWS * M; i += WARPS * 32) {
         const int r = i / M;
         const int m = i % M;
         const int n = n0 + r;
@@ -301,10 +318,10 @@ _EPILOGUE_QKV = _EPILOGUE_ROWS.replace(
 _ROWS_PAIRS = """    constexpr int HALF = ROWS / 2;
     static_assert(ROWS % 2 == 0, "rope blocks take rows in rotation pairs");
     const int NPAIR = N / 2;
-    const int n0 = blockIdx.x * HALF;  // first rotation pair of this block"""
+    const int n0 = lblock * HALF;  // first rotation pair of this group"""
 _ROW_MAP_PAIRS = """        const int p = min(n0 + r % HALF, NPAIR - 1);
         const size_t n = size_t((p / (HD / 2)) * HD + p % (HD / 2) + (r < HALF ? 0 : HD / 2));"""
-_EPILOGUE_QKV_ROPE = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 32) {
+_EPILOGUE_QKV_ROPE = """    for (int i = gtid; i < HALF * M; i += WARPS * 32) {
         const int r = i / M;
         const int m = i % M;
         const int p = n0 + r;
@@ -342,7 +359,7 @@ _EPILOGUE_RESIDUAL = _EPILOGUE_ROWS.replace("/*WRITE*/", """            const si
 
 # y [M, NOUT] = silu(gate) * up. gate and up are first rounded to OUT, as two separate matvecs would return them,
 # then silu(g) * u = g * sigmoid(g) * u in float32 and one rounding (the unfused path rounds after every op).
-_EPILOGUE_SWIGLU = """    for (int i = threadIdx.x; i < HALF * M; i += WARPS * 32) {
+_EPILOGUE_SWIGLU = """    for (int i = gtid; i < HALF * M; i += WARPS * 32) {
         const int r = i / M;
         const int m = i % M;
         const int j = n0 + r;
@@ -382,7 +399,8 @@ _NORM = {
                             sq[m] = fmaf(xv[m][j], xv[m][j], sq[m]);
                             xv[m][j] *= gv[j];
                         }""",
-    "/*NORM_REDUCE*/": """    __shared__ float red_sq[WARPS][M];
+    "/*NORM_REDUCE*/": """    __shared__ float red_sq_all[GROUPS][WARPS][M];
+    float (&red_sq)[WARPS][M] = red_sq_all[grp];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         float v = sq[m];
@@ -440,7 +458,8 @@ def kernel_source(mode: str = "plain", weights: str = "q4") -> str:
     residual + x @ w.T (residual [M, N], of the output's dtype); qkv_norm and swiglu_norm the same of rms_norm(x)."""
     _, outputs, block_rows, row_map, epilogue = MODES[mode]
     body = (_MAIN_Q4 if weights == "q4" else _MAIN_HALF) + _TAIL
-    source = (body.replace("/*OUT0*/", outputs[0]).replace("/*ROWS_OF_BLOCK*/", block_rows)
+    source = (body.replace("/*OUT0*/", outputs[0]).replace("/*GROUP_IDS*/", _GROUP_IDS)
+              .replace("/*ROWS_OF_BLOCK*/", block_rows)
               .replace("/*ROW_MAP*/", row_map).replace("/*EPILOGUE*/", epilogue))
     norm = "_norm" in mode
     for marker, code in {**_NORM, **_NORM_SCALE}.items():

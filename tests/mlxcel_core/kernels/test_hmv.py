@@ -40,6 +40,14 @@ def test_launch_layouts():
     assert dict(args["template"])["EPS_BITS"] == 0x3727C5AC  # 1e-5 as float32: a constant, not a [1] input
     with pytest.raises(ValueError, match="epsilon"):
         hmv.launch_args((1, 2048), mx.float32, mx.bfloat16, 2 * 8192, mode="swiglu_norm")
+    # GROUPS: 8 one-warp groups of 2 rows to a CUDA block; 1536 groups for 3072 rows, 192 blocks of 256 threads
+    args = hmv.launch_args((1, 2048), mx.bfloat16, mx.bfloat16, 3072, (2, 1, 2, 8))
+    assert args["grid"] == (192 * 256, 1, 1) and args["threadgroup"] == (256, 1, 1)
+    cfg = dict(args["template"])["CFG"]
+    assert cfg == qmv.pack_config(1, 0, 2, 1, 2, 8) and cfg >> 24 == 8
+    assert qmv.unpack_launch((4, 2, 1)) == (4, 2, 1, 1)
+    with pytest.raises(ValueError, match="at most 32 warps"):
+        qmv.unpack_launch((2, 8, 1, 8))
     assert hmv.launch_args((9, 2048), mx.bfloat16, mx.bfloat16, 64) is None
     assert hmv.launch_args((1, 2048), mx.bfloat16, mx.float32, 64) is None
 
@@ -106,22 +114,50 @@ def test_kernel_matches_float64(n, k, dtype):
 
 
 @needs_cuda
-def test_modes():
+@pytest.mark.parametrize("config", [None, (2, 1, 2, 8), (2, 2, 2, 4), (4, 1, 1, 4)], ids=str)
+def test_modes(config):
+    """Every base mode against float64, with the default launch and with several groups to a CUDA block."""
     m, k, nq, nk, inter = 2, 2048, 2048, 512, 8192
     x, w = _operands(m, nq + 2 * nk, k, mx.bfloat16, seed=1)
     ref, mag = _reference(x, w)
-    q, kk, v = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, nq + 2 * nk, mode="qkv", split=(nq, nk)),
-                          x, w, "qkv")
+    q, kk, v = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, nq + 2 * nk, config, mode="qkv",
+                                          split=(nq, nk)), x, w, "qkv")
     check_close(mx.concatenate([q, kk, v], axis=-1), ref, mag, mx.bfloat16, "qkv")
     residual = mx.random.normal((m, nq + 2 * nk), key=mx.random.key(3)).astype(mx.bfloat16)
-    plain = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, nq + 2 * nk), x, w)
-    fused = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, nq + 2 * nk, mode="residual"), x, w, "residual",
-                       (residual,))
+    plain = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, nq + 2 * nk, config), x, w)
+    check_close(plain, ref, mag, mx.bfloat16, "plain")
+    fused = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, nq + 2 * nk, config, mode="residual"), x, w,
+                       "residual", (residual,))
     assert mx.array_equal(fused, residual + plain).item()
     x, w = _operands(m, 2 * inter, k, mx.bfloat16, seed=2)
     ref, _ = _reference(x, w)
-    y = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, 2 * inter, mode="swiglu"), x, w, "swiglu")
+    y = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, 2 * inter, config, mode="swiglu"), x, w, "swiglu")
     assert_swiglu_close(y, ref, inter)
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", [(2, 1, 2, 8), (2, 2, 2, 4)], ids=str)
+def test_norm_and_rope_modes_with_groups_match_the_default_launch(config):
+    """qkv_norm_rope and swiglu_norm with several groups to a CUDA block against the default launch (which
+    test_fused_projections checks against float64 for the 4-bit kernel's same epilogues): within two bf16 ulps, the
+    sums' order being the only difference."""
+    m, k, nq, nk, hd, inter = 1, 2048, 2048, 512, 64, 8192
+    g = mx.random.uniform(0.5, 1.5, (k,), key=mx.random.key(4)).astype(mx.bfloat16)
+    positions = mx.array(np.array([100.0, 0.0, 0.0, 0.0], dtype=np.float32))[:m]
+    inv_freq = mx.array((500000.0 ** -(np.arange(0, hd, 2) / hd)).astype(np.float32))
+    x, w = _operands(m, nq + 2 * nk, k, mx.bfloat16, seed=5)
+    x = x.reshape(1, 1, k)
+    outs = [hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, nq + 2 * nk, c, mode="qkv_norm_rope",
+                                       split=(nq, nk, hd), eps=1e-5), x, w, "qkv_norm_rope", (g, positions, inv_freq))
+            for c in (None, config)]
+    x2, w2 = _operands(m, 2 * inter, k, mx.bfloat16, seed=6)
+    outs += [[hmv.launch(hmv.launch_args(x2.shape, x2.dtype, w2.dtype, 2 * inter, c, mode="swiglu_norm", eps=1e-5),
+                         x2, w2, "swiglu_norm", (g,))] for c in (None, config)]
+    for want, got in ((outs[0], outs[1]), (outs[2], outs[3])):
+        for a, b in zip(want, got):
+            a32, b32 = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+            assert a32.shape == b32.shape
+            assert np.all(np.abs(a32 - b32) <= 2.0**-7 * np.abs(a32) + 2.0**-8 * np.abs(a32).mean())
 
 
 @needs_cuda

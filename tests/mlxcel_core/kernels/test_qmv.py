@@ -443,9 +443,10 @@ def test_every_launch_config(m):
     x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, seed=11)
     ref, mag = reference(x, w, scales, biases)
     configs = [(rows, warps, 1) for rows in (1, 2, 4, 8) for warps in (1, 2, 4, 8)] + [(4, 2, 2), (8, 1, 2)]
-    for rows, warps, unroll in configs:
-        y = cuda_quantized_matvec(x, w, scales, biases, 64, config=(rows, warps, unroll))
-        check_close(y, ref, mag, mx.bfloat16, f"M={m} rows={rows} warps={warps} unroll={unroll}")
+    configs += [(2, 1, 1, 8), (4, 1, 2, 4), (2, 2, 1, 4), (8, 4, 1, 2)]  # several groups to a CUDA block
+    for config in configs:
+        y = cuda_quantized_matvec(x, w, scales, biases, 64, config=config)
+        check_close(y, ref, mag, mx.bfloat16, f"M={m} config={config}")
 
 
 @needs_cuda

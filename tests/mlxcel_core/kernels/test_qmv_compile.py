@@ -24,14 +24,15 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 
-def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode="plain", weights="q4"):
+def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode="plain", weights="q4",
+                     groups=1):
     """What MLX 0.32's CUDA custom_kernel.cpp (build_kernel) compiles for our kernel, with a stand-in for its
     default header (mlx/backend/cuda/device/utils.cuh is not installed with a CPU build of MLX). For weights "half"
     (kernels/hmv.py) s_dtype is the weight's dtype and group_size is unused."""
     n, split = (512 + 2 * 128, (512, 128)) if qmv.base_mode(mode) == "qkv" else (64, None)
     if mode.endswith("_rope"):
         split = (512, 128, 64)
-    config = (rows, warps, unroll)
+    config = (rows, warps, unroll, groups)
     if weights == "q4":
         args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, config, mode=mode, split=split, eps=1e-5)
         operands = ["    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
@@ -96,6 +97,23 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
     out_dtype = mx.result_type(x_dtype, s_dtype)
     src = tmp_path / "qmv.cu"
     src.write_text(mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode, weights))
+    run = subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
+                          str(tmp_path / "qmv.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "0 bytes spill stores" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (compile check only; nothing runs)")
+@pytest.mark.parametrize("mode", ["plain", "residual", "swiglu_norm", "qkv_norm_rope"])
+@pytest.mark.parametrize("weights,group_size,rows,warps,unroll,groups", [
+    ("half", 0, 2, 1, 2, 8), ("half", 0, 2, 2, 2, 4), ("q4", 64, 4, 1, 1, 8), ("q4", 64, 2, 2, 1, 4)])
+def test_grouped_launches_compile_without_spills(tmp_path, mode, weights, group_size, rows, warps, unroll, groups):
+    """Several independent groups of warps to a CUDA block (qmv_source._GROUP_IDS), every kind of epilogue."""
+    import subprocess
+
+    src = tmp_path / "qmv.cu"
+    src.write_text(mlx_style_source(mx.bfloat16, mx.bfloat16, mx.bfloat16, 1, group_size, rows, warps, unroll, mode,
+                                    weights, groups))
     run = subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
                           str(tmp_path / "qmv.cubin"), str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
