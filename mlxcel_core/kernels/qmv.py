@@ -216,8 +216,8 @@ def launch(args: dict, x: mx.array, w: mx.array, scales: mx.array, biases: mx.ar
 
 
 def cuda_quantized_matvec(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int = 64,
-                          config: tuple[int, int, int] | None = None) -> mx.array:
-    """The kernel itself (CUDA only; the caller has checked `supports`). `config` (ROWS, WARPS, UNROLL)
+                          config: tuple[int, ...] | None = None) -> mx.array:
+    """The kernel itself (CUDA only; the caller has checked `supports`). `config` (ROWS, WARPS, UNROLL[, GROUPS])
     overrides `launch_config`."""
     args = launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], group_size, config)
     if args is None:
