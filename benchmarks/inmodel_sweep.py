@@ -107,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     for config in [None] + (args.configs or CANDIDATES):
         label = "rule" if config is None else ",".join(map(str, config))
         use_config(module, model, config, rule)
-        r = gpu.profile_tokens(gpu.mlxcel_tokens(model, vocab, prompt, args.warm, args.tokens), args.warm, args.tokens)
+        try:
+            r = gpu.profile_tokens(gpu.mlxcel_tokens(model, vocab, prompt, args.warm, args.tokens), args.warm,
+                                   args.tokens)
+        except Exception as e:  # noqa: BLE001 - a configuration the kernel cannot build (registers, limits): next
+            print(f"{label:>7}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
         modes = per_mode(r)
         results[label] = modes
         print(f"{label:>7}: wall {r['wall_ms']:.3f} ms/token, GPU busy {r['busy_ms']:.3f} ms/token | "
