@@ -18,9 +18,9 @@ import functools
 import mlx.core as mx
 
 from ..kv.cuda_paged_attention import cuda_kernel_available
+from .qmv import FLOAT_TYPES
 
 THREADS = 1024
-FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 _SOURCE = r"""
     constexpr int VEC = 16 / sizeof(T);

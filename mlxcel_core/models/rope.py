@@ -203,17 +203,16 @@ def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float
         if last is offset and last_key == key:
             return positions
     start = mx.array(offset, dtype=mx.float32) if isinstance(offset, int) else offset.astype(mx.float32)
-    if batch * length >= MIN_ELEMENTS:
-        start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
-        positions = ((start + _ramp(length)[None]) * scale).reshape(-1)
-    else:
-        # A one-token step's positions would be a 4-8 byte array, which a kernel reading it stalls on
-        # (cuda_small_arrays.py). So compute them into a 16-byte array, (length padded, batch) laid out so the first
-        # `length` rows (a view, no copy) are row-major, and hand out that view (one elementwise op).
-        rows = max(length, -(-MIN_ELEMENTS // batch))
+    # Padded to MIN_ELEMENTS values: a one-token step's positions would otherwise be a 4-8 byte array, which a kernel
+    # reading it stalls on (cuda_small_arrays.py); the positions handed out are a view of the padded array, no copy.
+    if length == 1:  # a decode step: [rows, batch], row 0 is every row's position
+        rows = -(-MIN_ELEMENTS // batch)
         start = mx.broadcast_to(start.reshape(1, -1), (1, batch))
-        padded = (start + _ramp(rows)[:, None]) * scale  # [rows, batch]
-        positions = padded[:length].T.reshape(-1) if length > 1 else padded[0]
+        positions = ((start + _ramp(rows)[:, None]) * scale)[0]
+    else:  # [batch, rows], the first `length` columns (all of them unless batch is 1 and length < MIN_ELEMENTS)
+        rows = max(length, -(-MIN_ELEMENTS // batch))
+        start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
+        positions = ((start + _ramp(rows)[None]) * scale)[:, :length].reshape(-1)
     if not isinstance(offset, int):
         _last_positions = (offset, key, positions)
     return positions
