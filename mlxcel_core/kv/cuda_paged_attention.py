@@ -15,7 +15,8 @@ so K and V are read once per kv head, not once per query head. The groups' state
 memory and the block writes its split's partial max [B, Hq, S], sum [B, Hq, S] and unnormalized
 output [B, Hq, S, D] (float32). The combine step ("paged_decode_combine", a second small kernel; the same
 arithmetic as `combine_partials` in MLX ops) rescales the partials by exp(m_s - max m) and divides,
-exactly as the ops path merges its splits, writing q's dtype.
+exactly as the ops path merges its splits, writing q's dtype. With one split the kernel writes the output itself
+("paged_decode_one_split", the combine's arithmetic for S = 1 in the same launch): one launch a layer.
 
 ``num_splits`` is the grid's x extent: every value is the same compiled kernel. The kernel is compiled
 once per (dtypes, D, block_size, Hkv, n_rep) at first use (NVRTC).
@@ -196,6 +197,19 @@ _SOURCE = r"""
     }
 """
 
+# One split (the whole context in one block per head group): the combine step's arithmetic for S = 1 (its rescale
+# factor exp(m - m) is exactly 1) done here, the output written in q's dtype: one launch a layer instead of two.
+_WRITE_PARTIALS = """        const size_t row = (size_t(b) * HQ + h0 + g) * S + split;
+        o_part[row * D + d] = os;
+        if (d == 0) {
+            m_part[row] = mx_;
+            l_part[row] = ls;
+        }"""
+_WRITE_OUTPUT = """        const size_t row = size_t(b) * HQ + h0 + g;
+        out[row * D + d] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);"""
+assert _WRITE_PARTIALS in _SOURCE
+_ONE_SPLIT_SOURCE = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT)
+
 # The combine step: one thread per (row, query head, d) merges the S partials of its column, the same
 # log-sum-exp rescaling as `combine_partials` (one launch instead of a handful of MLX ops).
 _COMBINE_SOURCE = r"""
@@ -227,7 +241,8 @@ _COMBINE_SOURCE = r"""
 """
 
 # Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
-KERNEL_HASH = hashlib.sha256(f"{_SOURCE}{_COMBINE_SOURCE}{THREADS}/{UNROLL}".encode()).hexdigest()[:8]
+KERNEL_HASH = hashlib.sha256(
+    f"{_SOURCE}{_COMBINE_SOURCE}{_ONE_SPLIT_SOURCE}{THREADS}/{UNROLL}".encode()).hexdigest()[:8]
 RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"
 
 
@@ -271,6 +286,16 @@ def _kernel():
 
 
 @functools.cache
+def _one_split_kernel():
+    return mx.fast.cuda_kernel(
+        name="paged_decode_one_split",
+        input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens"],
+        output_names=["out"],
+        source=_ONE_SPLIT_SOURCE,
+    )
+
+
+@functools.cache
 def _combine_kernel():
     return mx.fast.cuda_kernel(
         name="paged_decode_combine",
@@ -299,8 +324,9 @@ def combine_partials(o_part: mx.array, m_part: mx.array, l_part: mx.array) -> mx
 
 
 def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
-                                scale: float | None = None) -> mx.array:
-    """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring)."""
+                                scale: float | None = None, _two_launches: bool = False) -> mx.array:
+    """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring). One split
+    is one launch (the split kernel writes the output itself); `_two_launches` (tests) runs it as split + combine."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     _, block_size, Hkv, _ = k_pool.shape
@@ -308,12 +334,19 @@ def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, n
     geo = launch_geometry(D, n_rep)
     scale = D ** -0.5 if scale is None else scale
     S = num_splits
+    inputs = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
+    template = [("KV", k_pool.dtype), ("SCALE_BITS", _scale_bits(float(scale))), ("D", D), ("BS", block_size),
+                ("HKV", Hkv), ("NREP", n_rep), ("G", geo["G"]), ("LPT", geo["LPT"]), ("EPL", geo["EPL"]),
+                ("TPB", THREADS), ("UNROLL", UNROLL)]
+    grid = (S * THREADS, Hkv * (n_rep // geo["G"]), B)
+    if S == 1 and not _two_launches:
+        (out,) = _one_split_kernel()(inputs=inputs, template=template + [("OUT", q.dtype)], grid=grid,
+                                     threadgroup=(THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
+        return out
     o_part, m_part, l_part = _kernel()(
-        inputs=[q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)],
-        template=[("KV", k_pool.dtype), ("SCALE_BITS", _scale_bits(float(scale))), ("D", D), ("BS", block_size),
-                  ("HKV", Hkv), ("NREP", n_rep), ("G", geo["G"]), ("LPT", geo["LPT"]), ("EPL", geo["EPL"]),
-                  ("TPB", THREADS), ("UNROLL", UNROLL)],
-        grid=(S * THREADS, Hkv * (n_rep // geo["G"]), B),
+        inputs=inputs,
+        template=template,
+        grid=grid,
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],
         output_dtypes=[mx.float32, mx.float32, mx.float32],

@@ -151,6 +151,20 @@ def test_one_token_query_layout():
 
 
 @needs_cuda
+def test_one_split_is_one_launch_with_the_two_launch_values():
+    """num_splits=1 runs one kernel that writes the output itself: bit for bit what split + combine give (the
+    combine's rescale factor is exactly 1 there), empty rows zeros, both query layouts."""
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        q, k_pool, v_pool, table, lens = make_case([0, 1, 100, 333], 32, 8, 2, 64, dtype)
+        one = cuda_paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=1)
+        two = cuda_paged_decode_attention(q, k_pool, v_pool, table, lens, num_splits=1, _two_launches=True)
+        assert one.dtype == dtype and mx.array_equal(one, two).item()
+        assert mx.all(one[0] == 0).item()
+        heads_first = cuda_paged_decode_attention(q[:, :, None, :], k_pool, v_pool, table, lens, num_splits=1)
+        assert heads_first.shape == (4, 8, 1, 64) and mx.array_equal(heads_first.reshape(one.shape), one).item()
+
+
+@needs_cuda
 def test_results_are_deterministic():
     case = make_case([3000, 1234], 32, 32, 8, 128, mx.float16)
     a = cuda_paged_decode_attention(*case, num_splits=8)
