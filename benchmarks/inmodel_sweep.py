@@ -62,7 +62,7 @@ def parse_config(text: str) -> tuple[int, ...]:
 
 def use_config(module, model, config: tuple[int, ...] | None, rule) -> None:
     """Every launch of `module`'s kernel takes `config` (None: the module's own rule) from the next trace on."""
-    module.launch_config = rule if config is None else (lambda n, k, m: config)
+    module.launch_config = rule if config is None else (lambda n, k, m, *mode: config)
     module.launch_args.cache_clear()
     forget_traces(model)
 

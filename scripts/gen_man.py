@@ -37,8 +37,8 @@ ENVIRONMENT = [
     ("MLXCEL_FUSE_ROPE", "0: do not apply RoPE to q and k inside the fused q/k/v launch. Default: applied there "
                          "wherever that kernel runs (plain non-traditional RoPE, no q/k norms)."),
     ("MLXCEL_HMV", "1: bf16/fp16 layers' decode matvecs (with their fused projections and residual adds) run mlxcel's "
-                   "16-bit CUDA kernel; 0: MLX's. Default: the kernel for models up to 2048 wide (CUDA only; "
-                   "wider ones decoded slower with it on an H200)."),
+                   "16-bit CUDA kernel; 0: MLX's. Default: the kernel for models up to 4096 wide, the widest "
+                   "measured on an H200 (CUDA only))."),
     ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
                         "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
                         "unaffected)."),

@@ -11,8 +11,9 @@ matmul plus a split plus the activation, and the residual adds separate launches
 Gate (`enabled`): MLX on CUDA, and MLXCEL_HMV=1, or unset and the model at most DEFAULT_MAX_HIDDEN wide. On the H200 its
 tests pass (against float64, every mode, and a llama-3.2-1b decode against MLX's matmuls). Timed one launch after
 another (benchmarks/hmv.py), a single row now reads 0.99-1.21x as fast as MLX's GEMV on the Llama-3-8B shapes and
-0.84-1.1x on the 1B ones; but inside an 8B decode its fused gate/up + SwiGLU launch still reads slower than MLX's
-plain GEMV does (68 vs 55 us), so wide (bandwidth-bound) models keep MLX's.
+0.84-1.1x on the 1B ones. Inside an 8B decode, with 4 warps a block in the SwiGLU modes (eleventh session), its
+launches take as much GPU time a token as MLX's GEMV (4.82 vs 4.81 ms) in 292 launches instead of about 420, and the
+decode ran faster with it (benchmarks/RESULTS.md), so it serves the measured widths, up to 4096.
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ WEIGHT_TYPES = (mx.bfloat16, mx.float16)
 
 
 # MLXCEL_HMV unset: the kernel serves 16-bit models up to this hidden size (see enabled()).
-DEFAULT_MAX_HIDDEN = 2048
+DEFAULT_MAX_HIDDEN = 4096  # the widest shape measured (Llama-3-8B); wider ones keep MLX's GEMV
 
 
 def enabled(hidden_size: int | None = None) -> bool:
     """Whether a 16-bit model `hidden_size` wide gets the kernel (MLX on CUDA only): MLXCEL_HMV=1 or 0 decides;
-    unset, models up to DEFAULT_MAX_HIDDEN wide. Their decode is launch-bound, and the kernel's fused launches
-    (q/k/v, gate/up with SwiGLU, residual adds) save more than its lower single-row bandwidth costs; on wider
-    models it loses (H200, benchmarks/RESULTS.md: llama-3.2-1b bf16 1.35x mlx-lm with it, 1.05x without;
-    llama-3-8b bf16 0.68x with it, 1.22x without; after the tenth session's launch shapes, 8B GPU time a token
-    5.18 ms with it against 4.81 ms without)."""
+    unset, models up to DEFAULT_MAX_HIDDEN wide. Its fused launches (q/k/v with norm and RoPE, gate/up with SwiGLU,
+    residual adds) save launches and host time; the launch shapes decide whether it also keeps MLX's bandwidth
+    (H200, benchmarks/RESULTS.md: llama-3.2-1b bf16 1.35x mlx-lm with it, 1.05x without; llama-3-8b bf16 GPU time a
+    token 5.18 ms with it against 4.81 ms without in the tenth session, 4.82 ms with 4-warp SwiGLU launches in the
+    eleventh, where its decode read 198-204 tok/s against 166-202 without). Wider models are not measured."""
     if not qmv.cuda_kernel_available():
         return False
     env = os.environ.get(ENV, "").strip()
@@ -58,7 +59,7 @@ def shape_supported(x_shape, x_dtype, w_shape, w_dtype) -> bool:
     return n >= 1 and k >= CHUNK and k % CHUNK == 0 and x_shape[-1] == k and 1 <= qmv.rows_of(x_shape) <= MAX_ROWS
 
 
-def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
+def launch_config(n: int, k: int, m: int, mode: str = "plain") -> tuple[int, int, int]:
     """(ROWS, WARPS, UNROLL): two rows a block; as many warps (up to 8) splitting K as leave each two rounds of it
     (512 elements a lane-round of 8 warps); both of a lane's rounds' loads in flight (UNROLL 2) where it has two.
 
@@ -67,8 +68,12 @@ def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
     TB/s); it had been picked by a sweep whose independent calls overlapped inside MLX's CUDA graphs. Timed one
     after another (benchmarks/hmv.py, tenth session), the best configurations at M = 1 were all 2-4 rows, 4-8 warps,
     mostly UNROLL 2: 4096x4096 (4,4,2), 14336x4096 (2,8,2), 4096x14336 (2,4,1), 128256x4096 (2,8,2), 8192x2048
-    (2,4,2), 2048x8192 (4,8,2), 128256x2048 (2,4,2), and this rule is within a few percent of each."""
-    warps = 8
+    (2,4,2), 2048x8192 (4,8,2), 128256x2048 (2,4,2), and this rule is within a few percent of each.
+
+    The SwiGLU modes (gate and up rows in one launch) take at most 4 warps: inside an 8B decode (eleventh session,
+    benchmarks/inmodel_sweep.py) their launch took 58-60 us with 4 warps a block against 68 us with 8; the other
+    modes were within noise of the rule."""
+    warps = 4 if base_mode(mode).startswith("swiglu") else 8
     while warps > 1 and k < warps * 2 * 32 * CHUNK:
         warps //= 2
     rounds = k // (warps * 32 * CHUNK)
@@ -82,7 +87,7 @@ def launch_args(x_shape: tuple, x_dtype, w_dtype, n: int, config: tuple | None =
     m = qmv.rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in qmv.FLOAT_TYPES or w_dtype not in WEIGHT_TYPES:
         return None
-    rows, warps, unroll, groups = qmv.unpack_launch(config or launch_config(n, x_shape[-1], m))
+    rows, warps, unroll, groups = qmv.unpack_launch(config or launch_config(n, x_shape[-1], m, mode))
     template = [("T", x_dtype), ("CFG", qmv.pack_config(m, 0, rows, warps, unroll, groups))]
     return qmv.mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, w_dtype), template, eps,
                            groups)

@@ -1,6 +1,6 @@
 """The 16-bit decode matvec kernel (mlxcel_core/kernels/hmv.py) and its layers (FastLinear, FastEmbedding).
 
-Everywhere: the shape predicate, launch layouts, the MLXCEL_HMV gate (by default: models up to 2048 wide), the
+Everywhere: the shape predicate, launch layouts, the MLXCEL_HMV gate (by default: models up to 4096 wide), the
 layer swap, and that the swapped layers (and fused projections over them) compute MLX's values bit for bit where the
 kernel does not run. CUDA only (skipped elsewhere): the kernel against float64 in every mode, a llama-3.2-1b bf16
 decode with and without it, and greedy tokens against a float32 stand-in. test_qmv_compile.py compiles its source for sm_90.
@@ -48,6 +48,16 @@ def test_launch_layouts():
     assert qmv.unpack_launch((4, 2, 1)) == (4, 2, 1, 1)
     with pytest.raises(ValueError, match="at most 32 warps"):
         qmv.unpack_launch((2, 8, 1, 8))
+
+
+def test_launch_rule_caps_the_swiglu_modes_at_four_warps():
+    # 8B shapes: K = 4096 gives 8 warps of two 256-element rounds, but the gate/up launch was faster with 4 in the model
+    assert hmv.launch_config(6144, 4096, 1, "qkv_norm_rope") == (2, 8, 2)
+    assert hmv.launch_config(2 * 14336, 4096, 1, "swiglu_norm") == hmv.launch_config(2 * 14336, 4096, 1, "swiglu")
+    assert hmv.launch_config(2 * 14336, 4096, 1, "swiglu") == (2, 4, 2)
+    assert hmv.launch_config(2 * 8192, 2048, 1, "swiglu") == hmv.launch_config(2 * 8192, 2048, 1) == (2, 4, 2)
+    args = hmv.launch_args((1, 4096), mx.bfloat16, mx.bfloat16, 2 * 14336, mode="swiglu_norm", eps=1e-5)
+    assert args["threadgroup"] == (128, 1, 1) and args["grid"] == (14336 * 128, 1, 1)
     assert hmv.launch_args((9, 2048), mx.bfloat16, mx.bfloat16, 64) is None
     assert hmv.launch_args((1, 2048), mx.bfloat16, mx.float32, 64) is None
 
@@ -56,9 +66,9 @@ def test_gate(monkeypatch):
     monkeypatch.delenv("MLXCEL_HMV", raising=False)
     cuda = qmv.cuda_kernel_available()
     # unset: models up to DEFAULT_MAX_HIDDEN wide, on CUDA only
-    assert [hmv.enabled(w) for w in (None, 2048, 2049, 4096)] == [False, cuda, False, False]
+    assert [hmv.enabled(w) for w in (None, 2048, 4096, 4097, 8192)] == [False, cuda, cuda, False, False]
     monkeypatch.setenv("MLXCEL_HMV", "1")
-    assert hmv.enabled(4096) == hmv.enabled(None) == cuda
+    assert hmv.enabled(8192) == hmv.enabled(None) == cuda
     monkeypatch.setenv("MLXCEL_HMV", "0")
     assert not hmv.enabled(2048)
 
