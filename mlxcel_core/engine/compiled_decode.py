@@ -118,13 +118,14 @@ class StepTraces:
         self.traced += 1
         storage = self.storage
         kept, storage.pools = storage.pools, [list(p) for p in pools]  # the views write into these
+        kept_writes, storage.written_in_place = storage.written_in_place, []  # the trace's are tracers: dropped
         try:
             views = [DecodeView(storage, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
                      for layer in range(len(pools))]
             logits = self.model(tokens[:, None], views)[:, -1, :]
             return logits, storage.pools
         finally:
-            storage.pools = kept
+            storage.pools, storage.written_in_place = kept, kept_writes
 
 
 _TRACES: dict[int, StepTraces] = {}  # id(model) -> its StepTraces; an entry goes when its model does
@@ -191,4 +192,6 @@ class CompiledDecoder:
         logits, pools = self.traces.paged(tokens, *view.slots, view.block_tables, view.offset, view.context_lens,
                                           view.storage.pools)
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
+        # Its attention kernels may have written the pools in place: later pool updates wait for it (paged.py).
+        view.storage.written_in_place.append(logits)
         return logits

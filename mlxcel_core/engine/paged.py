@@ -5,6 +5,13 @@ writes its tokens' slots and attends over the sequence gathered back from its bl
 step writes one slot per row and runs `paged_decode_attention` over the block tables.
 Prompts that start with blocks another request already computed reuse them (prefix cache).
 
+Where decode attention runs on the CUDA kernel, the kernel itself writes the step's keys and values into the pools,
+in place (kv/cuda_paged_attention.py, `new_kv`): MLX sees the pools only as the launch's inputs, so nothing in the
+graph orders a later pool update after that write. The storage does: before it hands out the views of the next
+prefill, extension or decode step (the only code that updates pools), it submits the steps that wrote in place
+(`mx.async_eval`), and graphs submitted to one stream run in order. A later decode step's own reads follow from
+its tokens, which come from the earlier step's logits.
+
 With `kv_bits`, each pool is stored quantized (packed values + scales + biases per slot, grouped
 along the head dimension) and dequantized after gathering a step's blocks.
 """
@@ -17,7 +24,7 @@ from autotune.runtime import SplitsChooser
 
 from ..cache import kv_group_size
 from ..kv.block_pool import BlockPool, BlockTable
-from ..kv.cuda_paged_attention import RUNNER_OPS, cuda_paged_decode_attention, runner_for
+from ..kv.cuda_paged_attention import RUNNER_OPS, cuda_paged_decode_attention, kv_written_in_kernel, runner_for
 from ..kv.paged_attention import paged_decode_attention
 from ..models.base import causal_mask, scaled_dot_product_attention
 from .step_inputs import int_views
@@ -47,6 +54,7 @@ class PagedStorage:
         self.tables: dict[int, BlockTable] = {}
         self.lengths: dict[int, int] = {}  # tokens written per sequence
         self.prompts: dict[int, list[int]] = {}
+        self.written_in_place: list[mx.array] = []  # arrays of the steps whose kernels wrote the pools in place
 
     # -- KVStorage ----------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], conversation=None) -> int:
@@ -57,6 +65,7 @@ class PagedStorage:
         return cached
 
     def prefill_caches(self, seq_id: int, start: int, length: int) -> list["_PrefillView"]:
+        self.submit_in_place_writes()
         table = self.tables[seq_id]
         table.ensure_capacity(start + length)
         self.lengths[seq_id] = start + length
@@ -70,6 +79,7 @@ class PagedStorage:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
 
     def decode_caches(self, seq_ids) -> list["DecodeView"]:
+        self.submit_in_place_writes()
         positions = []
         for seq_id in seq_ids:
             position = self.lengths[seq_id]
@@ -111,6 +121,13 @@ class PagedStorage:
                 "evictions": s.evictions}
 
     # -- pools -----------------------------------------------------------------------------------
+    def submit_in_place_writes(self) -> None:
+        """Submit the steps whose kernels wrote keys and values into the pools in place (see the module docstring):
+        a pool update built from here on runs after them."""
+        if self.written_in_place:
+            mx.async_eval(self.written_in_place)
+            self.written_in_place = []
+
     def _reserve(self) -> None:
         """Make the pools' next writes cover every block handed out so far (a power of two of blocks, at least
         MIN_POOL_BLOCKS, at most the budget's); `write` grows each layer's arrays to match."""
@@ -132,14 +149,8 @@ class PagedStorage:
         if self.kv_bits is not None:
             group = kv_group_size(keys.shape[-1])
             parts = [p for x in parts for p in mx.quantize(x, group_size=group, bits=self.kv_bits)]
-        if self.pools[layer] is None:
-            size = (self.pool_rows, self.pool.block_size)
-            self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
-        elif self.pools[layer][0].shape[0] < self.pool_rows:  # higher blocks came into use: grow (zeros, as new)
-            self.pools[layer] = [mx.concatenate([pool, mx.zeros((self.pool_rows - pool.shape[0], *pool.shape[1:]),
-                                                               pool.dtype)]) for pool in self.pools[layer]]
         updated = []
-        for pool, part in zip(self.pools[layer], parts):
+        for pool, part in zip(self.layer_pools(layer, parts), parts):
             # (A slice update at (block, offset) would be fewer ops still, but MLX's CUDA dynamic-offset copy took
             # 23.5 us a call on the H200, the scatter 4 us: 0.75 ms a token at 1B.)
             pool = pool[...]  # a new array: the assignment leaves the caller's pool untouched
@@ -147,6 +158,17 @@ class PagedStorage:
             updated.append(pool)
         self.pools[layer] = updated
         return updated
+
+    def layer_pools(self, layer: int, parts: list[mx.array]) -> list[mx.array]:
+        """The layer's pools, made (zeros) or grown to `pool_rows` blocks first; `parts` [N, ...] are what a write
+        stores per slot (their trailing shape and dtype make the pools)."""
+        if self.pools[layer] is None:
+            size = (self.pool_rows, self.pool.block_size)
+            self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
+        elif self.pools[layer][0].shape[0] < self.pool_rows:  # higher blocks came into use: grow (zeros, as new)
+            self.pools[layer] = [mx.concatenate([pool, mx.zeros((self.pool_rows - pool.shape[0], *pool.shape[1:]),
+                                                               pool.dtype)]) for pool in self.pools[layer]]
+        return self.pools[layer]
 
     def decode_attention(self, queries: mx.array, pools: list[mx.array], block_tables: mx.array):
         """(attention function, num_splits) for a decode step: the CUDA kernel where it runs, else the ops path."""
@@ -212,15 +234,24 @@ class DecodeView:
     def attend(self, queries, keys, values, scale, window=None, softcap=None):
         # [B, H, 1, D] <-> [B, H, D]: reshapes (one op each in the step's graph, where indexing makes two)
         B, Hkv, _, D = keys.shape
-        pools = self.storage.write(self.layer, self.slots, keys.reshape(B, Hkv, D), values.reshape(B, Hkv, D))
+        keys, values = keys.reshape(B, Hkv, D), values.reshape(B, Hkv, D)
         context_lens = self.context_lens
-        if window is None and softcap is None and self.storage.kv_bits is None:
-            attention, num_splits = self.storage.decode_attention(queries, pools, self.block_tables)
+        storage = self.storage
+        if window is None and softcap is None and storage.kv_bits is None:
+            pools = storage.layer_pools(self.layer, [keys, values])
+            attention, num_splits = storage.decode_attention(queries, pools, self.block_tables)
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
+            if attention is cuda_paged_decode_attention and kv_written_in_kernel():
+                out = attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
+                                scale=scale, new_kv=(keys, values, *self.slots))
+                storage.written_in_place.append(out)
+                return out
+            pools = storage.write(self.layer, self.slots, keys, values)
             return attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
                              scale=scale)
+        pools = storage.write(self.layer, self.slots, keys, values)
         # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
-        all_keys, all_values = self.storage.gather(pools, self.block_tables, queries.dtype)
+        all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)
         k_pos = mx.arange(all_keys.shape[2])[None, :]
         mask = k_pos < context_lens[:, None]
         if window is not None:

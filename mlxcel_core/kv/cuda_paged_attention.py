@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 
 import mlx.core as mx
 
@@ -62,6 +63,7 @@ _SOURCE = r"""
     const int t1 = min(len, t0 + chunk);
     const float sc = __int_as_float(SCALE_BITS);  // the softmax scale, a compile-time constant (see _scale_bits)
     const float NEG_INF = __int_as_float(0xff800000);
+/*NEW_KV*/
 
     float qv[G][EPL];
     float m[G];
@@ -81,7 +83,8 @@ _SOURCE = r"""
 
     // 16-byte loads when a lane's slice is a whole number of 16-byte words and the pools are aligned.
     constexpr bool VEC = (LPT * EPL == D) && ((EPL * sizeof(KV)) % 16 == 0);
-    const bool aligned = VEC && ((reinterpret_cast<size_t>(k_pool) | reinterpret_cast<size_t>(v_pool)) % 16 == 0);
+    const bool aligned = VEC && ((reinterpret_cast<size_t>(k_pool) | reinterpret_cast<size_t>(v_pool) |
+                                  reinterpret_cast<size_t>(k_new) | reinterpret_cast<size_t>(v_new)) % 16 == 0);
     const int* table = block_tables + size_t(b) * max_blocks;
 
     // UNROLL tokens per lane group per iteration: all their loads are issued before any of them is used.
@@ -94,15 +97,19 @@ _SOURCE = r"""
             const int t = base + u * NVG + vg;
             valid[u] = t < t1;
             if (valid[u]) {
-                const size_t blk = size_t(table[t / BS]);
-                const size_t off = ((blk * BS + (t % BS)) * HKV + kvh) * D + sub * EPL;
+                // The step's own token (NEW_KV: the last position) comes from k_new / v_new, not the pools.
+                const bool fresh = NEW_KV && t == len - 1;
+                const size_t off = fresh ? (size_t(b) * HKV + kvh) * D + sub * EPL
+                                         : ((size_t(table[t / BS]) * BS + (t % BS)) * HKV + kvh) * D + sub * EPL;
+                const KV* kp = (fresh ? k_new : k_pool) + off;
+                const KV* vp = (fresh ? v_new : v_pool) + off;
                 if (aligned) {
                     alignas(16) KV kt[EPL];
                     alignas(16) KV vt[EPL];
 #pragma unroll
                     for (int j = 0; j < int(EPL * sizeof(KV) / 16); ++j) {
-                        reinterpret_cast<uint4*>(kt)[j] = reinterpret_cast<const uint4*>(k_pool + off)[j];
-                        reinterpret_cast<uint4*>(vt)[j] = reinterpret_cast<const uint4*>(v_pool + off)[j];
+                        reinterpret_cast<uint4*>(kt)[j] = reinterpret_cast<const uint4*>(kp)[j];
+                        reinterpret_cast<uint4*>(vt)[j] = reinterpret_cast<const uint4*>(vp)[j];
                     }
 #pragma unroll
                     for (int i = 0; i < EPL; ++i) {
@@ -113,8 +120,8 @@ _SOURCE = r"""
 #pragma unroll
                     for (int i = 0; i < EPL; ++i) {
                         const bool in = sub * EPL + i < D;
-                        kf[u][i] = in ? static_cast<float>(k_pool[off + i]) : 0.0f;
-                        vf[u][i] = in ? static_cast<float>(v_pool[off + i]) : 0.0f;
+                        kf[u][i] = in ? static_cast<float>(kp[i]) : 0.0f;
+                        vf[u][i] = in ? static_cast<float>(vp[i]) : 0.0f;
                     }
                 }
             } else {
@@ -208,7 +215,36 @@ _WRITE_PARTIALS = """        const size_t row = (size_t(b) * HQ + h0 + g) * S + 
 _WRITE_OUTPUT = """        const size_t row = size_t(b) * HQ + h0 + g;
         out[row * D + d] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);"""
 assert _WRITE_PARTIALS in _SOURCE
-_ONE_SPLIT_SOURCE = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT)
+
+# Without the step's keys and values: every position is read from the pools.
+_POOLS_ONLY = """    constexpr bool NEW_KV = false;
+    const KV* const k_new = k_pool;  // never read (NEW_KV false); names the pools' alignment check uses
+    const KV* const v_new = v_pool;"""
+# With them (inputs k_new, v_new [B, HKV, D] in the pools' dtype, slot_blocks, slot_offsets [B]): each row's last
+# position is read from k_new / v_new, and one block per (row, kv head) writes them into the pools at the row's slot,
+# in place. MLX sees the pools as inputs only; no thread of this launch reads that slot (its position is the fresh
+# one), and later launches are ordered after this one (engine/paged.py says how).
+_WITH_NEW_KV = """    constexpr bool NEW_KV = true;
+    if (split == 0 && blockIdx.y % GROUPS == 0) {
+        const int sb = slot_blocks[b];
+        const int so = slot_offsets[b];
+        if (sb >= 0 && sb < k_pool_shape[0] && so >= 0 && so < BS) {
+            const size_t dst = ((size_t(sb) * BS + so) * HKV + kvh) * D;
+            const size_t src = (size_t(b) * HKV + kvh) * D;
+            for (int d = tid; d < D; d += TPB) {
+                const_cast<KV*>(k_pool)[dst + d] = k_new[src + d];
+                const_cast<KV*>(v_pool)[dst + d] = v_new[src + d];
+            }
+        }
+    }"""
+
+
+def kernel_source(one_split: bool = False, new_kv: bool = False) -> str:
+    """The split kernel's source (partials), or with one split the output itself; with or without the step's keys
+    and values (`_WITH_NEW_KV`)."""
+    source = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else _SOURCE
+    return source.replace("/*NEW_KV*/", _WITH_NEW_KV if new_kv else _POOLS_ONLY)
+
 
 # The combine step: one thread per (row, query head, d) merges the S partials of its column, the same
 # log-sum-exp rescaling as `combine_partials` (one launch instead of a handful of MLX ops).
@@ -242,7 +278,7 @@ _COMBINE_SOURCE = r"""
 
 # Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
 KERNEL_HASH = hashlib.sha256(
-    f"{_SOURCE}{_COMBINE_SOURCE}{_ONE_SPLIT_SOURCE}{THREADS}/{UNROLL}".encode()).hexdigest()[:8]
+    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{THREADS}/{UNROLL}".encode()).hexdigest()[:8]
 RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"
 
 
@@ -270,28 +306,31 @@ def cuda_kernel_available() -> bool:
         return False
 
 
+KV_WRITE_ENV = "MLXCEL_KV_IN_KERNEL"  # "0": a decode step's keys and values go to the pools by scatter ops
+
+
+def kv_written_in_kernel() -> bool:
+    """Whether decode steps on the kernel have it write their keys and values (`new_kv`), as by default; with
+    MLXCEL_KV_IN_KERNEL=0 they are scattered into the pools first (two MLX ops a layer) and the kernel only reads."""
+    return os.environ.get(KV_WRITE_ENV, "").strip() != "0"
+
+
 def runner_for(head_dim: int) -> str:
     """Which implementation decode attention runs on here: the CUDA kernel or the MLX-ops path."""
     return RUNNER_CUDA if cuda_kernel_available() and head_dim <= MAX_HEAD_DIM else RUNNER_OPS
 
 
-@functools.cache
-def _kernel():
-    return mx.fast.cuda_kernel(
-        name="paged_decode_split",
-        input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens"],
-        output_names=["o_part", "m_part", "l_part"],
-        source=_SOURCE,
-    )
+INPUTS = ("q", "k_pool", "v_pool", "block_tables", "context_lens")
+NEW_KV_INPUTS = ("k_new", "v_new", "slot_blocks", "slot_offsets")
 
 
 @functools.cache
-def _one_split_kernel():
+def _kernel(one_split: bool = False, new_kv: bool = False):
     return mx.fast.cuda_kernel(
-        name="paged_decode_one_split",
-        input_names=["q", "k_pool", "v_pool", "block_tables", "context_lens"],
-        output_names=["out"],
-        source=_ONE_SPLIT_SOURCE,
+        name=f"paged_decode_{'one_split' if one_split else 'split'}{'_new_kv' if new_kv else ''}",
+        input_names=[*INPUTS, *(NEW_KV_INPUTS if new_kv else ())],
+        output_names=["out"] if one_split else ["o_part", "m_part", "l_part"],
+        source=kernel_source(one_split, new_kv),
     )
 
 
@@ -323,10 +362,28 @@ def combine_partials(o_part: mx.array, m_part: mx.array, l_part: mx.array) -> mx
     return mx.where(L > 0, O / mx.where(L > 0, L, 1.0), 0.0)
 
 
+def _new_kv_inputs(new_kv, k_pool, B: int) -> list[mx.array]:
+    """(k, v [B, Hkv, D], slot_blocks, slot_offsets [B]) checked, as the kernel's extra inputs."""
+    k, v, blocks, offsets = new_kv
+    want = (B, *k_pool.shape[2:])
+    if k.shape != want or v.shape != want:
+        raise ValueError(f"the step's keys and values must be {want}, got {k.shape} and {v.shape}")
+    if blocks.shape != (B,) or offsets.shape != (B,):
+        raise ValueError(f"slot blocks and offsets must be [{B}], got {blocks.shape} and {offsets.shape}")
+    return [k.astype(k_pool.dtype), v.astype(k_pool.dtype), blocks.astype(mx.int32), offsets.astype(mx.int32)]
+
+
 def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
-                                scale: float | None = None, _two_launches: bool = False) -> mx.array:
+                                scale: float | None = None, new_kv: tuple | None = None,
+                                _two_launches: bool = False) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring). One split
-    is one launch (the split kernel writes the output itself); `_two_launches` (tests) runs it as split + combine."""
+    is one launch (the split kernel writes the output itself); `_two_launches` (tests) runs it as split + combine.
+
+    new_kv = (k, v [B, Hkv, D], slot_blocks, slot_offsets [B]): the step's own keys and values, not in the pools yet.
+    The kernel attends to them as each row's last position (context_lens - 1, whose slot they are) and writes them
+    into the pools in place: no scatter op, and no copy of a whole pool when MLX cannot reuse its buffer (a KV scatter
+    encoded while the step before it still runs on the GPU copies the pool: benchmarks/RESULTS.md, eleventh
+    session). The caller orders later pool updates after this launch (engine/paged.py)."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     _, block_size, Hkv, _ = k_pool.shape
@@ -335,15 +392,18 @@ def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, n
     scale = D ** -0.5 if scale is None else scale
     S = num_splits
     inputs = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
+    if new_kv is not None:
+        inputs += _new_kv_inputs(new_kv, k_pool, B)
+    writes = new_kv is not None
     template = [("KV", k_pool.dtype), ("SCALE_BITS", _scale_bits(float(scale))), ("D", D), ("BS", block_size),
                 ("HKV", Hkv), ("NREP", n_rep), ("G", geo["G"]), ("LPT", geo["LPT"]), ("EPL", geo["EPL"]),
                 ("TPB", THREADS), ("UNROLL", UNROLL)]
     grid = (S * THREADS, Hkv * (n_rep // geo["G"]), B)
     if S == 1 and not _two_launches:
-        (out,) = _one_split_kernel()(inputs=inputs, template=template + [("OUT", q.dtype)], grid=grid,
+        (out,) = _kernel(True, writes)(inputs=inputs, template=template + [("OUT", q.dtype)], grid=grid,
                                      threadgroup=(THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
         return out
-    o_part, m_part, l_part = _kernel()(
+    o_part, m_part, l_part = _kernel(False, writes)(
         inputs=inputs,
         template=template,
         grid=grid,

@@ -7,21 +7,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from cuda_compile import CUDA_TYPES, compile_sm90, kernel_file, needs_nvcc
 from mlxcel_core.kernels import hmv, qmv, qmv_source
 
 # -- compile check (where nvcc is installed): the source as MLX's cuda_kernel assembles it -------------------
-_CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.uint32: "uint32_t"}
-_STAND_IN_HEADER = """
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cooperative_groups.h>
-#define inf cuda::std::numeric_limits<float>::infinity()
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, 10>;
-using Strides = cuda::std::array<int64_t, 10>;
-}
-"""
 
 
 def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode="plain", weights="q4",
@@ -36,31 +25,20 @@ def mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, un
     if weights == "q4":
         args = qmv.launch_args((m, 4096), x_dtype, s_dtype, n, group_size, config, mode=mode, split=split, eps=1e-5)
         operands = ["    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
-                    f"    const {_CUDA_TYPES[s_dtype]}* scales", f"    const {_CUDA_TYPES[s_dtype]}* biases"]
+                    f"    const {CUDA_TYPES[s_dtype]}* scales", f"    const {CUDA_TYPES[s_dtype]}* biases"]
     else:
         args = hmv.launch_args((m, 4096), x_dtype, s_dtype, n, config, mode=mode, split=split, eps=1e-5)
-        operands = [f"    const {_CUDA_TYPES[s_dtype]}* w", "    const __grid_constant__ Shape w_shape"]
+        operands = [f"    const {CUDA_TYPES[s_dtype]}* w", "    const __grid_constant__ Shape w_shape"]
     template = dict(args["template"])
     source = qmv.kernel_source(mode, weights)
     inputs, outputs = qmv.MODES[mode][:2]
     assert args["output_dtypes"] == [out_dtype] * len(outputs) and "x_shape" not in source  # x comes without shape
-    params = [f"    const {_CUDA_TYPES[x_dtype]}* x", *operands]
+    params = [f"    const {CUDA_TYPES[x_dtype]}* x", *operands]
     extra_types = {"residual": out_dtype, "norm_w": x_dtype, "positions": mx.float32,
                    "inv_freq": mx.float32}
-    params += [f"    const {_CUDA_TYPES[extra_types[name]]}* {name}" for name in inputs]
-    params += [f"    {_CUDA_TYPES[out_dtype]}* {name}" for name in outputs]
-    consts = [f"  using {k} = {_CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {v};"
-              for k, v in template.items()]
-    return (_STAND_IN_HEADER + qmv_source.header(weights)
-            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            f"__global__ void custom_kernel_{qmv.kernel_name(mode, weights)}(\n" + ",\n".join(params) + ") {\n"
-            + "\n".join(consts) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
-
-
-def _nvcc():
-    import shutil
-
-    return shutil.which("nvcc")
+    params += [f"    const {CUDA_TYPES[extra_types[name]]}* {name}" for name in inputs]
+    params += [f"    {CUDA_TYPES[out_dtype]}* {name}" for name in outputs]
+    return kernel_file(qmv.kernel_name(mode, weights), params, template, source, qmv_source.header(weights))
 
 
 # 16-bit weights (kernels/hmv.py): s_dtype is the weight's dtype, no group size.
@@ -76,7 +54,7 @@ _HALF = [
     (mx.bfloat16, mx.bfloat16, 2, 0, 8, 1, 1, "qkv_norm_rope", "half")]
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (compile check only; nothing runs)")
+@needs_nvcc
 @pytest.mark.parametrize("x_dtype,s_dtype,m,group_size,rows,warps,unroll,mode,weights", [*(c + ("q4",) for c in [
     (mx.bfloat16, mx.bfloat16, 1, 64, 4, 2, 1, "plain"), (mx.float16, mx.float16, 2, 64, 8, 4, 1, "plain"),
     (mx.float32, mx.bfloat16, 3, 32, 1, 8, 2, "plain"), (mx.bfloat16, mx.float32, 5, 128, 4, 1, 2, "plain"),
@@ -92,29 +70,16 @@ _HALF = [
     *_HALF])
 def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, rows, warps, unroll,
                                                  mode, weights):
-    import subprocess
-
     out_dtype = mx.result_type(x_dtype, s_dtype)
-    src = tmp_path / "qmv.cu"
-    src.write_text(mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode, weights))
-    run = subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
-                          str(tmp_path / "qmv.cubin"), str(src)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "0 bytes spill stores" in run.stderr, run.stderr[-2000:]
+    compile_sm90(tmp_path, mlx_style_source(x_dtype, s_dtype, out_dtype, m, group_size, rows, warps, unroll, mode,
+                                            weights))
 
 
-@pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (compile check only; nothing runs)")
+@needs_nvcc
 @pytest.mark.parametrize("mode", ["plain", "residual", "swiglu_norm", "qkv_norm_rope"])
 @pytest.mark.parametrize("weights,group_size,rows,warps,unroll,groups", [
     ("half", 0, 2, 1, 2, 8), ("half", 0, 2, 2, 2, 4), ("q4", 64, 4, 1, 1, 8), ("q4", 64, 2, 2, 1, 4)])
 def test_grouped_launches_compile_without_spills(tmp_path, mode, weights, group_size, rows, warps, unroll, groups):
     """Several independent groups of warps to a CUDA block (qmv_source._GROUP_IDS), every kind of epilogue."""
-    import subprocess
-
-    src = tmp_path / "qmv.cu"
-    src.write_text(mlx_style_source(mx.bfloat16, mx.bfloat16, mx.bfloat16, 1, group_size, rows, warps, unroll, mode,
-                                    weights, groups))
-    run = subprocess.run([_nvcc(), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
-                          str(tmp_path / "qmv.cubin"), str(src)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "0 bytes spill stores" in run.stderr, run.stderr[-2000:]
+    compile_sm90(tmp_path, mlx_style_source(mx.bfloat16, mx.bfloat16, mx.bfloat16, 1, group_size, rows, warps, unroll,
+                                            mode, weights, groups))

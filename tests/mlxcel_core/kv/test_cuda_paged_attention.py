@@ -24,6 +24,7 @@ from mlxcel_core.kv import cuda_paged_attention as cpa
 from mlxcel_core.kv.cuda_paged_attention import (
     RUNNER_CUDA, combine_partials, cuda_kernel_available, cuda_paged_decode_attention, launch_geometry, runner_for)
 from mlxcel_core.kv.paged_attention import paged_decode_attention
+from cuda_compile import compile_sm90, kernel_file, needs_nvcc
 from tiny_models import save_tiny_llama
 
 needs_cuda = pytest.mark.skipif(not cuda_kernel_available(), reason="needs MLX's CUDA backend and a CUDA device")
@@ -164,6 +165,81 @@ def test_one_split_is_one_launch_with_the_two_launch_values():
         assert heads_first.shape == (4, 8, 1, 64) and mx.array_equal(heads_first.reshape(one.shape), one).item()
 
 
+def step_kv(case, seed=1):
+    """A decode step's own keys and values [B, Hkv, D] and each row's slot: its last position's place in its table
+    (every row here has at least one token)."""
+    q, k_pool, v_pool, table, lens = case
+    rng = np.random.default_rng(seed)
+    B, (_, bs, hkv, d) = q.shape[0], k_pool.shape
+    k = mx.array(rng.uniform(-1, 1, (B, hkv, d)).astype(np.float32)).astype(k_pool.dtype)
+    v = mx.array(rng.uniform(-1, 1, (B, hkv, d)).astype(np.float32)).astype(k_pool.dtype)
+    last = np.array(lens) - 1
+    blocks = mx.array(np.array(table)[np.arange(B), last // bs].astype(np.int32))
+    return k, v, blocks, mx.array((last % bs).astype(np.int32))
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_the_steps_keys_and_values_written_in_the_kernel(splits, dtype):
+    """new_kv: the kernel writes the step's keys/values into the pools in place and attends to them: the same output
+    as the ops path's scatter (write_kv) then attention, and the pools hold exactly what the scatter wrote."""
+    from mlxcel_core.kv.paged_attention import write_kv
+
+    case = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
+    q, k_pool, v_pool, table, lens = case
+    k, v, blocks, offsets = step_kv(case)
+    mx.eval(k, v, blocks, offsets)
+    slots = blocks * 32 + offsets
+    with mx.stream(mx.cpu):
+        k_ref, v_ref = write_kv(k_pool, v_pool, slots, k, v)
+        mx.eval(k_ref, v_ref)
+    ref = ops_reference(q, k_ref, v_ref, table, lens)
+    pools = [mx.array(np.array(p)) for p in (k_pool, v_pool)]  # the kernel's own copies, written in place
+    mx.eval(pools)
+    out = cuda_paged_decode_attention(q, *pools, table, lens, num_splits=splits, new_kv=(k, v, blocks, offsets))
+    mx.eval(out)
+    assert max_err(out, ref) <= TOL[dtype]
+    assert mx.array_equal(pools[0], k_ref).item() and mx.array_equal(pools[1], v_ref).item()
+    again = cuda_paged_decode_attention(q, *pools, table, lens, num_splits=splits)  # reads the written slot back
+    assert mx.array_equal(again, out).item()
+
+
+def test_new_kv_is_checked():
+    q, k_pool, v_pool, table, lens = make_case([10, 20], 32, 8, 2, 64, mx.float32)
+    k, v = mx.zeros((2, 2, 64)), mx.zeros((2, 2, 64))
+    with pytest.raises(ValueError, match="keys and values"):
+        cpa._new_kv_inputs((k[:1], v, mx.zeros(2), mx.zeros(2)), k_pool, 2)
+    with pytest.raises(ValueError, match="slot blocks"):
+        cpa._new_kv_inputs((k, v, mx.zeros(3), mx.zeros(2)), k_pool, 2)
+    inputs = cpa._new_kv_inputs((k.astype(mx.float16), v, mx.zeros(2, mx.int64), mx.zeros(2)), k_pool, 2)
+    assert [a.dtype for a in inputs] == [mx.float32, mx.float32, mx.int32, mx.int32]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("one_split", [False, True])
+@pytest.mark.parametrize("new_kv", [False, True])
+def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, one_split, new_kv):
+    """The split kernel in its four variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
+    source = cpa.kernel_source(one_split, new_kv)
+    geo = launch_geometry(128, 4)
+    template = {"KV": mx.bfloat16, "SCALE_BITS": cpa._scale_bits(128 ** -0.5), "D": 128, "BS": 32, "HKV": 8,
+                "NREP": 4, "G": geo["G"], "LPT": geo["LPT"], "EPL": geo["EPL"], "TPB": cpa.THREADS,
+                "UNROLL": cpa.UNROLL}
+    if one_split:
+        template["OUT"] = mx.bfloat16
+    types = {"q": "__nv_bfloat16", "k_pool": "__nv_bfloat16", "v_pool": "__nv_bfloat16", "k_new": "__nv_bfloat16",
+             "v_new": "__nv_bfloat16"}
+    params = []
+    for name in (*cpa.INPUTS, *(cpa.NEW_KV_INPUTS if new_kv else ())):
+        params.append(f"    const {types.get(name, 'int32_t')}* {name}")
+        if f"{name}_shape" in source:
+            params.append(f"    const __grid_constant__ Shape {name}_shape")
+    params += ["    __nv_bfloat16* out"] if one_split else [f"    float* {n}" for n in ("o_part", "m_part", "l_part")]
+    assert ("k_pool_shape" in source) == new_kv
+    compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source))
+
+
 @needs_cuda
 def test_results_are_deterministic():
     case = make_case([3000, 1234], 32, 32, 8, 128, mx.float16)
@@ -242,6 +318,50 @@ def test_engine_uses_the_kernel(monkeypatch, tmp_path):
         engine.step()
     assert calls and set(calls) == {4}
     assert all(engine.sequence(i).finish_reason is not None for i in ids)
+
+
+def staggered_greedy_run(model_dir, monkeypatch, kv_in_kernel: str, compile_decode: str):
+    """Three greedy requests on a paged engine, the third opened while the first two decode (its prefill chunks
+    update the pools in the same steps as their decodes); each one's tokens, and how many decode launches
+    wrote the pools in place."""
+    from mlxcel_core.engine import Engine, EngineConfig
+    from mlxcel_core.engine import paged
+    from mlxcel_core.loading import load_model
+    from mlxcel_core.sampling import SamplingParams
+
+    writes = []
+    real = paged.cuda_paged_decode_attention
+
+    def spy(*args, **kwargs):
+        writes.append(kwargs.get("new_kv") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "cuda_paged_decode_attention", spy)
+    monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", kv_in_kernel)
+    monkeypatch.setenv("MLXCEL_COMPILE", compile_decode)
+    lm = load_model(str(model_dir), log=lambda m: None)
+    engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_batch_size=3, storage="paged", prefill_chunk_size=8))
+    greedy = SamplingParams(max_tokens=40, suppress_tokens=tuple(lm.tokenizer.eos_token_ids))  # 40 tokens each
+    ids = [engine.open(list(range(3 + i, 40 + 7 * i)), greedy) for i in range(2)]
+    for _ in range(6):
+        engine.step()
+    ids.append(engine.open(list(range(11, 60)), greedy))  # 49 prompt tokens: 7 chunks beside the decodes
+    while engine.has_work():
+        engine.step()
+    return [engine.sequence(i).output_ids for i in ids], sum(writes)
+
+
+@needs_cuda
+@pytest.mark.parametrize("compile_decode", ["0", "1"])
+def test_keys_and_values_written_in_the_kernel_give_the_scatter_paths_tokens(monkeypatch, tmp_path, compile_decode):
+    """The decode kernel's in-place KV writes (the default on CUDA) against MLXCEL_KV_IN_KERNEL=0 (scatter ops):
+    the same greedy tokens for every request, with a prefill interleaved with the decodes, op by op and compiled."""
+    model_dir = save_tiny_llama(tmp_path / "m")
+    scattered, in_place_calls = staggered_greedy_run(model_dir, monkeypatch, "0", compile_decode)
+    written, writing_calls = staggered_greedy_run(model_dir, monkeypatch, "1", compile_decode)
+    assert in_place_calls == 0 and writing_calls > 0
+    assert all(len(t) == 40 for t in written)
+    assert written == scattered
 
 
 def test_scale_is_a_compile_time_constant_of_its_float32_bits():
