@@ -38,7 +38,10 @@ ENVIRONMENT = [
                          "wherever that kernel runs (plain non-traditional RoPE, no q/k norms)."),
     ("MLXCEL_HMV", "1: bf16/fp16 layers' decode matvecs (with their fused projections and residual adds) run mlxcel's "
                    "16-bit CUDA kernel; 0: MLX's. Default: the kernel for models up to 4096 wide, the widest "
-                   "measured on an H200 (CUDA only))."),
+                   "measured on an H200; CUDA only."),
+    ("MLXCEL_KV_IN_KERNEL", "0: a decode step's keys and values go into the paged KV pools by scatter ops before "
+                            "attention. Default: the CUDA paged-attention kernel writes them itself, in place (CUDA "
+                            "only; elsewhere the scatter ops always run)."),
     ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
                         "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
                         "unaffected)."),
