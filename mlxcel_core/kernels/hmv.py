@@ -73,7 +73,7 @@ def launch_config(n: int, k: int, m: int, mode: str = "plain") -> tuple[int, int
     The SwiGLU modes (gate and up rows in one launch) take at most 4 warps: inside an 8B decode (eleventh session,
     benchmarks/inmodel_sweep.py) their launch took 58-60 us with 4 warps a block against 68 us with 8; the other
     modes were within noise of the rule."""
-    warps = 4 if base_mode(mode).startswith("swiglu") else 8
+    warps = 4 if base_mode(mode) == "swiglu" else 8
     while warps > 1 and k < warps * 2 * 32 * CHUNK:
         warps //= 2
     rounds = k // (warps * 32 * CHUNK)
