@@ -9,6 +9,8 @@
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
 #   bash benchmarks/h200_kernels.sh sweep      # launch configurations inside 8B decodes (16-bit kernel on bf16, 4-bit
 #                                              # kernel on 4-bit): each mode's GPU time per configuration
+#   bash benchmarks/h200_kernels.sh kv         # compare_mlx_lm, the four shapes, KV written by scatter ops
+#                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (default)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
 #   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, 8B 4-bit: norm+rope folds off then on (fewer
@@ -33,7 +35,9 @@ case "${1:-}" in
     timeout 140 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_fused_projections.py \
       -k "norm or rope" --timeout 100 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -20
     timeout 60 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_mlx_workarounds.py \
-      tests/mlxcel_core/test_init.py --timeout 30 --tb=short 2>&1 | tail -5 ;;
+      tests/mlxcel_core/test_init.py --timeout 30 --tb=short 2>&1 | tail -5
+    timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kv/test_cuda_paged_attention.py \
+      -k "keys_and_values or new_kv or one_split" --timeout 100 --tb=short 2>&1 | tail -5 ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
   blocks)
@@ -43,6 +47,15 @@ case "${1:-}" in
   sweep)
     timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --dtype bfloat16 2>&1 | grep -vi "warn"
     timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --bits 4 2>&1 | grep -vi "warn" ;;
+  kv)
+    for what in "llama-3-8b --dtype bfloat16" "llama-3.2-1b --dtype bfloat16" "llama-3-8b --bits 4" \
+                "llama-3.2-1b --bits 4"; do
+      for gate in "MLXCEL_KV_IN_KERNEL=0" "MLXCEL_KV_IN_KERNEL=1"; do
+        echo "== $gate $what"
+        env $gate timeout 70 python benchmarks/compare_mlx_lm.py --model-shape $what $A --rounds 2 2>&1 \
+          | grep -E "round|median decode"
+      done
+    done ;;
   bf16)
     for gate in "MLXCEL_HMV=0" "MLXCEL_HMV=1"; do
       for shape in "llama-3.2-1b" "llama-3-8b"; do
@@ -93,6 +106,6 @@ case "${1:-}" in
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
     exit 2 ;;
 esac
