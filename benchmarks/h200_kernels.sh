@@ -9,8 +9,9 @@
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
 #   bash benchmarks/h200_kernels.sh sweep      # launch configurations inside 8B decodes (16-bit kernel on bf16, 4-bit
 #                                              # kernel on 4-bit): each mode's GPU time per configuration
-#   bash benchmarks/h200_kernels.sh kv         # compare_mlx_lm, the four shapes, KV written by scatter ops
-#                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (default)
+#   bash benchmarks/h200_kernels.sh kv SHAPE.. # compare_mlx_lm per shape (default "llama-3-8b --dtype bfloat16";
+#                                              # two shapes fit a call), KV written by scatter ops
+#                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (the default)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
 #   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, 8B 4-bit: norm+rope folds off then on (fewer
@@ -48,11 +49,11 @@ case "${1:-}" in
     timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --dtype bfloat16 2>&1 | grep -vi "warn"
     timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --bits 4 2>&1 | grep -vi "warn" ;;
   kv)
-    for what in "llama-3-8b --dtype bfloat16" "llama-3.2-1b --dtype bfloat16" "llama-3-8b --bits 4" \
-                "llama-3.2-1b --bits 4"; do
+    shift
+    for what in "${@:-llama-3-8b --dtype bfloat16}"; do
       for gate in "MLXCEL_KV_IN_KERNEL=0" "MLXCEL_KV_IN_KERNEL=1"; do
         echo "== $gate $what"
-        env $gate timeout 70 python benchmarks/compare_mlx_lm.py --model-shape $what $A --rounds 2 2>&1 \
+        env $gate timeout 110 python benchmarks/compare_mlx_lm.py --model-shape $what $A --rounds 2 2>&1 \
           | grep -E "round|median decode"
       done
     done ;;
