@@ -120,3 +120,39 @@ def test_decode_views_carry_each_rows_block_and_offset():
     blocks, offsets = (a.tolist() for a in view.slots)
     expected = [divmod(storage.tables[s].slot(p), 4) for s, p in ((0, 6), (1, 9))]
     assert list(zip(blocks, offsets)) == expected and view.offset.tolist() == [6, 9]
+
+
+def test_steps_that_wrote_in_place_are_submitted_before_the_next_views(monkeypatch):
+    """The CUDA kernel's in-place KV writes are invisible to MLX's graph: PagedStorage submits the arrays of such
+    steps (mx.async_eval) before handing out any prefill, extension or decode views, so a pool update built after
+    them runs after them."""
+    from mlxcel_core.engine import paged
+
+    submitted = []
+    monkeypatch.setattr(paged.mx, "async_eval", lambda arrays: submitted.append(list(arrays)))
+    storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64)
+    storage.add(0, list(range(6)))
+    storage.prefill_caches(0, 0, 6)
+    assert submitted == []  # nothing written in place yet: no call
+    for make_views in (lambda: storage.decode_caches([0]), lambda: storage.extend_caches(0, 2),
+                       lambda: storage.prefill_caches(0, 8, 1)):
+        step = mx.array([1.0])
+        storage.written_in_place.append(step)
+        make_views()
+        assert len(submitted[-1]) == 1 and submitted[-1][0] is step and storage.written_in_place == []
+    assert len(submitted) == 3
+
+
+def test_a_compiled_paged_step_leaves_its_logits_to_submit_and_no_tracers(tiny_llama_dir):
+    from mlxcel_core.engine.compiled_decode import CompiledDecoder
+    from mlxcel_core.loading import load_model
+
+    lm = load_model(str(tiny_llama_dir), log=lambda m: None)
+    storage = PagedStorage(num_layers=len(lm.model.layers), block_size=4, kv_budget_tokens=64,
+                           pad_block_tables=True)
+    storage.add(0, [3, 4, 5])
+    lm.model(mx.array([[3, 4, 5]]), storage.prefill_caches(0, 0, 3))
+    decoder = CompiledDecoder(lm.model)
+    logits = decoder.decode(mx.array([6]), storage.decode_caches([0]))
+    assert len(storage.written_in_place) == 1 and storage.written_in_place[0] is logits
+    mx.eval(storage.written_in_place)  # real arrays, not tracers of the compiled trace
