@@ -28,6 +28,7 @@ def prepare_model(model) -> None:
 
 def describe_decode_kernels() -> str:
     """For benchmark headers: which decode kernels this process's models get."""
+    from ..kv.cuda_paged_attention import describe_kv_writes
     from .fused_projections import fusion_enabled, norm_fusion_enabled, rope_fusion_enabled
 
     def on(flag: bool) -> str:
@@ -37,7 +38,7 @@ def describe_decode_kernels() -> str:
             f"norms folded {on(norm_fusion_enabled())} (MLXCEL_FUSE_NORM), rope folded {on(rope_fusion_enabled())} "
             "(MLXCEL_FUSE_ROPE), "
             f"4-bit matvec kernel {on(enabled())} (MLXCEL_QMV), "
-            f"16-bit matvec kernel {half_kernel_state()} (MLXCEL_HMV)")
+            f"16-bit matvec kernel {half_kernel_state()} (MLXCEL_HMV), {describe_kv_writes()}")
 
 
 def half_kernel_state() -> str:

@@ -315,6 +315,15 @@ def kv_written_in_kernel() -> bool:
     return os.environ.get(KV_WRITE_ENV, "").strip() != "0"
 
 
+def describe_kv_writes() -> str:
+    """For benchmark headers: how paged decode steps put their keys and values into the pools here."""
+    if not cuda_kernel_available():
+        return "paged KV written by scatter ops (MLXCEL_KV_IN_KERNEL applies on CUDA only)"
+    if kv_written_in_kernel():
+        return "paged KV written by the attention kernel (MLXCEL_KV_IN_KERNEL)"
+    return "paged KV written by scatter ops (MLXCEL_KV_IN_KERNEL=0)"
+
+
 def runner_for(head_dim: int) -> str:
     """Which implementation decode attention runs on here: the CUDA kernel or the MLX-ops path."""
     return RUNNER_CUDA if cuda_kernel_available() and head_dim <= MAX_HEAD_DIM else RUNNER_OPS

@@ -23,6 +23,7 @@ from mlxcel_core.bench import (
 )
 from mlxcel_core.bench_output import render
 from mlxcel_core.errors import InputError
+from mlxcel_core.kv.cuda_paged_attention import cuda_kernel_available
 from mlxcel_core.models.shapes import (
     SHAPES,
     build_random_model,
@@ -209,8 +210,14 @@ def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     monkeypatch.setenv("MLXCEL_FUSE_NORM", "1")
     monkeypatch.setenv("MLXCEL_FUSE_ROPE", "0")
     monkeypatch.setenv("MLXCEL_HMV", "0")
+    monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", "0")
+    kv = "paged KV written by scatter ops (" + ("MLXCEL_KV_IN_KERNEL=0)" if cuda_kernel_available() else
+                                                "MLXCEL_KV_IN_KERNEL applies on CUDA only)")
     assert bench_header(model).endswith(
         "fused q/k/v, gate/up and residual adds on (MLXCEL_FUSE), norms folded on (MLXCEL_FUSE_NORM), rope folded off "
-        "(MLXCEL_FUSE_ROPE), 4-bit matvec kernel off (MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV)")
+        "(MLXCEL_FUSE_ROPE), 4-bit matvec kernel off (MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV), " + kv)
+    monkeypatch.delenv("MLXCEL_KV_IN_KERNEL")
+    in_kernel = "by the attention kernel (MLXCEL_KV_IN_KERNEL)" if cuda_kernel_available() else "by scatter ops"
+    assert f"paged KV written {in_kernel}" in bench_header(model)
     monkeypatch.setenv("MLXCEL_FUSE", "0")
     assert "fused q/k/v, gate/up and residual adds off (MLXCEL_FUSE)" in bench_header(model)
