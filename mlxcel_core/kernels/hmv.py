@@ -12,8 +12,9 @@ Gate (`enabled`): MLX on CUDA, and MLXCEL_HMV=1, or unset and the model at most 
 tests pass (against float64, every mode, and a llama-3.2-1b decode against MLX's matmuls). Timed one launch after
 another (benchmarks/hmv.py), a single row now reads 0.99-1.21x as fast as MLX's GEMV on the Llama-3-8B shapes and
 0.84-1.1x on the 1B ones. Inside an 8B decode, with 4 warps a block in the SwiGLU modes (eleventh session), its
-launches take as much GPU time a token as MLX's GEMV (4.82 vs 4.81 ms) in 292 launches instead of about 420, and the
-decode ran faster with it (benchmarks/RESULTS.md), so it serves the measured widths, up to 4096.
+launches take as much GPU time a token as MLX's GEMV did in the tenth session (4.82 vs 4.81 ms), in 292 launches
+against its 485, and the decode ran faster with it (benchmarks/RESULTS.md), so it serves the measured widths, up to
+4096.
 """
 
 from __future__ import annotations
