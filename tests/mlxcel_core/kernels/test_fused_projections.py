@@ -282,6 +282,24 @@ def test_fusion_marks_the_fast_output_projections(monkeypatch):
     assert not attn.o_proj.fuses_residual and not mlp.down_proj.fuses_residual
 
 
+def test_fusion_swaps_output_projections_below_the_size_threshold(monkeypatch):
+    """An o_proj / down_proj too small for fast_linear's swap (a 1B model's o_proj) still gets the kernel class when
+    the residual is fused (one launch instead of a matvec and an add); the other small layers stay MLX's."""
+    from mlxcel_core.kernels.fast_linear import FastQuantizedLinear, use_fast_quantized_linear
+
+    model, _ = build_random_model("tiny", bits=4, seed=2)
+    prompt = mx.array([[1, 5, 9, 2]])
+    want = model(prompt)
+    monkeypatch.setattr(fast_linear, "enabled", lambda: True)  # as on CUDA (the kernel calls fall back on CPU)
+    assert use_fast_quantized_linear(model) == 0  # every tiny layer is below MIN_WEIGHT
+    fuse_projections(model)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert type(attn.o_proj) is FastQuantizedLinear and attn.o_proj.fuses_residual
+    assert type(mlp.down_proj) is FastQuantizedLinear and mlp.down_proj.fuses_residual
+    assert type(attn.q_proj) is nn.QuantizedLinear and type(mlp.gate_proj) is nn.QuantizedLinear
+    assert mx.array_equal(model(prompt), want).item()
+
+
 # -- the RMSNorm taken into the q/k/v and gate/up launches (MLXCEL_FUSE_NORM=1; modes "qkv_norm", "swiglu_norm") --
 def _rms_norm_reference(x, g, eps):
     """rms_norm(x) * g in float64 (numpy), from the same float32 values the kernel reads."""
