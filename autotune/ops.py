@@ -207,6 +207,27 @@ def workload(batch: int, context: int, geometry: Geometry, dtype: str, seed: int
     return q, k_pool, v_pool, tables, lens
 
 
+def decode_step_inputs(q, k_pool, tables, context: int) -> dict:
+    """What a decode step hands the CUDA kernel besides the workload, so the tuner times the launch decode runs: the
+    step's own keys and values (written in place at each row's last position, the same values every call) unless
+    MLXCEL_KV_IN_KERNEL=0, and the combine counters unless MLXCEL_COMBINE_IN_KERNEL=0."""
+    import mlx.core as mx
+
+    from mlxcel_core.kv.cuda_paged_attention import COUNTERS, combine_in_kernel, kv_written_in_kernel
+
+    inputs = {}
+    if kv_written_in_kernel():
+        batch, (_, block_size, kv_heads, head_dim) = q.shape[0], k_pool.shape
+        last = context - 1
+        k_new = mx.random.uniform(-1, 1, (batch, kv_heads, head_dim), key=mx.random.key(7)).astype(k_pool.dtype)
+        inputs["new_kv"] = (k_new, -k_new, tables[:, last // block_size],
+                            mx.full((batch,), last % block_size, dtype=mx.int32))
+    if combine_in_kernel():
+        inputs["counters"] = mx.zeros((COUNTERS,), mx.int32)
+    mx.eval(inputs)
+    return inputs
+
+
 def _validator(dtype: str):
     import mlx.core as mx
 
@@ -241,9 +262,10 @@ def profile_cell(batch: int, context: int, geometry: Geometry, dtype: str, setti
     default = default_splits(bucket, runner)
     attention = decode_attention_for(runner)
     q, k_pool, v_pool, tables, lens = workload(batch, context, geometry, dtype)
+    decode_inputs = decode_step_inputs(q, k_pool, tables, context) if runner.startswith("cuda-kernel") else {}
 
     def runner_of(s):
-        return lambda: attention(q, k_pool, v_pool, tables, lens, num_splits=s)
+        return lambda: attention(q, k_pool, v_pool, tables, lens, num_splits=s, **decode_inputs)
 
     cands = [Candidate(label(s), runner_of(s), {"num_splits": s}) for s in splits]
     result = profile(cands, label(default), settings, validate=_validator(dtype), sync=mx.eval, progress=progress)

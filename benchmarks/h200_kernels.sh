@@ -12,6 +12,7 @@
 #   bash benchmarks/h200_kernels.sh kv SHAPE.. # compare_mlx_lm per shape (default "llama-3-8b --dtype bfloat16";
 #                                              # two shapes fit a call), KV written by scatter ops
 #                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (the default)
+#   bash benchmarks/h200_kernels.sh gate VAR SHAPE.. # the same A/B for any 0/1 switch (MLXCEL_COMBINE_IN_KERNEL, ...)
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
 #   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, 8B 4-bit: norm+rope folds off then on (fewer
@@ -38,7 +39,7 @@ case "${1:-}" in
     timeout 60 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_mlx_workarounds.py \
       tests/mlxcel_core/test_init.py --timeout 30 --tb=short 2>&1 | tail -5
     timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kv/test_cuda_paged_attention.py \
-      -k "keys_and_values or new_kv or one_split" --timeout 100 --tb=short 2>&1 | tail -5 ;;
+      -k "keys_and_values or new_kv or one_split or last_block or combined_in" --timeout 100 --tb=short 2>&1 | tail -5 ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
   blocks)
@@ -52,6 +53,16 @@ case "${1:-}" in
     shift
     for what in "${@:-llama-3-8b --dtype bfloat16}"; do
       for gate in "MLXCEL_KV_IN_KERNEL=0" "MLXCEL_KV_IN_KERNEL=1"; do
+        echo "== $gate $what"
+        env $gate timeout 110 python benchmarks/compare_mlx_lm.py --model-shape $what $A --rounds 2 2>&1 \
+          | grep -E "round|median decode"
+      done
+    done ;;
+  gate)
+    # gate VAR SHAPE..: compare_mlx_lm per shape with VAR=0, then VAR=1 (e.g. MLXCEL_COMBINE_IN_KERNEL)
+    shift; var=$1; shift
+    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
+      for gate in "$var=0" "$var=1"; do
         echo "== $gate $what"
         env $gate timeout 110 python benchmarks/compare_mlx_lm.py --model-shape $what $A --rounds 2 2>&1 \
           | grep -E "round|median decode"
@@ -107,6 +118,6 @@ case "${1:-}" in
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
     exit 2 ;;
 esac

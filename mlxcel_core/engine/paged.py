@@ -24,7 +24,8 @@ from autotune.runtime import SplitsChooser
 
 from ..cache import kv_group_size
 from ..kv.block_pool import BlockPool, BlockTable
-from ..kv.cuda_paged_attention import RUNNER_OPS, cuda_paged_decode_attention, kv_written_in_kernel, runner_for
+from ..kv.cuda_paged_attention import (COUNTERS, RUNNER_OPS, combine_in_kernel, cuda_kernel_available,
+                                       cuda_paged_decode_attention, kv_written_in_kernel, runner_for)
 from ..kv.paged_attention import paged_decode_attention
 from ..models.base import causal_mask, scaled_dot_product_attention
 from .step_inputs import int_views
@@ -55,6 +56,9 @@ class PagedStorage:
         self.lengths: dict[int, int] = {}  # tokens written per sequence
         self.prompts: dict[int, list[int]] = {}
         self.written_in_place: list[mx.array] = []  # arrays of the steps whose kernels wrote the pools in place
+        # Per layer on CUDA: the decode kernel's combine counters (zeros it leaves as it found them), made with the
+        # layer's pools, outside any compiled trace, so a trace captures the same array for every step.
+        self.combine_counters: list[mx.array | None] = [None] * num_layers
 
     # -- KVStorage ----------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], conversation=None) -> int:
@@ -165,6 +169,9 @@ class PagedStorage:
         if self.pools[layer] is None:
             size = (self.pool_rows, self.pool.block_size)
             self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
+            if cuda_kernel_available() and self.kv_bits is None:
+                self.combine_counters[layer] = counters = mx.zeros((COUNTERS,), mx.int32)
+                mx.eval(counters)
         elif self.pools[layer][0].shape[0] < self.pool_rows:  # higher blocks came into use: grow (zeros, as new)
             self.pools[layer] = [mx.concatenate([pool, mx.zeros((self.pool_rows - pool.shape[0], *pool.shape[1:]),
                                                                pool.dtype)]) for pool in self.pools[layer]]
@@ -241,14 +248,19 @@ class DecodeView:
             pools = storage.layer_pools(self.layer, [keys, values])
             attention, num_splits = storage.decode_attention(queries, pools, self.block_tables)
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
-            if attention is cuda_paged_decode_attention and kv_written_in_kernel():
+            if attention is not cuda_paged_decode_attention:
+                pools = storage.write(self.layer, self.slots, keys, values)
+                return attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
+                                 scale=scale)
+            counters = storage.combine_counters[self.layer] if combine_in_kernel() else None
+            if kv_written_in_kernel():
                 out = attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
-                                scale=scale, new_kv=(keys, values, *self.slots))
+                                scale=scale, new_kv=(keys, values, *self.slots), counters=counters)
                 storage.written_in_place.append(out)
                 return out
             pools = storage.write(self.layer, self.slots, keys, values)
             return attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
-                             scale=scale)
+                             scale=scale, counters=counters)
         pools = storage.write(self.layer, self.slots, keys, values)
         # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
         all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)

@@ -35,6 +35,8 @@ import os
 import mlx.core as mx
 
 from ..cuda_small_arrays import float32_bits
+from .cuda_paged_attention_source import (_COMBINE_SOURCE, _LAST_BLOCK_COMBINES, _POOLS_ONLY, _SOURCE, _WITH_NEW_KV,
+                                          _WRITE_OUTPUT, kernel_source)
 from .paged_attention import check_decode_arguments
 
 RUNNER_OPS = "mlx-ops"
@@ -42,243 +44,10 @@ THREADS = 128  # threads per block
 UNROLL = 2  # tokens in flight per lane group (loads issued together)
 MAX_HEAD_DIM = 1024
 
-_SOURCE = r"""
-    constexpr int NVG = TPB / LPT;  // lane groups per block, one token each per iteration
-    constexpr int HQ = HKV * NREP;
-    constexpr int GROUPS = NREP / G;
-    const int S = gridDim.x;
-    const int split = blockIdx.x;
-    const int kvh = blockIdx.y / GROUPS;
-    const int h0 = kvh * NREP + (blockIdx.y % GROUPS) * G;
-    const int b = blockIdx.z;
-    const int tid = threadIdx.x;
-    const int vg = tid / LPT;
-    const int sub = tid % LPT;
-
-    const int max_blocks = block_tables_shape[1];
-    int len = context_lens[b];
-    len = len < 0 ? 0 : (len > max_blocks * BS ? max_blocks * BS : len);
-    const int chunk = (len + S - 1) / S;
-    const int t0 = min(len, split * chunk);
-    const int t1 = min(len, t0 + chunk);
-    const float sc = __int_as_float(SCALE_BITS);  // the softmax scale, a compile-time constant (see _scale_bits)
-    const float NEG_INF = __int_as_float(0xff800000);
-/*NEW_KV*/
-
-    float qv[G][EPL];
-    float m[G];
-    float l[G];
-    float acc[G][EPL];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        m[g] = NEG_INF;
-        l[g] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < EPL; ++i) {
-            const int d = sub * EPL + i;
-            qv[g][i] = d < D ? static_cast<float>(q[(size_t(b) * HQ + h0 + g) * D + d]) * sc : 0.0f;
-            acc[g][i] = 0.0f;
-        }
-    }
-
-    // 16-byte loads when a lane's slice is a whole number of 16-byte words and the pools are aligned.
-    constexpr bool VEC = (LPT * EPL == D) && ((EPL * sizeof(KV)) % 16 == 0);
-    const bool aligned = VEC && ((reinterpret_cast<size_t>(k_pool) | reinterpret_cast<size_t>(v_pool) |
-                                  reinterpret_cast<size_t>(k_new) | reinterpret_cast<size_t>(v_new)) % 16 == 0);
-    const int* table = block_tables + size_t(b) * max_blocks;
-
-    // UNROLL tokens per lane group per iteration: all their loads are issued before any of them is used.
-    for (int base = t0; base < t1; base += NVG * UNROLL) {  // the same trip count for every thread of the block
-        float kf[UNROLL][EPL];
-        float vf[UNROLL][EPL];
-        bool valid[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = base + u * NVG + vg;
-            valid[u] = t < t1;
-            if (valid[u]) {
-                // The step's own token (NEW_KV: the last position) comes from k_new / v_new, not the pools.
-                const bool fresh = NEW_KV && t == len - 1;
-                const size_t off = fresh ? (size_t(b) * HKV + kvh) * D + sub * EPL
-                                         : ((size_t(table[t / BS]) * BS + (t % BS)) * HKV + kvh) * D + sub * EPL;
-                const KV* kp = (fresh ? k_new : k_pool) + off;
-                const KV* vp = (fresh ? v_new : v_pool) + off;
-                if (aligned) {
-                    alignas(16) KV kt[EPL];
-                    alignas(16) KV vt[EPL];
-#pragma unroll
-                    for (int j = 0; j < int(EPL * sizeof(KV) / 16); ++j) {
-                        reinterpret_cast<uint4*>(kt)[j] = reinterpret_cast<const uint4*>(kp)[j];
-                        reinterpret_cast<uint4*>(vt)[j] = reinterpret_cast<const uint4*>(vp)[j];
-                    }
-#pragma unroll
-                    for (int i = 0; i < EPL; ++i) {
-                        kf[u][i] = static_cast<float>(kt[i]);
-                        vf[u][i] = static_cast<float>(vt[i]);
-                    }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < EPL; ++i) {
-                        const bool in = sub * EPL + i < D;
-                        kf[u][i] = in ? static_cast<float>(kp[i]) : 0.0f;
-                        vf[u][i] = in ? static_cast<float>(vp[i]) : 0.0f;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < EPL; ++i) {
-                    kf[u][i] = 0.0f;
-                    vf[u][i] = 0.0f;
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float s = 0.0f;
-#pragma unroll
-                for (int i = 0; i < EPL; ++i) {
-                    s += qv[g][i] * kf[u][i];
-                }
-#pragma unroll
-                for (int o = LPT / 2; o > 0; o >>= 1) {
-                    s += __shfl_xor_sync(0xffffffffu, s, o);
-                }
-                if (valid[u]) {
-                    const float m_new = fmaxf(m[g], s);
-                    const float corr = expf(m[g] - m_new);  // 0 while m is still -inf
-                    const float p = expf(s - m_new);
-                    l[g] = l[g] * corr + p;
-#pragma unroll
-                    for (int i = 0; i < EPL; ++i) {
-                        acc[g][i] = acc[g][i] * corr + p * vf[u][i];
-                    }
-                    m[g] = m_new;
-                }
-            }
-        }
-    }
-
-    // Merge the lane groups' states, then write this split's partials.
-    __shared__ float sm_m[NVG][G];
-    __shared__ float sm_l[NVG][G];
-    __shared__ float sm_o[NVG][G][D];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        if (sub == 0) {
-            sm_m[vg][g] = m[g];
-            sm_l[vg][g] = l[g];
-        }
-#pragma unroll
-        for (int i = 0; i < EPL; ++i) {
-            const int d = sub * EPL + i;
-            if (d < D) {
-                sm_o[vg][g][d] = acc[g][i];
-            }
-        }
-    }
-    __syncthreads();
-    for (int idx = tid; idx < G * D; idx += TPB) {
-        const int g = idx / D;
-        const int d = idx % D;
-        float mx_ = NEG_INF;
-        for (int w = 0; w < NVG; ++w) {
-            mx_ = fmaxf(mx_, sm_m[w][g]);
-        }
-        float ls = 0.0f;
-        float os = 0.0f;
-        if (mx_ != NEG_INF) {
-            for (int w = 0; w < NVG; ++w) {
-                const float a = expf(sm_m[w][g] - mx_);  // 0 for an empty lane group (m = -inf)
-                ls += a * sm_l[w][g];
-                os += a * sm_o[w][g][d];
-            }
-        }
-        const size_t row = (size_t(b) * HQ + h0 + g) * S + split;
-        o_part[row * D + d] = os;
-        if (d == 0) {
-            m_part[row] = mx_;
-            l_part[row] = ls;
-        }
-    }
-"""
-
-# One split (the whole context in one block per head group): the combine step's arithmetic for S = 1 (its rescale
-# factor exp(m - m) is exactly 1) done here, the output written in q's dtype: one launch a layer instead of two.
-_WRITE_PARTIALS = """        const size_t row = (size_t(b) * HQ + h0 + g) * S + split;
-        o_part[row * D + d] = os;
-        if (d == 0) {
-            m_part[row] = mx_;
-            l_part[row] = ls;
-        }"""
-_WRITE_OUTPUT = """        const size_t row = size_t(b) * HQ + h0 + g;
-        out[row * D + d] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);"""
-assert _WRITE_PARTIALS in _SOURCE
-
-# Without the step's keys and values: every position is read from the pools.
-_POOLS_ONLY = """    constexpr bool NEW_KV = false;
-    const KV* const k_new = k_pool;  // never read (NEW_KV false); names the pools' alignment check uses
-    const KV* const v_new = v_pool;"""
-# With them (inputs k_new, v_new [B, HKV, D] in the pools' dtype, slot_blocks, slot_offsets [B]): each row's last
-# position is read from k_new / v_new, and one block per (row, kv head) writes them into the pools at the row's slot,
-# in place. MLX sees the pools as inputs only; no thread of this launch reads that slot (its position is the fresh
-# one), and later launches are ordered after this one (engine/paged.py says how).
-_WITH_NEW_KV = """    constexpr bool NEW_KV = true;
-    if (split == 0 && blockIdx.y % GROUPS == 0) {
-        const int sb = slot_blocks[b];
-        const int so = slot_offsets[b];
-        if (sb >= 0 && sb < k_pool_shape[0] && so >= 0 && so < BS) {
-            const size_t dst = ((size_t(sb) * BS + so) * HKV + kvh) * D;
-            const size_t src = (size_t(b) * HKV + kvh) * D;
-            for (int d = tid; d < D; d += TPB) {
-                const_cast<KV*>(k_pool)[dst + d] = k_new[src + d];
-                const_cast<KV*>(v_pool)[dst + d] = v_new[src + d];
-            }
-        }
-    }"""
-
-
-def kernel_source(one_split: bool = False, new_kv: bool = False) -> str:
-    """The split kernel's source (partials), or with one split the output itself; with or without the step's keys
-    and values (`_WITH_NEW_KV`)."""
-    source = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else _SOURCE
-    return source.replace("/*NEW_KV*/", _WITH_NEW_KV if new_kv else _POOLS_ONLY)
-
-
-# The combine step: one thread per (row, query head, d) merges the S partials of its column, the same
-# log-sum-exp rescaling as `combine_partials` (one launch instead of a handful of MLX ops).
-_COMBINE_SOURCE = r"""
-    const float NEG_INF = __int_as_float(0xff800000);
-    const int S = m_part_shape[2];
-    const size_t rows = size_t(m_part_shape[0]) * m_part_shape[1];
-    const size_t idx = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (idx >= rows * D) {
-        return;
-    }
-    const size_t row = idx / D;
-    const int d = idx % D;
-    const float* m = m_part + row * S;
-    const float* l = l_part + row * S;
-    float mx_ = NEG_INF;
-    for (int s = 0; s < S; ++s) {
-        mx_ = fmaxf(mx_, m[s]);
-    }
-    float ls = 0.0f;
-    float os = 0.0f;
-    if (mx_ != NEG_INF) {
-        for (int s = 0; s < S; ++s) {
-            const float a = expf(m[s] - mx_);  // 0 for an empty split
-            ls += a * l[s];
-            os += a * o_part[(row * S + s) * D + d];
-        }
-    }
-    out[idx] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
-"""
-
 # Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
 KERNEL_HASH = hashlib.sha256(
-    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{THREADS}/{UNROLL}".encode()).hexdigest()[:8]
+    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{THREADS}/{UNROLL}"
+    .encode()).hexdigest()[:8]
 RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"
 
 
@@ -324,6 +93,16 @@ def describe_kv_writes() -> str:
     return "paged KV written by scatter ops (MLXCEL_KV_IN_KERNEL=0)"
 
 
+COMBINE_ENV = "MLXCEL_COMBINE_IN_KERNEL"  # "0": a decode step with several splits combines them in a second launch
+COUNTERS = 4096  # combine counters a caller keeps per layer: rows x head groups up to this use the one-launch form
+
+
+def combine_in_kernel() -> bool:
+    """Whether decode steps with several splits have the split kernel's last block combine them (`counters`), as by
+    default; MLXCEL_COMBINE_IN_KERNEL=0 gives the separate combine launch back."""
+    return os.environ.get(COMBINE_ENV, "").strip() != "0"
+
+
 def runner_for(head_dim: int) -> str:
     """Which implementation decode attention runs on here: the CUDA kernel or the MLX-ops path."""
     return RUNNER_CUDA if cuda_kernel_available() and head_dim <= MAX_HEAD_DIM else RUNNER_OPS
@@ -334,12 +113,14 @@ NEW_KV_INPUTS = ("k_new", "v_new", "slot_blocks", "slot_offsets")
 
 
 @functools.cache
-def _kernel(one_split: bool = False, new_kv: bool = False):
+def _kernel(one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False):
+    kind = "one_split" if one_split else ("split_combine" if last_block_combines else "split")
     return mx.fast.cuda_kernel(
-        name=f"paged_decode_{'one_split' if one_split else 'split'}{'_new_kv' if new_kv else ''}",
-        input_names=[*INPUTS, *(NEW_KV_INPUTS if new_kv else ())],
-        output_names=["out"] if one_split else ["o_part", "m_part", "l_part"],
-        source=kernel_source(one_split, new_kv),
+        name=f"paged_decode_{kind}{'_new_kv' if new_kv else ''}",
+        input_names=[*INPUTS, *(NEW_KV_INPUTS if new_kv else ()), *(("counters",) if last_block_combines else ())],
+        output_names=["out"] if one_split else [*(("out",) if last_block_combines else ()), "o_part", "m_part",
+                                                 "l_part"],
+        source=kernel_source(one_split, new_kv, last_block_combines),
     )
 
 
@@ -384,9 +165,11 @@ def _new_kv_inputs(new_kv, k_pool, B: int) -> list[mx.array]:
 
 def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
                                 scale: float | None = None, new_kv: tuple | None = None,
-                                _two_launches: bool = False) -> mx.array:
+                                counters: mx.array | None = None, _two_launches: bool = False) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring). One split
-    is one launch (the split kernel writes the output itself); `_two_launches` (tests) runs it as split + combine.
+    is one launch (the split kernel writes the output itself); so are several splits given `counters` (int32 zeros,
+    at least rows x head groups of them, kept by the caller from launch to launch: `_LAST_BLOCK_COMBINES`); else,
+    and with `_two_launches` (tests), split + combine.
 
     new_kv = (k, v [B, Hkv, D], slot_blocks, slot_offsets [B]): the step's own keys and values, not in the pools yet.
     The kernel attends to them as each row's last position (context_lens - 1, whose slot they are) and writes them
@@ -412,12 +195,21 @@ def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, n
         (out,) = _kernel(True, writes)(inputs=inputs, template=template + [("OUT", q.dtype)], grid=grid,
                                      threadgroup=(THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
         return out
+    partials = [(B, Hq, S, D), (B, Hq, S), (B, Hq, S)]
+    if counters is not None and not _two_launches and counters.size >= grid[1] * B:
+        if counters.dtype != mx.int32:
+            raise ValueError(f"combine counters must be int32, got {counters.dtype}")
+        out, *_ = _kernel(False, writes, True)(
+            inputs=inputs + [counters], template=template + [("OUT", q.dtype)], grid=grid,
+            threadgroup=(THREADS, 1, 1), output_shapes=[q.shape, *partials],
+            output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32])
+        return out
     o_part, m_part, l_part = _kernel(False, writes)(
         inputs=inputs,
         template=template,
         grid=grid,
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, Hq, S, D), (B, Hq, S), (B, Hq, S)],
+        output_shapes=partials,
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     combine_threads = 256

@@ -241,3 +241,20 @@ def test_engine_tokens_do_not_depend_on_the_tactic(tiny, monkeypatch):
     base = tokens()
     monkeypatch.setenv("MLXCEL_PAGED_DECODE_SPLITS", "4")
     assert tokens() == base
+
+
+def test_the_tuner_times_the_inputs_decode_gives_the_kernel(monkeypatch):
+    """The step's own keys and values at each row's last slot, and the combine counters, as decode passes them
+    (each off with its env switch)."""
+    import mlx.core as mx
+
+    geometry = Geometry(q_heads=8, kv_heads=2, head_dim=64, block_size=16)
+    q, k_pool, _, tables, _ = ops.workload(3, 40, geometry, "float32")
+    inputs = ops.decode_step_inputs(q, k_pool, tables, 40)
+    k, v, blocks, offsets = inputs["new_kv"]
+    assert k.shape == v.shape == (3, 2, 64) and k.dtype == k_pool.dtype
+    assert blocks.tolist() == tables[:, 39 // 16].tolist() and offsets.tolist() == [39 % 16] * 3
+    assert inputs["counters"].dtype == mx.int32 and not mx.any(inputs["counters"]).item()
+    monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", "0")
+    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", "0")
+    assert ops.decode_step_inputs(q, k_pool, tables, 40) == {}

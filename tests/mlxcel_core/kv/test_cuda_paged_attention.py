@@ -217,27 +217,63 @@ def test_new_kv_is_checked():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("one_split", [False, True])
+@pytest.mark.parametrize("kind", ["split", "one_split", "last_block_combines"])
 @pytest.mark.parametrize("new_kv", [False, True])
-def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, one_split, new_kv):
-    """The split kernel in its four variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
-    source = cpa.kernel_source(one_split, new_kv)
+def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
+    """The split kernel in its six variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
+    one_split, combines = kind == "one_split", kind == "last_block_combines"
+    source = cpa.kernel_source(one_split, new_kv, combines)
     geo = launch_geometry(128, 4)
     template = {"KV": mx.bfloat16, "SCALE_BITS": cpa._scale_bits(128 ** -0.5), "D": 128, "BS": 32, "HKV": 8,
                 "NREP": 4, "G": geo["G"], "LPT": geo["LPT"], "EPL": geo["EPL"], "TPB": cpa.THREADS,
                 "UNROLL": cpa.UNROLL}
-    if one_split:
+    if one_split or combines:
         template["OUT"] = mx.bfloat16
     types = {"q": "__nv_bfloat16", "k_pool": "__nv_bfloat16", "v_pool": "__nv_bfloat16", "k_new": "__nv_bfloat16",
              "v_new": "__nv_bfloat16"}
     params = []
-    for name in (*cpa.INPUTS, *(cpa.NEW_KV_INPUTS if new_kv else ())):
+    for name in (*cpa.INPUTS, *(cpa.NEW_KV_INPUTS if new_kv else ()), *(("counters",) if combines else ())):
         params.append(f"    const {types.get(name, 'int32_t')}* {name}")
         if f"{name}_shape" in source:
             params.append(f"    const __grid_constant__ Shape {name}_shape")
-    params += ["    __nv_bfloat16* out"] if one_split else [f"    float* {n}" for n in ("o_part", "m_part", "l_part")]
-    assert ("k_pool_shape" in source) == new_kv
+    params += ["    __nv_bfloat16* out"] if one_split or combines else []
+    params += [] if one_split else [f"    float* {n}" for n in ("o_part", "m_part", "l_part")]
+    assert ("k_pool_shape" in source) == new_kv and ("atomicAdd" in source) == combines
     compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source))
+
+
+def test_one_split_has_nothing_to_combine():
+    with pytest.raises(ValueError, match="nothing to combine"):
+        cpa.kernel_source(True, False, True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("splits", [2, 3, 16])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "f32"])
+def test_last_block_combines_gives_the_two_launch_values(splits, dtype):
+    """With counters, one launch whose last block per head group combines the splits: bit for bit the split +
+    combine launches (the same arithmetic), empty rows zeros; the counters are zeros again after every launch, so
+    launch after launch (with and without the step's own keys and values) gives the same values."""
+    case = make_case([0, 1, 100, 333, 2048], 32, 8, 2, 64, dtype)
+    q, k_pool, v_pool, table, lens = case
+    counters = mx.zeros((cpa.COUNTERS,), mx.int32)
+    mx.eval(counters)
+    two = cuda_paged_decode_attention(*case, num_splits=splits)
+    for _ in range(3):
+        one = cuda_paged_decode_attention(*case, num_splits=splits, counters=counters)
+        mx.eval(one)
+        assert one.dtype == dtype and mx.array_equal(one, two).item(), max_err(one, two)
+        assert mx.all(counters == 0).item() and mx.all(one[0] == 0).item()
+    written = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
+    kv = step_kv(written)
+    pools = [p * 1 for p in written[1:3]]
+    mx.eval(pools)
+    ref = cuda_paged_decode_attention(written[0], *pools, *written[3:], num_splits=splits, new_kv=kv)
+    fused = cuda_paged_decode_attention(written[0], *pools, *written[3:], num_splits=splits, new_kv=kv,
+                                        counters=counters)
+    assert mx.array_equal(fused, ref).item() and mx.all(counters == 0).item()
+    too_few = mx.zeros((3,), mx.int32)  # fewer counters than rows x head groups: the two launches
+    assert mx.array_equal(cuda_paged_decode_attention(*case, num_splits=splits, counters=too_few), two).item()
 
 
 @needs_cuda
@@ -349,6 +385,33 @@ def staggered_greedy_run(model_dir, monkeypatch, kv_in_kernel: str, compile_deco
     while engine.has_work():
         engine.step()
     return [engine.sequence(i).output_ids for i in ids], sum(writes)
+
+
+@needs_cuda
+@pytest.mark.parametrize("compile_decode", ["0", "1"])
+def test_combined_in_the_kernel_gives_the_combine_launchs_tokens(monkeypatch, tmp_path, compile_decode):
+    """Four splits a step (MLXCEL_PAGED_DECODE_SPLITS), combined by the split kernel's last block (the default on
+    CUDA) against MLXCEL_COMBINE_IN_KERNEL=0 (a second launch): the same greedy tokens, op by op and compiled."""
+    from mlxcel_core.engine import paged
+
+    model_dir = save_tiny_llama(tmp_path / "m")
+    with_counters = []
+    real = paged.cuda_paged_decode_attention
+
+    def spy(*args, **kwargs):
+        with_counters.append(kwargs.get("counters") is not None and kwargs.get("num_splits") == 4)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "cuda_paged_decode_attention", spy)
+    monkeypatch.setenv("MLXCEL_PAGED_DECODE_SPLITS", "4")
+    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", "0")
+    launched, _ = staggered_greedy_run(model_dir, monkeypatch, "1", compile_decode)
+    assert with_counters and not any(with_counters)
+    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", "1")
+    with_counters.clear()
+    combined, _ = staggered_greedy_run(model_dir, monkeypatch, "1", compile_decode)
+    assert with_counters and all(with_counters) and all(len(t) == 40 for t in combined)
+    assert combined == launched
 
 
 @needs_cuda

@@ -1,0 +1,284 @@
+"""The CUDA source text of the paged decode kernels (kv/cuda_paged_attention.py says what they compute and how they
+are launched): the split kernel with its variants (`kernel_source`) and the combine kernel."""
+
+from __future__ import annotations
+
+_SOURCE = r"""
+    constexpr int NVG = TPB / LPT;  // lane groups per block, one token each per iteration
+    constexpr int HQ = HKV * NREP;
+    constexpr int GROUPS = NREP / G;
+    const int S = gridDim.x;
+    const int split = blockIdx.x;
+    const int kvh = blockIdx.y / GROUPS;
+    const int h0 = kvh * NREP + (blockIdx.y % GROUPS) * G;
+    const int b = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int vg = tid / LPT;
+    const int sub = tid % LPT;
+
+    const int max_blocks = block_tables_shape[1];
+    int len = context_lens[b];
+    len = len < 0 ? 0 : (len > max_blocks * BS ? max_blocks * BS : len);
+    const int chunk = (len + S - 1) / S;
+    const int t0 = min(len, split * chunk);
+    const int t1 = min(len, t0 + chunk);
+    const float sc = __int_as_float(SCALE_BITS);  // the softmax scale, a compile-time constant (see _scale_bits)
+    const float NEG_INF = __int_as_float(0xff800000);
+/*NEW_KV*/
+
+    float qv[G][EPL];
+    float m[G];
+    float l[G];
+    float acc[G][EPL];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            const int d = sub * EPL + i;
+            qv[g][i] = d < D ? static_cast<float>(q[(size_t(b) * HQ + h0 + g) * D + d]) * sc : 0.0f;
+            acc[g][i] = 0.0f;
+        }
+    }
+
+    // 16-byte loads when a lane's slice is a whole number of 16-byte words and the pools are aligned.
+    constexpr bool VEC = (LPT * EPL == D) && ((EPL * sizeof(KV)) % 16 == 0);
+    const bool aligned = VEC && ((reinterpret_cast<size_t>(k_pool) | reinterpret_cast<size_t>(v_pool) |
+                                  reinterpret_cast<size_t>(k_new) | reinterpret_cast<size_t>(v_new)) % 16 == 0);
+    const int* table = block_tables + size_t(b) * max_blocks;
+
+    // UNROLL tokens per lane group per iteration: all their loads are issued before any of them is used.
+    for (int base = t0; base < t1; base += NVG * UNROLL) {  // the same trip count for every thread of the block
+        float kf[UNROLL][EPL];
+        float vf[UNROLL][EPL];
+        bool valid[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int t = base + u * NVG + vg;
+            valid[u] = t < t1;
+            if (valid[u]) {
+                // The step's own token (NEW_KV: the last position) comes from k_new / v_new, not the pools.
+                const bool fresh = NEW_KV && t == len - 1;
+                const size_t off = fresh ? (size_t(b) * HKV + kvh) * D + sub * EPL
+                                         : ((size_t(table[t / BS]) * BS + (t % BS)) * HKV + kvh) * D + sub * EPL;
+                const KV* kp = (fresh ? k_new : k_pool) + off;
+                const KV* vp = (fresh ? v_new : v_pool) + off;
+                if (aligned) {
+                    alignas(16) KV kt[EPL];
+                    alignas(16) KV vt[EPL];
+#pragma unroll
+                    for (int j = 0; j < int(EPL * sizeof(KV) / 16); ++j) {
+                        reinterpret_cast<uint4*>(kt)[j] = reinterpret_cast<const uint4*>(kp)[j];
+                        reinterpret_cast<uint4*>(vt)[j] = reinterpret_cast<const uint4*>(vp)[j];
+                    }
+#pragma unroll
+                    for (int i = 0; i < EPL; ++i) {
+                        kf[u][i] = static_cast<float>(kt[i]);
+                        vf[u][i] = static_cast<float>(vt[i]);
+                    }
+                } else {
+#pragma unroll
+                    for (int i = 0; i < EPL; ++i) {
+                        const bool in = sub * EPL + i < D;
+                        kf[u][i] = in ? static_cast<float>(kp[i]) : 0.0f;
+                        vf[u][i] = in ? static_cast<float>(vp[i]) : 0.0f;
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    kf[u][i] = 0.0f;
+                    vf[u][i] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                float s = 0.0f;
+#pragma unroll
+                for (int i = 0; i < EPL; ++i) {
+                    s += qv[g][i] * kf[u][i];
+                }
+#pragma unroll
+                for (int o = LPT / 2; o > 0; o >>= 1) {
+                    s += __shfl_xor_sync(0xffffffffu, s, o);
+                }
+                if (valid[u]) {
+                    const float m_new = fmaxf(m[g], s);
+                    const float corr = expf(m[g] - m_new);  // 0 while m is still -inf
+                    const float p = expf(s - m_new);
+                    l[g] = l[g] * corr + p;
+#pragma unroll
+                    for (int i = 0; i < EPL; ++i) {
+                        acc[g][i] = acc[g][i] * corr + p * vf[u][i];
+                    }
+                    m[g] = m_new;
+                }
+            }
+        }
+    }
+
+    // Merge the lane groups' states, then write this split's partials.
+    __shared__ float sm_m[NVG][G];
+    __shared__ float sm_l[NVG][G];
+    __shared__ float sm_o[NVG][G][D];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        if (sub == 0) {
+            sm_m[vg][g] = m[g];
+            sm_l[vg][g] = l[g];
+        }
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            const int d = sub * EPL + i;
+            if (d < D) {
+                sm_o[vg][g][d] = acc[g][i];
+            }
+        }
+    }
+    __syncthreads();
+    for (int idx = tid; idx < G * D; idx += TPB) {
+        const int g = idx / D;
+        const int d = idx % D;
+        float mx_ = NEG_INF;
+        for (int w = 0; w < NVG; ++w) {
+            mx_ = fmaxf(mx_, sm_m[w][g]);
+        }
+        float ls = 0.0f;
+        float os = 0.0f;
+        if (mx_ != NEG_INF) {
+            for (int w = 0; w < NVG; ++w) {
+                const float a = expf(sm_m[w][g] - mx_);  // 0 for an empty lane group (m = -inf)
+                ls += a * sm_l[w][g];
+                os += a * sm_o[w][g][d];
+            }
+        }
+        const size_t row = (size_t(b) * HQ + h0 + g) * S + split;
+        o_part[row * D + d] = os;
+        if (d == 0) {
+            m_part[row] = mx_;
+            l_part[row] = ls;
+        }
+    }
+/*LAST_BLOCK*/
+"""
+
+# One split (the whole context in one block per head group): the combine step's arithmetic for S = 1 (its rescale
+# factor exp(m - m) is exactly 1) done here, the output written in q's dtype: one launch a layer instead of two.
+_WRITE_PARTIALS = """        const size_t row = (size_t(b) * HQ + h0 + g) * S + split;
+        o_part[row * D + d] = os;
+        if (d == 0) {
+            m_part[row] = mx_;
+            l_part[row] = ls;
+        }"""
+_WRITE_OUTPUT = """        const size_t row = size_t(b) * HQ + h0 + g;
+        out[row * D + d] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);"""
+assert _WRITE_PARTIALS in _SOURCE
+
+# Without the step's keys and values: every position is read from the pools.
+_POOLS_ONLY = """    constexpr bool NEW_KV = false;
+    const KV* const k_new = k_pool;  // never read (NEW_KV false); names the pools' alignment check uses
+    const KV* const v_new = v_pool;"""
+# With them (inputs k_new, v_new [B, HKV, D] in the pools' dtype, slot_blocks, slot_offsets [B]): each row's last
+# position is read from k_new / v_new, and one block per (row, kv head) writes them into the pools at the row's slot,
+# in place. MLX sees the pools as inputs only; no thread of this launch reads that slot (its position is the fresh
+# one), and later launches are ordered after this one (engine/paged.py says how).
+_WITH_NEW_KV = """    constexpr bool NEW_KV = true;
+    if (split == 0 && blockIdx.y % GROUPS == 0) {
+        const int sb = slot_blocks[b];
+        const int so = slot_offsets[b];
+        if (sb >= 0 && sb < k_pool_shape[0] && so >= 0 && so < BS) {
+            const size_t dst = ((size_t(sb) * BS + so) * HKV + kvh) * D;
+            const size_t src = (size_t(b) * HKV + kvh) * D;
+            for (int d = tid; d < D; d += TPB) {
+                const_cast<KV*>(k_pool)[dst + d] = k_new[src + d];
+                const_cast<KV*>(v_pool)[dst + d] = v_new[src + d];
+            }
+        }
+    }"""
+
+
+# Several splits, combined by the last of a head group's blocks to finish (extra input `counters`, int32 zeros, one per
+# (row, head group), which MLX sees as an input only): each block writes its partials, makes them visible device-wide
+# and counts itself in; the block that counts S does the combine step's arithmetic (the same loop as
+# _COMBINE_SOURCE, so the same values) and sets the counter back to 0 for the next launch. One launch a layer
+# instead of two. Launches that share counters must not run at the same time: a layer's launches in successive
+# decode steps never do (each step needs the previous step's token).
+_LAST_BLOCK_COMBINES = r"""    __threadfence();  // this block's partials, visible to whichever block combines
+    __syncthreads();
+    __shared__ bool combines;
+    if (tid == 0) {
+        int* counter = const_cast<int*>(counters) + (size_t(b) * gridDim.y + blockIdx.y);
+        combines = atomicAdd(counter, 1) == S - 1;
+        if (combines) {
+            atomicExch(counter, 0);  // every split has arrived
+        }
+    }
+    __syncthreads();
+    if (!combines) {
+        return;
+    }
+    __threadfence();
+    for (int idx = tid; idx < G * D; idx += TPB) {
+        const int g = idx / D;
+        const int d = idx % D;
+        const size_t row = size_t(b) * HQ + h0 + g;
+        float mx_ = NEG_INF;
+        for (int s = 0; s < S; ++s) {
+            mx_ = fmaxf(mx_, __ldcg(m_part + row * S + s));
+        }
+        float ls = 0.0f;
+        float os = 0.0f;
+        if (mx_ != NEG_INF) {
+            for (int s = 0; s < S; ++s) {
+                const float a = expf(__ldcg(m_part + row * S + s) - mx_);  // 0 for an empty split
+                ls += a * __ldcg(l_part + row * S + s);
+                os += a * __ldcg(o_part + (row * S + s) * D + d);
+            }
+        }
+        out[row * D + d] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
+    }"""
+
+
+def kernel_source(one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False) -> str:
+    """The split kernel's source (partials; with `last_block_combines` also the output, `_LAST_BLOCK_COMBINES`), or
+    with one split the output itself; with or without the step's keys and values (`_WITH_NEW_KV`)."""
+    if one_split and last_block_combines:
+        raise ValueError("one split writes the output itself: there is nothing to combine")
+    source = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else _SOURCE
+    source = source.replace("/*LAST_BLOCK*/", _LAST_BLOCK_COMBINES if last_block_combines else "")
+    return source.replace("/*NEW_KV*/", _WITH_NEW_KV if new_kv else _POOLS_ONLY)
+
+
+# The combine step: one thread per (row, query head, d) merges the S partials of its column, the same
+# log-sum-exp rescaling as `combine_partials` (one launch instead of a handful of MLX ops).
+_COMBINE_SOURCE = r"""
+    const float NEG_INF = __int_as_float(0xff800000);
+    const int S = m_part_shape[2];
+    const size_t rows = size_t(m_part_shape[0]) * m_part_shape[1];
+    const size_t idx = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (idx >= rows * D) {
+        return;
+    }
+    const size_t row = idx / D;
+    const int d = idx % D;
+    const float* m = m_part + row * S;
+    const float* l = l_part + row * S;
+    float mx_ = NEG_INF;
+    for (int s = 0; s < S; ++s) {
+        mx_ = fmaxf(mx_, m[s]);
+    }
+    float ls = 0.0f;
+    float os = 0.0f;
+    if (mx_ != NEG_INF) {
+        for (int s = 0; s < S; ++s) {
+            const float a = expf(m[s] - mx_);  // 0 for an empty split
+            ls += a * l[s];
+            os += a * o_part[(row * S + s) * D + d];
+        }
+    }
+    out[idx] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
+"""
