@@ -24,7 +24,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import hmv, qmv
+from . import hmv, qembedding, qmv
 
 ENV = "MLXCEL_QMV"
 DEFAULT_QMV = "1"  # on where MLX runs on CUDA
@@ -119,7 +119,13 @@ class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
 
 
 class FastQuantizedEmbedding(nn.QuantizedEmbedding):
-    """nn.QuantizedEmbedding whose `as_linear` (a tied LM head) runs the kernel for decode."""
+    """nn.QuantizedEmbedding whose decode lookups (a few ids) are one launch of kernels/qembedding.py and whose
+    `as_linear` (a tied LM head) runs the kernel for decode."""
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        if qembedding.kernel_runs(ids, self):
+            return qembedding.quantized_embedding(ids, self["weight"], self["scales"], self["biases"], self.group_size)
+        return super().__call__(ids)
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = _kernel_matvec(self, x)

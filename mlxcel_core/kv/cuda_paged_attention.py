@@ -196,7 +196,9 @@ def cuda_paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, n
                                      threadgroup=(THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
         return out
     partials = [(B, Hq, S, D), (B, Hq, S), (B, Hq, S)]
-    if counters is not None and not _two_launches and counters.size >= grid[1] * B:
+    # (the last block stages 2 G S floats in the merge's shared memory, NVG G D of them)
+    fits = 2 * S <= (THREADS // geo["LPT"]) * D
+    if counters is not None and not _two_launches and counters.size >= grid[1] * B and fits:
         if counters.dtype != mx.int32:
             raise ValueError(f"combine counters must be int32, got {counters.dtype}")
         out, *_ = _kernel(False, writes, True)(

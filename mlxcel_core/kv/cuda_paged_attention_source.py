@@ -203,8 +203,9 @@ _WITH_NEW_KV = """    constexpr bool NEW_KV = true;
 
 # Several splits, combined by the last of a head group's blocks to finish (extra input `counters`, int32 zeros, one per
 # (row, head group), which MLX sees as an input only): each block writes its partials, makes them visible device-wide
-# and counts itself in; the block that counts S does the combine step's arithmetic (the same loop as
-# _COMBINE_SOURCE, so the same values) and sets the counter back to 0 for the next launch. One launch a layer
+# and counts itself in; the block that counts S sets the counter back to 0 for the next launch and does the combine
+# step's arithmetic (the same operations in the same order as _COMBINE_SOURCE, so the same values; the per-split
+# weights computed once per head, not per element). One launch a layer
 # instead of two. Launches that share counters must not run at the same time: a layer's launches in successive
 # decode steps never do (each step needs the previous step's token).
 _LAST_BLOCK_COMBINES = r"""    __threadfence();  // this block's partials, visible to whichever block combines
@@ -222,23 +223,41 @@ _LAST_BLOCK_COMBINES = r"""    __threadfence();  // this block's partials, visib
         return;
     }
     __threadfence();
+    // The head group's S maxima and sums, loaded by all threads at once into sm_o (free after the merge; the caller
+    // keeps 2 G S <= NVG G D), become each split's weight exp(m_s - max m) and the total sum, one thread per head.
+    float* const weights = &sm_o[0][0][0];
+    for (int i = tid; i < G * S; i += TPB) {
+        const size_t at = (size_t(b) * HQ + h0 + i / S) * S + i % S;
+        weights[i] = __ldcg(m_part + at);
+        weights[G * S + i] = __ldcg(l_part + at);
+    }
+    __syncthreads();
+    __shared__ float sums[G];
+    if (tid < G) {
+        float mx_ = NEG_INF;
+        for (int s = 0; s < S; ++s) {
+            mx_ = fmaxf(mx_, weights[tid * S + s]);
+        }
+        float ls = 0.0f;
+        for (int s = 0; s < S; ++s) {
+            const float a = mx_ != NEG_INF ? expf(weights[tid * S + s] - mx_) : 0.0f;  // 0 for an empty split
+            ls += a * weights[G * S + tid * S + s];
+            weights[tid * S + s] = a;
+        }
+        sums[tid] = ls;
+    }
+    __syncthreads();
     for (int idx = tid; idx < G * D; idx += TPB) {
         const int g = idx / D;
         const int d = idx % D;
         const size_t row = size_t(b) * HQ + h0 + g;
-        float mx_ = NEG_INF;
-        for (int s = 0; s < S; ++s) {
-            mx_ = fmaxf(mx_, __ldcg(m_part + row * S + s));
-        }
-        float ls = 0.0f;
+        const float* o = o_part + row * S * D + d;
         float os = 0.0f;
-        if (mx_ != NEG_INF) {
-            for (int s = 0; s < S; ++s) {
-                const float a = expf(__ldcg(m_part + row * S + s) - mx_);  // 0 for an empty split
-                ls += a * __ldcg(l_part + row * S + s);
-                os += a * __ldcg(o_part + (row * S + s) * D + d);
-            }
+#pragma unroll 4
+        for (int s = 0; s < S; ++s) {
+            os += weights[g * S + s] * __ldcg(o + size_t(s) * D);
         }
+        const float ls = sums[g];
         out[row * D + d] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
     }"""
 

@@ -1,0 +1,93 @@
+"""A 4-bit token-embedding lookup (``nn.QuantizedEmbedding.__call__``) for a decode step's few ids as one CUDA launch.
+
+    rows = quantized_embedding(ids, weight, scales, biases, group_size)   # == mx.dequantize(weight[ids], ...)
+
+As MLX ops the lookup is three gathers (the packed words, the scales, the biases) and a dequantize: four launches a
+decode step. On the H200 the three gathers of a 1B 4-bit step took 16 us each (benchmarks/RESULTS.md, twelfth
+session), where the whole lookup reads a few kilobytes. The kernel reads each row's id once: one thread per packed
+word (8 values), with MLX's dequantize arithmetic (``scale * q + bias`` in the scales' dtype, mlx/backend/cuda/
+quantized/affine_quantize.cu), so its rows are MLX's bit for bit.
+
+Runs where `kernel_runs` says so: MLX on CUDA computing on the GPU by default, 4-bit affine weights with biases, group
+size 32/64/128, at most MAX_IDS ids; anything else is MLX's own call (kernels/fast_linear.py's FastQuantizedEmbedding
+decides). An id outside [0, vocabulary) is clamped into it (MLX's gather does not check either; the kernel must not
+read outside the table).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+from ..kv.cuda_paged_attention import cuda_kernel_available
+from .qmv import FLOAT_TYPES, GROUP_SIZES, MAX_ROWS
+
+MAX_IDS = MAX_ROWS  # a decode step's rows; a prompt's lookup stays MLX's
+THREADS = 256
+
+_SOURCE = r"""
+    const int r = blockIdx.y;
+    const int words = w_shape[1];
+    const int j = blockIdx.x * TPB + threadIdx.x;
+    if (j >= words) {
+        return;
+    }
+    const long long vocab = w_shape[0];
+    long long id = static_cast<long long>(ids[r]);
+    id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
+    const int groups = words * 8 / GS;
+    const uint32_t word = w[id * words + j];
+    const T scale = scales[id * groups + j * 8 / GS];
+    const T bias = biases[id * groups + j * 8 / GS];
+    T* o = out + (size_t(r) * words + j) * 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        o[i] = scale * static_cast<T>(static_cast<int>((word >> (4 * i)) & 0xf)) + bias;
+    }
+"""
+
+
+@functools.cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="mlxcel_qembedding",
+        input_names=["ids", "w", "scales", "biases"],
+        output_names=["out"],
+        source=_SOURCE,
+    )
+
+
+def shape_supported(ids_shape, ids_dtype, w_shape, w_dtype, scales_dtype, group_size: int, bits: int) -> bool:
+    """Whether the kernel handles these operands (shapes and dtypes; `kernel_runs` adds the backend)."""
+    size = 1
+    for d in ids_shape:
+        size *= d
+    return (bits == 4 and group_size in GROUP_SIZES and w_dtype == mx.uint32 and len(w_shape) == 2
+            and (w_shape[1] * 8) % group_size == 0 and scales_dtype in FLOAT_TYPES
+            and ids_dtype in (mx.int32, mx.uint32) and 1 <= size <= MAX_IDS)
+
+
+def kernel_runs(ids: mx.array, layer) -> bool:
+    """Whether `layer(ids)` (a 4-bit nn.QuantizedEmbedding) can be this launch here."""
+    biases = layer.get("biases")
+    return (biases is not None and getattr(layer, "mode", "affine") == "affine" and cuda_kernel_available()
+            and mx.default_device() == mx.gpu
+            and shape_supported(ids.shape, ids.dtype, layer["weight"].shape, layer["weight"].dtype,
+                                layer["scales"].dtype, layer.group_size, layer.bits))
+
+
+def quantized_embedding(ids: mx.array, weight: mx.array, scales: mx.array, biases: mx.array,
+                        group_size: int) -> mx.array:
+    """Rows [*ids.shape, K] of a 4-bit table (weight [V, K/8] uint32, scales and biases [V, K/group_size]) in the
+    scales' dtype; the caller checked `shape_supported` and that the kernel can run."""
+    words = weight.shape[1]
+    (out,) = _kernel()(
+        inputs=[ids, weight, scales, biases],
+        template=[("T", scales.dtype), ("GS", group_size), ("TPB", THREADS)],
+        grid=(-(-words // THREADS) * THREADS, ids.size, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*ids.shape, words * 8)],
+        output_dtypes=[scales.dtype],
+    )
+    return out
