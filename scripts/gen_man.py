@@ -42,6 +42,9 @@ ENVIRONMENT = [
     ("MLXCEL_KV_IN_KERNEL", "0: a decode step's keys and values go into the paged KV pools by scatter ops before "
                             "attention. Default: the CUDA paged-attention kernel writes them itself, in place (CUDA "
                             "only; elsewhere the scatter ops always run)."),
+    ("MLXCEL_COMBINE_IN_KERNEL", "0: a paged decode step's attention splits are combined by a second kernel launch. "
+                                 "Default: the last of the split kernel's blocks for each head group combines them, one "
+                                 "launch a layer (CUDA only)."),
     ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
                         "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
                         "unaffected)."),

@@ -85,12 +85,15 @@ def kv_written_in_kernel() -> bool:
 
 
 def describe_kv_writes() -> str:
-    """For benchmark headers: how paged decode steps put their keys and values into the pools here."""
+    """For benchmark headers: how paged decode steps put their keys and values into the pools here (and, on CUDA,
+    where their attention splits are combined)."""
     if not cuda_kernel_available():
         return "paged KV written by scatter ops (MLXCEL_KV_IN_KERNEL applies on CUDA only)"
+    combine = ("attention splits combined in the kernel (MLXCEL_COMBINE_IN_KERNEL)" if combine_in_kernel() else
+               "attention splits combined by a second launch (MLXCEL_COMBINE_IN_KERNEL=0)")
     if kv_written_in_kernel():
-        return "paged KV written by the attention kernel (MLXCEL_KV_IN_KERNEL)"
-    return "paged KV written by scatter ops (MLXCEL_KV_IN_KERNEL=0)"
+        return f"paged KV written by the attention kernel (MLXCEL_KV_IN_KERNEL), {combine}"
+    return f"paged KV written by scatter ops (MLXCEL_KV_IN_KERNEL=0), {combine}"
 
 
 COMBINE_ENV = "MLXCEL_COMBINE_IN_KERNEL"  # "0": a decode step with several splits combines them in a second launch

@@ -211,8 +211,9 @@ def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     monkeypatch.setenv("MLXCEL_FUSE_ROPE", "0")
     monkeypatch.setenv("MLXCEL_HMV", "0")
     monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", "0")
-    kv = "paged KV written by scatter ops (" + ("MLXCEL_KV_IN_KERNEL=0)" if cuda_kernel_available() else
-                                                "MLXCEL_KV_IN_KERNEL applies on CUDA only)")
+    kv = "paged KV written by scatter ops (" + (
+        "MLXCEL_KV_IN_KERNEL=0), attention splits combined in the kernel (MLXCEL_COMBINE_IN_KERNEL)"
+        if cuda_kernel_available() else "MLXCEL_KV_IN_KERNEL applies on CUDA only)")
     assert bench_header(model).endswith(
         "fused q/k/v, gate/up and residual adds on (MLXCEL_FUSE), norms folded on (MLXCEL_FUSE_NORM), rope folded off "
         "(MLXCEL_FUSE_ROPE), 4-bit matvec kernel off (MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV), " + kv)
