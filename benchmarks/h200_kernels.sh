@@ -13,6 +13,7 @@
 #                                              # two shapes fit a call), KV written by scatter ops
 #                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (the default)
 #   bash benchmarks/h200_kernels.sh gate VAR SHAPE.. # the same A/B for any 0/1 switch (MLXCEL_COMBINE_IN_KERNEL, ...)
+#   bash benchmarks/h200_kernels.sh attn       # the paged-attention launch's time in 8B/1B decodes at 8, 16, 32 splits
 #   bash benchmarks/h200_kernels.sh bf16       # compare_mlx_lm, bf16 shapes, MLXCEL_HMV off then on
 #   bash benchmarks/h200_kernels.sh q4         # compare_mlx_lm, 1B 4-bit, the norm and rope folds off then on
 #   bash benchmarks/h200_kernels.sh folds      # 1B bf16 and 4-bit, 8B 4-bit: norm+rope folds off then on (fewer
@@ -68,6 +69,15 @@ case "${1:-}" in
           | grep -E "round|median decode"
       done
     done ;;
+  attn)
+    # the attention launch's GPU time inside the decode at split counts 8, 16, 32 (8B and 1B bf16)
+    for shape in llama-3-8b llama-3.2-1b; do
+      for s in 8 16 32; do
+        echo "== $shape S=$s"
+        MLXCEL_PAGED_DECODE_SPLITS=$s timeout 80 python benchmarks/gpu_profile.py --model-shape $shape --dtype bfloat16 \
+          --side mlxcel --top 6 --warm 6 --tokens 12 2>&1 | grep -E "wall|paged_decode"
+      done
+    done ;;
   bf16)
     for gate in "MLXCEL_HMV=0" "MLXCEL_HMV=1"; do
       for shape in "llama-3.2-1b" "llama-3-8b"; do
@@ -118,6 +128,6 @@ case "${1:-}" in
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
     exit 2 ;;
 esac
