@@ -52,13 +52,7 @@ case "${1:-}" in
     timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --bits 4 2>&1 | grep -vi "warn" ;;
   kv)
     shift
-    for what in "${@:-llama-3-8b --dtype bfloat16}"; do
-      for gate in "MLXCEL_KV_IN_KERNEL=0" "MLXCEL_KV_IN_KERNEL=1"; do
-        echo "== $gate $what"
-        env $gate timeout 110 python benchmarks/compare_mlx_lm.py --model-shape $what $A --rounds 2 2>&1 \
-          | grep -E "round|median decode"
-      done
-    done ;;
+    bash "$0" gate MLXCEL_KV_IN_KERNEL "${@:-llama-3-8b --dtype bfloat16}" ;;
   gate)
     # gate VAR SHAPE..: compare_mlx_lm per shape with VAR=0, then VAR=1 (e.g. MLXCEL_COMBINE_IN_KERNEL)
     shift; var=$1; shift
