@@ -3,8 +3,8 @@
     rows = quantized_embedding(ids, weight, scales, biases, group_size)   # == mx.dequantize(weight[ids], ...)
 
 As MLX ops the lookup is three gathers (the packed words, the scales, the biases) and a dequantize: four launches a
-decode step. On the H200 the three gathers of a 1B 4-bit step took 16 us each (benchmarks/RESULTS.md, twelfth
-session), where the whole lookup reads a few kilobytes. The kernel reads each row's id once: one thread per packed
+decode step. On the H200 a 1B 4-bit step's gathers took 64.5 us together, 16 us a gather (benchmarks/RESULTS.md,
+twelfth session; this kernel: 2.7 us), where the whole lookup reads a few kilobytes. The kernel reads each row's id once: one thread per packed
 word (8 values), with MLX's dequantize arithmetic (``scale * q + bias`` in the scales' dtype, mlx/backend/cuda/
 quantized/affine_quantize.cu), so its rows are MLX's bit for bit.
 

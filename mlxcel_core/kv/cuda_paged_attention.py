@@ -16,7 +16,10 @@ memory and the block writes its split's partial max [B, Hq, S], sum [B, Hq, S] a
 output [B, Hq, S, D] (float32). The combine step ("paged_decode_combine", a second small kernel; the same
 arithmetic as `combine_partials` in MLX ops) rescales the partials by exp(m_s - max m) and divides,
 exactly as the ops path merges its splits, writing q's dtype. With one split the kernel writes the output itself
-("paged_decode_one_split", the combine's arithmetic for S = 1 in the same launch): one launch a layer.
+("paged_decode_one_split", the combine's arithmetic for S = 1 in the same launch): one launch a layer. So it is with
+several splits when the caller keeps `counters` ("paged_decode_split_combine": the last of a head group's blocks to
+finish combines them; engine/paged.py keeps one counter array per layer, MLXCEL_COMBINE_IN_KERNEL=0 turns it off).
+The kernel sources are in cuda_paged_attention_source.py.
 
 ``num_splits`` is the grid's x extent: every value is the same compiled kernel. The kernel is compiled
 once per (dtypes, D, block_size, Hkv, n_rep) at first use (NVRTC).
