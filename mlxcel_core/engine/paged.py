@@ -57,7 +57,9 @@ class PagedStorage:
         self.prompts: dict[int, list[int]] = {}
         self.written_in_place: list[mx.array] = []  # arrays of the steps whose kernels wrote the pools in place
         # Per layer on CUDA: the decode kernel's combine counters (zeros it leaves as it found them), made with the
-        # layer's pools, outside any compiled trace, so a trace captures the same array for every step.
+        # layer's pools, outside any compiled trace, so a trace captures the same array for every step. None where
+        # the kernel does not run or MLXCEL_COMBINE_IN_KERNEL=0 (asked once, here).
+        self.combine_in_kernel = cuda_kernel_available() and kv_bits is None and combine_in_kernel()
         self.combine_counters: list[mx.array | None] = [None] * num_layers
 
     # -- KVStorage ----------------------------------------------------------------------------
@@ -169,7 +171,7 @@ class PagedStorage:
         if self.pools[layer] is None:
             size = (self.pool_rows, self.pool.block_size)
             self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
-            if cuda_kernel_available() and self.kv_bits is None:
+            if self.combine_in_kernel:
                 self.combine_counters[layer] = counters = mx.zeros((COUNTERS,), mx.int32)
                 mx.eval(counters)
         elif self.pools[layer][0].shape[0] < self.pool_rows:  # higher blocks came into use: grow (zeros, as new)
@@ -248,19 +250,16 @@ class DecodeView:
             pools = storage.layer_pools(self.layer, [keys, values])
             attention, num_splits = storage.decode_attention(queries, pools, self.block_tables)
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
-            if attention is not cuda_paged_decode_attention:
-                pools = storage.write(self.layer, self.slots, keys, values)
-                return attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
-                                 scale=scale)
-            counters = storage.combine_counters[self.layer] if combine_in_kernel() else None
-            if kv_written_in_kernel():
+            on_kernel = attention is cuda_paged_decode_attention
+            kernel_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
+            if on_kernel and kv_written_in_kernel():
                 out = attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
-                                scale=scale, new_kv=(keys, values, *self.slots), counters=counters)
+                                scale=scale, new_kv=(keys, values, *self.slots), **kernel_args)
                 storage.written_in_place.append(out)
                 return out
             pools = storage.write(self.layer, self.slots, keys, values)
             return attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
-                             scale=scale, counters=counters)
+                             scale=scale, **kernel_args)
         pools = storage.write(self.layer, self.slots, keys, values)
         # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
         all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)

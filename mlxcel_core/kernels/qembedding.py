@@ -17,6 +17,7 @@ read outside the table).
 from __future__ import annotations
 
 import functools
+import math
 
 import mlx.core as mx
 
@@ -60,9 +61,7 @@ def _kernel():
 
 def shape_supported(ids_shape, ids_dtype, w_shape, w_dtype, scales_dtype, group_size: int, bits: int) -> bool:
     """Whether the kernel handles these operands (shapes and dtypes; `kernel_runs` adds the backend)."""
-    size = 1
-    for d in ids_shape:
-        size *= d
+    size = math.prod(ids_shape)
     return (bits == 4 and group_size in GROUP_SIZES and w_dtype == mx.uint32 and len(w_shape) == 2
             and (w_shape[1] * 8) % group_size == 0 and scales_dtype in FLOAT_TYPES
             and ids_dtype in (mx.int32, mx.uint32) and 1 <= size <= MAX_IDS)

@@ -156,3 +156,48 @@ def test_a_compiled_paged_step_leaves_its_logits_to_submit_and_no_tracers(tiny_l
     logits = decoder.decode(mx.array([6]), storage.decode_caches([0]))
     assert len(storage.written_in_place) == 1 and storage.written_in_place[0] is logits
     mx.eval(storage.written_in_place)  # real arrays, not tracers of the compiled trace
+
+
+@pytest.mark.parametrize("kv_in_kernel, combine", [("1", "1"), ("0", "1"), ("1", "0")])
+def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir, kv_in_kernel, combine):
+    """DecodeView's CUDA branches, run on CPU with a stand-in for the kernel (the ops path, writing new_kv into the
+    pools as the kernel does in place): the kernel gets the step's keys and values unless MLXCEL_KV_IN_KERNEL=0
+    (then the storage scatters them first), the layer's counters unless MLXCEL_COMBINE_IN_KERNEL=0; the greedy
+    tokens are the ops path's."""
+    from mlxcel_core.engine import Engine, EngineConfig, paged
+    from mlxcel_core.kv.paged_attention import paged_decode_attention
+    from mlxcel_core.loading import load_model
+    from mlxcel_core.sampling import SamplingParams
+
+    lm = load_model(str(tiny_llama_dir), log=lambda m: None)
+    greedy = SamplingParams(max_tokens=12, suppress_tokens=tuple(lm.tokenizer.eos_token_ids))
+
+    def run():
+        engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_batch_size=1, storage="paged"))
+        seq = engine.open(list(range(3, 23)), greedy)
+        while engine.has_work():
+            engine.step()
+        return engine.sequence(seq).output_ids
+
+    want = run()
+    calls = []
+
+    def kernel_stand_in(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None):
+        calls.append((new_kv is not None, counters))
+        if new_kv is not None:  # in place: the storage's pool arrays themselves take the step's keys and values
+            k, v, blocks, offsets = new_kv
+            k_pool[blocks, offsets] = k
+            v_pool[blocks, offsets] = v
+        return paged_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale)
+
+    monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", kv_in_kernel)
+    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", combine)
+    monkeypatch.setattr(paged, "cuda_kernel_available", lambda: True)
+    monkeypatch.setattr(paged, "runner_for", lambda head_dim: "cuda-kernel-stand-in")
+    monkeypatch.setattr(paged, "cuda_paged_decode_attention", kernel_stand_in)
+    assert run() == want
+    assert calls and all(writes == (kv_in_kernel == "1") for writes, _ in calls)
+    if combine == "1":
+        assert all(c is not None and c.dtype == mx.int32 and not mx.any(c).item() for _, c in calls)
+    else:
+        assert all(c is None for _, c in calls)
