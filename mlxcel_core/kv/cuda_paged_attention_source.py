@@ -247,18 +247,41 @@ _LAST_BLOCK_COMBINES = r"""    __threadfence();  // this block's partials, visib
         sums[tid] = ls;
     }
     __syncthreads();
-    for (int idx = tid; idx < G * D; idx += TPB) {
-        const int g = idx / D;
-        const int d = idx % D;
+    // Each thread sums VW consecutive elements of one head over the splits (16-byte loads where D allows), 8 splits'
+    // loads in flight: the S partials are read in a few rounds of L2 latency, not one round per split.
+    constexpr int VW = D % 4 == 0 ? 4 : 1;
+    const bool vec = VW == 4 && reinterpret_cast<size_t>(o_part) % 16 == 0;
+    for (int idx = tid; idx < G * (D / VW); idx += TPB) {
+        const int g = idx / (D / VW);
+        const int d = (idx % (D / VW)) * VW;
         const size_t row = size_t(b) * HQ + h0 + g;
         const float* o = o_part + row * S * D + d;
-        float os = 0.0f;
-#pragma unroll 4
+        float os[VW];
+#pragma unroll
+        for (int k = 0; k < VW; ++k) {
+            os[k] = 0.0f;
+        }
+#pragma unroll 8
         for (int s = 0; s < S; ++s) {
-            os += weights[g * S + s] * __ldcg(o + size_t(s) * D);
+            const float a = weights[g * S + s];
+            if (vec) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(o + size_t(s) * D));
+                os[0] += a * v.x;
+                os[1] += a * v.y;
+                os[2] += a * v.z;
+                os[3] += a * v.w;
+            } else {
+#pragma unroll
+                for (int k = 0; k < VW; ++k) {
+                    os[k] += a * __ldcg(o + size_t(s) * D + k);
+                }
+            }
         }
         const float ls = sums[g];
-        out[row * D + d] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
+#pragma unroll
+        for (int k = 0; k < VW; ++k) {
+            out[row * D + d + k] = static_cast<OUT>(ls > 0.0f ? os[k] / ls : 0.0f);
+        }
     }"""
 
 

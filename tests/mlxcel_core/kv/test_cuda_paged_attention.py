@@ -274,6 +274,9 @@ def test_last_block_combines_gives_the_two_launch_values(splits, dtype):
     assert mx.array_equal(fused, ref).item() and mx.all(counters == 0).item()
     too_few = mx.zeros((3,), mx.int32)  # fewer counters than rows x head groups: the two launches
     assert mx.array_equal(cuda_paged_decode_attention(*case, num_splits=splits, counters=too_few), two).item()
+    odd = make_case([5, 200], 16, 4, 2, 18, dtype)  # a head dim the combine cannot read 4 at a time
+    assert mx.array_equal(cuda_paged_decode_attention(*odd, num_splits=splits, counters=counters),
+                          cuda_paged_decode_attention(*odd, num_splits=splits)).item()
 
 
 @needs_cuda
