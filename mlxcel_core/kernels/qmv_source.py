@@ -342,8 +342,9 @@ _EPILOGUE_QKV_ROPE = """    for (int i = gtid; i < HALF * M; i += WARPS * 32) {
             float ob = b;
             if (n < NQ + NK) {  // q and k rotate; v does not
                 const float angle = positions[m] * inv_freq[j];
-                const float c = cosf(angle);
-                const float s = sinf(angle);
+                float s;
+                float c;
+                sincosf(angle, &s, &c);  // one range reduction for both
                 oa = a * c - b * s;
                 ob = b * c + a * s;
             }
