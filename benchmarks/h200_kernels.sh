@@ -28,6 +28,9 @@
 #                                              # with `mkdir before && git archive REF | tar -x -C before`; it is
 #                                              # carried because it is untracked; delete it after) and this tree,
 #                                              # alternately, twice, per shape (e.g. "llama-3.2-1b --dtype bfloat16")
+#   bash benchmarks/h200_kernels.sh abq SHAPE.. # the same pairing, mlxcel only (`mlxcel bench` tg128 @ d512, 5 reps,
+#                                              # three times a tree): a lever's A/B in a third of ab's time; claims
+#                                              # against mlx-lm still come from compare_mlx_lm
 # Commit what they print to benchmarks/RESULTS.md; flip a default only where its tests pass and it wins.
 set -u
 A="--prompt-tokens 512 --gen-tokens 128"
@@ -121,7 +124,17 @@ case "${1:-}" in
           --rounds 2 2>&1 | grep -E "round|median decode")
       done
     done ;;
+  abq)
+    shift
+    row='import json, sys; r = json.loads(sys.stdin.readlines()[-1]); print(r["test"], "%.1f +/- %.1f t/s" % (r["avg_ts"], r["stddev_ts"]))'
+    [ -d before ] || { echo "abq: no before/ tree (see the usage above)" >&2; exit 2; }
+    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
+      for tree in before . before . before .; do
+        echo "== ${tree/./after} $what: $(cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 90 python -m mlxcel_cli bench \
+          --model-shape $what -p 0 -n 128 -d 512 -r 5 -o jsonl 2>/dev/null | python -c "$row")"
+      done
+    done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|host|depth|engine|models|ab" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|host|depth|engine|models|ab|abq" >&2
     exit 2 ;;
 esac

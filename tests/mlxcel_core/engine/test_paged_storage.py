@@ -179,7 +179,9 @@ def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir
             engine.step()
         return engine.sequence(seq).output_ids
 
-    want = run()
+    with monkeypatch.context() as ops_path:  # on CUDA too: the reference is the ops path the stand-in runs
+        ops_path.setattr(paged, "cuda_kernel_available", lambda: False)
+        want = run()
     calls = []
 
     def kernel_stand_in(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None):
