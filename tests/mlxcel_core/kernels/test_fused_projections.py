@@ -36,7 +36,8 @@ def _decode_logits(model, batch: int = 1, steps: int = 4) -> mx.array:
 @pytest.mark.parametrize("bits", [None, 4], ids=["plain", "q4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_fused_equals_separate_bit_for_bit(bits, dtype, batch):
+def test_fused_equals_separate_bit_for_bit(monkeypatch, bits, dtype, batch):
+    monkeypatch.setenv("MLXCEL_FUSE", "0")  # built separate, as on CPU (on CUDA build_random_model fuses)
     model, _ = build_random_model("tiny", bits=bits, dtype=dtype, seed=3)
     names = {k: v.shape for k, v in tree_flatten(model.parameters())}
     separate = _decode_logits(model, batch)
@@ -272,6 +273,7 @@ def test_fusion_marks_the_fast_output_projections(monkeypatch):
     from mlxcel_core.kernels.fast_linear import FastQuantizedLinear, use_fast_quantized_linear
 
     monkeypatch.setattr(fast_linear, "MIN_WEIGHT", 0)  # swap even the tiny layers
+    monkeypatch.setenv("MLXCEL_FUSE", "0")  # built separate, as on CPU (on CUDA build_random_model fuses)
     model, _ = build_random_model("tiny", bits=4, seed=2)
     use_fast_quantized_linear(model)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
