@@ -3,6 +3,10 @@ on a random model shape, under torch.profiler (CUPTI records every kernel of the
 
     python benchmarks/gpu_profile.py --model-shape llama-3-8b --dtype bfloat16
     MLXCEL_HMV=1 python benchmarks/gpu_profile.py --model-shape llama-3-8b --top 25
+    python benchmarks/gpu_profile.py --model-shape llama-3.2-1b --prefill   # a prompt's prefill (TTFT) instead
+
+With --prefill the unit is one request's time to its first token (a new random prompt each, on one engine /
+through generate_step), not one decode token.
 
 Needs PyTorch built with CUDA next to MLX's CUDA backend (the H200 image has it). Per side: wall ms per token, GPU
 busy ms per token (the union of kernel intervals: wall minus busy is time the GPU waited for the host), launches per
@@ -13,6 +17,7 @@ tokens after the same warm-up; it is one measurement, not a speed claim (use com
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import sys
 import time
@@ -51,6 +56,32 @@ def mlx_lm_tokens(model, prompt: list[int], warm: int, count: int):
 
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=warm + count + 1):
         yield int(token)
+
+
+def mlxcel_first_tokens(model, vocab: int, prompt_tokens: int):
+    """A generator: each item is the first token of a new random prompt, prefilled by one engine (TTFT as serve
+    and generate pay it)."""
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage="auto"))
+    for i in itertools.count():
+        seq = engine.open(random_prompt(vocab, prompt_tokens, 0, "gpu-profile-prefill", i),
+                          SamplingParams(max_tokens=1))
+        first = None
+        while engine.has_work():
+            for out in engine.step():
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"mlxcel: {out.error}")
+                if out.token is not None and first is None:
+                    first = out.token
+        engine.release(seq)
+        yield first
+
+
+def mlx_lm_first_tokens(model, vocab: int, prompt_tokens: int):
+    from mlx_lm.generate import generate_step
+
+    for i in itertools.count():
+        prompt = random_prompt(vocab, prompt_tokens, 0, "gpu-profile-prefill", i)
+        yield int(next(generate_step(mx.array(prompt), model, max_tokens=1))[0])
 
 
 def short_name(name: str) -> str:
@@ -116,8 +147,7 @@ def profile_tokens(tokens, warm: int, count: int, detail: bool = False) -> dict:
     wall = time.perf_counter() - t0
     torch.cuda.synchronize()
     prof.stop()
-    for _ in tokens:  # let the generator finish (releases the engine's sequence)
-        pass
+    tokens.close()  # ends the generator (its finally blocks and the engine go with it)
     kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
                if e.device_type() == DeviceType.CUDA]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -130,17 +160,17 @@ def profile_tokens(tokens, warm: int, count: int, detail: bool = False) -> dict:
             "by_shape": launch_shapes(prof) if detail else {}}
 
 
-def report(side: str, r: dict, count: int, top: int) -> None:
-    print(f"{side}: wall {r['wall_ms']:.3f} ms/token, GPU busy {r['busy_ms']:.3f} ms/token "
-          f"({100 * r['busy_ms'] / r['wall_ms']:.0f}%), {r['launches']:.0f} kernel launches/token")
+def report(side: str, r: dict, count: int, top: int, unit: str = "token") -> None:
+    print(f"{side}: wall {r['wall_ms']:.3f} ms/{unit}, GPU busy {r['busy_ms']:.3f} ms/{unit} "
+          f"({100 * r['busy_ms'] / r['wall_ms']:.0f}%), {r['launches']:.0f} kernel launches/{unit}")
     ranked = sorted(r["by_name"].items(), key=lambda kv: -kv[1][1])
     for name, (n, us) in ranked[:top]:
-        print(f"  {us / count:9.1f} us/token {n / count:6.1f} calls/token {us / n:8.2f} us/call  {name}")
+        print(f"  {us / count:9.1f} us/{unit} {n / count:6.1f} calls/{unit} {us / n:8.2f} us/call  {name}")
     if r["by_shape"]:
         print("  by launch shape (grid, block; registers a thread, achieved occupancy %):")
         ranked = sorted(r["by_shape"].items(), key=lambda kv: -kv[1][1])
         for (name, grid, block), (n, us, regs, occ) in ranked[:top]:
-            print(f"  {us / count:9.1f} us/token {n / count:6.1f} calls/token {us / n:8.2f} us/call  grid {grid} "
+            print(f"  {us / count:9.1f} us/{unit} {n / count:6.1f} calls/{unit} {us / n:8.2f} us/call  grid {grid} "
                   f"block {block} regs {regs} occ {occ}  {name[:48]}")
 
 
@@ -155,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--side", choices=("both", "mlxcel", "mlx-lm"), default="both")
     parser.add_argument("--shapes", action="store_true", help="also rank launches by (kernel, grid, block)")
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile prompts' prefills (time to first token), --warm and --tokens of them")
     args = parser.parse_args(argv)
     try:
         import torch
@@ -167,17 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     ours, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
     vocab = config["vocab_size"]
     prompt = random_prompt(vocab, args.prompt_tokens, 0, "gpu-profile")
+    unit = "prefill" if args.prefill else "token"
     print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
-          f"{args.warm} warm-up tokens, {args.tokens} profiled")
+          f"{args.warm} warm-up {unit}s, {args.tokens} profiled")
     if args.side in ("both", "mlxcel"):
-        r = profile_tokens(mlxcel_tokens(ours, vocab, prompt, args.warm, args.tokens), args.warm, args.tokens,
-                           args.shapes)
-        report("mlxcel", r, args.tokens, args.top)
+        tokens = (mlxcel_first_tokens(ours, vocab, args.prompt_tokens) if args.prefill
+                  else mlxcel_tokens(ours, vocab, prompt, args.warm, args.tokens))
+        report("mlxcel", profile_tokens(tokens, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
     if args.side in ("both", "mlx-lm"):
         theirs = compare.mlx_lm_twin(ours, config)
-        r = profile_tokens(mlx_lm_tokens(theirs, prompt, args.warm, args.tokens), args.warm, args.tokens,
-                           args.shapes)
-        report("mlx-lm", r, args.tokens, args.top)
+        tokens = (mlx_lm_first_tokens(theirs, vocab, args.prompt_tokens) if args.prefill
+                  else mlx_lm_tokens(theirs, prompt, args.warm, args.tokens))
+        report("mlx-lm", profile_tokens(tokens, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
     return 0
 
 

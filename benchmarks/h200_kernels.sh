@@ -20,6 +20,8 @@
 #                                              # launches a layer: the 1B step is host-bound)
 #   bash benchmarks/h200_kernels.sh profile    # where a decode token's GPU time goes, mlxcel vs mlx-lm (CUPTI), and
 #                                              # by launch shape (grid, block, registers, achieved occupancy)
+#   bash benchmarks/h200_kernels.sh prefill    # where a 512-token prefill's time goes (TTFT), mlxcel vs mlx-lm, 1B bf16
+#                                              # and 4-bit (the 1B bf16 TTFT was above mlx-lm's, thirteenth session)
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
@@ -102,6 +104,11 @@ case "${1:-}" in
     for shape in "llama-3.2-1b" "llama-3-8b"; do
       timeout 140 python benchmarks/gpu_profile.py --model-shape $shape --top 12 --shapes 2>&1 | grep -vi "warn"
     done ;;
+  prefill)
+    for what in "--dtype bfloat16" "--bits 4"; do
+      timeout 200 python benchmarks/gpu_profile.py --model-shape llama-3.2-1b $what --prefill --warm 3 --tokens 8 \
+        --top 14 2>&1 | grep -vi "warn"
+    done ;;
   host)
     for what in "--dtype bfloat16" "--bits 4"; do
       timeout 140 python benchmarks/host_profile.py --model-shape llama-3.2-1b $what --top 16 2>&1 | grep -vi "warn"
@@ -135,6 +142,6 @@ case "${1:-}" in
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|host|depth|engine|models|ab|abq" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|engine|models|ab|abq" >&2
     exit 2 ;;
 esac
