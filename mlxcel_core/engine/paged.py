@@ -56,11 +56,15 @@ class PagedStorage:
         self.lengths: dict[int, int] = {}  # tokens written per sequence
         self.prompts: dict[int, list[int]] = {}
         self.written_in_place: list[mx.array] = []  # arrays of the steps whose kernels wrote the pools in place
-        # Per layer on CUDA: the decode kernel's combine counters (zeros it leaves as it found them), made with the
-        # layer's pools, outside any compiled trace, so a trace captures the same array for every step. None where
-        # the kernel does not run or MLXCEL_COMBINE_IN_KERNEL=0 (asked once, here).
+        # Per layer on CUDA: the decode kernel's combine counters (zeros it leaves as it found them), made here,
+        # outside any compiled trace, so a trace captures the same array for every step; evaluated in one call (made
+        # with each layer's pools at the first prefill, their evals were one host sync a layer in its TTFT). None
+        # where the kernel does not run or MLXCEL_COMBINE_IN_KERNEL=0 (asked once, here).
         self.combine_in_kernel = cuda_kernel_available() and kv_bits is None and combine_in_kernel()
         self.combine_counters: list[mx.array | None] = [None] * num_layers
+        if self.combine_in_kernel:
+            self.combine_counters = [mx.zeros((COUNTERS,), mx.int32) for _ in range(num_layers)]
+            mx.eval(self.combine_counters)
 
     # -- KVStorage ----------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], conversation=None) -> int:
@@ -171,9 +175,6 @@ class PagedStorage:
         if self.pools[layer] is None:
             size = (self.pool_rows, self.pool.block_size)
             self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
-            if self.combine_in_kernel:
-                self.combine_counters[layer] = counters = mx.zeros((COUNTERS,), mx.int32)
-                mx.eval(counters)
         elif self.pools[layer][0].shape[0] < self.pool_rows:  # higher blocks came into use: grow (zeros, as new)
             self.pools[layer] = [mx.concatenate([pool, mx.zeros((self.pool_rows - pool.shape[0], *pool.shape[1:]),
                                                                pool.dtype)]) for pool in self.pools[layer]]

@@ -37,6 +37,27 @@ def test_first_and_later_chunks_equal_attention_over_the_blocks(window, softcap)
         assert mx.array_equal(keys[:, :, start:start + length], k)  # the blocks hold the chunk either way
 
 
+def test_combine_counters_are_made_with_the_storage_and_a_prefill_syncs_nothing(monkeypatch):
+    """The counters exist, evaluated, from construction (one mx.eval for all layers), so a first prefill makes no
+    host sync of its own: made there, they cost one eval a layer in the request's TTFT."""
+    from mlxcel_core.engine import paged
+    from mlxcel_core.kv.cuda_paged_attention import COUNTERS
+
+    monkeypatch.setattr(paged, "cuda_kernel_available", lambda: True)  # as on CUDA: the kernel would run
+    evals = []
+    real_eval = paged.mx.eval
+    monkeypatch.setattr(paged.mx, "eval", lambda *arrays: (evals.append(arrays), real_eval(*arrays)))
+    storage = PagedStorage(num_layers=3, block_size=4, kv_budget_tokens=64)
+    assert len(evals) == 1 and storage.combine_in_kernel
+    assert [(c.shape, c.dtype) for c in storage.combine_counters] == [((COUNTERS,), mx.int32)] * 3
+    storage.add(0, list(range(6)))
+    for seed, view in enumerate(storage.prefill_caches(0, 0, 6)):
+        view.attend(*_qkv(6, seed), 0.5)
+    assert len(evals) == 1
+    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", "0")
+    assert PagedStorage(num_layers=3).combine_counters == [None] * 3 and len(evals) == 1
+
+
 def test_pools_start_small_and_grow_by_doubling():
     storage = PagedStorage(num_layers=1, block_size=2, kv_budget_tokens=1000)
     storage.add(0, list(range(10)))
