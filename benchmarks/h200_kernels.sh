@@ -22,6 +22,9 @@
 #                                              # by launch shape (grid, block, registers, achieved occupancy)
 #   bash benchmarks/h200_kernels.sh prefill    # where a 512-token prefill's time goes (TTFT), mlxcel vs mlx-lm, 1B bf16
 #                                              # and 4-bit (the 1B bf16 TTFT was above mlx-lm's, thirteenth session)
+#   bash benchmarks/h200_kernels.sh graphs SHAPE.. # MLX's CUDA graph settings (MLX_USE_CUDA_GRAPHS=0/1,
+#                                              # MLX_MAX_OPS_PER_BUFFER 60/200), mlxcel bench only: with 88 launches a
+#                                              # 1B step (573 ops when last swept) the best setting may differ
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
@@ -36,6 +39,11 @@
 # Commit what they print to benchmarks/RESULTS.md; flip a default only where its tests pass and it wins.
 set -u
 A="--prompt-tokens 512 --gen-tokens 128"
+tg128() {
+  # SHAPE..: one line, mlxcel's decode speed alone (`mlxcel bench` tg128 @ d512, 5 repetitions) in this directory
+  python -m mlxcel_cli bench --model-shape "$@" -p 0 -n 128 -d 512 -r 5 -o jsonl 2>/dev/null | python -c \
+    'import json, sys; r = json.loads(sys.stdin.readlines()[-1]); print(r["test"], "%.1f +/- %.1f t/s" % (r["avg_ts"], r["stddev_ts"]))'
+}
 case "${1:-}" in
   tests)
     timeout 240 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py --timeout 100 \
@@ -133,15 +141,24 @@ case "${1:-}" in
     done ;;
   abq)
     shift
-    row='import json, sys; r = json.loads(sys.stdin.readlines()[-1]); print(r["test"], "%.1f +/- %.1f t/s" % (r["avg_ts"], r["stddev_ts"]))'
     [ -d before ] || { echo "abq: no before/ tree (see the usage above)" >&2; exit 2; }
     for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
       for tree in before . before . before .; do
-        echo "== ${tree/./after} $what: $(cd $tree && PYTHONPATH=/tmp/site:$PWD timeout 90 python -m mlxcel_cli bench \
-          --model-shape $what -p 0 -n 128 -d 512 -r 5 -o jsonl 2>/dev/null | python -c "$row")"
+        echo "== ${tree/./after} $what: $(cd $tree && PYTHONPATH=/tmp/site:$PWD tg128 $what)"
+      done
+    done ;;
+  graphs)
+    # MLX's CUDA graph settings (they apply to the whole process), mlxcel bench only, twice each, alternating
+    shift
+    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
+      for rep in 1 2; do
+        for setting in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 \
+                       MLX_MAX_OPS_PER_BUFFER=200; do
+          echo "== $setting $what: $(export $setting; tg128 $what)"
+        done
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|engine|models|ab|abq" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac
