@@ -27,6 +27,8 @@
 #                                              # 1B step (573 ops when last swept) the best setting may differ
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
+#   bash benchmarks/h200_kernels.sh launch     # a launcher thread encodes step k while the main thread builds k + 1
+#                                              # (launch_thread.py, 1B bf16 and 4-bit: does the host cost overlap?)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
 #   bash benchmarks/h200_kernels.sh ab SHAPE.. # a change's paired runs: the tree in before/ (made on your machine
@@ -125,6 +127,10 @@ case "${1:-}" in
     for what in "--dtype bfloat16" "--bits 4"; do
       timeout 200 python benchmarks/decode_depth.py --model-shape llama-3.2-1b $what --rounds 3 2>&1 | grep -vi "warn"
     done ;;
+  launch)
+    for what in "--dtype bfloat16" "--bits 4"; do
+      timeout 200 python benchmarks/launch_thread.py --model-shape llama-3.2-1b $what --rounds 3 2>&1 | grep -vi "warn"
+    done ;;
   engine|models)
     # -rf: the failures by name (the whole list of both directories does not fit one call's output or 10 minutes)
     timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/$1 --timeout 60 --tb=line -rf 2>&1 \
@@ -159,6 +165,6 @@ case "${1:-}" in
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|engine|models|ab|abq|graphs" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac
