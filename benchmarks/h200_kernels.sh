@@ -27,8 +27,8 @@
 #                                              # 1B step (573 ops when last swept) the best setting may differ
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
-#   bash benchmarks/h200_kernels.sh launch     # a launcher thread encodes step k while the main thread builds k + 1
-#                                              # (launch_thread.py, 1B bf16 and 4-bit: does the host cost overlap?)
+#   bash benchmarks/h200_kernels.sh launch SHAPE.. # the engine's launcher thread (MLXCEL_LAUNCH_THREAD=1: step k
+#                                              # handed to MLX while step k + 1 is built) off / on, mlxcel bench only
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
 #   bash benchmarks/h200_kernels.sh ab SHAPE.. # a change's paired runs: the tree in before/ (made on your machine
@@ -128,8 +128,15 @@ case "${1:-}" in
       timeout 200 python benchmarks/decode_depth.py --model-shape llama-3.2-1b $what --rounds 3 2>&1 | grep -vi "warn"
     done ;;
   launch)
-    for what in "--dtype bfloat16" "--bits 4"; do
-      timeout 200 python benchmarks/launch_thread.py --model-shape llama-3.2-1b $what --rounds 3 2>&1 | grep -vi "warn"
+    # the engine's launcher thread (MLXCEL_LAUNCH_THREAD) off / on, mlxcel bench only, twice each, alternating;
+    # then `gate MLXCEL_LAUNCH_THREAD SHAPE` for the record against mlx-lm where it wins
+    shift
+    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
+      for rep in 1 2; do
+        for setting in MLXCEL_LAUNCH_THREAD=0 MLXCEL_LAUNCH_THREAD=1; do
+          echo "== $setting $what: $(export $setting; tg128 $what)"
+        done
+      done
     done ;;
   engine|models)
     # -rf: the failures by name (the whole list of both directories does not fit one call's output or 10 minutes)

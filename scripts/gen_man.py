@@ -50,6 +50,9 @@ ENVIRONMENT = [
                         "unaffected)."),
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
                    "Default: 1 (CUDA only; elsewhere always MLX's)."),
+    ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default, not yet measured on a GPU): hand each compiled paged "
+                             "decode step to MLX on a launcher thread while the next one is built; tokens are read "
+                             "two steps later instead of one."),
 ]
 EXIT_STATUS = [("0", "Success."), ("1", "Runtime failure (model load, generation or backend error)."),
                ("2", "Usage or input error (bad option or value, no or empty prompt, model missing, unsupported or corrupt)."),

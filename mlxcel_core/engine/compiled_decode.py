@@ -54,8 +54,11 @@ def compile_enabled(requested: bool | None = None) -> bool:
 
 def describe_decode_steps() -> str:
     """For benchmark headers: how this process's engines build decode steps by default."""
+    from .launcher import ENV as LAUNCH_ENV, launch_thread_requested
+
     if compile_enabled():
-        return "compiled where supported"
+        return "compiled where supported" + (
+            f", paged steps handed to MLX on a launcher thread ({LAUNCH_ENV}=1)" if launch_thread_requested() else "")
     env = os.environ.get(ENV, "").strip()
     return f"op by op ({ENV}={env})" if env == "0" else f"op by op (the default on CPU; {ENV}=1 compiles)"
 
@@ -101,6 +104,7 @@ class StepTraces:
         self.paged = mx.compile(self._paged_forward)
         self.storage: PagedStorage | None = None  # the storage a paged trace runs against (set before each call)
         self.traced = 0  # how often a step function's Python body ran, i.e. traces made
+        self.paged_shapes: set[tuple] = set()  # the paged inputs' shapes and dtypes traced so far (replays)
 
     @property
     def model(self) -> CausalLM:
@@ -166,14 +170,18 @@ class CompiledDecoder:
         return not DENSE_MASK_IS_SLOW() and all(
             isinstance(c, KVCache) and c.kv_bits is None and c.columns > 0 for c in caches)
 
-    def decode(self, tokens: mx.array, caches: Sequence[KVCache] | Sequence[DecodeView]) -> mx.array:
-        """`tokens` [B] -> logits [B, V]; every row's cache gains its token."""
-        logits = self._decode_paged(tokens, caches) if isinstance(caches[0], DecodeView) else \
-            self._decode_dense(tokens, caches)
+    def decode(self, tokens: mx.array, caches: Sequence[KVCache] | Sequence[DecodeView],
+               before_trace=None) -> mx.array:
+        """`tokens` [B] -> logits [B, V]; every row's cache gains its token. `before_trace`: called first when
+        this call will trace (run the model's Python, which may evaluate) rather than replay a paged trace."""
+        logits = self._decode_paged(tokens, caches, before_trace) if isinstance(caches[0], DecodeView) else \
+            self._decode_dense(tokens, caches, before_trace)
         self.steps += 1
         return logits
 
-    def _decode_dense(self, tokens: mx.array, caches: Sequence[KVCache]) -> mx.array:
+    def _decode_dense(self, tokens: mx.array, caches: Sequence[KVCache], before_trace=None) -> mx.array:
+        if before_trace is not None:  # (replays are not told apart here: threaded engines decode paged only)
+            before_trace()
         for cache in caches:
             cache.reserve(1)
         first = caches[0]
@@ -186,11 +194,18 @@ class CompiledDecoder:
             cache.columns += 1
         return logits
 
-    def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView]) -> mx.array:
+    def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView], before_trace=None) -> mx.array:
         view = views[0]
         self.traces.storage = view.storage
-        logits, pools = self.traces.paged(tokens, *view.slots, view.block_tables, view.offset, view.context_lens,
-                                          view.storage.pools)
+        inputs = (tokens, *view.slots, view.block_tables, view.offset, view.context_lens)
+        # What mx.compile keys its traces on: the inputs' shapes and dtypes (the pools grow by doubling), and the
+        # stream the step is built on (a threaded engine's is its launcher's).
+        shapes = (str(mx.default_stream(mx.default_device())),
+                  *((a.shape, a.dtype) for a in (*inputs, *(p for layer in view.storage.pools for p in layer))))
+        if before_trace is not None and shapes not in self.traces.paged_shapes:
+            before_trace()
+        logits, pools = self.traces.paged(*inputs, view.storage.pools)
+        self.traces.paged_shapes.add(shapes)
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
         # Its attention kernels may have written the pools in place: later pool updates wait for it (paged.py).
         view.storage.written_in_place.append(logits)

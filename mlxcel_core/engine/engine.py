@@ -3,7 +3,7 @@
 Each `step()`: ask the scheduler for a plan (plain data), run it through the model runner (decode all
 rows in one forward, plus at most one prefill chunk), sample every row with its own sampler, then
 read the *previous* step's tokens on the host while the device computes this one (lookahead
-pipelining), and apply stops. A failing row ends with finish_reason "error"; the others go on.
+pipelining; two steps back where a launcher thread hands steps to MLX, launcher.py), and apply stops. A failing row ends with finish_reason "error"; the others go on.
 With a drafter configured, a sequence that decodes alone runs a speculative round instead of its
 decode (speculative.py: draft, verify in one forward, trim); while batching, rows decode plainly.
 """
@@ -26,6 +26,7 @@ from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from .compiled_decode import compile_enabled
+from .launcher import launch_thread_requested, make_launcher
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, SchedulerConfig
 from .speculative import Speculator, make_drafter, verify
@@ -97,11 +98,18 @@ class Engine:
             prefill_grant_interval=self.config.prefill_grant_interval,
             kv_budget_tokens=self.config.kv_budget_for(self.max_context)), on_admit=self._admit)
         self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
+        # MLXCEL_LAUNCH_THREAD=1: steady decode steps are submitted on a launcher thread while this one builds
+        # the next (launcher.py); only where nothing else evaluates on this thread between steps.
+        self._threaded = (launch_thread_requested() and self.lookahead and compiled
+                          and self.config.resolved_storage == "paged" and self.config.speculative is None)
+        self.launcher = make_launcher(self._threaded)
+        self._steady_rows: tuple[int, ...] | None = None  # the last step's rows when it only decoded them
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
-        self._unread: dict[int, _Sampled] = {}
-        self._readout: mx.array | None = None  # the unread rows' tokens as one int32 vector, -1 where NaN
+        # Submitted steps not read yet, oldest first: each row's sampled token and the rows' tokens as one int32
+        # vector (-1 where NaN).
+        self._unread: list[tuple[dict[int, _Sampled], mx.array]] = []
         self._conversations: dict[int, Conversation | None] = {}
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
         self._token_texts: list[str] | None = None  # each token's text, for DRY sequence breakers
@@ -157,13 +165,28 @@ class Engine:
         return self.scheduler.has_work() or bool(self._unread)
 
     def step(self) -> list[StepOutput]:
+        with self.launcher.stream():
+            return self._step()
+
+    def _step(self) -> list[StepOutput]:
         if self.mirror is not None:
             self.mirror.before_step()
         # A sequence decoding alone speculates (speculative.py); drafting needs every token so far on the host.
         speculate = self.speculator is not None and sum(1 for _ in self._live()) == 1
         sync = not self.lookahead or speculate or any(s.params.needs_history for s in self._live())
-        outputs = self._commit() if sync else []  # processors must see every token so far
+        outputs = []
+        if sync:  # processors must see every token so far
+            self.launcher.wait()
+            outputs = self._commit(keep=0)
         batch = self.scheduler.schedule()
+        # Overlap (threaded launcher): the same rows decode again and nothing else, so building this step
+        # evaluates nothing on this thread (a first decode traces, a prefill chunk evaluates its caches).
+        rows = tuple(batch.decode)
+        decode_only = bool(rows) and batch.prefill is None and not batch.cancelled and not sync
+        overlap = self._threaded and decode_only and rows == self._steady_rows and self.mirror is None
+        self._steady_rows = rows if decode_only else None
+        if not overlap:
+            self.launcher.wait()
         for seq_id in batch.cancelled:
             outputs.append(self._end(self._sequences[seq_id], "cancelled", token=None))
         produced: dict[int, _Sampled] = {}
@@ -172,7 +195,8 @@ class Engine:
             outputs += speculated
         elif batch.decode:
             tokens = mx.concatenate([self._latest[s] for s in batch.decode])  # one row: the array itself
-            outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens))
+            quiesce = self.launcher.wait if overlap else None  # a trace must not run beside a launch
+            outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens, quiesce))
         if batch.prefill is not None:
             work = batch.prefill
             seq = self._sequences[work.seq_id]
@@ -182,13 +206,20 @@ class Engine:
         # The host reads this step's rows as one vector (-1: NaN logits), built and scheduled now with the step:
         # made later in _commit it would queue behind the next step's forward and wait for it (no overlap).
         readout = mx.concatenate([s.readout for s in produced.values()]) if produced else None
-        mx.async_eval([a for sampled in produced.values() for a in sampled.arrays()] + ([readout] if produced else []))
+        arrays = [a for sampled in produced.values() for a in sampled.arrays()] + ([readout] if produced else [])
+        if overlap:
+            self.launcher.wait()  # the previous step is encoded: this thread may read
+            outputs += self._commit(keep=1)  # the step before it (the device holds the previous one)
+        if self._threaded:  # the launcher submits the steps that wrote pools in place, in order, with this one
+            arrays += self.storage.written_in_place
+            self.storage.written_in_place = []
+        self.launcher.submit(arrays)
         self._latest.update({s: sampled.token for s, sampled in produced.items()})
-        if sync:
-            self._unread, self._readout = produced, readout
-            return outputs + self._commit()
-        outputs += self._commit()
-        self._unread, self._readout = produced, readout
+        if produced:
+            self._unread.append((produced, readout))
+        if sync or not overlap:  # read everything but this step (all of it when sync)
+            self.launcher.wait()
+            outputs += self._commit(keep=0 if sync or not produced else 1)
         return outputs
 
     # -- internals ----------------------------------------------------------------------------
@@ -276,11 +307,14 @@ class Engine:
                 break
         return outputs
 
-    def _commit(self) -> list[StepOutput]:
-        unread, self._unread = self._unread, {}
-        readout, self._readout = self._readout, None
-        if not unread:
-            return []
+    def _commit(self, keep: int) -> list[StepOutput]:
+        """Read the submitted steps, oldest first, until `keep` are left unread."""
+        outputs = []
+        while len(self._unread) > keep:
+            outputs += self._commit_step(*self._unread.pop(0))
+        return outputs
+
+    def _commit_step(self, unread: dict[int, _Sampled], readout: mx.array) -> list[StepOutput]:
         read = readout.tolist()  # one host read for the whole step (not two per row); scheduled in step()
         outputs = []
         now = time.perf_counter()

@@ -1,0 +1,94 @@
+"""How an engine hands a step's graph to MLX: inline (`mx.async_eval` on the engine's thread) or on a launcher
+thread (MLXCEL_LAUNCH_THREAD=1, opt-in until measured on a GPU: benchmarks/launch_thread.py).
+
+A batch-1 decode step on a fast GPU is bound by the host: most of a small model's step is `mx.async_eval` itself
+(MLX encoding every kernel into CUDA graphs), the rest is Python building the next step's graph. async_eval releases
+the GIL, so a launcher thread can encode step k while the engine's thread builds step k + 1.
+
+MLX 0.32's streams belong to the thread that made them, so a threaded engine puts all its work on one
+`mx.new_thread_unsafe_stream`, and keeps two threads off it at once: the engine's thread evaluates nothing (reads
+no token, runs no prefill eval) until `wait()` says the launcher is idle. It therefore reads a step's tokens two
+steps later (lookahead 2) where the inline engine reads them one step later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import mlx.core as mx
+
+ENV = "MLXCEL_LAUNCH_THREAD"
+
+
+def launch_thread_requested() -> bool:
+    return os.environ.get(ENV, "").strip() == "1"
+
+
+class InlineLauncher:
+    """Steps are submitted on the engine's own thread; tokens are read one step later."""
+
+    lookahead = 1  # steps submitted and not read yet, after a step is submitted
+
+    def stream(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def submit(self, arrays: list[mx.array]) -> None:
+        mx.async_eval(arrays)
+
+    def wait(self) -> None:
+        """The engine's thread may evaluate (nothing runs elsewhere)."""
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadLauncher:
+    """Steps are submitted (mx.async_eval) on one worker thread, in order, on a stream any thread may use."""
+
+    lookahead = 2
+
+    def __init__(self, device: mx.Device | None = None):
+        self._stream = _launch_stream(device or mx.default_device())
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxcel-launch")
+        self._pending: Future | None = None
+
+    def stream(self) -> contextlib.AbstractContextManager:
+        """Where the engine builds its graphs (every op of a step on the launcher's stream)."""
+        return mx.stream(self._stream)
+
+    def submit(self, arrays: list[mx.array]) -> None:
+        self.wait()
+        self._pending = self._pool.submit(self._launch, arrays)
+
+    def _launch(self, arrays: list[mx.array]) -> None:  # on the worker thread
+        mx.async_eval(arrays)
+
+    def wait(self) -> None:
+        """Block until the last submitted step is encoded: the stream is then the engine thread's alone. A launch
+        that failed raises here, on the engine's thread."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+
+_STREAMS: dict[str, mx.Stream] = {}
+
+
+def _launch_stream(device: mx.Device) -> mx.Stream:
+    """One launcher stream per device for the process: compiled decode traces are the model's, shared by its
+    engines, and MLX traces again for a step built on another stream (inside a new engine's first request).
+    Engines stepped from several threads at once would share it unsafely; mlxcel steps one engine per process."""
+    key = str(device)
+    if key not in _STREAMS:
+        _STREAMS[key] = mx.new_thread_unsafe_stream(device)
+    return _STREAMS[key]
+
+
+def make_launcher(threaded: bool) -> InlineLauncher | ThreadLauncher:
+    return ThreadLauncher() if threaded else InlineLauncher()
