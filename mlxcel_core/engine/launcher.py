@@ -60,7 +60,8 @@ class ThreadLauncher:
 
     def submit(self, arrays: list[mx.array]) -> None:
         self.wait()
-        self._pending = self._pool.submit(self._launch, arrays)
+        if arrays:  # (an eval of nothing would still make the worker a stream of its own)
+            self._pending = self._pool.submit(self._launch, arrays)
 
     def _launch(self, arrays: list[mx.array]) -> None:  # on the worker thread
         mx.async_eval(arrays)

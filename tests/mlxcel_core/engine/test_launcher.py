@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -112,7 +113,7 @@ def test_a_failed_launch_raises_on_the_engine_thread(monkeypatch):
         raise RuntimeError("launch failed")
 
     monkeypatch.setattr(launcher, "_launch", fail)
-    launcher.submit([])
+    launcher.submit([mx.array(1)])
     with pytest.raises(RuntimeError, match="launch failed"):
         launcher.wait()
     launcher.wait()  # reported once
