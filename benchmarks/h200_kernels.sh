@@ -28,7 +28,8 @@
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
 #   bash benchmarks/h200_kernels.sh launch SHAPE.. # the engine's launcher thread (MLXCEL_LAUNCH_THREAD=1: step k
-#                                              # handed to MLX while step k + 1 is built) off / on, mlxcel bench only
+#                                              # handed to MLX while step k + 1 is built): its tests, then off / on,
+#                                              # mlxcel bench only
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
 #   bash benchmarks/h200_kernels.sh ab SHAPE.. # a change's paired runs: the tree in before/ (made on your machine
@@ -131,6 +132,8 @@ case "${1:-}" in
     # the engine's launcher thread (MLXCEL_LAUNCH_THREAD) off / on, mlxcel bench only, twice each, alternating;
     # then `gate MLXCEL_LAUNCH_THREAD SHAPE` for the record against mlx-lm where it wins
     shift
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_launcher.py --timeout 60 \
+      --tb=short 2>&1 | grep -E "^E |passed|failed|Fatal" | tail -8
     for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
       for rep in 1 2; do
         for setting in MLXCEL_LAUNCH_THREAD=0 MLXCEL_LAUNCH_THREAD=1; do
