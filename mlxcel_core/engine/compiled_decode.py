@@ -34,6 +34,7 @@ import mlx.core as mx
 from ..cache import KVCache
 from ..kv.cuda_paged_attention import cuda_kernel_available
 from ..models.base import CausalLM, scaled_dot_product_attention
+from .launcher import ENV as LAUNCH_ENV, launch_thread_requested
 from .paged import DecodeView, PagedStorage
 
 ENV = "MLXCEL_COMPILE"  # "1": compile decode steps, "0": build them op by op; unset: EngineConfig decides
@@ -54,8 +55,6 @@ def compile_enabled(requested: bool | None = None) -> bool:
 
 def describe_decode_steps() -> str:
     """For benchmark headers: how this process's engines build decode steps by default."""
-    from .launcher import ENV as LAUNCH_ENV, launch_thread_requested
-
     if compile_enabled():
         return "compiled where supported" + (
             f", paged steps handed to MLX on a launcher thread ({LAUNCH_ENV}=1)" if launch_thread_requested() else "")

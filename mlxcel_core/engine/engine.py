@@ -3,7 +3,8 @@
 Each `step()`: ask the scheduler for a plan (plain data), run it through the model runner (decode all
 rows in one forward, plus at most one prefill chunk), sample every row with its own sampler, then
 read the *previous* step's tokens on the host while the device computes this one (lookahead
-pipelining; two steps back where a launcher thread hands steps to MLX, launcher.py), and apply stops. A failing row ends with finish_reason "error"; the others go on.
+pipelining; two steps back where a launcher thread hands steps to MLX, launcher.py), and apply stops.
+A failing row ends with finish_reason "error"; the others go on.
 With a drafter configured, a sequence that decodes alone runs a speculative round instead of its
 decode (speculative.py: draft, verify in one forward, trim); while batching, rows decode plainly.
 """
@@ -195,8 +196,9 @@ class Engine:
             outputs += speculated
         elif batch.decode:
             tokens = mx.concatenate([self._latest[s] for s in batch.decode])  # one row: the array itself
-            quiesce = self.launcher.wait if overlap else None  # a trace must not run beside a launch
-            outputs += self._run(batch.decode, produced, lambda: self.runner.decode(batch.decode, tokens, quiesce))
+            before_trace = self.launcher.wait if overlap else None  # a trace must not run beside a launch
+            outputs += self._run(batch.decode, produced,
+                                 lambda: self.runner.decode(batch.decode, tokens, before_trace))
         if batch.prefill is not None:
             work = batch.prefill
             seq = self._sequences[work.seq_id]
