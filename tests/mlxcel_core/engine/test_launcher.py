@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import mlx.core as mx
@@ -10,7 +11,7 @@ import pytest
 
 from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
-from mlxcel_core.engine.launcher import InlineLauncher, ThreadLauncher
+from mlxcel_core.engine.launcher import SWITCH_INTERVAL_S, InlineLauncher, ThreadLauncher
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
 
@@ -18,6 +19,14 @@ rng = np.random.default_rng(5)
 PROMPTS = [rng.integers(3, 300, size=n).tolist() for n in (5, 17, 1, 40, 9)]
 ARRIVAL_STEP = [0, 0, 3, 4, 20]
 MAX_TOKENS = [30, 12, 25, 9, 14]
+
+
+@pytest.fixture(autouse=True)
+def switch_interval():
+    """Threaded engines lower the process's GIL switch interval: the other tests get theirs back."""
+    kept = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(kept)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +116,10 @@ def test_inline_unless_asked_and_compiled_paged(loaded, monkeypatch):
 
 
 def test_a_failed_launch_raises_on_the_engine_thread(monkeypatch):
+    monkeypatch.setattr(sys, "setswitchinterval", lambda seconds: switch.append(seconds))
+    switch = []
     launcher = ThreadLauncher()
+    assert switch == [min(sys.getswitchinterval(), SWITCH_INTERVAL_S)]  # the launcher gets the GIL when it needs it
 
     def fail(arrays):
         raise RuntimeError("launch failed")
