@@ -4,6 +4,8 @@
 # mlx-lm==0.32.2 to stage.sh's package list, or compare_mlx_lm.py and gpu_profile.py's mlx-lm side have no mlx_lm), with
 #   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
+#   bash benchmarks/h200_kernels.sh changed    # the tests the thirteenth session changed or added, not yet run there
+#                                              # (fused projections built unfused, paged storage, the launcher)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
@@ -57,6 +59,10 @@ case "${1:-}" in
       tests/mlxcel_core/test_init.py --timeout 30 --tb=short 2>&1 | tail -5
     timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kv/test_cuda_paged_attention.py \
       -k "keys_and_values or new_kv or one_split or last_block or combined_in" --timeout 100 --tb=short 2>&1 | tail -5 ;;
+  changed)
+    timeout 500 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_paged_storage.py \
+      tests/mlxcel_core/engine/test_launcher.py tests/mlxcel_core/kernels/test_fused_projections.py \
+      -k "not norm and not rope" --timeout 100 --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal" | tail -20 ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
   blocks)
@@ -175,6 +181,6 @@ case "${1:-}" in
       done
     done ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac
