@@ -197,14 +197,17 @@ class CompiledDecoder:
         view = views[0]
         self.traces.storage = view.storage
         inputs = (tokens, *view.slots, view.block_tables, view.offset, view.context_lens)
-        # What mx.compile keys its traces on: the inputs' shapes and dtypes (the pools grow by doubling), and the
-        # stream the step is built on (a threaded engine's is its launcher's).
-        shapes = (str(mx.default_stream(mx.default_device())),
-                  *((a.shape, a.dtype) for a in (*inputs, *(p for layer in view.storage.pools for p in layer))))
-        if before_trace is not None and shapes not in self.traces.paged_shapes:
-            before_trace()
+        if before_trace is not None:
+            # What mx.compile keys its traces on: the inputs' shapes and dtypes (the pools grow by doubling), and
+            # the stream the step is built on (a threaded engine's is its launcher's). Recorded for these calls only
+            # (tens of microseconds at 1B that an inline step need not spend): a shape first seen elsewhere just
+            # waits once more.
+            shapes = (str(mx.default_stream(mx.default_device())),
+                      *((a.shape, a.dtype) for a in (*inputs, *(p for layer in view.storage.pools for p in layer))))
+            if shapes not in self.traces.paged_shapes:
+                before_trace()
+                self.traces.paged_shapes.add(shapes)
         logits, pools = self.traces.paged(*inputs, view.storage.pools)
-        self.traces.paged_shapes.add(shapes)
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
         # Its attention kernels may have written the pools in place: later pool updates wait for it (paged.py).
         view.storage.written_in_place.append(logits)
