@@ -23,6 +23,7 @@ import contextlib
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -34,10 +35,14 @@ def launch_thread_requested() -> bool:
     return os.environ.get(ENV, "").strip() == "1"
 
 
+class Launcher(Protocol):
+    def stream(self) -> contextlib.AbstractContextManager: ...
+    def submit(self, arrays: list[mx.array]) -> None: ...
+    def wait(self) -> None: ...
+
+
 class InlineLauncher:
     """Steps are submitted on the engine's own thread; tokens are read one step later."""
-
-    lookahead = 1  # steps submitted and not read yet, after a step is submitted
 
     def stream(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -48,19 +53,14 @@ class InlineLauncher:
     def wait(self) -> None:
         """The engine's thread may evaluate (nothing runs elsewhere)."""
 
-    def close(self) -> None:
-        pass
-
 
 class ThreadLauncher:
-    """Steps are submitted (mx.async_eval) on one worker thread, in order, on a stream any thread may use."""
-
-    lookahead = 2
+    """Steps are submitted (mx.async_eval) on one worker thread, in order, on a stream any thread may use; tokens
+    are read two steps later."""
 
     def __init__(self, device: mx.Device | None = None):
-        self._stream = _launch_stream(device or mx.default_device())
+        self._stream, self._pool = _stream_and_thread(device or mx.default_device())
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mlxcel-launch")
         self._pending: Future | None = None
 
     def stream(self) -> contextlib.AbstractContextManager:
@@ -82,23 +82,19 @@ class ThreadLauncher:
         if pending is not None:
             pending.result()
 
-    def close(self) -> None:
-        self.wait()
-        self._pool.shutdown(wait=True)
+
+_STREAMS: dict[str, tuple[mx.Stream, ThreadPoolExecutor]] = {}
 
 
-_STREAMS: dict[str, mx.Stream] = {}
-
-
-def _launch_stream(device: mx.Device) -> mx.Stream:
-    """One launcher stream per device for the process: compiled decode traces are the model's, shared by its
-    engines, and MLX traces again for a step built on another stream (inside a new engine's first request).
-    Engines stepped from several threads at once would share it unsafely; mlxcel steps one engine per process."""
+def _stream_and_thread(device: mx.Device) -> tuple[mx.Stream, ThreadPoolExecutor]:
+    """One launcher stream and thread per device for the process: compiled decode traces are the model's, shared
+    by its engines, and MLX traces again for a step built on another stream (inside a new engine's first request).
+    Engines stepped from several threads at once would share them unsafely; mlxcel steps one engine per process."""
     key = str(device)
     if key not in _STREAMS:
-        _STREAMS[key] = mx.new_thread_unsafe_stream(device)
+        _STREAMS[key] = (mx.new_thread_unsafe_stream(device), ThreadPoolExecutor(1, thread_name_prefix="mlxcel-launch"))
     return _STREAMS[key]
 
 
-def make_launcher(threaded: bool) -> InlineLauncher | ThreadLauncher:
+def make_launcher(threaded: bool) -> Launcher:
     return ThreadLauncher() if threaded else InlineLauncher()

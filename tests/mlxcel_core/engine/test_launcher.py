@@ -129,4 +129,3 @@ def test_a_failed_launch_raises_on_the_engine_thread(monkeypatch):
     with pytest.raises(RuntimeError, match="launch failed"):
         launcher.wait()
     launcher.wait()  # reported once
-    launcher.close()
