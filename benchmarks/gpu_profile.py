@@ -59,10 +59,10 @@ def mlx_lm_tokens(model, prompt: list[int], warm: int, count: int):
 
 
 def mlxcel_first_tokens(model, vocab: int, prompt_tokens: int):
-    """A generator: each item is the first token of a new random prompt, prefilled by one engine (TTFT as serve
-    and generate pay it)."""
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage="auto"))
+    """A generator: each item is the first token of a new random prompt, each on a new engine, as compare_mlx_lm.py
+    measures TTFT and `mlxcel generate` pays it (its KV pools are made inside the prefill)."""
     for i in itertools.count():
+        engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage="auto"))
         seq = engine.open(random_prompt(vocab, prompt_tokens, 0, "gpu-profile-prefill", i),
                           SamplingParams(max_tokens=1))
         first = None
