@@ -1,4 +1,4 @@
 """`python -m mlxcel_cli ...` runs the `mlxcel` command (where the console script is not installed: a tree on PYTHONPATH)."""
-from mlxcel_cli.main import main
+from .main import main
 
 main()
