@@ -49,6 +49,17 @@ tg128() {
   python -m mlxcel_cli bench --model-shape "$@" -p 0 -n 128 -d 512 -r 5 -o jsonl 2>/dev/null | python -c \
     'import json, sys; r = json.loads(sys.stdin.readlines()[-1]); print(r["test"], "%.1f +/- %.1f t/s" % (r["avg_ts"], r["stddev_ts"]))'
 }
+settings_ab() {
+  # "SETTING .." SHAPE..: tg128 under each environment setting, twice each, alternating (default shape 1B bf16)
+  local settings=$1; shift
+  for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
+    for rep in 1 2; do
+      for setting in $settings; do
+        echo "== $setting $what: $(export $setting; tg128 $what)"
+      done
+    done
+  done
+}
 case "${1:-}" in
   tests)
     timeout 240 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py --timeout 100 \
@@ -140,13 +151,7 @@ case "${1:-}" in
     shift
     timeout 120 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_launcher.py --timeout 60 \
       --tb=short 2>&1 | grep -E "^E |passed|failed|Fatal" | tail -8
-    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
-      for rep in 1 2; do
-        for setting in MLXCEL_LAUNCH_THREAD=0 MLXCEL_LAUNCH_THREAD=1; do
-          echo "== $setting $what: $(export $setting; tg128 $what)"
-        done
-      done
-    done ;;
+    settings_ab "MLXCEL_LAUNCH_THREAD=0 MLXCEL_LAUNCH_THREAD=1" "$@" ;;
   engine|models)
     # -rf: the failures by name (the whole list of both directories does not fit one call's output or 10 minutes)
     timeout 580 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/$1 --timeout 60 --tb=line -rf 2>&1 \
@@ -170,16 +175,9 @@ case "${1:-}" in
       done
     done ;;
   graphs)
-    # MLX's CUDA graph settings (they apply to the whole process), mlxcel bench only, twice each, alternating
+    # MLX's CUDA graph settings (they apply to the whole process)
     shift
-    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
-      for rep in 1 2; do
-        for setting in MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 \
-                       MLX_MAX_OPS_PER_BUFFER=200; do
-          echo "== $setting $what: $(export $setting; tg128 $what)"
-        done
-      done
-    done ;;
+    settings_ab "MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 MLX_MAX_OPS_PER_BUFFER=200" "$@" ;;
   *)
     echo "usage: bash benchmarks/h200_kernels.sh tests|changed|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
