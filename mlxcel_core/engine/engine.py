@@ -20,6 +20,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
+from ..distributed.group import is_launched
 from ..errors import InputError
 from ..kernels.greedy import greedy_tokens, readout_of
 from ..models.base import CausalLM
@@ -100,8 +101,9 @@ class Engine:
             kv_budget_tokens=self.config.kv_budget_for(self.max_context)), on_admit=self._admit)
         self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
         # MLXCEL_LAUNCH_THREAD=1: steady decode steps are submitted on a launcher thread while this one builds
-        # the next (launcher.py); only where nothing else evaluates on this thread between steps.
-        self._threaded = (launch_thread_requested() and self.lookahead and compiled
+        # the next (launcher.py); only where nothing else evaluates on this thread between steps, and not in a
+        # tensor-parallel rank (its collectives have not been run from a second thread).
+        self._threaded = (launch_thread_requested() and self.lookahead and compiled and not is_launched()
                           and self.config.resolved_storage == "paged" and self.config.speculative is None)
         self.launcher = make_launcher(self._threaded)
         self._steady_rows: tuple[int, ...] | None = None  # the last step's rows when it only decoded them

@@ -113,6 +113,9 @@ def test_inline_unless_asked_and_compiled_paged(loaded, monkeypatch):
     assert isinstance(Engine(loaded.model, loaded.tokenizer, EngineConfig(storage="dense")).launcher, InlineLauncher)
     monkeypatch.setenv("MLXCEL_COMPILE", "0")
     assert isinstance(Engine(loaded.model, loaded.tokenizer, EngineConfig(storage="paged")).launcher, InlineLauncher)
+    monkeypatch.setenv("MLXCEL_COMPILE", "1")
+    monkeypatch.setenv("MLX_RANK", "0")  # a tensor-parallel rank
+    assert isinstance(Engine(loaded.model, loaded.tokenizer, EngineConfig(storage="paged")).launcher, InlineLauncher)
 
 
 def test_a_failed_launch_raises_on_the_engine_thread(monkeypatch):
