@@ -215,8 +215,7 @@ class Engine:
             self.launcher.wait()  # the previous step is encoded: this thread may read
             outputs += self._commit(keep=1)  # the step before it (the device holds the previous one)
         if self._threaded:  # the launcher submits the steps that wrote pools in place, in order, with this one
-            arrays += self.storage.written_in_place
-            self.storage.written_in_place = []
+            arrays += self.storage.take_in_place_writes()
         self.launcher.submit(arrays)
         self._latest.update({s: sampled.token for s, sampled in produced.items()})
         if produced:

@@ -59,7 +59,8 @@ class PagedStorage:
         # Per layer on CUDA: the decode kernel's combine counters (zeros it leaves as it found them), made here,
         # outside any compiled trace, so a trace captures the same array for every step; evaluated in one call (made
         # with each layer's pools at the first prefill, their evals were one host sync a layer in its TTFT). None
-        # where the kernel does not run or MLXCEL_COMBINE_IN_KERNEL=0 (asked once, here).
+        # where the kernel does not run or MLXCEL_COMBINE_IN_KERNEL=0 (asked once, here, as MLXCEL_KV_IN_KERNEL is).
+        self.kv_in_kernel = kv_written_in_kernel()
         self.combine_in_kernel = cuda_kernel_available() and kv_bits is None and combine_in_kernel()
         self.combine_counters: list[mx.array | None] = [None] * num_layers
         if self.combine_in_kernel:
@@ -131,12 +132,17 @@ class PagedStorage:
                 "evictions": s.evictions}
 
     # -- pools -----------------------------------------------------------------------------------
+    def take_in_place_writes(self) -> list[mx.array]:
+        """The steps whose kernels wrote keys and values into the pools in place, not submitted yet (the caller
+        submits them before any later pool update: see the module docstring)."""
+        taken, self.written_in_place = self.written_in_place, []
+        return taken
+
     def submit_in_place_writes(self) -> None:
-        """Submit the steps whose kernels wrote keys and values into the pools in place (see the module docstring):
-        a pool update built from here on runs after them."""
-        if self.written_in_place:
-            mx.async_eval(self.written_in_place)
-            self.written_in_place = []
+        """Submit those steps: a pool update built from here on runs after them."""
+        taken = self.take_in_place_writes()
+        if taken:
+            mx.async_eval(taken)
 
     def _reserve(self) -> None:
         """Make the pools' next writes cover every block handed out so far (a power of two of blocks, at least
@@ -253,7 +259,7 @@ class DecodeView:
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
             on_kernel = attention is cuda_paged_decode_attention
             kernel_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
-            if on_kernel and kv_written_in_kernel():
+            if on_kernel and storage.kv_in_kernel:
                 out = attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
                                 scale=scale, new_kv=(keys, values, *self.slots), **kernel_args)
                 storage.written_in_place.append(out)
