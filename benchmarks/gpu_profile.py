@@ -17,6 +17,7 @@ tokens after the same warm-up; it is one measurement, not a speed claim (use com
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import re
 import sys
@@ -58,30 +59,11 @@ def mlx_lm_tokens(model, prompt: list[int], warm: int, count: int):
         yield int(token)
 
 
-def mlxcel_first_tokens(model, vocab: int, prompt_tokens: int):
-    """A generator: each item is the first token of a new random prompt, each on a new engine, as compare_mlx_lm.py
-    measures TTFT and `mlxcel generate` pays it (its KV pools are made inside the prefill)."""
+def first_tokens(tokens_of, vocab: int, prompt_tokens: int):
+    """A generator: each item is the first token of a new random prompt, from `tokens_of(prompt, warm, count)` (a
+    new engine each for mlxcel, as compare_mlx_lm.py measures TTFT and `mlxcel generate` pays it)."""
     for i in itertools.count():
-        engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage="auto"))
-        seq = engine.open(random_prompt(vocab, prompt_tokens, 0, "gpu-profile-prefill", i),
-                          SamplingParams(max_tokens=1))
-        first = None
-        while engine.has_work():
-            for out in engine.step():
-                if out.finish_reason == "error":
-                    raise RuntimeError(f"mlxcel: {out.error}")
-                if out.token is not None and first is None:
-                    first = out.token
-        engine.release(seq)
-        yield first
-
-
-def mlx_lm_first_tokens(model, vocab: int, prompt_tokens: int):
-    from mlx_lm.generate import generate_step
-
-    for i in itertools.count():
-        prompt = random_prompt(vocab, prompt_tokens, 0, "gpu-profile-prefill", i)
-        yield int(next(generate_step(mx.array(prompt), model, max_tokens=1))[0])
+        yield next(tokens_of(random_prompt(vocab, prompt_tokens, 0, "gpu-profile-prefill", i), 0, 0))
 
 
 def short_name(name: str) -> str:
@@ -203,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
           f"{args.warm} warm-up {unit}s, {args.tokens} profiled")
     if args.side in ("both", "mlxcel"):
-        tokens = (mlxcel_first_tokens(ours, vocab, args.prompt_tokens) if args.prefill
-                  else mlxcel_tokens(ours, vocab, prompt, args.warm, args.tokens))
+        tokens_of = functools.partial(mlxcel_tokens, ours, vocab)
+        tokens = (first_tokens(tokens_of, vocab, args.prompt_tokens) if args.prefill
+                  else tokens_of(prompt, args.warm, args.tokens))
         report("mlxcel", profile_tokens(tokens, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
     if args.side in ("both", "mlx-lm"):
         theirs = compare.mlx_lm_twin(ours, config)
-        tokens = (mlx_lm_first_tokens(theirs, vocab, args.prompt_tokens) if args.prefill
-                  else mlx_lm_tokens(theirs, prompt, args.warm, args.tokens))
+        tokens_of = functools.partial(mlx_lm_tokens, theirs)
+        tokens = (first_tokens(tokens_of, vocab, args.prompt_tokens) if args.prefill
+                  else tokens_of(prompt, args.warm, args.tokens))
         report("mlx-lm", profile_tokens(tokens, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
     return 0
 
