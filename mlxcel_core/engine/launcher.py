@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 ENV = "MLXCEL_LAUNCH_THREAD"
 SWITCH_INTERVAL_S = 20e-6  # how long a thread waiting for the GIL lets the holder run before asking for it
@@ -81,6 +82,13 @@ class ThreadLauncher:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+
+def settle(model) -> None:
+    """Evaluate every array the model holds, its private ones too (a RoPE's scaled frequencies): one made lazily
+    when the model was built is an op on that thread's default stream, which the launcher thread cannot run (MLX
+    0.32: "There is no Stream(gpu, 0) in current thread", the Llama-3.2-1B shape on the H200)."""
+    mx.eval([leaf for _, leaf in tree_flatten(model) if isinstance(leaf, mx.array)])
 
 
 _STREAMS: dict[str, tuple[mx.Stream, ThreadPoolExecutor]] = {}

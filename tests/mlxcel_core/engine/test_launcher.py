@@ -81,6 +81,20 @@ def test_threaded_engine_gives_the_inline_tokens(loaded, monkeypatch):
     assert [len(t) for t in want.values()] == MAX_TOKENS
 
 
+def test_a_model_with_lazy_constants(monkeypatch, tmp_path):
+    """Llama 3 RoPE scaling: the model's RoPE holds frequencies computed (lazily) when it was built, on the engine
+    thread's default stream, which the launcher thread cannot run (MLX 0.32: "There is no Stream(gpu, 0) in current
+    thread", on the H200 with the Llama-3.2-1B shape). The threaded engine evaluates them first."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    lm = load_model(str(save_tiny_llama(tmp_path, rope_scaling=scaling)), log=lambda m: None)
+    lm.tokenizer.eos_token_ids = set()
+    want = run(lm, monkeypatch, threaded=False)
+    lm = load_model(str(tmp_path), log=lambda m: None)  # built again: its constants lazy again
+    lm.tokenizer.eos_token_ids = set()
+    assert run(lm, monkeypatch, threaded=True) == want
+
+
 def test_a_row_ending_on_eos_two_steps_back(loaded, monkeypatch):
     """With lookahead 2 a row's EOS is read while two more of its steps are built: they are dropped, and the
     other rows' tokens do not change."""

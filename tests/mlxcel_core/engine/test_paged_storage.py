@@ -190,10 +190,11 @@ def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir
     from mlxcel_core.loading import load_model
     from mlxcel_core.sampling import SamplingParams
 
-    lm = load_model(str(tiny_llama_dir), log=lambda m: None)
-    greedy = SamplingParams(max_tokens=12, suppress_tokens=tuple(lm.tokenizer.eos_token_ids))
-
     def run():
+        # A model of its own per run: on CUDA decode steps are compiled, and a trace made by the reference run
+        # would replay the ops path without calling the stand-in.
+        lm = load_model(str(tiny_llama_dir), log=lambda m: None)
+        greedy = SamplingParams(max_tokens=12, suppress_tokens=tuple(lm.tokenizer.eos_token_ids))
         engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_batch_size=1, storage="paged"))
         seq = engine.open(list(range(3, 23)), greedy)
         while engine.has_work():
