@@ -4,8 +4,8 @@
 # mlx-lm==0.32.2 to stage.sh's package list, or compare_mlx_lm.py and gpu_profile.py's mlx-lm side have no mlx_lm), with
 #   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
-#   bash benchmarks/h200_kernels.sh changed    # the tests the thirteenth session changed or added, not yet run there
-#                                              # (fused projections built unfused, paged storage, the launcher)
+#   bash benchmarks/h200_kernels.sh changed    # the tests the fourteenth session changed or added (the routing test,
+#                                              # fused == separate with the folds off, the launcher's), ~1 minute
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
@@ -32,6 +32,8 @@
 #   bash benchmarks/h200_kernels.sh launch SHAPE.. # the engine's launcher thread (MLXCEL_LAUNCH_THREAD=1: step k
 #                                              # handed to MLX while step k + 1 is built): its tests, then off / on,
 #                                              # mlxcel bench only
+#   bash benchmarks/h200_kernels.sh batch SHAPE.. # batch 1, 8, 32 aggregate decode beside mlx-lm's BatchGenerator
+#                                              # (batch_decode.py; last measured on the H200 in the first session)
 #   bash benchmarks/h200_kernels.sh engine     # the engine tests with the GPU defaults, failures named
 #   bash benchmarks/h200_kernels.sh models     # the model-family tests (transformers parity, 4-bit copies) there
 #   bash benchmarks/h200_kernels.sh ab SHAPE.. # a change's paired runs: the tree in before/ (made on your machine
@@ -71,9 +73,17 @@ case "${1:-}" in
     timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kv/test_cuda_paged_attention.py \
       -k "keys_and_values or new_kv or one_split or last_block or combined_in" --timeout 100 --tb=short 2>&1 | tail -5 ;;
   changed)
-    timeout 500 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_paged_storage.py \
+    timeout 300 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_paged_storage.py \
       tests/mlxcel_core/engine/test_launcher.py tests/mlxcel_core/kernels/test_fused_projections.py \
-      -k "not norm and not rope" --timeout 100 --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal" | tail -20 ;;
+      -k "route_to_the_kernel or bit_for_bit or test_launcher" --timeout 100 --tb=short -rf 2>&1 \
+      | grep -E "^E |FAILED|passed|failed|Fatal" | tail -20 ;;
+  batch)
+    # SHAPE..: 3 timed runs per (runtime, batch); an 8B shape's three batches take most of a call
+    shift
+    for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
+      echo "== $what"
+      timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
+    done ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
   blocks)
@@ -179,6 +189,6 @@ case "${1:-}" in
     shift
     settings_ab "MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 MLX_MAX_OPS_PER_BUFFER=200" "$@" ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|batch|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac

@@ -50,7 +50,7 @@ ENVIRONMENT = [
                         "unaffected)."),
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
                    "Default: 1 (CUDA only; elsewhere always MLX's)."),
-    ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default, not yet measured on a GPU): hand each compiled paged "
+    ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
                              "decode step to MLX on a launcher thread while the next one is built; tokens are read "
                              "two steps later instead of one."),
 ]

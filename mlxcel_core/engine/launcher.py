@@ -1,5 +1,6 @@
 """How an engine hands a step's graph to MLX: inline (`mx.async_eval` on the engine's thread) or on a launcher
-thread (MLXCEL_LAUNCH_THREAD=1, opt-in until measured on a GPU: benchmarks/launch_thread.py).
+thread (MLXCEL_LAUNCH_THREAD=1, opt-in: on the H200 it won at 1B bf16 and lost at 1B 4-bit, by less than the
+runs' spread; benchmarks/RESULTS.md, fourteenth session).
 
 A batch-1 decode step on a fast GPU is bound by the host: most of a small model's step is `mx.async_eval` itself
 (MLX encoding every kernel into CUDA graphs), the rest is Python building the next step's graph. async_eval releases
@@ -8,7 +9,9 @@ the GIL, so a launcher thread can encode step k while the engine's thread builds
 MLX 0.32's streams belong to the thread that made them, so a threaded engine puts all its work on one
 `mx.new_thread_unsafe_stream`, and keeps two threads off it at once: the engine's thread evaluates nothing (reads
 no token, runs no prefill eval) until `wait()` says the launcher is idle. It therefore reads a step's tokens two
-steps later (lookahead 2) where the inline engine reads them one step later.
+steps later (lookahead 2) where the inline engine reads them one step later. Nor can the launcher thread run an op
+still lazy on another thread's stream (benchmarks/thread_streams.py): a threaded engine first evaluates every array
+the model holds (`settle`).
 
 The launcher needs the GIL for a few microseconds to start and to finish each launch, while the engine's thread
 holds it building the next step. At CPython's default switch interval (5 ms) the launcher would only get it when
