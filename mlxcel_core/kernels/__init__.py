@@ -34,9 +34,17 @@ def describe_decode_kernels() -> str:
     def on(flag: bool) -> str:
         return "on" if flag else "off"
 
+    # A fold happens inside a fused projection's kernel launch: asked for without one, it does not happen.
+    foldable = fusion_enabled() and (enabled() or half_kernel_state() != "off")
+
+    def fold(what: str, asked: bool, env: str) -> str:
+        if asked and not foldable:
+            return f"{what} off ({env} on, but no fused projection on a CUDA matvec kernel to fold into)"
+        return f"{what} {on(asked)} ({env})"
+
     return (f"fused q/k/v, gate/up and residual adds {on(fusion_enabled())} (MLXCEL_FUSE), "
-            f"norms folded {on(norm_fusion_enabled())} (MLXCEL_FUSE_NORM), rope folded {on(rope_fusion_enabled())} "
-            "(MLXCEL_FUSE_ROPE), "
+            f"{fold('norms folded', norm_fusion_enabled(), 'MLXCEL_FUSE_NORM')}, "
+            f"{fold('rope folded', rope_fusion_enabled(), 'MLXCEL_FUSE_ROPE')}, "
             f"4-bit matvec kernel {on(enabled())} (MLXCEL_QMV), "
             f"16-bit matvec kernel {half_kernel_state()} (MLXCEL_HMV), {describe_kv_writes()}")
 
