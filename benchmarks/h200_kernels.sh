@@ -27,6 +27,10 @@
 #   bash benchmarks/h200_kernels.sh graphs SHAPE.. # MLX's CUDA graph settings (MLX_USE_CUDA_GRAPHS=0/1,
 #                                              # MLX_MAX_OPS_PER_BUFFER 60/200), mlxcel bench only: with 88 launches a
 #                                              # 1B step (573 ops when last swept) the best setting may differ
+#   bash benchmarks/h200_kernels.sh pin SHAPE.. # the same tg128 unpinned and pinned to 4 cores of one NUMA node
+#                                              # (taskset), 3 times each, alternating: the 1B step is host-bound and
+#                                              # one setting read 535 and 701 tok/s in two processes (fourteenth
+#                                              # session); if pinning narrows that, A/Bs of host-side levers can resolve
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
 #   bash benchmarks/h200_kernels.sh launch SHAPE.. # the engine's launcher thread (MLXCEL_LAUNCH_THREAD=1: step k
@@ -184,11 +188,21 @@ case "${1:-}" in
         echo "== ${tree/./after} $what: $(cd $tree && PYTHONPATH=/tmp/site:$PWD tg128 $what)"
       done
     done ;;
+  pin)
+    shift
+    nproc; numactl --hardware 2>/dev/null | head -3
+    cores=$(python -c 'import os; c = sorted(os.sched_getaffinity(0)); print(",".join(map(str, c[:4])))')
+    for what in "${@:-llama-3.2-1b --bits 4}"; do
+      for rep in 1 2 3; do
+        echo "== unpinned $what: $(tg128 $what)"
+        echo "== taskset -c $cores $what: $(taskset -c $cores bash -c "$(declare -f tg128); tg128 $what")"
+      done
+    done ;;
   graphs)
     # MLX's CUDA graph settings (they apply to the whole process)
     shift
     settings_ab "MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 MLX_MAX_OPS_PER_BUFFER=200" "$@" ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|batch|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|batch|pin|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac
