@@ -279,11 +279,6 @@ def test_fusion_marks_the_fast_output_projections(monkeypatch):
 
     monkeypatch.setattr(fast_linear, "MIN_WEIGHT", 0)  # swap even the tiny layers
     monkeypatch.setenv("MLXCEL_FUSE", "0")  # built separate, as on CPU (on CUDA build_random_model fuses)
-    # On CUDA a one-row fused launch also folds the norm and RoPE in (no bf16 rounding between them: close, not
-    # equal; test_model_decode_with_folded_norms_agrees and ..._rope_folded_agrees bound that). The projections
-    # alone are exact.
-    monkeypatch.setenv("MLXCEL_FUSE_NORM", "0")
-    monkeypatch.setenv("MLXCEL_FUSE_ROPE", "0")
     model, _ = build_random_model("tiny", bits=4, seed=2)
     use_fast_quantized_linear(model)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
