@@ -93,6 +93,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_context = model.max_context_length
         compiled = compile_enabled(self.config.compile_decode)
+        self.storage = make_storage(model, self.config, compiled)
+        self.runner = ModelRunner(model, self.storage, compiled)
+        self.scheduler = BatchScheduler(SchedulerConfig(
+            max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
+            prefill_grant_interval=self.config.prefill_grant_interval,
+            kv_budget_tokens=self.config.kv_budget_for(self.max_context)), on_admit=self._admit)
         self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
         # MLXCEL_LAUNCH_THREAD=1: steady decode steps are submitted on a launcher thread while this one builds
         # the next (launcher.py); only where nothing else evaluates on this thread between steps, and not in a
@@ -102,12 +108,6 @@ class Engine:
         self.launcher = make_launcher(self._threaded)
         if self._threaded:
             settle(model)
-        self.storage = make_storage(model, self.config, compiled)
-        self.runner = ModelRunner(model, self.storage, compiled)
-        self.scheduler = BatchScheduler(SchedulerConfig(
-            max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
-            prefill_grant_interval=self.config.prefill_grant_interval,
-            kv_budget_tokens=self.config.kv_budget_for(self.max_context)), on_admit=self._admit)
         self._steady_rows: tuple[int, ...] | None = None  # the last step's rows when it only decoded them
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
