@@ -70,8 +70,8 @@ case "${1:-}" in
   tests)
     timeout 240 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py --timeout 100 \
       --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -30
-    timeout 140 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_fused_projections.py \
-      -k "norm or rope" --timeout 100 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -20
+    timeout 140 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/kernels/test_fused_folds.py \
+      --timeout 100 --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -20
     timeout 60 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_mlx_workarounds.py \
       tests/mlxcel_core/test_init.py --timeout 30 --tb=short 2>&1 | tail -5
     timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kv/test_cuda_paged_attention.py \
