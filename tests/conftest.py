@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama checkpoint saved by transformers, and the real SmolLM2 GGUF."""
+"""Shared fixtures: a tiny random Llama checkpoint saved by transformers (and one saved by MLX, quantized to 4 bits),
+and the real SmolLM2 GGUF."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_q4(tmp_path_factory) -> Path:
+    """A tiny random Llama quantized to 4 bits (group 64) by quantize_checkpoint (its source written by MLX, not
+    transformers: see save_tiny_mlx_llama). For the 4-bit kernel's tests (kernels/test_qmv*.py)."""
+    from mlxcel_core.quantize import quantize_checkpoint
+    from tiny_models import save_tiny_mlx_llama
+
+    root = tmp_path_factory.mktemp("qmv")
+    return quantize_checkpoint(save_tiny_mlx_llama(root / "src"), root / "q4", bits=4, group_size=64)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from test_fused_projections import assert_swiglu_close
-from test_qmv import _check_model_agreement, check_close, needs_cuda, rowwise_float32, switch_layers
+from test_qmv import check_close, needs_cuda
+from test_qmv_models import _check_model_agreement, rowwise_float32, switch_layers
 
 from mlxcel_core.kernels import fast_linear, hmv, qmv
 from mlxcel_core.kernels.fast_linear import FastEmbedding, FastLinear, restore_quantized_linear, use_fast_half_linear
