@@ -31,6 +31,8 @@
 #                                              # (taskset), 3 times each, alternating: the 1B step is host-bound and
 #                                              # one setting read 535 and 701 tok/s in two processes (fourteenth
 #                                              # session); if pinning narrows that, A/Bs of host-side levers can resolve
+#   bash benchmarks/h200_kernels.sh barrier    # three chained 1B-shaped matvecs: three launches vs one persistent
+#                                              # launch with grid barriers (grid_barrier.py; does fewer launches pay?)
 #   bash benchmarks/h200_kernels.sh host       # where its host time goes (graph building, launch, ops per step)
 #   bash benchmarks/h200_kernels.sh depth      # 1, 2, 4 decode steps per async_eval (a probe of the launch cost)
 #   bash benchmarks/h200_kernels.sh launch SHAPE.. # the engine's launcher thread (MLXCEL_LAUNCH_THREAD=1: step k
@@ -188,6 +190,9 @@ case "${1:-}" in
         echo "== ${tree/./after} $what: $(cd $tree && PYTHONPATH=/tmp/site:$PWD tg128 $what)"
       done
     done ;;
+  barrier)
+    timeout 120 python benchmarks/grid_barrier.py 2>&1 | grep -vi "warn"
+    timeout 120 python benchmarks/grid_barrier.py --blocks 66 2>&1 | grep -vi "warn" | tail -1 ;;
   pin)
     shift
     nproc; numactl --hardware 2>/dev/null | head -3
@@ -203,6 +208,6 @@ case "${1:-}" in
     shift
     settings_ab "MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 MLX_MAX_OPS_PER_BUFFER=200" "$@" ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|batch|pin|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|batch|pin|barrier|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac
