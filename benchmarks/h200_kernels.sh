@@ -192,7 +192,9 @@ case "${1:-}" in
     done ;;
   barrier)
     timeout 120 python benchmarks/grid_barrier.py 2>&1 | grep -vi "warn"
-    timeout 120 python benchmarks/grid_barrier.py --blocks 66 2>&1 | grep -vi "warn" | tail -1 ;;
+    timeout 120 python benchmarks/grid_barrier.py --blocks 66 2>&1 | grep -vi "warn" | tail -1
+    # tiny stages: the host's cost per launch and the barrier's, with next to no GPU work
+    timeout 120 python benchmarks/grid_barrier.py --hidden 256 --intermediate 512 2>&1 | grep -vi "warn" | tail -1 ;;
   pin)
     shift
     nproc; numactl --hardware 2>/dev/null | head -3
