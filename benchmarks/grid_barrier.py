@@ -4,9 +4,9 @@ as three launches, against one launch whose blocks meet at a grid-wide barrier b
     python benchmarks/grid_barrier.py                 # Llama-3.2-1B shapes, 132 blocks (the H200's SMs)
     python benchmarks/grid_barrier.py --blocks 264 --iters 400
 
-Why: the 1B decode step is bound by MLX's host cost per kernel launch (about 11 us of a 1.4 ms token at 88 launches,
-benchmarks/RESULTS.md), and every launch a layer could lose needs all of a vector before the next matvec (a norm, a
-residual): a barrier across the grid. A barrier needs every block resident at once, so the launch has at most one
+Why: the 1B decode step is bound by MLX's host cost per kernel launch (970 us of a 1.4 ms token went to encoding
+104 launches, about 9 us each, in the twelfth session's host profile; 88 launches a token now), and every launch a
+layer could lose needs all of a vector before the next matvec (a norm, a residual): a barrier across the grid. A barrier needs every block resident at once, so the launch has at most one
 block per SM (--blocks must not exceed the SM count: past it, the kernel would wait forever).
 
 Each stage's rows are one warp's dot product each, the same code in both variants, so the outputs must be equal bit
@@ -31,7 +31,8 @@ __device__ __forceinline__ float mlxcel_gb_dot(const __nv_bfloat16* w, const __n
     float acc = 0.0f;
     for (int i = lane * 8; i < k; i += 32 * 8) {
         const uint4 wv = __ldcs(reinterpret_cast<const uint4*>(w + i));
-        const uint4 xv = FROM_L2 ? __ldcg(reinterpret_cast<const uint4*>(x + i)) : *reinterpret_cast<const uint4*>(x + i);
+        const uint4* xp16 = reinterpret_cast<const uint4*>(x + i);
+        const uint4 xv = FROM_L2 ? __ldcg(xp16) : *xp16;
         const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
         const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll

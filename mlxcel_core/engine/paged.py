@@ -61,9 +61,8 @@ class PagedStorage:
         # with each layer's pools at the first prefill, their evals were one host sync a layer in its TTFT). None
         # where the kernel does not run or MLXCEL_COMBINE_IN_KERNEL=0 (asked once, here, as MLXCEL_KV_IN_KERNEL is).
         self.kv_in_kernel = kv_written_in_kernel()
-        self.combine_in_kernel = cuda_kernel_available() and kv_bits is None and combine_in_kernel()
         self.combine_counters: list[mx.array | None] = [None] * num_layers
-        if self.combine_in_kernel:
+        if cuda_kernel_available() and kv_bits is None and combine_in_kernel():
             self.combine_counters = [mx.zeros((COUNTERS,), mx.int32) for _ in range(num_layers)]
             mx.eval(self.combine_counters)
 

@@ -4,9 +4,9 @@
 
 As MLX ops the lookup is three gathers (the packed words, the scales, the biases) and a dequantize: four launches a
 decode step. On the H200 a 1B 4-bit step's gathers took 64.5 us together, 16 us a gather (benchmarks/RESULTS.md,
-twelfth session; this kernel: 2.7 us), where the whole lookup reads a few kilobytes. The kernel reads each row's id once: one thread per packed
-word (8 values), with MLX's dequantize arithmetic (``scale * q + bias`` in the scales' dtype, mlx/backend/cuda/
-quantized/affine_quantize.cu), so its rows are MLX's bit for bit.
+twelfth session; this kernel: 2.7 us), where the whole lookup reads a few kilobytes. The kernel reads each row's id
+once: one thread per packed word (8 values), with MLX's dequantize arithmetic (``scale * q + bias`` in the scales'
+dtype, mlx/backend/cuda/quantized/affine_quantize.cu), so its rows are MLX's bit for bit.
 
 Runs where `kernel_runs` says so: MLX on CUDA computing on the GPU by default, 4-bit affine weights with biases, group
 size 32/64/128, at most MAX_IDS ids; anything else is MLX's own call (kernels/fast_linear.py's FastQuantizedEmbedding
