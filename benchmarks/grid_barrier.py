@@ -6,8 +6,9 @@ as three launches, against one launch whose blocks meet at a grid-wide barrier b
 
 Why: the 1B decode step is bound by MLX's host cost per kernel launch (970 us of a 1.4 ms token went to encoding
 104 launches, about 9 us each, in the twelfth session's host profile; 88 launches a token now), and every launch a
-layer could lose needs all of a vector before the next matvec (a norm, a residual): a barrier across the grid. A barrier needs every block resident at once, so the launch has at most one
-block per SM (--blocks must not exceed the SM count: past it, the kernel would wait forever).
+layer could lose needs all of a vector before the next matvec (a norm, a residual): a barrier across the grid. A
+barrier needs every block resident at once, so the launch has at most one block per SM (--blocks must not exceed
+the SM count: past it, the kernel would wait forever).
 
 Each stage's rows are one warp's dot product each, the same code in both variants, so the outputs must be equal bit
 for bit (checked). Timed: `--iters` chained iterations (stage 3's output is the next input) built and evaluated
