@@ -4,8 +4,10 @@
 # mlx-lm==0.32.2 to stage.sh's package list, or compare_mlx_lm.py and gpu_profile.py's mlx-lm side have no mlx_lm), with
 #   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
-#   bash benchmarks/h200_kernels.sh changed    # the tests the fourteenth session changed or added (the routing test,
-#                                              # fused == separate with the folds off, the launcher's), ~1 minute
+#   bash benchmarks/h200_kernels.sh changed    # the tests of what the fifteenth session changed (4-bit batches of up
+#                                              # to 8 rows on the kernel, larger ones as one matrix)
+#   bash benchmarks/h200_kernels.sh rows       # MLXCEL_QMM_ROWS=0 then 1 at an 8B 4-bit batch of 32 (a decode batch
+#                                              # beyond the kernel's 8 rows as one matrix for MLX: 9x on gate_proj)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
@@ -79,16 +81,29 @@ case "${1:-}" in
     timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kv/test_cuda_paged_attention.py \
       -k "keys_and_values or new_kv or one_split or last_block or combined_in" --timeout 100 --tb=short 2>&1 | tail -5 ;;
   changed)
-    timeout 300 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_paged_storage.py \
-      tests/mlxcel_core/engine/test_launcher.py tests/mlxcel_core/kernels/test_fused_projections.py \
-      -k "route_to_the_kernel or bit_for_bit or test_launcher" --timeout 100 --tb=short -rf 2>&1 \
-      | grep -E "^E |FAILED|passed|failed|Fatal" | tail -20 ;;
+    # the fifteenth session's: 4-bit batches of up to 8 rows on the kernel, larger ones as one matrix. (All of
+    # test_qmv.py, test_qmv_models.py, test_fused_projections.py and test_batching.py did not finish in 420 s.)
+    timeout 120 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_qmv.py \
+      -k "batch_beyond or default_thresholds or greedy" --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal"
+    echo "exit ${PIPESTATUS[0]}"
+    timeout 240 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/engine/test_batching.py --tb=short -rf \
+      2>&1 | grep -E "^E |PASS|FAIL|passed|failed|Fatal"
+    echo "exit ${PIPESTATUS[0]}" ;;
   batch)
     # SHAPE..: 3 timed runs per (runtime, batch); an 8B shape's three batches take most of a call
     shift
     for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
       echo "== $what"
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
+    done ;;
+  rows)
+    # MLXCEL_QMM_ROWS off / on at an 8B 4-bit batch of 32 (mlxcel only): its one run with it on did not finish in
+    # 170 s (fifteenth session); each run's line shows where it got to
+    for v in 0 1; do
+      echo "== MLXCEL_QMM_ROWS=$v"
+      MLXCEL_QMM_ROWS=$v timeout 200 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 --batches 32 \
+        --reps 1 --no-mlx-lm 2>&1 | tr '\r' '\n' | grep -E " run |^\| mlxcel"
+      echo "exit ${PIPESTATUS[0]}"
     done ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
@@ -210,6 +225,6 @@ case "${1:-}" in
     shift
     settings_ab "MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 MLX_MAX_OPS_PER_BUFFER=200" "$@" ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|batch|pin|barrier|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|rows|batch|pin|barrier|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac

@@ -37,10 +37,13 @@ def _env_int(name: str, default: int, low: int, high: int) -> int:
         return default
 
 
-# Rows of x up to which a layer call uses the kernel (MLXCEL_QMV_MAX_ROWS, 1..8; default 2). On the H200 the kernel
-# read the large decode matrices 1.7-2.2x faster than MLX at one row but was 2-2.7x slower at eight (its float32
-# multiply-adds grow with the rows; MLX switches to another kernel there); 2..7 were not measured.
-LAYER_MAX_ROWS = _env_int("MLXCEL_QMV_MAX_ROWS", 2, 1, qmv.MAX_ROWS)
+# Rows of x up to which a 4-bit layer call uses the kernel (MLXCEL_QMV_MAX_ROWS, 1..8; default 8). On the H200
+# (fifteenth session, benchmarks/qmm_batch.py) the kernel beat MLX's quantized_matmul on Llama-3-8B's projections at
+# every M up to 8 but gate/up at 8 (69.7 vs 64.5 us): q/o 26 vs 64 us, k/v 11 vs 66, down 73 vs 195; an 8B 4-bit
+# batch of 8 decoded at 887 tok/s, against 265 at the old default of 2.
+LAYER_MAX_ROWS = _env_int("MLXCEL_QMV_MAX_ROWS", qmv.MAX_ROWS, 1, qmv.MAX_ROWS)
+# The same for the 16-bit kernel (MLXCEL_HMV_MAX_ROWS, 1..8; default 2): it was measured at 1 and 2 rows only.
+HALF_MAX_ROWS = _env_int("MLXCEL_HMV_MAX_ROWS", 2, 1, hmv.MAX_ROWS)
 # Smallest weight (N x K values) swapped (MLXCEL_QMV_MIN_WEIGHT; default 2^23): at 1024 x 4096 (Llama-3-8B's k/v)
 # the kernel was no faster than MLX (6.1 vs 6.2 us) and every call costs more host time than MLX's.
 MIN_WEIGHT = _env_int("MLXCEL_QMV_MIN_WEIGHT", 1 << 23, 0, 1 << 40)
@@ -108,8 +111,33 @@ class _DecodeKernelLayer:
         return residual + self(x)
 
 
+# A decode batch's 4-bit products beyond the kernel's rows as one matrix (MLXCEL_QMM_ROWS=1; experimental, off by
+# default): see `as_rows`. Read at import, as the other switches here.
+QMM_ROWS = os.environ.get("MLXCEL_QMM_ROWS", "0").strip() == "1"
+
+
+def as_rows(matmul, x: mx.array) -> mx.array:
+    """matmul(x) for a 4-bit product; under MLXCEL_QMM_ROWS=1 a decode batch's x [B, 1, K] goes in as one [B, K]
+    matrix. On CUDA, MLX 0.32's quantized_matmul runs [B, 1, K] as B matvecs that each read the whole weight:
+    Llama-3-8B's gate_proj at B = 32 took 853 us as [32, 1, K] and 95 us as [32, K] (benchmarks/qmm_batch.py), and
+    an 8B 4-bit batch of 32 decoded at 300 tok/s, the rate that many weight reads allow. Off by default: its one
+    end-to-end run on the H200 (batch_decode.py, b = 32) did not finish within 170 s, which is not yet explained.
+    The values are the same product's (bit for bit on CPU)."""
+    if not QMM_ROWS or x.ndim <= 2 or x.shape[-2] != 1:
+        return matmul(x)
+    y = matmul(x.reshape(-1, x.shape[-1]))
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
-    """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel."""
+    """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel; larger
+    batches run MLX's call (through `as_rows`)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._matvec(x)
+        if y is None:
+            return as_rows(super(_DecodeKernelLayer, self).__call__, x)
+        return y + self["bias"] if "bias" in self else y
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
         return _kernel_matvec(self, x, mode, extra)
@@ -129,13 +157,13 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = _kernel_matvec(self, x)
-        return super().as_linear(x) if y is None else y
+        return as_rows(super().as_linear, x) if y is None else y
 
 
 def _half_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
     """x @ layer's 16-bit weight on kernels/hmv.py, or None when this call is not for it."""
     w = layer["weight"]
-    args = hmv.launch_args(x.shape, x.dtype, w.dtype, w.shape[0], None, LAYER_MAX_ROWS, mode)
+    args = hmv.launch_args(x.shape, x.dtype, w.dtype, w.shape[0], None, HALF_MAX_ROWS, mode)
     if args is None or not qmv.kernel_ready():
         return None
     return hmv.launch(args, x, w, mode, extra)

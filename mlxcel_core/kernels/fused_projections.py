@@ -139,7 +139,7 @@ class FusedProjection:
         p = self.params
         if self.half_kernel:
             return hmv.launch_args(x.shape, x.dtype, p["weight"].dtype, p["weight"].shape[0], None,
-                                   fast_linear.LAYER_MAX_ROWS, mode, split, eps)
+                                   fast_linear.HALF_MAX_ROWS, mode, split, eps)
         return qmv.launch_args(x.shape, x.dtype, p["scales"].dtype, p["weight"].shape[0], self.group_size, None,
                                fast_linear.LAYER_MAX_ROWS, mode, split, eps)
 
@@ -147,8 +147,9 @@ class FusedProjection:
         """x @ the fused weight (+ bias), every layer's output side by side."""
         p = self.params
         if self.quantized:
-            y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p["biases"], transpose=True,
-                                    group_size=self.group_size, bits=self.bits)
+            y = fast_linear.as_rows(lambda rows: mx.quantized_matmul(
+                rows, p["weight"], scales=p["scales"], biases=p["biases"], transpose=True, group_size=self.group_size,
+                bits=self.bits), x)
         else:
             y = x @ p["weight"].T
         return y + p["bias"] if "bias" in p else y

@@ -277,7 +277,8 @@ def _swap_every_layer(monkeypatch):
 
 def test_default_thresholds(monkeypatch):
     monkeypatch.undo()
-    assert 1 <= fast_linear.LAYER_MAX_ROWS <= qmv.MAX_ROWS and fast_linear.MIN_WEIGHT == 1 << 23
+    assert fast_linear.LAYER_MAX_ROWS == qmv.MAX_ROWS and fast_linear.MIN_WEIGHT == 1 << 23
+    assert fast_linear.HALF_MAX_ROWS == 2
     small = nn.QuantizedLinear(4096, 1024, bias=False, group_size=64, bits=4)  # Llama-3-8B's k/v: 2^22
     large = nn.QuantizedLinear(4096, 4096, bias=False, group_size=64, bits=4)
     holder = nn.Module()
@@ -286,6 +287,42 @@ def test_default_thresholds(monkeypatch):
     assert type(small) is nn.QuantizedLinear and type(large) is FastQuantizedLinear
     x = mx.random.normal((fast_linear.LAYER_MAX_ROWS + 1, 4096), key=mx.random.key(0))
     assert mx.array_equal(large(x), nn.QuantizedLinear.__call__(large, x)).item()  # more rows: MLX's own call
+
+
+@pytest.mark.parametrize("rows_switch", [True, False])
+def test_a_batch_beyond_the_kernel_is_one_matrix(monkeypatch, rows_switch):
+    """Under MLXCEL_QMM_ROWS=1 a decode batch of more rows than the kernel takes ([B, 1, K]) reaches MLX's
+    quantized_matmul as one [B, K] matrix (MLX on CUDA runs [B, 1, K] as B matvecs, each reading the whole weight),
+    through a swapped layer, a tied LM head and a fused projection, with MLX's own values; off, as it came."""
+    from mlxcel_core.kernels.fused_projections import FusedProjection
+
+    seen = []
+    real = mx.quantized_matmul
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.shape)
+        return real(x, *args, **kwargs)
+
+    layer = nn.QuantizedLinear(256, 128, bias=True, group_size=64, bits=4)
+    emb = nn.QuantizedEmbedding(96, 256, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.layers = [layer, emb]
+    assert use_fast_quantized_linear(holder) == 2
+    rows = fast_linear.LAYER_MAX_ROWS + 4
+    x = mx.random.normal((rows, 1, 256), key=mx.random.key(1))
+    want = [nn.QuantizedLinear.__call__(layer, x), nn.QuantizedEmbedding.as_linear(emb, x)]
+    fused = FusedProjection([layer, nn.QuantizedLinear(256, 64, bias=True, group_size=64, bits=4)])
+    want_fused = fused.matmul(x.reshape(rows, 256)).reshape(rows, 1, -1)
+    monkeypatch.setattr(fast_linear, "QMM_ROWS", rows_switch)
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    got = [layer(x), emb.as_linear(x), fused.matmul(x)]
+    assert seen == [(rows, 256) if rows_switch else (rows, 1, 256)] * 3
+    seen.clear()
+    prompt = mx.random.normal((1, 3, 256), key=mx.random.key(2))
+    assert mx.array_equal(layer(prompt), nn.QuantizedLinear.__call__(layer, prompt)).item()
+    assert seen[0] == (1, 3, 256)  # a prompt's rows go in as they are
+    for g, w in zip(got, [*want, want_fused]):
+        assert g.shape == w.shape and mx.array_equal(g, w).item()
 
 
 class _Block(nn.Module):
