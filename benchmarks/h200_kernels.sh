@@ -6,8 +6,8 @@
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
 #   bash benchmarks/h200_kernels.sh changed    # the tests of what the fifteenth session changed (4-bit batches of up
 #                                              # to 8 rows on the kernel, larger ones as one matrix)
-#   bash benchmarks/h200_kernels.sh rows       # MLXCEL_QMM_ROWS=0 then 1 at an 8B 4-bit batch of 32 (a decode batch
-#                                              # beyond the kernel's 8 rows as one matrix for MLX: 9x on gate_proj)
+#   bash benchmarks/h200_kernels.sh rows       # MLXCEL_QMM_BATCH=chunks, matrix, mlx at an 8B 4-bit batch of 32 (a
+#                                              # decode batch beyond the kernel's 8 rows: which way to compute it)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
@@ -81,10 +81,10 @@ case "${1:-}" in
     timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kv/test_cuda_paged_attention.py \
       -k "keys_and_values or new_kv or one_split or last_block or combined_in" --timeout 100 --tb=short 2>&1 | tail -5 ;;
   changed)
-    # the fifteenth session's: 4-bit batches of up to 8 rows on the kernel, larger ones as one matrix. (All of
+    # the fifteenth session's: 4-bit batches of up to 8 rows on the kernel, larger ones by MLXCEL_QMM_BATCH. (All of
     # test_qmv.py, test_qmv_models.py, test_fused_projections.py and test_batching.py did not finish in 420 s.)
-    timeout 120 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_qmv.py \
-      -k "batch_beyond or default_thresholds or greedy" --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal"
+    timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_fast_linear.py --tb=short -rf \
+      2>&1 | grep -E "^E |FAILED|passed|failed|Fatal"
     echo "exit ${PIPESTATUS[0]}"
     timeout 240 python -m pytest -v -p no:cacheprovider tests/mlxcel_core/engine/test_batching.py --tb=short -rf \
       2>&1 | grep -E "^E |PASS|FAIL|passed|failed|Fatal"
@@ -97,13 +97,14 @@ case "${1:-}" in
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
     done ;;
   rows)
-    # MLXCEL_QMM_ROWS off / on at an 8B 4-bit batch of 32 (mlxcel only): its one run with it on did not finish in
-    # 170 s (fifteenth session); each run's line shows where it got to
-    for v in 0 1; do
-      echo "== MLXCEL_QMM_ROWS=$v"
-      MLXCEL_QMM_ROWS=$v timeout 200 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 --batches 32 \
-        --reps 1 --no-mlx-lm 2>&1 | tr '\r' '\n' | grep -E " run |^\| mlxcel"
-      echo "exit ${PIPESTATUS[0]}"
+    # MLXCEL_QMM_BATCH=chunks / matrix / mlx at an 8B 4-bit batch of 32 (mlxcel only): "matrix"'s one run did not
+    # finish in 170 s (fifteenth session); each line is timestamped, so a stall shows where it was
+    for mode in chunks matrix mlx; do
+      echo "== MLXCEL_QMM_BATCH=$mode $(date +%T)"
+      MLXCEL_QMM_BATCH=$mode timeout 170 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
+        --batches 32 --reps 1 --no-mlx-lm 2>&1 | tr '\r' '\n' | grep -vi warn \
+        | while IFS= read -r line; do echo "$(date +%T) $line"; done
+      echo "exit ${PIPESTATUS[0]} $(date +%T)"
     done ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;

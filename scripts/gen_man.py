@@ -49,7 +49,12 @@ ENVIRONMENT = [
                         "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
                         "unaffected)."),
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
-                   "Default: 1 (CUDA only; elsewhere always MLX's)."),
+                   "Default: 1 (CUDA only; elsewhere always MLX's), for decode batches of up to 8 sequences "
+                   "(MLXCEL_QMV_MAX_ROWS=1..8 lowers that)."),
+    ("MLXCEL_QMM_BATCH", "mlx, matrix or chunks (experimental; default mlx): how a 4-bit decode batch larger than the "
+                         "kernel takes is computed on CUDA. mlx: MLX's quantized_matmul as the batch comes (MLX 0.32 "
+                         "reads the weights once per sequence); matrix: MLX's, on the batch as one matrix; chunks: "
+                         "mlxcel's kernel, 8 rows a launch. Not yet measured end to end."),
     ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
                              "decode step to MLX on a launcher thread while the next one is built; tokens are read "
                              "two steps later instead of one."),

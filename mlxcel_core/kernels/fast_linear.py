@@ -80,6 +80,52 @@ def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tu
     return qmv.launch(args, x, w, scales, layer["biases"], mode, extra)
 
 
+# A decode batch of more rows than the kernel takes (MLXCEL_QMM_BATCH; experimental, "mlx" by default). On CUDA,
+# MLX 0.32's quantized_matmul runs a decode batch's x [B, 1, K] as B matvecs that each read the whole weight: an 8B
+# 4-bit batch of 32 decoded at 300 tok/s, the rate that many weight reads allow (benchmarks/RESULTS.md, fifteenth
+# session). Per gate_proj call at B = 32 (benchmarks/qmm_batch.py): 853 us as [32, 1, K], 95 us as one [32, K] matrix,
+# and about 4 x 67 us as four 8-row kernel launches. Read at import, as the other switches here.
+#   "mlx"     MLX's quantized_matmul on x as it comes
+#   "matrix"  MLX's quantized_matmul on the rows as one [B, K] matrix (one end-to-end run did not finish in 170 s;
+#             not yet explained)
+#   "chunks"  this kernel, LAYER_MAX_ROWS rows a launch (each row's values are those of a batch within the limit)
+BATCH_MODES = ("mlx", "matrix", "chunks")
+
+
+def batch_mode(value: str | None) -> str:
+    """MLXCEL_QMM_BATCH's mode: one of BATCH_MODES, any case; anything else is "mlx"."""
+    value = (value or "").strip().lower()
+    return value if value in BATCH_MODES else "mlx"
+
+
+BATCH_MODE = batch_mode(os.environ.get("MLXCEL_QMM_BATCH"))
+
+
+def _decode_rows(x: mx.array) -> bool:
+    """x is a decode batch as the engine holds it: [B, 1, K], B > 1 (a prompt's rows go in as they come)."""
+    return x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1
+
+
+def as_rows(matmul, x: mx.array) -> mx.array:
+    """matmul(x) for a 4-bit product, with a decode batch's x [B, 1, K] given as one [B, K] matrix under
+    MLXCEL_QMM_BATCH=matrix (the values are the same product's: bit for bit on CPU)."""
+    if BATCH_MODE != "matrix" or not _decode_rows(x):
+        return matmul(x)
+    return matmul(x.reshape(x.shape[0], x.shape[2]))[:, None, :]
+
+
+def _chunked_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
+    """Under MLXCEL_QMM_BATCH=chunks, a decode batch too large for one kernel launch as several (LAYER_MAX_ROWS rows
+    each), or None where this call is not for it."""
+    if BATCH_MODE != "chunks" or not _decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS:
+        return None
+    first = _kernel_matvec(layer, x[:LAYER_MAX_ROWS])
+    if first is None:  # no kernel here (the later chunks are no larger: the kernel takes them where it took this)
+        return None
+    rest = [_kernel_matvec(layer, x[i:i + LAYER_MAX_ROWS]) for i in range(LAYER_MAX_ROWS, x.shape[0], LAYER_MAX_ROWS)]
+    return mx.concatenate([first, *rest], axis=0)
+
+
 class _DecodeKernelLayer:
     """A linear layer's `__call__` and `add_to` whose decode calls run a kernel (`_matvec`, None where it does not
     run that call: then the MLX class's own call). `fuses_residual` (set by kernels/fused_projections.py on o_proj
@@ -93,10 +139,14 @@ class _DecodeKernelLayer:
     def _product_dtype(self, x: mx.array):
         raise NotImplementedError
 
+    def _mlx_call(self, x: mx.array) -> mx.array:
+        """The MLX class's own call (where the kernel does not run this one)."""
+        return super().__call__(x)
+
     def __call__(self, x: mx.array) -> mx.array:
         y = self._matvec(x)
         if y is None:
-            return super().__call__(x)
+            return self._mlx_call(x)
         return y + self["bias"] if "bias" in self else y
 
     def add_to(self, x: mx.array, residual: mx.array) -> mx.array:
@@ -111,36 +161,16 @@ class _DecodeKernelLayer:
         return residual + self(x)
 
 
-# A decode batch's 4-bit products beyond the kernel's rows as one matrix (MLXCEL_QMM_ROWS=1; experimental, off by
-# default): see `as_rows`. Read at import, as the other switches here.
-QMM_ROWS = os.environ.get("MLXCEL_QMM_ROWS", "0").strip() == "1"
-
-
-def as_rows(matmul, x: mx.array) -> mx.array:
-    """matmul(x) for a 4-bit product; under MLXCEL_QMM_ROWS=1 a decode batch's x [B, 1, K] goes in as one [B, K]
-    matrix. On CUDA, MLX 0.32's quantized_matmul runs [B, 1, K] as B matvecs that each read the whole weight:
-    Llama-3-8B's gate_proj at B = 32 took 853 us as [32, 1, K] and 95 us as [32, K] (benchmarks/qmm_batch.py), and
-    an 8B 4-bit batch of 32 decoded at 300 tok/s, the rate that many weight reads allow. Off by default: its one
-    end-to-end run on the H200 (batch_decode.py, b = 32) did not finish within 170 s, which is not yet explained.
-    The values are the same product's (bit for bit on CPU)."""
-    if not QMM_ROWS or x.ndim <= 2 or x.shape[-2] != 1:
-        return matmul(x)
-    y = matmul(x.reshape(-1, x.shape[-1]))
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
 class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
     """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel; larger
-    batches run MLX's call (through `as_rows`)."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self._matvec(x)
-        if y is None:
-            return as_rows(super(_DecodeKernelLayer, self).__call__, x)
-        return y + self["bias"] if "bias" in self else y
+    decode batches go as MLXCEL_QMM_BATCH says (`_chunked_matvec`, `as_rows`)."""
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
-        return _kernel_matvec(self, x, mode, extra)
+        y = _kernel_matvec(self, x, mode, extra)
+        return _chunked_matvec(self, x) if y is None and mode == "plain" else y
+
+    def _mlx_call(self, x: mx.array) -> mx.array:
+        return as_rows(super()._mlx_call, x)
 
     def _product_dtype(self, x: mx.array):
         return mx.result_type(x, self["scales"])
@@ -157,6 +187,8 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = _kernel_matvec(self, x)
+        if y is None:
+            y = _chunked_matvec(self, x)
         return as_rows(super().as_linear, x) if y is None else y
 
 

@@ -1,9 +1,9 @@
-"""The 4-bit decode matvec kernel (mlxcel_core/kernels/qmv.py) and the layer swap (kernels/fast_linear.py).
+"""The 4-bit decode matvec kernel (mlxcel_core/kernels/qmv.py); the layer swap (kernels/fast_linear.py) in
+test_fast_linear.py.
 
 Everywhere: MLX's packing (element j of a uint32 in bits [4j, 4j+4)), the kernel's arithmetic emulated in
 numpy float32 against mx.dequantize (magic-number dequantization, offsets, the per-group algebra), the shape
-predicate, the fallback (== mx.quantized_matmul bit for bit), which layers the swap touches, the MLXCEL_QMV
-gate and the load_model / build_random_model hooks, greedy tokens of a tiny quantized model with the swap
+predicate, the fallback (== mx.quantized_matmul bit for bit), the launch arguments and configurations
 (test_qmv_compile.py: that the source MLX would assemble compiles for sm_90 without register spills).
 CUDA only (skipped elsewhere):
     python -m pytest -q tests/mlxcel_core/kernels
@@ -23,14 +23,10 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxcel_core.kernels import fast_linear, hmv, qmv
-from mlxcel_core.kernels.fast_linear import (FastQuantizedEmbedding, FastQuantizedLinear, enabled,
-                                             maybe_use_fast_quantized_linear, restore_quantized_linear,
-                                             use_fast_quantized_linear)
+from mlxcel_core.kernels import qmv
 from mlxcel_core.kernels.qmv import (cuda_kernel_available, cuda_quantized_matvec, launch_config, quantized_matvec,
                                      shape_supported, supports)
 
@@ -264,179 +260,6 @@ def test_launch_config():
             assert rows in (1, 2, 4, 8) and warps in (1, 2, 4, 8) and unroll in (1, 2)
             assert warps == 1 or warps * 32 * qmv.CHUNK <= k  # every warp has a whole round of K
     assert launch_config(128256, 4096, 1)[1] == 1  # the LM head has blocks enough without splitting K
-
-
-# -- the layer swap --------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _swap_every_layer(monkeypatch):
-    """Tests swap every supported layer whatever its size and use the kernel up to MAX_ROWS rows (the tiny test
-    models are far below MIN_WEIGHT); test_default_thresholds checks the defaults."""
-    monkeypatch.setattr(fast_linear, "MIN_WEIGHT", 0)
-    monkeypatch.setattr(fast_linear, "LAYER_MAX_ROWS", qmv.MAX_ROWS)
-
-
-def test_default_thresholds(monkeypatch):
-    monkeypatch.undo()
-    assert fast_linear.LAYER_MAX_ROWS == qmv.MAX_ROWS and fast_linear.MIN_WEIGHT == 1 << 23
-    assert fast_linear.HALF_MAX_ROWS == 2
-    small = nn.QuantizedLinear(4096, 1024, bias=False, group_size=64, bits=4)  # Llama-3-8B's k/v: 2^22
-    large = nn.QuantizedLinear(4096, 4096, bias=False, group_size=64, bits=4)
-    holder = nn.Module()
-    holder.layers = [small, large]
-    assert use_fast_quantized_linear(holder) == 1
-    assert type(small) is nn.QuantizedLinear and type(large) is FastQuantizedLinear
-    x = mx.random.normal((fast_linear.LAYER_MAX_ROWS + 1, 4096), key=mx.random.key(0))
-    assert mx.array_equal(large(x), nn.QuantizedLinear.__call__(large, x)).item()  # more rows: MLX's own call
-
-
-@pytest.mark.parametrize("rows_switch", [True, False])
-def test_a_batch_beyond_the_kernel_is_one_matrix(monkeypatch, rows_switch):
-    """Under MLXCEL_QMM_ROWS=1 a decode batch of more rows than the kernel takes ([B, 1, K]) reaches MLX's
-    quantized_matmul as one [B, K] matrix (MLX on CUDA runs [B, 1, K] as B matvecs, each reading the whole weight),
-    through a swapped layer, a tied LM head and a fused projection, with MLX's own values; off, as it came."""
-    from mlxcel_core.kernels.fused_projections import FusedProjection
-
-    seen = []
-    real = mx.quantized_matmul
-
-    def spy(x, *args, **kwargs):
-        seen.append(x.shape)
-        return real(x, *args, **kwargs)
-
-    layer = nn.QuantizedLinear(256, 128, bias=True, group_size=64, bits=4)
-    emb = nn.QuantizedEmbedding(96, 256, group_size=64, bits=4)
-    holder = nn.Module()
-    holder.layers = [layer, emb]
-    assert use_fast_quantized_linear(holder) == 2
-    rows = fast_linear.LAYER_MAX_ROWS + 4
-    x = mx.random.normal((rows, 1, 256), key=mx.random.key(1))
-    want = [nn.QuantizedLinear.__call__(layer, x), nn.QuantizedEmbedding.as_linear(emb, x)]
-    fused = FusedProjection([layer, nn.QuantizedLinear(256, 64, bias=True, group_size=64, bits=4)])
-    want_fused = fused.matmul(x.reshape(rows, 256)).reshape(rows, 1, -1)
-    monkeypatch.setattr(fast_linear, "QMM_ROWS", rows_switch)
-    monkeypatch.setattr(mx, "quantized_matmul", spy)
-    got = [layer(x), emb.as_linear(x), fused.matmul(x)]
-    assert seen == [(rows, 256) if rows_switch else (rows, 1, 256)] * 3
-    seen.clear()
-    prompt = mx.random.normal((1, 3, 256), key=mx.random.key(2))
-    assert mx.array_equal(layer(prompt), nn.QuantizedLinear.__call__(layer, prompt)).item()
-    assert seen[0] == (1, 3, 256)  # a prompt's rows go in as they are
-    for g, w in zip(got, [*want, want_fused]):
-        assert g.shape == w.shape and mx.array_equal(g, w).item()
-
-
-class _Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        from mlxcel_core.distributed.shard import RowParallelQuantizedLinear
-
-        self.a = nn.QuantizedLinear(128, 64, bias=True, group_size=64, bits=4)
-        self.b = nn.QuantizedLinear(128, 64, bias=False, group_size=32, bits=4)
-        self.eight = nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=8)
-        self.dense = nn.Linear(128, 64)
-        self.emb = nn.QuantizedEmbedding(100, 128, group_size=64, bits=4)
-        self.row = nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=4)
-        self.row.__class__ = RowParallelQuantizedLinear
-        self.layers = [nn.QuantizedLinear(256, 32, bias=False, group_size=128, bits=4)]
-
-
-def test_swap_touches_only_plain_supported_layers():
-    from mlxcel_core.distributed.shard import RowParallelQuantizedLinear
-
-    block = _Block()
-    before = {k: v for k, v in block.parameters().items()}
-    assert use_fast_quantized_linear(block) == 4
-    assert type(block.a) is FastQuantizedLinear and type(block.b) is FastQuantizedLinear
-    assert type(block.layers[0]) is FastQuantizedLinear and type(block.emb) is FastQuantizedEmbedding
-    assert type(block.eight) is nn.QuantizedLinear and type(block.dense) is nn.Linear
-    assert type(block.row) is RowParallelQuantizedLinear
-    assert isinstance(block.a, nn.QuantizedLinear) and isinstance(block.emb, nn.QuantizedEmbedding)
-    assert block.parameters().keys() == before.keys()
-    assert use_fast_quantized_linear(block) == 0  # idempotent
-    assert restore_quantized_linear(block) == 4
-    assert type(block.a) is nn.QuantizedLinear and type(block.emb) is nn.QuantizedEmbedding
-
-
-def test_fast_layers_compute_what_mlx_layers_do():
-    """Decode shapes (kernel on CUDA), a prefill shape (always mx.quantized_matmul), embedding lookups."""
-    block = _Block()
-    shapes = [(1, 128), (1, 1, 128), (2, 4, 128), (4, 3, 128)]
-    xs = [mx.random.normal(shape, key=mx.random.key(i)) for i, shape in enumerate(shapes)]
-    ids = mx.array([[1, 5, 99]])
-
-    def outputs():
-        return [y for x in xs for y in (block.a(x), block.b(x), block.layers[0](mx.concatenate([x, x], -1)),
-                                       block.emb.as_linear(x))] + [block.emb(ids)]
-
-    want = outputs()
-    use_fast_quantized_linear(block)
-    got = outputs()
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        if cuda_kernel_available():  # float32 here: both accurate to ~1e-6
-            assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item()
-        else:
-            assert mx.array_equal(g, w).item()
-
-
-def test_gate_is_on_by_default_and_needs_cuda(monkeypatch):
-    monkeypatch.delenv("MLXCEL_QMV", raising=False)
-    monkeypatch.setattr(qmv, "cuda_kernel_available", lambda: False)
-    monkeypatch.setenv("MLXCEL_QMV", "1")
-    assert not enabled()  # no CUDA: never
-    monkeypatch.setattr(qmv, "cuda_kernel_available", lambda: True)
-    assert enabled()
-    monkeypatch.setenv("MLXCEL_QMV", "0")
-    assert not enabled()
-    monkeypatch.delenv("MLXCEL_QMV")
-    assert enabled() == (fast_linear.DEFAULT_QMV != "0")
-    assert fast_linear.DEFAULT_QMV == "1", "on by default where MLX runs on CUDA"
-
-
-def test_maybe_use_follows_the_gate(monkeypatch):
-    block = _Block()
-    monkeypatch.setattr(fast_linear, "enabled", lambda: False)
-    assert maybe_use_fast_quantized_linear(block) == 0 and type(block.a) is nn.QuantizedLinear
-    monkeypatch.setattr(fast_linear, "enabled", lambda: True)
-    assert maybe_use_fast_quantized_linear(block) == 4 and type(block.a) is FastQuantizedLinear
-
-
-PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31]
-
-
-def test_swap_keeps_greedy_tokens_on_tiny_quantized_model(tiny_q4):
-    """Here (no CUDA) the swapped layers are MLX's computation exactly: identical logits and tokens. On CUDA the
-    kernel's arithmetic differs from MLX's (test_greedy_tiny_quantized_checkpoint_vs_float32_matvec)."""
-    from mlxcel_core.loading import load_model
-
-    model = load_model(str(tiny_q4), log=lambda m: None).model
-    restore_quantized_linear(model)  # the plain model, whatever MLXCEL_QMV says
-    assert use_fast_quantized_linear(model) == 2 * 7 + 2  # 7 projections per layer, LM head, embedding
-    if cuda_kernel_available():
-        pytest.skip("with CUDA the kernel runs: see the CUDA tests on this checkpoint")
-    restore_quantized_linear(model)
-    want = greedy(model, PROMPT, 16)
-    want_short = greedy(model, PROMPT[:3], 8)  # a short prompt: prefill has few rows too
-    logits = model(mx.array([PROMPT[:3]]))
-    use_fast_quantized_linear(model)
-    assert greedy(model, PROMPT, 16) == want and greedy(model, PROMPT[:3], 8) == want_short
-    assert mx.array_equal(model(mx.array([PROMPT[:3]])), logits).item()
-
-
-def test_load_model_and_random_model_apply_the_swap(monkeypatch, tiny_q4):
-    from mlxcel_core.loading import load_model
-    from mlxcel_core.models.shapes import build_random_model
-
-    for on in (True, False):
-        monkeypatch.setattr(fast_linear, "enabled", lambda on=on: on)
-        model = load_model(str(tiny_q4), log=lambda m: None).model
-        expect = FastQuantizedLinear if on else nn.QuantizedLinear
-        assert type(model.model.layers[0].self_attn.q_proj) is expect and type(model.lm_head) is expect
-        random_model, _ = build_random_model("tiny", bits=4)
-        assert type(random_model.model.layers[1].mlp.down_proj) is expect
-        unquantized, _ = build_random_model("tiny")  # 16-bit layers: the 16-bit kernel's gate decides (hmv.enabled)
-        half = fast_linear.FastLinear if hmv.enabled(128) else nn.Linear
-        assert type(unquantized.model.layers[0].mlp.down_proj) is half
 
 
 # -- CUDA: the kernel ------------------------------------------------------------------------------------------

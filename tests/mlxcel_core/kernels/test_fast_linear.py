@@ -1,0 +1,280 @@
+"""The layer swap (mlxcel_core/kernels/fast_linear.py): which layers become the kernel's, the MLXCEL_QMV gate and
+its row limits, a decode batch beyond one launch (MLXCEL_QMM_BATCH), the load_model / build_random_model hooks and
+greedy tokens of a tiny quantized model with the swap. The kernel itself: test_qmv.py (whose helpers these use).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlxcel_core.kernels import fast_linear, hmv, qmv
+from mlxcel_core.kernels.fast_linear import (FastQuantizedEmbedding, FastQuantizedLinear, enabled,
+                                             maybe_use_fast_quantized_linear, restore_quantized_linear,
+                                             use_fast_quantized_linear)
+from mlxcel_core.kernels.qmv import cuda_kernel_available
+from test_qmv import check_close, greedy, make_operands, needs_cuda, reference
+
+
+# -- the layer swap --------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _swap_every_layer(monkeypatch):
+    """Tests swap every supported layer whatever its size and use the kernel up to MAX_ROWS rows (the tiny test
+    models are far below MIN_WEIGHT); test_default_thresholds checks the defaults."""
+    monkeypatch.setattr(fast_linear, "MIN_WEIGHT", 0)
+    monkeypatch.setattr(fast_linear, "LAYER_MAX_ROWS", qmv.MAX_ROWS)
+
+
+def test_default_thresholds(monkeypatch):
+    monkeypatch.undo()
+    assert fast_linear.LAYER_MAX_ROWS == qmv.MAX_ROWS and fast_linear.MIN_WEIGHT == 1 << 23
+    assert fast_linear.HALF_MAX_ROWS == 2
+    small = nn.QuantizedLinear(4096, 1024, bias=False, group_size=64, bits=4)  # Llama-3-8B's k/v: 2^22
+    large = nn.QuantizedLinear(4096, 4096, bias=False, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.layers = [small, large]
+    assert use_fast_quantized_linear(holder) == 1
+    assert type(small) is nn.QuantizedLinear and type(large) is FastQuantizedLinear
+    x = mx.random.normal((fast_linear.LAYER_MAX_ROWS + 1, 4096), key=mx.random.key(0))
+    assert mx.array_equal(large(x), nn.QuantizedLinear.__call__(large, x)).item()  # more rows: MLX's own call
+
+
+@pytest.mark.parametrize("batch_mode", fast_linear.BATCH_MODES)
+def test_a_decode_batch_beyond_the_kernel(monkeypatch, batch_mode):
+    """A decode batch of more rows than one launch takes ([B, 1, K]), through a swapped layer and a tied LM head, as
+    MLXCEL_QMM_BATCH says: "mlx" gives MLX's quantized_matmul x as it comes; "matrix" gives it one [B, K] matrix (MLX
+    on CUDA runs [B, 1, K] as B matvecs, each reading the whole weight), also in a fused projection; "chunks" runs the
+    kernel (a stand-in here) LAYER_MAX_ROWS rows a launch. MLX's values every time; a prompt's rows go in as they
+    come."""
+    from mlxcel_core.kernels.fused_projections import FusedProjection
+
+    layer = nn.QuantizedLinear(256, 128, bias=True, group_size=64, bits=4)
+    emb = nn.QuantizedEmbedding(96, 256, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.layers = [layer, emb]
+    assert use_fast_quantized_linear(holder) == 2
+    rows = 2 * fast_linear.LAYER_MAX_ROWS + 3  # three launches under "chunks", the last one short
+    x = mx.random.normal((rows, 1, 256), key=mx.random.key(1))
+    want = [nn.QuantizedLinear.__call__(layer, x), nn.QuantizedEmbedding.as_linear(emb, x)]
+    fused = FusedProjection([layer, nn.QuantizedLinear(256, 64, bias=True, group_size=64, bits=4)])
+    want_fused = fused.matmul(x.reshape(rows, 256)).reshape(rows, 1, -1)
+
+    seen, launched = [], []
+    real = mx.quantized_matmul
+
+    def spy(x, *args, **kwargs):
+        seen.append(x.shape)
+        return real(x, *args, **kwargs)
+
+    def stand_in(args, x, w, scales, biases, mode="plain", extra=()):  # the kernel's product, through MLX
+        launched.append(x.shape)
+        return real(x, w, scales=scales, biases=biases, transpose=True, group_size=64, bits=4)
+
+    monkeypatch.setattr(fast_linear, "BATCH_MODE", batch_mode)
+    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
+    monkeypatch.setattr(qmv, "launch", stand_in)
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    got = [layer(x), emb.as_linear(x), fused.matmul(x)]
+    if batch_mode == "chunks":
+        n = fast_linear.LAYER_MAX_ROWS
+        assert launched == [(n, 1, 256), (n, 1, 256), (3, 1, 256)] * 2
+        assert seen == [(rows, 1, 256)]  # the fused projection's: MLX's (past 8 rows models call the layers)
+    else:
+        assert launched == [] and seen == [(rows, 256) if batch_mode == "matrix" else (rows, 1, 256)] * 3
+    for g, w in zip(got, [*want, want_fused]):
+        assert g.shape == w.shape and mx.array_equal(g, w).item()
+    seen.clear()
+    prompt = mx.random.normal((1, 3 * fast_linear.LAYER_MAX_ROWS, 256), key=mx.random.key(2))
+    assert mx.array_equal(layer(prompt), nn.QuantizedLinear.__call__(layer, prompt)).item()
+    assert seen[0] == prompt.shape
+
+
+def test_batch_mode_setting():
+    assert [fast_linear.batch_mode(v) for v in (None, "", "mlx", " Chunks ", "MATRIX", "fast")] == [
+        "mlx", "mlx", "mlx", "chunks", "matrix", "mlx"]
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        from mlxcel_core.distributed.shard import RowParallelQuantizedLinear
+
+        self.a = nn.QuantizedLinear(128, 64, bias=True, group_size=64, bits=4)
+        self.b = nn.QuantizedLinear(128, 64, bias=False, group_size=32, bits=4)
+        self.eight = nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=8)
+        self.dense = nn.Linear(128, 64)
+        self.emb = nn.QuantizedEmbedding(100, 128, group_size=64, bits=4)
+        self.row = nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=4)
+        self.row.__class__ = RowParallelQuantizedLinear
+        self.layers = [nn.QuantizedLinear(256, 32, bias=False, group_size=128, bits=4)]
+
+
+def test_swap_touches_only_plain_supported_layers():
+    from mlxcel_core.distributed.shard import RowParallelQuantizedLinear
+
+    block = _Block()
+    before = {k: v for k, v in block.parameters().items()}
+    assert use_fast_quantized_linear(block) == 4
+    assert type(block.a) is FastQuantizedLinear and type(block.b) is FastQuantizedLinear
+    assert type(block.layers[0]) is FastQuantizedLinear and type(block.emb) is FastQuantizedEmbedding
+    assert type(block.eight) is nn.QuantizedLinear and type(block.dense) is nn.Linear
+    assert type(block.row) is RowParallelQuantizedLinear
+    assert isinstance(block.a, nn.QuantizedLinear) and isinstance(block.emb, nn.QuantizedEmbedding)
+    assert block.parameters().keys() == before.keys()
+    assert use_fast_quantized_linear(block) == 0  # idempotent
+    assert restore_quantized_linear(block) == 4
+    assert type(block.a) is nn.QuantizedLinear and type(block.emb) is nn.QuantizedEmbedding
+
+
+def test_fast_layers_compute_what_mlx_layers_do():
+    """Decode shapes (kernel on CUDA), a prefill shape (always mx.quantized_matmul), embedding lookups."""
+    block = _Block()
+    shapes = [(1, 128), (1, 1, 128), (2, 4, 128), (4, 3, 128)]
+    xs = [mx.random.normal(shape, key=mx.random.key(i)) for i, shape in enumerate(shapes)]
+    ids = mx.array([[1, 5, 99]])
+
+    def outputs():
+        return [y for x in xs for y in (block.a(x), block.b(x), block.layers[0](mx.concatenate([x, x], -1)),
+                                       block.emb.as_linear(x))] + [block.emb(ids)]
+
+    want = outputs()
+    use_fast_quantized_linear(block)
+    got = outputs()
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        if cuda_kernel_available():  # float32 here: both accurate to ~1e-6
+            assert mx.allclose(g, w, rtol=1e-4, atol=1e-4).item()
+        else:
+            assert mx.array_equal(g, w).item()
+
+
+def test_gate_is_on_by_default_and_needs_cuda(monkeypatch):
+    monkeypatch.delenv("MLXCEL_QMV", raising=False)
+    monkeypatch.setattr(qmv, "cuda_kernel_available", lambda: False)
+    monkeypatch.setenv("MLXCEL_QMV", "1")
+    assert not enabled()  # no CUDA: never
+    monkeypatch.setattr(qmv, "cuda_kernel_available", lambda: True)
+    assert enabled()
+    monkeypatch.setenv("MLXCEL_QMV", "0")
+    assert not enabled()
+    monkeypatch.delenv("MLXCEL_QMV")
+    assert enabled() == (fast_linear.DEFAULT_QMV != "0")
+    assert fast_linear.DEFAULT_QMV == "1", "on by default where MLX runs on CUDA"
+
+
+def test_maybe_use_follows_the_gate(monkeypatch):
+    block = _Block()
+    monkeypatch.setattr(fast_linear, "enabled", lambda: False)
+    assert maybe_use_fast_quantized_linear(block) == 0 and type(block.a) is nn.QuantizedLinear
+    monkeypatch.setattr(fast_linear, "enabled", lambda: True)
+    assert maybe_use_fast_quantized_linear(block) == 4 and type(block.a) is FastQuantizedLinear
+
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31]
+
+
+def test_swap_keeps_greedy_tokens_on_tiny_quantized_model(tiny_q4):
+    """Here (no CUDA) the swapped layers are MLX's computation exactly: identical logits and tokens. On CUDA the
+    kernel's arithmetic differs from MLX's (test_greedy_tiny_quantized_checkpoint_vs_float32_matvec)."""
+    from mlxcel_core.loading import load_model
+
+    model = load_model(str(tiny_q4), log=lambda m: None).model
+    restore_quantized_linear(model)  # the plain model, whatever MLXCEL_QMV says
+    assert use_fast_quantized_linear(model) == 2 * 7 + 2  # 7 projections per layer, LM head, embedding
+    if cuda_kernel_available():
+        pytest.skip("with CUDA the kernel runs: see the CUDA tests on this checkpoint")
+    restore_quantized_linear(model)
+    want = greedy(model, PROMPT, 16)
+    want_short = greedy(model, PROMPT[:3], 8)  # a short prompt: prefill has few rows too
+    logits = model(mx.array([PROMPT[:3]]))
+    use_fast_quantized_linear(model)
+    assert greedy(model, PROMPT, 16) == want and greedy(model, PROMPT[:3], 8) == want_short
+    assert mx.array_equal(model(mx.array([PROMPT[:3]])), logits).item()
+
+
+def test_load_model_and_random_model_apply_the_swap(monkeypatch, tiny_q4):
+    from mlxcel_core.loading import load_model
+    from mlxcel_core.models.shapes import build_random_model
+
+    for on in (True, False):
+        monkeypatch.setattr(fast_linear, "enabled", lambda on=on: on)
+        model = load_model(str(tiny_q4), log=lambda m: None).model
+        expect = FastQuantizedLinear if on else nn.QuantizedLinear
+        assert type(model.model.layers[0].self_attn.q_proj) is expect and type(model.lm_head) is expect
+        random_model, _ = build_random_model("tiny", bits=4)
+        assert type(random_model.model.layers[1].mlp.down_proj) is expect
+        unquantized, _ = build_random_model("tiny")  # 16-bit layers: the 16-bit kernel's gate decides (hmv.enabled)
+        half = fast_linear.FastLinear if hmv.enabled(128) else nn.Linear
+        assert type(unquantized.model.layers[0].mlp.down_proj) is half
+
+
+# -- CUDA ------------------------------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("batch_mode", fast_linear.BATCH_MODES)
+def test_decode_batch_modes_on_the_gpu(monkeypatch, batch_mode):
+    """A decode batch of 19 rows ([19, 1, K]) through a swapped layer in each MLXCEL_QMM_BATCH mode: the float
+    reference's values within the kernel tests' tolerance."""
+    x, w, scales, biases = make_operands(19, 1024, 4096, mx.bfloat16, seed=13)
+    ref, mag = reference(x, w, scales, biases)
+    layer = nn.QuantizedLinear(4096, 1024, bias=False, group_size=64, bits=4)
+    layer.weight, layer.scales, layer.biases = w, scales, biases
+    holder = nn.Module()
+    holder.layers = [layer]
+    assert use_fast_quantized_linear(holder) == 1
+    monkeypatch.setattr(fast_linear, "BATCH_MODE", batch_mode)
+    y = layer(x[:, None, :])
+    assert y.shape == (19, 1, 1024)
+    check_close(y[:, 0], ref, mag, mx.bfloat16, f"{batch_mode}, 19 rows")
+
+
+@pytest.mark.parametrize("batch_mode", ["chunks", "matrix"])
+def test_engine_decode_batch_beyond_the_kernel(monkeypatch, tiny_q4, batch_mode):
+    """The engine's decode batch of 12 sequences under MLXCEL_QMM_BATCH: its [12, 1, K] rows reach the kernel (a
+    stand-in computing MLX's product here) 8 and 4 at a time ("chunks"), or MLX's quantized_matmul as one [12, K]
+    matrix ("matrix"); every sequence's greedy tokens are those of the same batch under "mlx"."""
+    from mlxcel_core.engine import Engine, EngineConfig
+    from mlxcel_core.loading import load_model
+    from mlxcel_core.sampling import SamplingParams
+
+    lm = load_model(str(tiny_q4), log=lambda m: None)
+    lm.tokenizer.eos_token_ids = set()
+    restore_quantized_linear(lm.model)
+    use_fast_quantized_linear(lm.model)
+    prompts = [[5 + i, 40 + 3 * i, 7, 90 - i][: 2 + i % 3] for i in range(12)]
+    real = mx.quantized_matmul
+    launched, multiplied = [], []
+
+    def stand_in(layer, x, mode="plain", extra=()):
+        if mode != "plain" or x.size // x.shape[-1] > fast_linear.LAYER_MAX_ROWS:
+            return None
+        launched.append(x.shape[:-1])
+        return real(x, layer["weight"], scales=layer["scales"], biases=layer["biases"], transpose=True,
+                    group_size=layer.group_size, bits=layer.bits)
+
+    def spy(x, *args, **kwargs):
+        multiplied.append(x.shape[:-1])
+        return real(x, *args, **kwargs)
+
+    def run(mode):
+        monkeypatch.setattr(fast_linear, "BATCH_MODE", mode)
+        engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_batch_size=12))
+        ids = [engine.open(p, SamplingParams(max_tokens=16)) for p in prompts]  # all 12 decode together
+        out = {}
+        while engine.has_work():
+            for o in engine.step():
+                assert o.error is None, o.error
+                if o.token is not None:
+                    out.setdefault(o.seq_id, []).append(o.token)
+        return [out[i] for i in ids]
+
+    want = run("mlx")
+    if batch_mode == "chunks":
+        monkeypatch.setattr(fast_linear, "_kernel_matvec", stand_in)
+    monkeypatch.setattr(mx, "quantized_matmul", spy)
+    got = run(batch_mode)
+    assert got == want and all(len(tokens) == 16 for tokens in got)
+    if batch_mode == "chunks":
+        assert (8, 1) in launched and (4, 1) in launched and (12, 1) not in multiplied
+    else:
+        assert (12,) in multiplied and (12, 1) not in multiplied
