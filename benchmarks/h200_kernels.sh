@@ -6,8 +6,10 @@
 #   bash benchmarks/h200_kernels.sh tests      # their CUDA tests (the kernels' accuracy, modes, model decode)
 #   bash benchmarks/h200_kernels.sh changed    # the tests of what the fifteenth session changed (4-bit batches of up
 #                                              # to 8 rows on the kernel, larger ones as one matrix)
-#   bash benchmarks/h200_kernels.sh rows       # MLXCEL_QMM_BATCH=chunks, matrix, mlx at an 8B 4-bit batch of 32 (a
-#                                              # decode batch beyond the kernel's 8 rows: which way to compute it)
+#   bash benchmarks/h200_kernels.sh rows       # kernels/qmm.py's tests, then MLXCEL_QMM_BATCH=mma, chunks, matrix, mlx
+#                                              # at an 8B 4-bit batch of 32 (a decode batch beyond the kernel's 8 rows:
+#                                              # which way to compute it)
+#   bash benchmarks/h200_kernels.sh qmm        # those ways one product at a time (benchmarks/qmm_batch.py)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
@@ -97,15 +99,22 @@ case "${1:-}" in
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
     done ;;
   rows)
-    # MLXCEL_QMM_BATCH=chunks / matrix / mlx at an 8B 4-bit batch of 32 (mlxcel only): "matrix"'s one run did not
-    # finish in 170 s (fifteenth session); each line is timestamped, so a stall shows where it was
-    for mode in chunks matrix mlx; do
+    # first kernels/qmm.py's tests (never run on a GPU before), then MLXCEL_QMM_BATCH=mma / chunks / matrix / mlx at
+    # an 8B 4-bit batch of 32 (mlxcel only): "matrix"'s one run did not finish in 170 s (fifteenth session); each
+    # line is timestamped, so a stall shows where it was
+    timeout 100 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_qmm.py --tb=short -rf 2>&1 \
+      | grep -E "^E |FAILED|passed|failed|Fatal"
+    for mode in mma chunks matrix mlx; do
       echo "== MLXCEL_QMM_BATCH=$mode $(date +%T)"
-      MLXCEL_QMM_BATCH=$mode timeout 170 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
+      MLXCEL_QMM_BATCH=$mode timeout 110 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
         --batches 32 --reps 1 --no-mlx-lm 2>&1 | tr '\r' '\n' | grep -vi warn \
         | while IFS= read -r line; do echo "$(date +%T) $line"; done
       echo "exit ${PIPESTATUS[0]} $(date +%T)"
     done ;;
+  qmm)
+    # the batch products one at a time: MLX, MLX as one matrix, dequantize + matmul, the matvec kernel in 8-row
+    # launches, kernels/qmm.py (with its difference from MLX's result)
+    timeout 300 python benchmarks/qmm_batch.py --m 1 8 9 16 32 2>&1 | grep -vi warn ;;
   hmv)
     timeout 280 python benchmarks/hmv.py --m 1 2 --reps 9 ;;
   blocks)
@@ -226,6 +235,6 @@ case "${1:-}" in
     shift
     settings_ab "MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 MLX_MAX_OPS_PER_BUFFER=200" "$@" ;;
   *)
-    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|rows|batch|pin|barrier|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
+    echo "usage: bash benchmarks/h200_kernels.sh tests|changed|rows|qmm|batch|pin|barrier|hmv|blocks|sweep|kv|gate|attn|bf16|q4|folds|profile|prefill|host|depth|launch|engine|models|ab|abq|graphs" >&2
     exit 2 ;;
 esac

@@ -10,6 +10,8 @@ call (each call reads its weights from HBM; qmv.py's timing, one stream, no CUDA
   MLX (M,1,K) the same with x shaped as a decode batch holds it, one row per sequence
   deq+mm   mx.dequantize to bf16, then x @ W.T (cuBLAS): reads the 4-bit weight, writes and reads a bf16 copy
   ours     kernels/qmv.py's matvec kernel, 8 rows a launch (more rows: MLXCEL_QMM_BATCH=chunks)
+  mma      kernels/qmm.py, the tensor cores, up to 32 rows in one launch (MLXCEL_QMM_BATCH=mma); its largest
+           difference from MLX's result is printed once per shape and M
 GB/s counts the packed weight + scales + biases once, as a matvec reads them.
 """
 
@@ -27,8 +29,9 @@ os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # calls run one after another
 
 import mlx.core as mx  # noqa: E402
 
-from qmv import GROUP_SIZE, L2_BYTES, SHAPES, make_weights, mlx_qmm, time_calls, weight_bytes  # noqa: E402
-from mlxcel_core.kernels import qmv  # noqa: E402
+from qmv import (GROUP_SIZE, L2_BYTES, SHAPES, make_weights, max_rel_diff, mlx_qmm, time_calls,  # noqa: E402
+                 weight_bytes)
+from mlxcel_core.kernels import qmm, qmv  # noqa: E402
 
 
 def dequant_mm(x, w, scales, biases):
@@ -48,6 +51,10 @@ def ours(x, w, scales, biases):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
+def mma(x, w, scales, biases):
+    return qmm.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -61,7 +68,7 @@ def main() -> int:
         return 1
     dtype = mx.bfloat16
     print(f"bf16 x, 4-bit weights (group {GROUP_SIZE}); us per call (GB/s of packed weight), median of {args.reps}")
-    print(f"{'shape':<14} {'N':>6} {'K':>6} {'M':>3} | {'MLX':>15} | {'MLX (M,1,K)':>15} | {'deq+mm':>15} | {'ours':>15}")
+    print(f"{'shape':<14} {'N':>6} {'K':>6} {'M':>3} | {'MLX':>15} | {'MLX (M,1,K)':>15} | {'deq+mm':>15} | {'ours':>15} | {'mma':>15}")
     for name, n, k in SHAPES:
         if name not in args.shapes:
             continue
@@ -72,10 +79,11 @@ def main() -> int:
             x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
             mx.eval(x)
             cells = []
-            for fn in (mlx_qmm, mlx_qmm_rows, dequant_mm, ours):
+            for fn in (mlx_qmm, mlx_qmm_rows, dequant_mm, ours, mma):
                 t, _ = time_calls(fn, x, weights, args.calls, args.reps)
                 cells.append(f"{t * 1e6:>8.1f} ({nbytes / t / 1e9:>4.0f})")
-            print(f"{name:<14} {n:>6} {k:>6} {m:>3} | " + " | ".join(cells), flush=True)
+            diff = max_rel_diff(mma(x, *weights[0]), mlx_qmm(x, *weights[0]))
+            print(f"{name:<14} {n:>6} {k:>6} {m:>3} | " + " | ".join(cells) + f" | mma vs MLX {diff:.1e}", flush=True)
         del weights
     return 0
 

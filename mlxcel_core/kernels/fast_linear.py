@@ -24,7 +24,7 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import hmv, qembedding, qmv
+from . import hmv, qembedding, qmm, qmv
 
 ENV = "MLXCEL_QMV"
 DEFAULT_QMV = "1"  # on where MLX runs on CUDA
@@ -89,7 +89,8 @@ def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tu
 #   "matrix"  MLX's quantized_matmul on the rows as one [B, K] matrix (one end-to-end run did not finish in 170 s;
 #             not yet explained)
 #   "chunks"  this kernel, LAYER_MAX_ROWS rows a launch (each row's values are those of a batch within the limit)
-BATCH_MODES = ("mlx", "matrix", "chunks")
+#   "mma"     kernels/qmm.py: the tensor cores, up to qmm.MAX_ROWS rows in one launch (never yet run on a GPU)
+BATCH_MODES = ("mlx", "matrix", "chunks", "mma")
 
 
 def batch_mode(value: str | None) -> str:
@@ -114,11 +115,17 @@ def as_rows(matmul, x: mx.array) -> mx.array:
     return matmul(x.reshape(x.shape[0], x.shape[2]))[:, None, :]
 
 
-def _chunked_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
-    """Under MLXCEL_QMM_BATCH=chunks, a decode batch too large for one kernel launch as several (LAYER_MAX_ROWS rows
-    each), or None where this call is not for it."""
-    if BATCH_MODE != "chunks" or not _decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS:
+def _batch_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
+    """A decode batch too large for one launch of this kernel, as MLXCEL_QMM_BATCH says: "chunks", several launches
+    (LAYER_MAX_ROWS rows each); "mma", one launch of kernels/qmm.py. None where this call is not for either."""
+    if BATCH_MODE not in ("chunks", "mma") or not _decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS:
         return None
+    if BATCH_MODE == "mma":
+        w, scales = layer["weight"], layer["scales"]
+        if not qmv.kernel_ready() or qmm.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], x.shape[-1],
+                                                     layer.group_size) is None:
+            return None
+        return qmm.quantized_matmul(x, w, scales, layer["biases"], layer.group_size)
     first = _kernel_matvec(layer, x[:LAYER_MAX_ROWS])
     if first is None:  # no kernel here (the later chunks are no larger: the kernel takes them where it took this)
         return None
@@ -163,11 +170,11 @@ class _DecodeKernelLayer:
 
 class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
     """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel; larger
-    decode batches go as MLXCEL_QMM_BATCH says (`_chunked_matvec`, `as_rows`)."""
+    decode batches go as MLXCEL_QMM_BATCH says (`_batch_matvec`, `as_rows`)."""
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
         y = _kernel_matvec(self, x, mode, extra)
-        return _chunked_matvec(self, x) if y is None and mode == "plain" else y
+        return _batch_matvec(self, x) if y is None and mode == "plain" else y
 
     def _mlx_call(self, x: mx.array) -> mx.array:
         return as_rows(super()._mlx_call, x)
@@ -188,7 +195,7 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         y = _kernel_matvec(self, x)
         if y is None:
-            y = _chunked_matvec(self, x)
+            y = _batch_matvec(self, x)
         return as_rows(super().as_linear, x) if y is None else y
 
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlxcel_core.kernels import fast_linear, hmv, qmv
+from mlxcel_core.kernels import fast_linear, hmv, qmm, qmv
 from mlxcel_core.kernels.fast_linear import (FastQuantizedEmbedding, FastQuantizedLinear, enabled,
                                              maybe_use_fast_quantized_linear, restore_quantized_linear,
                                              use_fast_quantized_linear)
@@ -45,8 +45,8 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch, batch_mode):
     """A decode batch of more rows than one launch takes ([B, 1, K]), through a swapped layer and a tied LM head, as
     MLXCEL_QMM_BATCH says: "mlx" gives MLX's quantized_matmul x as it comes; "matrix" gives it one [B, K] matrix (MLX
     on CUDA runs [B, 1, K] as B matvecs, each reading the whole weight), also in a fused projection; "chunks" runs the
-    kernel (a stand-in here) LAYER_MAX_ROWS rows a launch. MLX's values every time; a prompt's rows go in as they
-    come."""
+    kernel (a stand-in here) LAYER_MAX_ROWS rows a launch; "mma" runs kernels/qmm.py (a stand-in) once. MLX's values
+    every time; a prompt's rows go in as they come."""
     from mlxcel_core.kernels.fused_projections import FusedProjection
 
     layer = nn.QuantizedLinear(256, 128, bias=True, group_size=64, bits=4)
@@ -55,7 +55,7 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch, batch_mode):
     holder.layers = [layer, emb]
     assert use_fast_quantized_linear(holder) == 2
     rows = 2 * fast_linear.LAYER_MAX_ROWS + 3  # three launches under "chunks", the last one short
-    x = mx.random.normal((rows, 1, 256), key=mx.random.key(1))
+    x = mx.random.normal((rows, 1, 256), key=mx.random.key(1)).astype(mx.bfloat16)  # (qmm.py takes 16-bit x)
     want = [nn.QuantizedLinear.__call__(layer, x), nn.QuantizedEmbedding.as_linear(emb, x)]
     fused = FusedProjection([layer, nn.QuantizedLinear(256, 64, bias=True, group_size=64, bits=4)])
     want_fused = fused.matmul(x.reshape(rows, 256)).reshape(rows, 1, -1)
@@ -71,15 +71,22 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch, batch_mode):
         launched.append(x.shape)
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=64, bits=4)
 
+    def mma_stand_in(x, w, scales, biases, group_size):
+        launched.append(("mma", x.shape))
+        return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
+
     monkeypatch.setattr(fast_linear, "BATCH_MODE", batch_mode)
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     monkeypatch.setattr(qmv, "launch", stand_in)
+    monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
     monkeypatch.setattr(mx, "quantized_matmul", spy)
     got = [layer(x), emb.as_linear(x), fused.matmul(x)]
     if batch_mode == "chunks":
         n = fast_linear.LAYER_MAX_ROWS
         assert launched == [(n, 1, 256), (n, 1, 256), (3, 1, 256)] * 2
         assert seen == [(rows, 1, 256)]  # the fused projection's: MLX's (past 8 rows models call the layers)
+    elif batch_mode == "mma":
+        assert launched == [("mma", (rows, 1, 256))] * 2 and seen == [(rows, 1, 256)]
     else:
         assert launched == [] and seen == [(rows, 256) if batch_mode == "matrix" else (rows, 1, 256)] * 3
     for g, w in zip(got, [*want, want_fused]):
@@ -91,8 +98,8 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch, batch_mode):
 
 
 def test_batch_mode_setting():
-    assert [fast_linear.batch_mode(v) for v in (None, "", "mlx", " Chunks ", "MATRIX", "fast")] == [
-        "mlx", "mlx", "mlx", "chunks", "matrix", "mlx"]
+    assert [fast_linear.batch_mode(v) for v in (None, "", "mlx", " Chunks ", "MATRIX", "mma", "fast")] == [
+        "mlx", "mlx", "mlx", "chunks", "matrix", "mma", "mlx"]
 
 
 class _Block(nn.Module):
@@ -228,11 +235,12 @@ def test_decode_batch_modes_on_the_gpu(monkeypatch, batch_mode):
     check_close(y[:, 0], ref, mag, mx.bfloat16, f"{batch_mode}, 19 rows")
 
 
-@pytest.mark.parametrize("batch_mode", ["chunks", "matrix"])
+@pytest.mark.parametrize("batch_mode", ["chunks", "matrix", "mma"])
 def test_engine_decode_batch_beyond_the_kernel(monkeypatch, tiny_q4, batch_mode):
     """The engine's decode batch of 12 sequences under MLXCEL_QMM_BATCH: its [12, 1, K] rows reach the kernel (a
-    stand-in computing MLX's product here) 8 and 4 at a time ("chunks"), or MLX's quantized_matmul as one [12, K]
-    matrix ("matrix"); every sequence's greedy tokens are those of the same batch under "mlx"."""
+    stand-in computing MLX's product here) 8 and 4 at a time ("chunks"), MLX's quantized_matmul as one [12, K]
+    matrix ("matrix"), or kernels/qmm.py (a stand-in) at once ("mma"); every sequence's greedy tokens are those of the
+    same batch under "mlx"."""
     from mlxcel_core.engine import Engine, EngineConfig
     from mlxcel_core.loading import load_model
     from mlxcel_core.sampling import SamplingParams
@@ -268,13 +276,24 @@ def test_engine_decode_batch_beyond_the_kernel(monkeypatch, tiny_q4, batch_mode)
                     out.setdefault(o.seq_id, []).append(o.token)
         return [out[i] for i in ids]
 
+    def mma_stand_in(x, w, scales, biases, group_size):
+        launched.append(("mma", *x.shape[:-1]))
+        return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
+
     want = run("mlx")
     if batch_mode == "chunks":
         monkeypatch.setattr(fast_linear, "_kernel_matvec", stand_in)
+    if batch_mode == "mma":
+        monkeypatch.setattr(qmv, "kernel_ready", lambda: True)  # the layers' own kernel: the stand-in (None) below
+        monkeypatch.setattr(fast_linear, "_kernel_matvec", lambda *args, **kwargs: None)
+        monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
+        monkeypatch.setattr(qmm, "launch_args", lambda *args: {})  # the tiny model computes in float32
     monkeypatch.setattr(mx, "quantized_matmul", spy)
     got = run(batch_mode)
     assert got == want and all(len(tokens) == 16 for tokens in got)
     if batch_mode == "chunks":
         assert (8, 1) in launched and (4, 1) in launched and (12, 1) not in multiplied
+    elif batch_mode == "mma":
+        assert ("mma", 12, 1) in launched and (12, 1) not in multiplied
     else:
         assert (12,) in multiplied and (12, 1) not in multiplied
