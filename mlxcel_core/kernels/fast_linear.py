@@ -20,6 +20,7 @@ to hmv.DEFAULT_MAX_HIDDEN wide).
 from __future__ import annotations
 
 import os
+import sys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,7 +40,7 @@ def _env_int(name: str, default: int, low: int, high: int) -> int:
 
 # Rows of x up to which a 4-bit layer call uses the kernel (MLXCEL_QMV_MAX_ROWS, 1..8; default 8). On the H200
 # (fifteenth session, benchmarks/qmm_batch.py) the kernel beat MLX's quantized_matmul on Llama-3-8B's projections at
-# every M up to 8 but gate/up at 8 (69.7 vs 64.5 us): q/o 26 vs 64 us, k/v 11 vs 66, down 73 vs 195; an 8B 4-bit
+# every M up to 8 but gate/up at 8 (level, 65-70 us): q/o 26 vs 64 us, k/v 11 vs 66, down 73 vs 195; an 8B 4-bit
 # batch of 8 decoded at 887 tok/s, against 265 at the old default of 2.
 LAYER_MAX_ROWS = _env_int("MLXCEL_QMV_MAX_ROWS", qmv.MAX_ROWS, 1, qmv.MAX_ROWS)
 # The same for the 16-bit kernel (MLXCEL_HMV_MAX_ROWS, 1..8; default 2): it was measured at 1 and 2 rows only.
@@ -100,6 +101,9 @@ def batch_mode(value: str | None) -> str:
 
 
 BATCH_MODE = batch_mode(os.environ.get("MLXCEL_QMM_BATCH"))
+if os.environ.get("MLXCEL_QMM_BATCH", "").strip() and BATCH_MODE != os.environ["MLXCEL_QMM_BATCH"].strip().lower():
+    print(f"mlxcel: MLXCEL_QMM_BATCH={os.environ['MLXCEL_QMM_BATCH']!r} is not one of {', '.join(BATCH_MODES)}; "
+          "using mlx", file=sys.stderr)
 
 
 def _decode_rows(x: mx.array) -> bool:

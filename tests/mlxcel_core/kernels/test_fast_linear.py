@@ -98,8 +98,17 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch, batch_mode):
 
 
 def test_batch_mode_setting():
+    import os
+    import subprocess
+    import sys
+
     assert [fast_linear.batch_mode(v) for v in (None, "", "mlx", " Chunks ", "MATRIX", "mma", "fast")] == [
         "mlx", "mlx", "mlx", "chunks", "matrix", "mma", "mlx"]
+    for value, warned in (("fast", True), ("Chunks", False)):  # an unknown mode is said once, on stderr
+        run = subprocess.run([sys.executable, "-c", "import mlxcel_core.kernels.fast_linear as f; print(f.BATCH_MODE)"],
+                             capture_output=True, text=True, env={**os.environ, "MLXCEL_QMM_BATCH": value}, timeout=120)
+        assert run.returncode == 0 and run.stdout.strip() == ("mlx" if warned else "chunks")
+        assert ("MLXCEL_QMM_BATCH='fast' is not one of mlx, matrix, chunks, mma; using mlx" in run.stderr) == warned
 
 
 class _Block(nn.Module):
