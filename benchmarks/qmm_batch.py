@@ -68,7 +68,8 @@ def main() -> int:
         return 1
     dtype = mx.bfloat16
     print(f"bf16 x, 4-bit weights (group {GROUP_SIZE}); us per call (GB/s of packed weight), median of {args.reps}")
-    print(f"{'shape':<14} {'N':>6} {'K':>6} {'M':>3} | {'MLX':>15} | {'MLX (M,1,K)':>15} | {'deq+mm':>15} | {'ours':>15} | {'mma':>15}")
+    columns = " | ".join(f"{c:>15}" for c in ("MLX", "MLX (M,1,K)", "deq+mm", "ours", "mma"))
+    print(f"{'shape':<14} {'N':>6} {'K':>6} {'M':>3} | {columns}")
     for name, n, k in SHAPES:
         if name not in args.shapes:
             continue

@@ -68,7 +68,8 @@ __device__ __forceinline__ uint32_t mlxcel_qmm_pair(uint32_t h) {
     constexpr bool HALF = mlxcel_qmm_same<T, __half>::value;
     const uint32_t v = (h & 0xFu) | ((h & 0xF0u) << 12) | (HALF ? 0x64006400u : 0x43004300u);
     if constexpr (HALF) {
-        __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&v), __half2(__float2half(1024.0f), __float2half(1024.0f)));
+        __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&v),
+                            __half2(__float2half(1024.0f), __float2half(1024.0f)));
         return *reinterpret_cast<uint32_t*>(&r);
     } else {
         __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),

@@ -119,7 +119,8 @@ def test_launch_args():
 def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
     args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
     header, source = qmm.kernel_source()
-    params = [f"    const {CUDA_TYPES[x_dtype]}* x", "    const uint32_t* w", "    const __grid_constant__ Shape w_shape",
+    params = [f"    const {CUDA_TYPES[x_dtype]}* x", "    const uint32_t* w",
+              "    const __grid_constant__ Shape w_shape",
               f"    const {CUDA_TYPES[s_dtype]}* scales", f"    const {CUDA_TYPES[s_dtype]}* biases",
               "    float* partial"]
     compile_sm90(tmp_path, kernel_file(qmm.KERNEL_NAME, params, dict(args["template"]), source, header))
