@@ -24,10 +24,11 @@ fill the GPU; each split writes float32 partial sums [SPLITS, M, N], which are s
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import mlx.core as mx
 
-from . import qmv
+from . import qmv, qmv_source
 
 MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
 WARPS = 4  # a block's warps, 16 weight rows each
@@ -35,20 +36,11 @@ ROWS_PER_BLOCK = 16 * WARPS
 TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs): split K until the grid has as many
 X_TYPES = (mx.bfloat16, mx.float16)
 
-_HEADER = r"""
-template <typename A, typename B>
-struct mlxcel_qmm_same {
-    static constexpr bool value = false;
-};
-template <typename A>
-struct mlxcel_qmm_same<A, A> {
-    static constexpr bool value = true;
-};
-
+_HEADER = qmv_source.SAME_TYPE + r"""
 // d += a (16 x 16, row) * b (16 x 8, col), float32 accumulators; T is the 16-bit type of a and b.
 template <typename T>
 __device__ __forceinline__ void mlxcel_qmm_mma(float* d, const uint32_t* a, const uint32_t* b) {
-    if constexpr (mlxcel_qmm_same<T, __half>::value) {
+    if constexpr (mlxcel_qmv_same<T, __half>::value) {
         asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                      "{%0,%1,%2,%3};\n"
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -65,7 +57,7 @@ __device__ __forceinline__ void mlxcel_qmm_mma(float* d, const uint32_t* a, cons
 // of MAGIC gives OFF + q (bf16: 128 + q; fp16: 1024 + q), and OFF is then taken off, exactly, in 16 bits.
 template <typename T>
 __device__ __forceinline__ uint32_t mlxcel_qmm_pair(uint32_t h) {
-    constexpr bool HALF = mlxcel_qmm_same<T, __half>::value;
+    constexpr bool HALF = mlxcel_qmv_same<T, __half>::value;
     const uint32_t v = (h & 0xFu) | ((h & 0xF0u) << 12) | (HALF ? 0x64006400u : 0x43004300u);
     if constexpr (HALF) {
         __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&v),
@@ -81,7 +73,7 @@ __device__ __forceinline__ uint32_t mlxcel_qmm_pair(uint32_t h) {
 // The two T values packed in v, as floats, summed.
 template <typename T>
 __device__ __forceinline__ float mlxcel_qmm_sum2(uint32_t v) {
-    if constexpr (mlxcel_qmm_same<T, __half>::value) {
+    if constexpr (mlxcel_qmv_same<T, __half>::value) {
         return __half2float(__ushort_as_half(static_cast<unsigned short>(v & 0xFFFFu)))
                + __half2float(__ushort_as_half(static_cast<unsigned short>(v >> 16)));
     } else {
@@ -184,7 +176,8 @@ _SOURCE = r"""
     }
 """
 
-KERNEL_NAME = "mlxcel_qmm_mma"
+# The name carries a hash of the source: MLX caches compiled kernels on disk by name (see kernels/qmv.py).
+KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:8]}"
 
 
 @functools.cache

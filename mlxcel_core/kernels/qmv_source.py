@@ -9,6 +9,17 @@ import hashlib
 
 from .hmv_source import _HEADER_HALF, _MAIN_HALF
 
+# Whether two types are one (also kernels/qmm.py's).
+SAME_TYPE = r"""template <typename A, typename B>
+struct mlxcel_qmv_same {
+    static constexpr bool value = false;
+};
+template <typename A>
+struct mlxcel_qmv_same<A, A> {
+    static constexpr bool value = true;
+};
+"""
+
 _HEADER = r"""
 // mx.result_type for {float16, bfloat16, float32}: the same type, else float32.
 template <typename A, typename B>
@@ -19,15 +30,7 @@ template <typename A>
 struct mlxcel_qmv_result<A, A> {
     using type = A;
 };
-template <typename A, typename B>
-struct mlxcel_qmv_same {
-    static constexpr bool value = false;
-};
-template <typename A>
-struct mlxcel_qmv_same<A, A> {
-    static constexpr bool value = true;
-};
-template <typename P>
+""" + SAME_TYPE + r"""template <typename P>
 struct mlxcel_qmv_pointee;
 template <typename A>
 struct mlxcel_qmv_pointee<A*> {

@@ -150,3 +150,11 @@ def test_kernel_on_a_misaligned_view():
     flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])
     check_close(qmm.quantized_matmul(flat[1:].reshape(12, 1024), w, scales, biases, 64), ref, mag, mx.bfloat16,
                 "misaligned x")
+
+
+def test_kernel_name_carries_the_source_hash():
+    """MLX caches compiled kernels on disk by name: an edited source must get a new name."""
+    import hashlib
+
+    header, source = qmm.kernel_source()
+    assert qmm.KERNEL_NAME == "mlxcel_qmm_mma_" + hashlib.sha256((header + source).encode()).hexdigest()[:8]
