@@ -10,10 +10,11 @@ tensor cores take the raw nibbles q (0..15, exact in bf16 / fp16) against x, one
 sums are scaled after. No weight is ever rounded to 16 bits.
 
 Layout of one warp's work: 16 weight rows (the mma's M) against 8 rows of x (its N) per tile, NT = ceil(M / 8)
-tiles; a k-step is 16 values of K, a group G / 16 steps. Thread (g = lane / 4, t = lane % 4) holds, per step, the
-4 consecutive K values 4t..4t+3 of weight rows g and g + 8 (16 bits of one packed word each) and of x row g of each
-tile. The mma's fragments put the logical K index 2t, 2t+1 (registers a0a1, b0b1) and 2t+8, 2t+9 (a4a5, b2b3) at
-a thread: this kernel maps those to the physical K values 4t, 4t+1 and 4t+2, 4t+3, the same permutation on both
+tiles (NT is compiled in and M read from x's shape, so batch sizes 9..32 share three kernels); a k-step is 16 values
+of K, a group G / 16 steps. Thread (g = lane / 4, t = lane % 4) holds, per step, the 4 consecutive K values
+4t..4t+3 of weight rows g and g + 8 (16 bits of one packed word each) and of x row g of each tile. The mma's
+fragments put the logical K index 2t, 2t+1 (registers a0a1, b0b1) and 2t+8, 2t+9 (a4a5, b2b3) at a thread: this
+kernel maps those to the physical K values 4t, 4t+1 and 4t+2, 4t+3, the same permutation on both
 operands, so the products pair up and each thread reads whole 16-bit pieces of the packed words. The emulation in
 tests/mlxcel_core/kernels/test_qmm.py follows this mapping and the PTX fragment layouts index by index.
 
@@ -83,8 +84,11 @@ __device__ __forceinline__ float mlxcel_qmm_sum2(uint32_t v) {
 """
 
 _SOURCE = r"""
-    constexpr int NT = (M + 7) / 8;  // tiles of 8 rows of x
     constexpr int STEPS = G / 16;  // mma k-steps a group
+    int M = 1;  // rows of x, at run time (NT is compiled in: batch sizes share kernels)
+    for (int d = 0; d < x_ndim - 1; ++d) {
+        M *= x_shape[d];
+    }
     const int N = w_shape[0];
     const int KW = w_shape[1];  // packed words a weight row
     const int K = KW * 8;
@@ -210,7 +214,7 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: in
         return None
     splits, gps = split_k(n, k // group_size)
     return dict(
-        template=[("T", x_dtype), ("S", s_dtype), ("G", group_size), ("M", m), ("GPS", gps)],
+        template=[("T", x_dtype), ("S", s_dtype), ("G", group_size), ("NT", -(-m // 8)), ("GPS", gps)],
         grid=(-(-n // ROWS_PER_BLOCK) * WARPS * 32, splits, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(splits, m, n)],

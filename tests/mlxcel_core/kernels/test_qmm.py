@@ -103,7 +103,8 @@ def test_split_k():
 
 def test_launch_args():
     args = qmm.launch_args((19, 1, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
-    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "M": 19, "GPS": 32}
+    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32}
+    assert dict(qmm.launch_args((24, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)["template"])["NT"] == 3
     assert args["grid"] == (224 * 128, 2, 1) and args["threadgroup"] == (128, 1, 1)
     assert args["output_shapes"] == [(2, 19, 14336)] and args["output_dtypes"] == [mx.float32]
     assert qmm.launch_args((33, 4096), mx.bfloat16, mx.bfloat16, 64, 4096, 64) is None  # too many rows
@@ -119,7 +120,8 @@ def test_launch_args():
 def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
     args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
     header, source = qmm.kernel_source()
-    params = [f"    const {CUDA_TYPES[x_dtype]}* x", "    const uint32_t* w",
+    params = [f"    const {CUDA_TYPES[x_dtype]}* x", "    const __grid_constant__ Shape x_shape",
+              "    const __grid_constant__ int x_ndim", "    const uint32_t* w",
               "    const __grid_constant__ Shape w_shape",
               f"    const {CUDA_TYPES[s_dtype]}* scales", f"    const {CUDA_TYPES[s_dtype]}* biases",
               "    float* partial"]
