@@ -6,8 +6,8 @@ backend, or the NCCL / MPI variables) or by `run_local_ranks`, which starts N co
 
 Failure handling: joining is bounded (`MLXCEL_TP_JOIN_TIMEOUT`, default 60 s: a rank that never joins makes
 the others exit 1 with a message instead of hanging); a peer that exits mid-run makes the ring backend raise
-on the next collective, which `lost_peer_errors` turns into one line; `run_local_ranks` stops the remaining
-ranks when one fails.
+on the next collective, which `lost_peer_errors` turns into one line (or, where MLX never returns, ring_watch.py
+exits the rank); `run_local_ranks` stops the remaining ranks when one fails.
 """
 
 from __future__ import annotations
@@ -94,6 +94,10 @@ def init_group(tp_size: int, *, quiet_others: bool = True):
         watchdog.wait()
     if group.size() != tp_size:
         raise InputError(f"--tp-size {tp_size} but {group.size()} ranks were launched")
+    if _backend() == "ring":  # a peer's death can leave this rank stuck inside MLX: ring_watch.py
+        from .ring_watch import RingFailureWatch
+
+        RingFailureWatch(group.rank())
     if group.rank() > 0 and quiet_others:
         sys.stdout = open(os.devnull, "w")
         sys.stderr = _ErrorsOnly(sys.stderr, group.rank())
