@@ -94,7 +94,9 @@ def init_group(tp_size: int, *, quiet_others: bool = True):
         watchdog.wait()
     if group.size() != tp_size:
         raise InputError(f"--tp-size {tp_size} but {group.size()} ranks were launched")
-    if _backend() == "ring":  # a peer's death can leave this rank stuck inside MLX: ring_watch.py
+    # A peer's death can leave this rank stuck inside MLX (ring_watch.py). Not on a terminal: the watch puts a pipe
+    # on fd 2, which would change what the chat's line editing and colours see there (and someone can press Ctrl-C).
+    if _backend() == "ring" and not os.isatty(2):
         from .ring_watch import RingFailureWatch
 
         RingFailureWatch(group.rank())

@@ -6,7 +6,7 @@ lands while `mx.async_eval` is queueing the next decode step. test_rank_that_die
 there about once in ten runs on a loaded 2-core machine (fifteenth session; faulthandler: engine.py -> launcher.py's
 `mx.async_eval`, after RING_FAILURE). Python cannot interrupt that call.
 
-So a ring rank's fd 2 goes through a pipe, which a thread copies to the real stderr. Once RING_FAILURE has passed
+So a ring rank's fd 2, unless it is a terminal, goes through a pipe, which a thread copies to the real stderr. Once RING_FAILURE has passed
 through it, a process still alive GRACE_S seconds later writes the usual lost-peer line and exits 1 (os._exit: the
 main thread is stuck in MLX). At a normal exit, fd 2 is restored and the pipe drained first, so nothing written to
 stderr is lost.
