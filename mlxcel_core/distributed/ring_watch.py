@@ -3,13 +3,13 @@
 When a peer of the ring backend (MLX 0.32) dies, the backend prints RING_FAILURE on stderr and fails its pending
 tasks. The collective then normally raises, and `lost_peer_errors` reports it. One case never returns: the failure
 lands while `mx.async_eval` is queueing the next decode step. test_rank_that_dies_makes_the_other_fail_quickly hung
-there about once in ten runs on a loaded 2-core machine (fifteenth session; faulthandler: engine.py -> launcher.py's
-`mx.async_eval`, after RING_FAILURE). Python cannot interrupt that call.
+there in 1 of 9 full CI runs and in 1 of 4 runs beside two busy processes on the 2-core VM (fifteenth session;
+faulthandler: engine.py -> launcher.py's `mx.async_eval`, after RING_FAILURE). Python cannot interrupt that call.
 
-So a ring rank's fd 2, unless it is a terminal, goes through a pipe, which a thread copies to the real stderr. Once RING_FAILURE has passed
-through it, a process still alive GRACE_S seconds later writes the usual lost-peer line and exits 1 (os._exit: the
-main thread is stuck in MLX). At a normal exit, fd 2 is restored and the pipe drained first, so nothing written to
-stderr is lost.
+So a ring rank's fd 2, unless it is a terminal, goes through a pipe, which a thread copies to the real stderr. Once
+RING_FAILURE has passed through it, a process still alive GRACE_S seconds later writes the usual lost-peer line and
+exits 1 (os._exit: the main thread is stuck in MLX). At a normal exit, fd 2 is restored and the pipe drained first,
+so nothing written to stderr is lost.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ class RingFailureWatch:
 
     def __init__(self, rank: int, grace: float = GRACE_S):
         self.rank, self.grace = rank, grace
+        self._timer: threading.Timer | None = None  # (set before the pump starts: the pump reads it)
         self._stderr = os.dup(2)  # the real stderr
         read_end, write_end = os.pipe()
         os.dup2(write_end, 2)
         os.close(write_end)
         self._pump = threading.Thread(target=self._copy, args=(read_end,), name="mlxcel-ring-watch", daemon=True)
         self._pump.start()
-        self._timer: threading.Timer | None = None
         atexit.register(self.close)
 
     def _copy(self, read_end: int) -> None:

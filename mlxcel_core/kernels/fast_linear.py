@@ -87,8 +87,8 @@ def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tu
 # session). Per gate_proj call at B = 32 (benchmarks/qmm_batch.py): 853 us as [32, 1, K], 95 us as one [32, K] matrix,
 # and about 4 x 67 us as four 8-row kernel launches. Read at import, as the other switches here.
 #   "mlx"     MLX's quantized_matmul on x as it comes
-#   "matrix"  MLX's quantized_matmul on the rows as one [B, K] matrix (one end-to-end run did not finish in 170 s;
-#             not yet explained)
+#   "matrix"  MLX's quantized_matmul on the rows as one [B, K] matrix (an earlier form, which reshaped prompts too,
+#             did not finish its one end-to-end run in 170 s; not yet explained)
 #   "chunks"  this kernel, LAYER_MAX_ROWS rows a launch (each row's values are those of a batch within the limit)
 #   "mma"     kernels/qmm.py: the tensor cores, up to qmm.MAX_ROWS rows in one launch (never yet run on a GPU)
 BATCH_MODES = ("mlx", "matrix", "chunks", "mma")
@@ -100,10 +100,10 @@ def batch_mode(value: str | None) -> str:
     return value if value in BATCH_MODES else "mlx"
 
 
-BATCH_MODE = batch_mode(os.environ.get("MLXCEL_QMM_BATCH"))
-if os.environ.get("MLXCEL_QMM_BATCH", "").strip() and BATCH_MODE != os.environ["MLXCEL_QMM_BATCH"].strip().lower():
-    print(f"mlxcel: MLXCEL_QMM_BATCH={os.environ['MLXCEL_QMM_BATCH']!r} is not one of {', '.join(BATCH_MODES)}; "
-          "using mlx", file=sys.stderr)
+_REQUESTED = os.environ.get("MLXCEL_QMM_BATCH", "")
+BATCH_MODE = batch_mode(_REQUESTED)
+if _REQUESTED.strip() and BATCH_MODE != _REQUESTED.strip().lower():
+    print(f"mlxcel: MLXCEL_QMM_BATCH={_REQUESTED!r} is not one of {', '.join(BATCH_MODES)}; using mlx", file=sys.stderr)
 
 
 def _decode_rows(x: mx.array) -> bool:
