@@ -6,12 +6,12 @@
 Why: batch_decode.py on the 8B 4-bit shape gave 259 tok/s at b=1 but only 266 at b=8 and 301 at b=32 (fifteenth
 session), mlx-lm the same, while the 1B bf16 shape scaled to 7635 at b=32. Per shape and M, the median time of one
 call (each call reads its weights from HBM; qmv.py's timing, one stream, no CUDA graphs) of:
-  MLX      mx.quantized_matmul (what a batch of more than MLXCEL_QMV_MAX_ROWS rows runs now), x as (M, K)
-  MLX (M,1,K) the same with x shaped as a decode batch holds it, one row per sequence
+  MLX      mx.quantized_matmul, x as (M, K) (MLXCEL_QMM_BATCH=matrix)
+  MLX (M,1,K) the same with x shaped as a decode batch holds it, one row per sequence (MLXCEL_QMM_BATCH=mlx)
   deq+mm   mx.dequantize to bf16, then x @ W.T (cuBLAS): reads the 4-bit weight, writes and reads a bf16 copy
   ours     kernels/qmv.py's matvec kernel, 8 rows a launch (more rows: MLXCEL_QMM_BATCH=chunks)
-  mma      kernels/qmm.py, the tensor cores, up to 32 rows in one launch (MLXCEL_QMM_BATCH=mma); its largest
-           difference from MLX's result is printed once per shape and M
+  mma      kernels/qmm.py, the tensor cores, up to 32 rows a launch (MLXCEL_QMM_BATCH=mma, the default); its
+           largest difference from MLX's result is printed once per shape and M
 GB/s counts the packed weight + scales + biases once, as a matvec reads them.
 """
 

@@ -51,11 +51,10 @@ ENVIRONMENT = [
     ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
                    "Default: 1 (CUDA only; elsewhere always MLX's), for decode batches of up to 8 sequences "
                    "(MLXCEL_QMV_MAX_ROWS=1..8 lowers that)."),
-    ("MLXCEL_QMM_BATCH", "mlx, matrix, chunks or mma (experimental; default mlx): how a 4-bit decode batch larger "
-                         "than the kernel takes is computed on CUDA. mlx: MLX's quantized_matmul as the batch comes "
-                         "(MLX 0.32 reads the weights once per sequence); matrix: MLX's, on the batch as one matrix; "
-                         "chunks: mlxcel's kernel, 8 rows a launch; mma: mlxcel's tensor-core kernel, up to 32 rows "
-                         "in one launch. Not yet measured end to end."),
+    ("MLXCEL_QMM_BATCH", "mma, mlx, matrix or chunks: how a 4-bit decode batch of more than 8 sequences is "
+                         "computed on CUDA. mma (default): mlxcel's tensor-core kernel, 32 rows a launch; mlx: MLX's "
+                         "quantized_matmul as the batch comes (MLX 0.32 reads the weights once per sequence); matrix: "
+                         "MLX's, on the batch as one matrix; chunks: mlxcel's matvec kernel, 8 rows a launch."),
     ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
                              "decode step to MLX on a launcher thread while the next one is built; tokens are read "
                              "two steps later instead of one."),

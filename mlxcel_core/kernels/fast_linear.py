@@ -81,29 +81,30 @@ def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tu
     return qmv.launch(args, x, w, scales, layer["biases"], mode, extra)
 
 
-# A decode batch of more rows than the kernel takes (MLXCEL_QMM_BATCH; experimental, "mlx" by default). On CUDA,
-# MLX 0.32's quantized_matmul runs a decode batch's x [B, 1, K] as B matvecs that each read the whole weight: an 8B
-# 4-bit batch of 32 decoded at 300 tok/s, the rate that many weight reads allow (benchmarks/RESULTS.md, fifteenth
-# session). Per gate_proj call at B = 32 (benchmarks/qmm_batch.py): 853 us as [32, 1, K], 95 us as one [32, K] matrix,
-# and about 4 x 67 us as four 8-row kernel launches. Read at import, as the other switches here.
+# A decode batch of more rows than the kernel takes (MLXCEL_QMM_BATCH, default "mma"). On CUDA, MLX 0.32's
+# quantized_matmul runs a decode batch's x [B, 1, K] as B matvecs that each read the whole weight: an 8B 4-bit batch of
+# 32 decoded at 300 tok/s under "mlx", 1094 under "mma" (benchmarks/RESULTS.md, sixteenth session). Per gate_proj call
+# at B = 32 (benchmarks/qmm_batch.py): 859 us as [32, 1, K], 92 us as one [32, K] matrix, 262 us as four 8-row kernel
+# launches, 211 us on qmm.py. Read at import, as the other switches here.
+#   "mma"     kernels/qmm.py: the tensor cores, qmm.MAX_ROWS rows a launch (the default: the fastest end to end)
 #   "mlx"     MLX's quantized_matmul on x as it comes
-#   "matrix"  MLX's quantized_matmul on the rows as one [B, K] matrix (an earlier form, which reshaped prompts too,
-#             did not finish its one end-to-end run in 170 s; not yet explained)
-#   "chunks"  this kernel, LAYER_MAX_ROWS rows a launch (each row's values are those of a batch within the limit)
-#   "mma"     kernels/qmm.py: the tensor cores, up to qmm.MAX_ROWS rows in one launch (never yet run on a GPU)
-BATCH_MODES = ("mlx", "matrix", "chunks", "mma")
+#   "matrix"  MLX's quantized_matmul on the rows as one [B, K] matrix (its b=32 runs have not finished within 115 s,
+#             where "mma" and "mlx" took 104-109 s; the cause is not known)
+#   "chunks"  this kernel, LAYER_MAX_ROWS rows a launch (each row's values are those of a batch within the limit; its
+#             b=32 run did not finish within 115 s either)
+BATCH_MODES = ("mma", "mlx", "matrix", "chunks")
 
 
 def batch_mode(value: str | None) -> str:
-    """MLXCEL_QMM_BATCH's mode: one of BATCH_MODES, any case; anything else is "mlx"."""
+    """MLXCEL_QMM_BATCH's mode: one of BATCH_MODES, any case; unset, empty or anything else is "mma"."""
     value = (value or "").strip().lower()
-    return value if value in BATCH_MODES else "mlx"
+    return value if value in BATCH_MODES else "mma"
 
 
 _REQUESTED = os.environ.get("MLXCEL_QMM_BATCH", "")
 BATCH_MODE = batch_mode(_REQUESTED)
 if _REQUESTED.strip() and BATCH_MODE != _REQUESTED.strip().lower():
-    print(f"mlxcel: MLXCEL_QMM_BATCH={_REQUESTED!r} is not one of {', '.join(BATCH_MODES)}; using mlx", file=sys.stderr)
+    print(f"mlxcel: MLXCEL_QMM_BATCH={_REQUESTED!r} is not one of {', '.join(BATCH_MODES)}; using mma", file=sys.stderr)
 
 
 def _decode_rows(x: mx.array) -> bool:
@@ -120,21 +121,25 @@ def as_rows(matmul, x: mx.array) -> mx.array:
 
 
 def _batch_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
-    """A decode batch too large for one launch of this kernel, as MLXCEL_QMM_BATCH says: "chunks", several launches
-    (LAYER_MAX_ROWS rows each); "mma", one launch of kernels/qmm.py. None where this call is not for either."""
+    """A decode batch too large for one launch of this kernel, as MLXCEL_QMM_BATCH says: "mma", kernels/qmm.py
+    (qmm.MAX_ROWS rows a launch); "chunks", this kernel (LAYER_MAX_ROWS rows a launch). None where this call is not
+    for either (no CUDA, other types: then MLX's own call)."""
     if BATCH_MODE not in ("chunks", "mma") or not _decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS:
         return None
     if BATCH_MODE == "mma":
         w, scales = layer["weight"], layer["scales"]
-        if not qmv.kernel_ready() or qmm.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], x.shape[-1],
-                                                     layer.group_size) is None:
+        if not qmv.kernel_ready() or qmm.launch_args(x[:qmm.MAX_ROWS].shape, x.dtype, scales.dtype, w.shape[0],
+                                                     x.shape[-1], layer.group_size) is None:
             return None
-        return qmm.quantized_matmul(x, w, scales, layer["biases"], layer.group_size)
-    first = _kernel_matvec(layer, x[:LAYER_MAX_ROWS])
-    if first is None:  # no kernel here (the later chunks are no larger: the kernel takes them where it took this)
-        return None
-    rest = [_kernel_matvec(layer, x[i:i + LAYER_MAX_ROWS]) for i in range(LAYER_MAX_ROWS, x.shape[0], LAYER_MAX_ROWS)]
-    return mx.concatenate([first, *rest], axis=0)
+        parts = [qmm.quantized_matmul(x[i:i + qmm.MAX_ROWS], w, scales, layer["biases"], layer.group_size)
+                 for i in range(0, x.shape[0], qmm.MAX_ROWS)]
+    else:
+        parts = [_kernel_matvec(layer, x[:LAYER_MAX_ROWS])]
+        if parts[0] is None:  # no kernel here (later chunks are no larger: the kernel takes them where it took this)
+            return None
+        parts += [_kernel_matvec(layer, x[i:i + LAYER_MAX_ROWS]) for i in range(LAYER_MAX_ROWS, x.shape[0],
+                                                                                LAYER_MAX_ROWS)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
 class _DecodeKernelLayer:

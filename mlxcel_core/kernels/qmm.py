@@ -1,5 +1,5 @@
 """4-bit x 16-bit matrix product for decode batches (9..32 rows of x) on the tensor cores, as one CUDA kernel
-(``mx.fast.cuda_kernel``; experimental: MLXCEL_QMM_BATCH=mma, kernels/fast_linear.py).
+(``mx.fast.cuda_kernel``; MLXCEL_QMM_BATCH=mma, the default: kernels/fast_linear.py).
 
 Why: at a decode batch of B sequences MLX 0.32 reads every 4-bit weight B times (benchmarks/RESULTS.md, fifteenth
 session), and kernels/qmv.py's matvec kernel, whose float32 multiply-adds grow with the rows, stops at 8. Here each
