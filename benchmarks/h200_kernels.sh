@@ -9,7 +9,10 @@
 #   bash benchmarks/h200_kernels.sh rows       # kernels/qmm.py's tests, then MLXCEL_QMM_BATCH=chunks and matrix at an
 #                                              # 8B 4-bit batch of 32 (mma, the default, gave 1094 tok/s and mlx 300;
 #                                              # these two did not finish in 115 s in the sixteenth session)
-#   bash benchmarks/h200_kernels.sh qmm        # those ways one product at a time (benchmarks/qmm_batch.py)
+#   bash benchmarks/h200_kernels.sh qmm        # those ways one product at a time (benchmarks/qmm_batch.py), with
+#                                              # qmm.py's two load layouts (MLXCEL_QMM_WIDE=0/1)
+#   bash benchmarks/h200_kernels.sh wide       # qmm.py's tests (both layouts), then an 8B 4-bit batch of 32 with
+#                                              # MLXCEL_QMM_WIDE=0 and 1, twice each, alternating (mlxcel only)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
@@ -111,6 +114,15 @@ case "${1:-}" in
         --batches 32 --reps 1 --no-mlx-lm 2>&1 | tr '\r' '\n' | grep -vi warn \
         | while IFS= read -r line; do echo "$(date +%T) $line"; done
       echo "exit ${PIPESTATUS[0]} $(date +%T)"
+    done ;;
+  wide)
+    # MLXCEL_QMM_WIDE (vector loads in kernels/qmm.py; not yet run on a GPU): its tests, then end to end. The first run
+    # compiles (~70 s on a fresh machine), so it is a warm-up; timestamps show a stall
+    timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_qmm.py --tb=short -rf 2>&1 \
+      | grep -E "^E |FAILED|passed|failed|Fatal"
+    for wide in 1 0 1 0 1; do
+      echo "== MLXCEL_QMM_WIDE=$wide $(date +%T): $(MLXCEL_QMM_WIDE=$wide timeout 150 python benchmarks/batch_decode.py \
+        --model-shape llama-3-8b --bits 4 --batches 32 --reps 1 --no-mlx-lm 2>&1 | grep "run 1/1")"
     done ;;
   qmm)
     # the batch products one at a time: MLX, MLX as one matrix, dequantize + matmul, the matvec kernel in 8-row

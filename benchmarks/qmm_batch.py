@@ -12,6 +12,7 @@ call (each call reads its weights from HBM; qmv.py's timing, one stream, no CUDA
   ours     kernels/qmv.py's matvec kernel, 8 rows a launch (more rows: MLXCEL_QMM_BATCH=chunks)
   mma      kernels/qmm.py, the tensor cores, up to 32 rows a launch (MLXCEL_QMM_BATCH=mma, the default); its
            largest difference from MLX's result is printed once per shape and M
+  mma wide the same with MLXCEL_QMM_WIDE=1's load layout (vector loads of weights and x)
 GB/s counts the packed weight + scales + biases once, as a matvec reads them.
 """
 
@@ -52,7 +53,11 @@ def ours(x, w, scales, biases):
 
 
 def mma(x, w, scales, biases):
-    return qmm.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
+    return qmm.quantized_matmul(x, w, scales, biases, GROUP_SIZE, wide=False)
+
+
+def mma_wide(x, w, scales, biases):
+    return qmm.quantized_matmul(x, w, scales, biases, GROUP_SIZE, wide=True)
 
 
 def main() -> int:
@@ -68,7 +73,7 @@ def main() -> int:
         return 1
     dtype = mx.bfloat16
     print(f"bf16 x, 4-bit weights (group {GROUP_SIZE}); us per call (GB/s of packed weight), median of {args.reps}")
-    columns = " | ".join(f"{c:>15}" for c in ("MLX", "MLX (M,1,K)", "deq+mm", "ours", "mma"))
+    columns = " | ".join(f"{c:>15}" for c in ("MLX", "MLX (M,1,K)", "deq+mm", "ours", "mma", "mma wide"))
     print(f"{'shape':<14} {'N':>6} {'K':>6} {'M':>3} | {columns}")
     for name, n, k in SHAPES:
         if name not in args.shapes:
@@ -80,11 +85,12 @@ def main() -> int:
             x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
             mx.eval(x)
             cells = []
-            for fn in (mlx_qmm, mlx_qmm_rows, dequant_mm, ours, mma):
+            for fn in (mlx_qmm, mlx_qmm_rows, dequant_mm, ours, mma, mma_wide):
                 t, _ = time_calls(fn, x, weights, args.calls, args.reps)
                 cells.append(f"{t * 1e6:>8.1f} ({nbytes / t / 1e9:>4.0f})")
-            diff = max_rel_diff(mma(x, *weights[0]), mlx_qmm(x, *weights[0]))
-            print(f"{name:<14} {n:>6} {k:>6} {m:>3} | " + " | ".join(cells) + f" | mma vs MLX {diff:.1e}", flush=True)
+            diffs = [max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])) for fn in (mma, mma_wide)]
+            print(f"{name:<14} {n:>6} {k:>6} {m:>3} | " + " | ".join(cells)
+                  + " | vs MLX: mma {:.1e}, wide {:.1e}".format(*diffs), flush=True)
         del weights
     return 0
 

@@ -55,6 +55,8 @@ ENVIRONMENT = [
                          "computed on CUDA. mma (default): mlxcel's tensor-core kernel, 32 rows a launch; mlx: MLX's "
                          "quantized_matmul as the batch comes (MLX 0.32 reads the weights once per sequence); matrix: "
                          "MLX's, on the batch as one matrix; chunks: mlxcel's matvec kernel, 8 rows a launch."),
+    ("MLXCEL_QMM_WIDE", "1 (experimental, off by default): the tensor-core kernel loads its weights and inputs in "
+                        "vectors instead of 16-bit pieces; not yet run on a GPU."),
     ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
                              "decode step to MLX on a launcher thread while the next one is built; tokens are read "
                              "two steps later instead of one."),

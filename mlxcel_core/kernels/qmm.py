@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 
 import mlx.core as mx
 
@@ -36,6 +37,11 @@ WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs): split K until the grid has as many
 X_TYPES = (mx.bfloat16, mx.float16)
+# MLXCEL_QMM_WIDE=1 (experimental, off by default): each thread loads its part of a weight row's group as one vector
+# (G / 32 words) and x four values at a time, instead of 16-bit pieces; four to eight times fewer load instructions.
+# At M = 32 the default layout streams the 8B gate/up weight at 157 GB/s (benchmarks/RESULTS.md, sixteenth session).
+# Not yet run on a GPU.
+WIDE = os.environ.get("MLXCEL_QMM_WIDE", "0").strip() == "1"
 
 _HEADER = qmv_source.SAME_TYPE + r"""
 // d += a (16 x 16, row) * b (16 x 8, col), float32 accumulators; T is the 16-bit type of a and b.
@@ -68,6 +74,30 @@ __device__ __forceinline__ uint32_t mlxcel_qmm_pair(uint32_t h) {
         __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
                                    __nv_bfloat162(__float2bfloat16(128.0f), __float2bfloat16(128.0f)));
         return *reinterpret_cast<uint32_t*>(&r);
+    }
+}
+
+// WORDS consecutive 32-bit words from p into r: one vector load where p is aligned to the vector's size (the
+// caller's pointers are MLX's buffers plus an offset, so that is checked), single words otherwise.
+template <int WORDS>
+__device__ __forceinline__ void mlxcel_qmm_words(uint32_t* r, const uint32_t* p) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+    if constexpr (WORDS == 4) {
+        if ((at & 15u) == 0) {
+            const uint4 v = *reinterpret_cast<const uint4*>(p);
+            r[0] = v.x; r[1] = v.y; r[2] = v.z; r[3] = v.w;
+            return;
+        }
+    } else if constexpr (WORDS == 2) {
+        if ((at & 7u) == 0) {
+            const uint2 v = *reinterpret_cast<const uint2*>(p);
+            r[0] = v.x; r[1] = v.y;
+            return;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) {
+        r[i] = p[i];
     }
 }
 
@@ -121,27 +151,55 @@ _SOURCE = r"""
             acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
             xs[nt] = 0.0f;
         }
+        // WIDE = 0: step s takes the K values 16 s + 4 t + 0..3 of the group (two threads share each packed word).
+        // WIDE = 1: thread t owns the group's K values t Q .. t Q + Q - 1 (Q = G / 4; G / 32 whole words a weight row,
+        // one vector load) and step s takes t Q + 4 s + 0..3 of them. Either is a bijection of the group's K values
+        // onto the mma's logical K index, the same for both operands, so the products pair up and the group's sum is
+        // the same sum.
+        constexpr int Q = G / 4;
+        constexpr int WORDS = WIDE ? G / 32 : 1;
+        uint32_t q0[WORDS], q1[WORDS];
+        if constexpr (WIDE) {
+            mlxcel_qmm_words<WORDS>(q0, w0 + gi * (G / 8) + t * WORDS);
+            mlxcel_qmm_words<WORDS>(q1, w1 + gi * (G / 8) + t * WORDS);
+        }
 #pragma unroll
         for (int s = 0; s < STEPS; ++s) {
-            // K values gi * G + 16 s + 4 t + 0..3: word 2 s + t / 2 of the group, bits shift..shift + 15
-            const int word = gi * (G / 8) + 2 * s + (t >> 1);
-            const uint32_t h0 = w0[word] >> shift;
-            const uint32_t h1 = w1[word] >> shift;
+            uint32_t h0, h1;
+            int k;
+            if constexpr (WIDE) {
+                // nibbles 4 s .. 4 s + 3 of this thread's words: word s / 2, bits 16 (s % 2) ..
+                h0 = q0[s >> 1] >> (16 * (s & 1));
+                h1 = q1[s >> 1] >> (16 * (s & 1));
+                k = gi * G + t * Q + 4 * s;
+            } else {
+                // K values gi * G + 16 s + 4 t + 0..3: word 2 s + t / 2 of the group, bits shift..shift + 15
+                const int word = gi * (G / 8) + 2 * s + (t >> 1);
+                h0 = w0[word] >> shift;
+                h1 = w1[word] >> shift;
+                k = gi * G + 16 * s + 4 * t;
+            }
             uint32_t a[4];
-            a[0] = mlxcel_qmm_pair<T>(h0);  // row g, logical K 2t, 2t+1 = physical 4t, 4t+1
+            a[0] = mlxcel_qmm_pair<T>(h0);  // row g, logical K 2t, 2t+1 = physical k, k + 1
             a[1] = mlxcel_qmm_pair<T>(h1);  // row g + 8
-            a[2] = mlxcel_qmm_pair<T>(h0 >> 8);  // row g, logical 2t+8, 2t+9 = physical 4t+2, 4t+3
+            a[2] = mlxcel_qmm_pair<T>(h0 >> 8);  // row g, logical 2t+8, 2t+9 = physical k + 2, k + 3
             a[3] = mlxcel_qmm_pair<T>(h1 >> 8);
-            const int k = gi * G + 16 * s + 4 * t;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int m = nt * 8 + g;
                 uint32_t b[2] = {0u, 0u};
                 if (m < M) {
-                    // 16-bit loads: x may start at any element (a view), so no wider alignment is assumed
-                    const unsigned short* xp = reinterpret_cast<const unsigned short*>(x + size_t(m) * K + k);
-                    b[0] = uint32_t(xp[0]) | (uint32_t(xp[1]) << 16);  // x[m, k], x[m, k + 1]: logical K 2t, 2t+1
-                    b[1] = uint32_t(xp[2]) | (uint32_t(xp[3]) << 16);  // x[m, k + 2], x[m, k + 3]: logical 2t+8, 2t+9
+                    const T* xk = x + size_t(m) * K + k;
+                    if (WIDE && (reinterpret_cast<uintptr_t>(xk) & 7u) == 0) {
+                        const uint2 v = *reinterpret_cast<const uint2*>(xk);  // x[m, k .. k + 3] in one load
+                        b[0] = v.x;
+                        b[1] = v.y;
+                    } else {
+                        // 16-bit loads: x may start at any element (a view), so no wider alignment is assumed
+                        const unsigned short* xp = reinterpret_cast<const unsigned short*>(xk);
+                        b[0] = uint32_t(xp[0]) | (uint32_t(xp[1]) << 16);  // x[m, k], x[m, k + 1]: logical 2t, 2t+1
+                        b[1] = uint32_t(xp[2]) | (uint32_t(xp[3]) << 16);  // x[m, k + 2], x[m, k + 3]: 2t+8, 2t+9
+                    }
                     xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
                 }
                 mlxcel_qmm_mma<T>(acc[nt], a, b);
@@ -205,16 +263,19 @@ def split_k(n: int, groups: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: int) -> dict | None:
+def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: int, wide: bool | None = None
+                ) -> dict | None:
     """Everything but the inputs of one launch for x (any leading shape, 1..MAX_ROWS rows of K) and an N x K 4-bit
-    weight, or None where the kernel does not take it (other types, group sizes, too many rows)."""
+    weight, or None where the kernel does not take it (other types, group sizes, too many rows). `wide`: the load
+    layout (None: MLXCEL_QMM_WIDE's)."""
     m = qmv.rows_of(x_shape)
     if (not 1 <= m <= MAX_ROWS or x_dtype not in X_TYPES or group_size not in qmv.GROUP_SIZES or k % group_size
             or x_shape[-1] != k or s_dtype not in qmv.FLOAT_TYPES):
         return None
     splits, gps = split_k(n, k // group_size)
     return dict(
-        template=[("T", x_dtype), ("S", s_dtype), ("G", group_size), ("NT", -(-m // 8)), ("GPS", gps)],
+        template=[("T", x_dtype), ("S", s_dtype), ("G", group_size), ("NT", -(-m // 8)), ("GPS", gps),
+                  ("WIDE", WIDE if wide is None else wide)],
         grid=(-(-n // ROWS_PER_BLOCK) * WARPS * 32, splits, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(splits, m, n)],
@@ -222,11 +283,12 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: in
     )
 
 
-def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                     wide: bool | None = None) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
     mx.result_type(x, scales) like mx.quantized_matmul."""
     n, k = w.shape[0], w.shape[1] * 8
-    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size)
+    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, wide)
     if args is None:
         raise ValueError(f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
                          f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}")

@@ -23,9 +23,11 @@ def _pair(h: int) -> tuple[int, int]:
     return h & 0xF, (h >> 4) & 0xF
 
 
-def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
+def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int,
+            wide: bool = False) -> np.ndarray:
     """The kernel's arithmetic for x [M, K] (the 16-bit values, as float64) and packed w [N, K / 8], following its
-    source index by index, one warp tile (16 weight rows) at a time and one split (the whole K)."""
+    source index by index, one warp tile (16 weight rows) at a time and one split (the whole K); `wide`: its WIDE
+    load layout."""
     m_rows, k_len = x.shape
     n_rows = w.shape[0]
     ng, nt_count = k_len // group_size, -(-m_rows // 8)
@@ -41,14 +43,21 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
                 for lane in range(32):
                     g, t = lane >> 2, lane & 3
                     r0, r1 = min(n0 + g, n_rows - 1), min(n0 + g + 8, n_rows - 1)
-                    word = gi * (group_size // 8) + 2 * s + (t >> 1)
-                    shift = 16 * (t & 1)
+                    if wide:  # this thread's G / 32 words of the group, loaded at once; step s: word s / 2
+                        words = group_size // 32
+                        word = gi * (group_size // 8) + t * words + (s >> 1)
+                        assert (s >> 1) < words
+                        shift = 16 * (s & 1)
+                        k = gi * group_size + t * (group_size // 4) + 4 * s
+                    else:
+                        word = gi * (group_size // 8) + 2 * s + (t >> 1)
+                        shift = 16 * (t & 1)
+                        k = gi * group_size + 16 * s + 4 * t
                     h0, h1 = int(w[r0, word]) >> shift, int(w[r1, word]) >> shift
                     regs = [_pair(h0), _pair(h1), _pair(h0 >> 8), _pair(h1 >> 8)]
                     # PTX A layout: register i holds elements (row, col) as in the docstring
                     for reg, (row, col) in zip(regs, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
                         a_tile[row, col], a_tile[row, col + 1] = reg
-                    k = gi * group_size + 16 * s + 4 * t
                     for nt in range(nt_count):
                         m = nt * 8 + g
                         vals = x[m, k:k + 4] if m < m_rows else np.zeros(4)
@@ -80,14 +89,15 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
     return out
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("m,n,k,group_size", [(8, 32, 128, 64), (19, 40, 128, 32), (3, 16, 256, 128),
                                               (32, 24, 64, 64)])
-def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
+def test_emulated_kernel_matches_the_reference(m, n, k, group_size, wide):
     x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, group_size=group_size, seed=m + n)
     ref, mag = reference(x, w, scales, biases, group_size)
     got = emulate(np.array(x.astype(mx.float32)).astype(np.float64), np.array(w),
                   np.array(scales.astype(mx.float32)).astype(np.float64),
-                  np.array(biases.astype(mx.float32)).astype(np.float64), group_size)
+                  np.array(biases.astype(mx.float32)).astype(np.float64), group_size, wide)
     assert np.abs(got - ref).max() <= 1e-9 * max(1.0, mag.max())  # the same sums, in float64
 
 
@@ -103,7 +113,9 @@ def test_split_k():
 
 def test_launch_args():
     args = qmm.launch_args((19, 1, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
-    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32}
+    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32,
+                                      "WIDE": qmm.WIDE}
+    assert dict(qmm.launch_args((19, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64, True)["template"])["WIDE"]
     assert dict(qmm.launch_args((24, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)["template"])["NT"] == 3
     assert args["grid"] == (224 * 128, 2, 1) and args["threadgroup"] == (128, 1, 1)
     assert args["output_shapes"] == [(2, 19, 14336)] and args["output_dtypes"] == [mx.float32]
@@ -114,11 +126,13 @@ def test_launch_args():
 
 
 @needs_nvcc
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("x_dtype,s_dtype,m,group_size", [(mx.bfloat16, mx.bfloat16, 32, 64),
                                                            (mx.float16, mx.float16, 9, 128),
                                                            (mx.bfloat16, mx.float32, 17, 32)])
-def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
-    args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, wide):
+    args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size, wide)
+    assert dict(args["template"])["WIDE"] is wide
     header, source = qmm.kernel_source()
     params = [f"    const {CUDA_TYPES[x_dtype]}* x", "    const __grid_constant__ Shape x_shape",
               "    const __grid_constant__ int x_ndim", "    const uint32_t* w",
@@ -129,29 +143,35 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
 
 
 @needs_cuda
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1024, 14336, 64), (1000, 512, 32),
                                             (333, 1024, 128)])
-def test_kernel_matches_the_reference(dtype, n, k, group_size):
+def test_kernel_matches_the_reference(dtype, n, k, group_size, wide):
     x, w, scales, biases = make_operands(32, n, k, dtype, group_size=group_size, seed=n)
     ref, mag = reference(x, w, scales, biases, group_size)
     for m in (1, 8, 9, 19, 32):
-        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
+        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size, wide)
         assert y.dtype == dtype and y.shape == (m, n)
         check_close(y, ref[:m], mag[:m], dtype, f"M={m} N={n} K={k}")
-    y = qmm.quantized_matmul(x[:12].reshape(12, 1, k), w, scales, biases, group_size)  # a decode batch's shape
+    y = qmm.quantized_matmul(x[:12].reshape(12, 1, k), w, scales, biases, group_size, wide)  # a decode batch
     assert y.shape == (12, 1, n)
     check_close(y.reshape(12, n), ref[:12], mag[:12], dtype, "[12, 1, K]")
 
 
 @needs_cuda
-def test_kernel_on_a_misaligned_view():
-    """x starting one element past an aligned address (a view into a larger array): the kernel's 16-bit loads."""
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_kernel_on_misaligned_views(wide):
+    """x and w starting past an aligned address (views into larger arrays): the kernel's narrower loads there."""
     x, w, scales, biases = make_operands(12, 512, 1024, mx.bfloat16, seed=4)
     ref, mag = reference(x, w, scales, biases)
     flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])
-    check_close(qmm.quantized_matmul(flat[1:].reshape(12, 1024), w, scales, biases, 64), ref, mag, mx.bfloat16,
-                "misaligned x")
+    check_close(qmm.quantized_matmul(flat[1:].reshape(12, 1024), w, scales, biases, 64, wide), ref, mag,
+                mx.bfloat16, "misaligned x")
+    for pad in (1, 2):  # 4 and 8 bytes past a 16-byte boundary
+        w_flat = mx.concatenate([mx.zeros((pad,), mx.uint32), w.reshape(-1)])
+        check_close(qmm.quantized_matmul(x, w_flat[pad:].reshape(w.shape), scales, biases, 64, wide), ref, mag,
+                    mx.bfloat16, f"w {4 * pad} bytes off")
 
 
 def test_kernel_name_carries_the_source_hash():
