@@ -11,6 +11,8 @@
 #                                              # these two did not finish in 115 s in the sixteenth session)
 #   bash benchmarks/h200_kernels.sh qmm        # those ways one product at a time (benchmarks/qmm_batch.py), with
 #                                              # qmm.py's two load layouts (MLXCEL_QMM_WIDE=0/1)
+#   bash benchmarks/h200_kernels.sh hmv8       # the 16-bit kernel's tests at 8 rows (MLXCEL_HMV_MAX_ROWS=8 read +27% at
+#                                              # 1B bf16 b=8; default 2 until these pass), then that A/B again
 #   bash benchmarks/h200_kernels.sh wide       # qmm.py's tests (both layouts), then an 8B 4-bit batch of 32 with
 #                                              # MLXCEL_QMM_WIDE=0 and 1, twice each, alternating (mlxcel only)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
@@ -114,6 +116,14 @@ case "${1:-}" in
         --batches 32 --reps 1 --no-mlx-lm 2>&1 | tr '\r' '\n' | grep -vi warn \
         | while IFS= read -r line; do echo "$(date +%T) $line"; done
       echo "exit ${PIPESTATUS[0]} $(date +%T)"
+    done ;;
+  hmv8)
+    timeout 240 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_hmv.py --tb=short -rf \
+      -k "test_modes or eight_rows or matches_float64" 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal"
+    for r in 2 8 2 8; do
+      echo "== MLXCEL_HMV_MAX_ROWS=$r $(date +%T): $(MLXCEL_HMV_MAX_ROWS=$r timeout 100 python \
+        benchmarks/batch_decode.py --model-shape llama-3.2-1b --dtype bfloat16 --batches 8 --reps 1 --no-mlx-lm 2>&1 \
+        | grep "run 1/1")"
     done ;;
   wide)
     # MLXCEL_QMM_WIDE (vector loads in kernels/qmm.py; not yet run on a GPU): its tests, then end to end. The first run
