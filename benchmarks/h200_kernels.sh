@@ -13,6 +13,9 @@
 #                                              # qmm.py's two load layouts (MLXCEL_QMM_WIDE=0/1)
 #   bash benchmarks/h200_kernels.sh hmv8       # the 16-bit kernel's tests at 8 rows (MLXCEL_HMV_MAX_ROWS=8 read +27% at
 #                                              # 1B bf16 b=8; default 2 until these pass), then that A/B again
+#   bash benchmarks/h200_kernels.sh together   # batch TTFT: whole prompts prefilled in one forward (MLXCEL_PREFILL_BATCH=8)
+#                                              # vs one a step (1), 1B bf16 and 8B 4-bit at b=8 and 32, mlxcel only;
+#                                              # the engine's batching tests first
 #   bash benchmarks/h200_kernels.sh wide       # qmm.py's tests (both layouts), then an 8B 4-bit batch of 32 with
 #                                              # MLXCEL_QMM_WIDE=0 and 1, twice each, alternating (mlxcel only)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
@@ -124,6 +127,16 @@ case "${1:-}" in
       echo "== MLXCEL_HMV_MAX_ROWS=$r $(date +%T): $(MLXCEL_HMV_MAX_ROWS=$r timeout 100 python \
         benchmarks/batch_decode.py --model-shape llama-3.2-1b --dtype bfloat16 --batches 8 --reps 1 --no-mlx-lm 2>&1 \
         | grep "run 1/1")"
+    done ;;
+  together)
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_batching.py --tb=short -rf \
+      -k "together or prefill_batch" 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal"
+    for what in "llama-3.2-1b --dtype bfloat16" "llama-3-8b --bits 4"; do
+      for v in 1 8 1 8; do
+        echo "== MLXCEL_PREFILL_BATCH=$v $what $(date +%T)"
+        MLXCEL_PREFILL_BATCH=$v timeout 150 python benchmarks/batch_decode.py --model-shape $what --batches 8,32 \
+          --reps 1 --no-mlx-lm 2>&1 | grep "^| mlxcel"
+      done
     done ;;
   wide)
     # MLXCEL_QMM_WIDE (vector loads in kernels/qmm.py; not yet run on a GPU): its tests, then end to end. The first run

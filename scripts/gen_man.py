@@ -57,6 +57,9 @@ ENVIRONMENT = [
                          "MLX's, on the batch as one matrix; chunks: mlxcel's matvec kernel, 8 rows a launch."),
     ("MLXCEL_QMM_WIDE", "1 (experimental, off by default): the tensor-core kernel loads its weights and inputs in "
                         "vectors instead of 16-bit pieces; not yet run on a GPU."),
+    ("MLXCEL_PREFILL_BATCH", "N (experimental, default 1): up to N waiting prompts are prefilled whole in one forward "
+                             "(left-padded; paged KV without --kv-bits) instead of one a step; not yet measured on a "
+                             "GPU."),
     ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
                              "decode step to MLX on a launcher thread while the next one is built; tokens are read "
                              "two steps later instead of one."),

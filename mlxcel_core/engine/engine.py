@@ -1,8 +1,8 @@
 """Engine: the one decode loop behind generate, run and serve. A single sequence is a batch of one.
 
 Each `step()`: ask the scheduler for a plan (plain data), run it through the model runner (decode all
-rows in one forward, plus at most one prefill chunk), sample every row with its own sampler, then
-read the *previous* step's tokens on the host while the device computes this one (lookahead
+rows in one forward, plus one prefill chunk or several whole prompts in one forward), sample every row
+with its own sampler, then read the *previous* step's tokens on the host while the device computes this one (lookahead
 pipelining; two steps back where a launcher thread hands steps to MLX, launcher.py), and apply stops.
 A failing row ends with finish_reason "error"; the others go on.
 With a drafter configured, a sequence that decodes alone runs a speculative round instead of its
@@ -98,7 +98,8 @@ class Engine:
         self.scheduler = BatchScheduler(SchedulerConfig(
             max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
             prefill_grant_interval=self.config.prefill_grant_interval,
-            kv_budget_tokens=self.config.kv_budget_for(self.max_context)), on_admit=self._admit)
+            kv_budget_tokens=self.config.kv_budget_for(self.max_context),
+            prefill_batch_size=self.config.resolved_prefill_batch), on_admit=self._admit)
         self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
         # MLXCEL_LAUNCH_THREAD=1: steady decode steps are submitted on a launcher thread while this one builds
         # the next (launcher.py); only where nothing else evaluates on this thread between steps, and not in a
@@ -203,7 +204,15 @@ class Engine:
             before_trace = self.launcher.wait if overlap else None  # a trace must not run beside a launch
             outputs += self._run(batch.decode, produced,
                                  lambda: self.runner.decode(batch.decode, tokens, before_trace))
-        if batch.prefill is not None:
+        if batch.together:  # whole prompts in one forward
+            works = batch.prefills
+            now = time.perf_counter()
+            for work in works:
+                self._sequences[work.seq_id].timings.prefill_start = now
+            seq_ids = tuple(work.seq_id for work in works)
+            run = lambda: self.runner.prefill_together(seq_ids, [self._sequences[s].prompt_ids for s in seq_ids])
+            outputs += self._run(seq_ids, produced, run)
+        elif batch.prefill is not None:
             work = batch.prefill
             seq = self._sequences[work.seq_id]
             seq.timings.prefill_start = seq.timings.prefill_start or time.perf_counter()

@@ -85,6 +85,28 @@ class PagedStorage:
         return [_PrefillView(self, layer, (slot_blocks, slot_offsets), blocks, start)
                 for layer in range(len(self.pools))]
 
+    def prefill_together_caches(self, seq_ids, lengths: list[int]) -> list["_TogetherPrefillView"]:
+        """Per-layer caches for whole prompts of several sequences in one forward, left-padded to the longest
+        (unquantized pools: the views attend over the keys as computed, as a sequence's first chunk does)."""
+        if self.kv_bits is not None:
+            raise ValueError("prompts prefilled together need unquantized KV pools")
+        self.submit_in_place_writes()
+        longest = max(lengths)
+        slots, keep = [], []
+        for row, (seq_id, length) in enumerate(zip(seq_ids, lengths)):
+            table = self.tables[seq_id]
+            table.ensure_capacity(length)
+            self.lengths[seq_id] = length
+            slots += [table.slot(p) for p in range(length)]
+            keep += range(row * longest + longest - length, (row + 1) * longest)  # the row's real columns
+        self._reserve()
+        padding = [longest - length for length in lengths]
+        slot_blocks, slot_offsets, keep, offsets = int_views(*self._block_offsets(slots), keep,
+                                                             [-p for p in padding])
+        pad = None if not any(padding) else mx.array(padding)
+        return [_TogetherPrefillView(self, layer, (slot_blocks, slot_offsets), keep, offsets, pad)
+                for layer in range(len(self.pools))]
+
     def finish_prefill(self, seq_id: int) -> None:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
 
@@ -230,6 +252,32 @@ class _PrefillView:
         mask = causal_mask(queried, total, None, window)
         return scaled_dot_product_attention(queries, all_keys[:, :, :total], all_values[:, :, :total], scale,
                                             mask, softcap)
+
+
+class _TogetherPrefillView:
+    """LayerCache for whole prompts of several sequences in one forward, left-padded to the longest: row r's
+    columns before its padding[r] are padding, hidden from attention and never stored; the others are the prompt's
+    positions 0.. (offset -padding[r]: RoPE's positions)."""
+
+    def __init__(self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], keep: mx.array,
+                 offsets: mx.array, padding: mx.array | None):
+        self.storage, self.layer, self.slots, self.keep = storage, layer, slots, keep
+        self._offsets, self.padding = offsets, padding
+
+    @property
+    def offset(self) -> int | mx.array:
+        return 0 if self.padding is None else self._offsets
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.storage.pools[self.layer] or []
+
+    def attend(self, queries, keys, values, scale, window=None, softcap=None):
+        rows, heads, length, dim = keys.shape
+        real = [part.transpose(0, 2, 1, 3).reshape(rows * length, heads, dim)[self.keep] for part in (keys, values)]
+        self.storage.write(self.layer, self.slots, *real)
+        mask = causal_mask(queries.shape[2], length, self.padding, window)
+        return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
 
 
 class DecodeView:

@@ -36,6 +36,18 @@ class ModelRunner:
         self.storage.finish_prefill(seq_id)
         return logits
 
+    def prefill_together(self, seq_ids: tuple[int, ...], prompts: list[list[int]]) -> mx.array:
+        """Whole prompts of several sequences in one forward, left-padded to the longest (the storage hides the
+        padding from attention and gives each row its true positions); return [n, V] logits of each last token."""
+        self.prefill_tokens += sum(len(p) for p in prompts)
+        longest = max(len(p) for p in prompts)
+        caches = self.storage.prefill_together_caches(seq_ids, [len(p) for p in prompts])
+        tokens = mx.array([[0] * (longest - len(p)) + p for p in prompts])
+        logits = self.model(tokens, caches, last_only=True)[:, -1, :]
+        for seq_id in seq_ids:
+            self.storage.finish_prefill(seq_id)
+        return logits
+
     def score(self, seq_id: int, tokens: list[int]) -> mx.array:
         """One decoding sequence, several tokens in one forward (speculative verification): logits [n, V],
         row i predicting the token after tokens[i]."""

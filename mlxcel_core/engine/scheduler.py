@@ -6,7 +6,10 @@ Each call to `schedule()` plans one engine step:
 - decode every row that has produced a token and has not reached its token limit, in one forward;
 - give at most one prefill chunk (`prefill_chunk_size` tokens) to the oldest unfinished prefill:
   always when nothing decodes or when the request has not started yet (so a new arrival stalls running
-  decodes for one chunk at most), otherwise once every `prefill_grant_interval` decode steps.
+  decodes for one chunk at most), otherwise once every `prefill_grant_interval` decode steps;
+- with `prefill_batch_size` > 1, when that chunk is a whole prompt from its start, add other admitted
+  prompts that have not started (whole, from their start) to the same forward (`together`), up to that many
+  prompts and `prefill_chunk_size` tokens counted padded (prompts x the longest).
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ class SchedulerConfig:
     prefill_chunk_size: int = 2048
     prefill_grant_interval: int = 16
     kv_budget_tokens: int | None = None  # None: no limit
+    prefill_batch_size: int = 1  # whole prompts one prefill forward may take
 
     def __post_init__(self):
-        if self.max_batch_size < 1 or self.prefill_chunk_size < 1 or self.prefill_grant_interval < 1:
-            raise InputError("max_batch_size, prefill_chunk_size and prefill_grant_interval must be >= 1")
+        if min(self.max_batch_size, self.prefill_chunk_size, self.prefill_grant_interval,
+               self.prefill_batch_size) < 1:
+            raise InputError("max_batch_size, prefill_chunk_size, prefill_grant_interval and prefill_batch_size "
+                             "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -42,12 +48,18 @@ class PrefillWork:
 class ScheduledBatch:
     decode: tuple[int, ...] = ()
     prefill: PrefillWork | None = None
+    together: tuple[PrefillWork, ...] = ()  # whole prompts prefilled in the same forward as `prefill` (one too)
     admitted: tuple[int, ...] = ()
     cancelled: tuple[int, ...] = ()
 
     @property
     def empty(self) -> bool:
         return not (self.decode or self.prefill or self.admitted or self.cancelled)
+
+    @property
+    def prefills(self) -> tuple[PrefillWork, ...]:
+        """Every prefill of this step, one forward: `prefill` and those `together` with it."""
+        return () if self.prefill is None else (self.prefill, *self.together)
 
 
 @dataclass
@@ -119,13 +131,14 @@ class BatchScheduler:
         decode = tuple(r.seq_id for r in self._active.values()
                        if r.computed == r.prompt_len and 0 < r.produced < r.max_tokens)
         prefill = self._next_prefill(bool(decode))
+        together = self._prefill_together(prefill) if prefill is not None else ()
         for seq_id in decode:
             self._active[seq_id].produced += 1
         if prefill is not None:
             self._decode_steps_since_prefill = 0
         elif decode:
             self._decode_steps_since_prefill += 1
-        return ScheduledBatch(decode, prefill, admitted, cancelled)
+        return ScheduledBatch(decode, prefill, together, admitted, cancelled)
 
     def _drop_cancelled(self) -> tuple[int, ...]:
         gone = [r.seq_id for r in self._waiting if r.cancelled]
@@ -165,3 +178,21 @@ class BatchScheduler:
         if last:
             request.produced = 1
         return PrefillWork(request.seq_id, start, end, last)
+
+    def _prefill_together(self, first: PrefillWork) -> tuple[PrefillWork, ...]:
+        """Whole prompts not started yet to prefill in `first`'s forward (itself a whole prompt from its start)."""
+        limit, budget = self.config.prefill_batch_size, self.config.prefill_chunk_size
+        if limit == 1 or first.start != 0 or not first.last:
+            return ()
+        longest, together = first.end, []
+        for request in self._active.values():
+            if len(together) + 1 == limit:
+                break
+            if request.started or request.computed != 0:
+                continue  # under way, or part of its prompt came from the prefix cache: prefilled on its own
+            if (len(together) + 2) * max(longest, request.prompt_len) > budget:
+                continue  # a shorter one further on may still fit
+            longest = max(longest, request.prompt_len)
+            request.computed, request.started, request.produced = request.prompt_len, True, 1
+            together.append(PrefillWork(request.seq_id, 0, request.prompt_len, True))
+        return tuple(together)

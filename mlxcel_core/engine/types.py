@@ -73,6 +73,22 @@ class EngineConfig:
     # autotune cache per MLXCEL_AUTOTUNE > heuristic), as `mlxcel tune` measures it
     num_splits: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # whole prompts one prefill forward may take (paged storage, unquantized KV; else one at a time); None: the
+    # MLXCEL_PREFILL_BATCH environment variable's, else 1 (experimental: not yet measured on a GPU)
+    prefill_batch_size: int | None = None
+
+    @property
+    def resolved_prefill_batch(self) -> int:
+        if self.resolved_storage != "paged" or self.kv_bits is not None:  # (a quantized pool's prefill reads back)
+            return 1
+        if self.prefill_batch_size is not None:
+            return self.prefill_batch_size
+        import os
+
+        try:
+            return max(1, int(os.environ.get("MLXCEL_PREFILL_BATCH", "1")))
+        except ValueError:
+            return 1
 
     @property
     def resolved_storage(self) -> str:

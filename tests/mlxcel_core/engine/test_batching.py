@@ -193,3 +193,75 @@ def test_quantized_kv_is_refused_up_front_for_heads_it_cannot_group(tiny_llama_d
     lm = load_model(str(tiny_llama_dir), log=lambda m: None)  # head_dim 16
     with pytest.raises(InputError, match="divisible by 32, got 16"):
         Engine(lm.model, lm.tokenizer, EngineConfig(kv_bits=8))
+
+
+# -- whole prompts prefilled together (EngineConfig.prefill_batch_size, MLXCEL_PREFILL_BATCH) ----------------------
+def _count_together(engine) -> list[int]:
+    """Wrap the runner's prefill_together: the number of prompts of each call."""
+    calls, real = [], engine.runner.prefill_together
+
+    def counted(seq_ids, prompts):
+        calls.append(len(seq_ids))
+        return real(seq_ids, prompts)
+
+    engine.runner.prefill_together = counted
+    return calls
+
+
+@pytest.mark.parametrize("arrivals", [[0] * 8, ARRIVAL_STEP], ids=["at-once", "staggered"])
+@pytest.mark.parametrize("together", [2, 8])
+def test_prompts_prefilled_together_equal_one_at_a_time(loaded, reference, arrivals, together):
+    """Prompts of 1 to 64 tokens, left-padded into one forward: every sequence's greedy tokens are its solo run's."""
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=8, storage="paged", block_size=8,
+                                                                 prefill_batch_size=together))
+    calls = _count_together(engine)
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+    assert drive(engine, PROMPTS, arrivals, params) == reference
+    assert calls and max(calls) <= together and (arrivals == ARRIVAL_STEP or max(calls) == together)
+    assert engine.storage.stats()["blocks_free"] == engine.storage.pool.num_blocks  # nothing leaked
+
+
+def test_prompts_together_logits_match_solo_prefill(loaded):
+    """The first token's logits of each padded row against its prompt prefilled alone (float32 model)."""
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=8,
+                                                                 prefix_cache=False))
+    prompts = [PROMPTS[i] for i in (0, 1, 2, 3)]  # 5, 17, 1 and 40 tokens
+    seq_ids = tuple(range(4))
+    for seq_id, prompt in zip(seq_ids, prompts):
+        engine.storage.add(seq_id, prompt)
+    together = engine.runner.prefill_together(seq_ids, prompts)
+    for seq_id, prompt in zip(seq_ids, prompts):
+        alone = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=8))
+        alone.storage.add(0, prompt)
+        want = alone.runner.prefill(0, prompt, 0, True)
+        assert mx.allclose(together[seq_id], want[0], rtol=1e-4, atol=1e-4).item()
+
+
+def test_prompts_together_respect_the_budget_and_the_prefix_cache(loaded):
+    """Padded size (prompts x the longest) within prefill_chunk_size; a prompt whose start came from the prefix
+    cache is prefilled on its own; tokens as one at a time."""
+    shared = PROMPTS[7][:48]
+    prompts = [shared + [5, 6], shared + [9], PROMPTS[0], PROMPTS[2]]
+    solo_runs = [drive(Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=1)), [p], [0],
+                       [SamplingParams(max_tokens=6)])[0] for p in prompts]
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=16,
+                                                                 prefill_batch_size=4, prefill_chunk_size=64))
+    calls = _count_together(engine)
+    drive(engine, [prompts[0]], [0], [SamplingParams(max_tokens=6)])  # its blocks go to the prefix cache
+    assert calls == []  # alone
+    got = drive(engine, prompts, [0] * 4, [SamplingParams(max_tokens=6)] * 4)
+    assert got == dict(enumerate(solo_runs))
+    # prompts[0] and [1] start from cached blocks (alone each); [2] (5 tokens) and [3] (1) go together: 2 x 5 <= 64
+    assert calls == [2] and engine.storage.stats()["prefix_hits"] == 2
+
+
+def test_prefill_batch_setting(monkeypatch):
+    monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
+    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "8")
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 8
+    assert EngineConfig(max_batch_size=8, prefill_batch_size=3).resolved_prefill_batch == 3
+    assert EngineConfig(max_batch_size=8, storage="dense").resolved_prefill_batch == 1  # paged only
+    assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1  # unquantized pools only
+    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "lots")
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1

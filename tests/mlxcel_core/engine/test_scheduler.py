@@ -77,3 +77,39 @@ def test_prefix_cache_hits_skip_prompt_tokens_but_never_the_last():
     s.add(1, prompt_len=96, max_tokens=1)
     assert s.schedule().prefill == PrefillWork(0, 64, 100, True)
     assert s.schedule().prefill == PrefillWork(1, 95, 96, True)
+
+
+def test_whole_prompts_go_together_within_the_limit_and_the_padded_budget():
+    s = make(max_batch_size=8, prefill_chunk_size=40, prefill_batch_size=3)
+    for seq_id, length in enumerate([10, 12, 30, 5, 8]):
+        s.add(seq_id, prompt_len=length, max_tokens=4)
+    plan = s.schedule()
+    # 0 first; 1: 2 x 12 <= 40; 2 (30 tokens): 3 x 30 > 40, skipped; 3: 3 x 12 <= 40; then the limit of 3
+    assert plan.prefill == PrefillWork(0, 0, 10, True)
+    assert plan.together == (PrefillWork(1, 0, 12, True), PrefillWork(3, 0, 5, True))
+    assert plan.prefills == (plan.prefill, *plan.together)
+    plan = s.schedule()  # the three decode; 2 is next (4: 2 x 30 > 40)
+    assert plan.decode == (0, 1, 3) and plan.prefill == PrefillWork(2, 0, 30, True) and plan.together == ()
+    plan = s.schedule()
+    assert plan.decode == (0, 1, 2, 3) and plan.prefill == PrefillWork(4, 0, 8, True) and plan.together == ()
+
+
+def test_no_prompts_together_by_default_nor_after_a_partial_chunk_or_a_prefix_hit():
+    s = make(prefill_chunk_size=64)
+    for seq_id in range(3):
+        s.add(seq_id, prompt_len=4, max_tokens=2)
+    assert s.schedule().together == ()  # prefill_batch_size 1
+    s = make(prefill_chunk_size=8, prefill_batch_size=4)
+    s.add(0, prompt_len=20, max_tokens=2)  # chunked: its first chunk is not a whole prompt
+    s.add(1, prompt_len=3, max_tokens=2)
+    assert s.schedule().together == ()
+    s = BatchScheduler(SchedulerConfig(prefill_chunk_size=64, prefill_batch_size=4),
+                       on_admit=lambda seq_id: 16 if seq_id == 1 else 0)
+    s.add(0, prompt_len=4, max_tokens=2)
+    s.add(1, prompt_len=20, max_tokens=2)  # 16 tokens from the prefix cache: prefilled on its own
+    s.add(2, prompt_len=6, max_tokens=2)
+    plan = s.schedule()
+    assert plan.prefill == PrefillWork(0, 0, 4, True) and plan.together == (PrefillWork(2, 0, 6, True),)
+    assert s.schedule().prefill == PrefillWork(1, 16, 20, True)
+    with pytest.raises(InputError, match="prefill_batch_size"):
+        SchedulerConfig(prefill_batch_size=0)
