@@ -99,7 +99,7 @@ class Engine:
             max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
             prefill_grant_interval=self.config.prefill_grant_interval,
             kv_budget_tokens=self.config.kv_budget_for(self.max_context),
-            prefill_batch_size=self.config.resolved_prefill_batch), on_admit=self._admit)
+            prefill_batch_size=self._prefill_batch()), on_admit=self._admit)
         self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
         # MLXCEL_LAUNCH_THREAD=1: steady decode steps are submitted on a launcher thread while this one builds
         # the next (launcher.py); only where nothing else evaluates on this thread between steps, and not in a
@@ -237,6 +237,14 @@ class Engine:
         return outputs
 
     # -- internals ----------------------------------------------------------------------------
+    def _prefill_batch(self) -> int:
+        """Whole prompts a prefill forward may take. A tensor-parallel rank ignores MLXCEL_PREFILL_BATCH: every rank
+        must plan the same forwards (distributed/mirror.py), and a rank on another host may not share this one's
+        environment (EngineConfig.prefill_batch_size, the same on every rank, still applies)."""
+        if is_launched() and self.config.prefill_batch_size is None:
+            return 1
+        return self.config.resolved_prefill_batch
+
     def _live(self):
         return (s for s in self._sequences.values() if s.finish_reason is None)
 

@@ -265,3 +265,14 @@ def test_prefill_batch_setting(monkeypatch):
     assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1  # unquantized pools only
     monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "lots")
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
+
+
+def test_a_tensor_parallel_rank_ignores_the_environment_setting(loaded, monkeypatch):
+    """Every rank must plan the same forwards; a rank on another host may not share the leader's environment."""
+    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "8")
+    config = EngineConfig(max_batch_size=8, storage="paged")
+    assert Engine(loaded.model, loaded.tokenizer, config).scheduler.config.prefill_batch_size == 8
+    monkeypatch.setenv("MLX_RANK", "0")
+    assert Engine(loaded.model, loaded.tokenizer, config).scheduler.config.prefill_batch_size == 1
+    explicit = EngineConfig(max_batch_size=8, storage="paged", prefill_batch_size=4)  # the same on every rank
+    assert Engine(loaded.model, loaded.tokenizer, explicit).scheduler.config.prefill_batch_size == 4
