@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -83,8 +84,6 @@ class EngineConfig:
             return 1
         if self.prefill_batch_size is not None:
             return self.prefill_batch_size
-        import os
-
         try:
             return max(1, int(os.environ.get("MLXCEL_PREFILL_BATCH", "1")))
         except ValueError:
