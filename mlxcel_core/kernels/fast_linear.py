@@ -128,11 +128,14 @@ def _batch_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
         return None
     if BATCH_MODE == "mma":
         w, scales = layer["weight"], layer["scales"]
-        if not qmv.kernel_ready() or qmm.launch_args(x[:qmm.MAX_ROWS].shape, x.dtype, scales.dtype, w.shape[0],
-                                                     x.shape[-1], layer.group_size) is None:
+        step = qmm.MAX_ROWS
+        first_shape = (min(x.shape[0], step), *x.shape[1:])  # (no slice op just to ask)
+        if not qmv.kernel_ready() or qmm.launch_args(first_shape, x.dtype, scales.dtype, w.shape[0], x.shape[-1],
+                                                     layer.group_size) is None:
             return None
-        parts = [qmm.quantized_matmul(x[i:i + qmm.MAX_ROWS], w, scales, layer["biases"], layer.group_size)
-                 for i in range(0, x.shape[0], qmm.MAX_ROWS)]
+        # x itself when one launch takes it: a slice is one more op in every layer of a decode step's graph
+        rows = [x] if x.shape[0] <= step else [x[i:i + step] for i in range(0, x.shape[0], step)]
+        parts = [qmm.quantized_matmul(r, w, scales, layer["biases"], layer.group_size) for r in rows]
     else:
         parts = [_kernel_matvec(layer, x[:LAYER_MAX_ROWS])]
         if parts[0] is None:  # no kernel here (later chunks are no larger: the kernel takes them where it took this)
