@@ -11,13 +11,14 @@
 #                                              # these two did not finish in 115 s in the sixteenth session)
 #   bash benchmarks/h200_kernels.sh qmm        # those ways one product at a time (benchmarks/qmm_batch.py), with
 #                                              # qmm.py's two load layouts (MLXCEL_QMM_WIDE=0/1)
-#   bash benchmarks/h200_kernels.sh hmv8       # the 16-bit kernel's tests at 8 rows (MLXCEL_HMV_MAX_ROWS=8 read +27% at
-#                                              # 1B bf16 b=8; default 2 until these pass), then that A/B again
-#   bash benchmarks/h200_kernels.sh together   # batch TTFT: whole prompts prefilled in one forward (MLXCEL_PREFILL_BATCH=8)
-#                                              # vs one a step (1), 1B bf16 and 8B 4-bit at b=8 and 32, mlxcel only;
-#                                              # the engine's batching tests first
+#   bash benchmarks/h200_kernels.sh hmv8       # the 16-bit kernel's tests at 8 rows (passed, seventeenth session: 8 rows
+#                                              # are the default up to 2048 wide), then MLXCEL_HMV_MAX_ROWS 2 vs 8
+#   bash benchmarks/h200_kernels.sh together   # the engine's prefill-together tests (not yet run on a GPU; the default
+#                                              # there since the seventeenth session), then batch TTFT with
+#                                              # MLXCEL_PREFILL_BATCH=8 vs 1, 1B bf16 and 8B 4-bit at b=8 and 32
 #   bash benchmarks/h200_kernels.sh wide       # qmm.py's tests (both layouts), then an 8B 4-bit batch of 32 with
-#                                              # MLXCEL_QMM_WIDE=0 and 1, twice each, alternating (mlxcel only)
+#                                              # MLXCEL_QMM_WIDE=0 and 1, alternating (mlxcel only). On a fresh machine
+#                                              # the tests and the first two runs need more than 150 s each (compiles)
 #   bash benchmarks/h200_kernels.sh hmv        # the 16-bit kernel vs MLX's bf16 GEMV, M = 1 and 2, with the sweep
 #                                              # (calls in sequence on one stream, as a model runs them)
 #   bash benchmarks/h200_kernels.sh blocks     # a decode layer's blocks, MLX vs the 16-bit kernel (which one loses at 8B)
@@ -129,7 +130,7 @@ case "${1:-}" in
         | grep "run 1/1")"
     done ;;
   together)
-    timeout 200 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_batching.py --tb=short -rf \
+    timeout 300 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_batching.py --tb=short -rf \
       -k "together or prefill_batch" 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal"
     for what in "llama-3.2-1b --dtype bfloat16" "llama-3-8b --bits 4"; do
       for v in 1 8 1 8; do
@@ -141,9 +142,9 @@ case "${1:-}" in
   wide)
     # MLXCEL_QMM_WIDE (vector loads in kernels/qmm.py; not yet run on a GPU): its tests, then end to end. The first run
     # compiles (~70 s on a fresh machine), so it is a warm-up; timestamps show a stall
-    timeout 150 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_qmm.py --tb=short -rf 2>&1 \
+    timeout 280 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_qmm.py --tb=short -rf 2>&1 \
       | grep -E "^E |FAILED|passed|failed|Fatal"
-    for wide in 1 0 1 0 1; do
+    for wide in 1 0 1 0; do
       echo "== MLXCEL_QMM_WIDE=$wide $(date +%T): $(MLXCEL_QMM_WIDE=$wide timeout 150 python benchmarks/batch_decode.py \
         --model-shape llama-3-8b --bits 4 --batches 32 --reps 1 --no-mlx-lm 2>&1 | grep "run 1/1")"
     done ;;

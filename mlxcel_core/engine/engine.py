@@ -238,9 +238,9 @@ class Engine:
 
     # -- internals ----------------------------------------------------------------------------
     def _prefill_batch(self) -> int:
-        """Whole prompts a prefill forward may take. A tensor-parallel rank ignores MLXCEL_PREFILL_BATCH: every rank
-        must plan the same forwards (distributed/mirror.py), and a rank on another host may not share this one's
-        environment (EngineConfig.prefill_batch_size, the same on every rank, still applies)."""
+        """Whole prompts a prefill forward may take. A tensor-parallel rank ignores MLXCEL_PREFILL_BATCH and the GPU
+        default: every rank must plan the same forwards (distributed/mirror.py), and a rank on another host may not
+        share this one's environment or backend (EngineConfig.prefill_batch_size, the same on every rank, applies)."""
         if is_launched() and self.config.prefill_batch_size is None:
             return 1
         return self.config.resolved_prefill_batch

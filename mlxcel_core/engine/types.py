@@ -15,6 +15,18 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 StorageKind = Literal["auto", "dense", "paged"]
 
 
+# On the H200 prefilling up to 8 waiting prompts in one forward cut a batch's mean time to first token 1.5-5x with
+# the same decode speed (benchmarks/RESULTS.md, seventeenth session); on the 2-core CPU, compute-bound, it raised it
+# (22 s vs 16 s at a batch of 8): every prompt waits for the whole forward.
+GPU_PREFILL_BATCH = 8
+
+
+def default_prefill_batch() -> int:
+    import mlx.core as mx
+
+    return GPU_PREFILL_BATCH if mx.default_device().type == mx.DeviceType.gpu else 1
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/speculative.py): one drafter proposes up to `num_draft_tokens` per round."""
@@ -75,7 +87,7 @@ class EngineConfig:
     num_splits: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # whole prompts one prefill forward may take (paged storage, unquantized KV; else one at a time); None: the
-    # MLXCEL_PREFILL_BATCH environment variable's, else 1 (experimental: not yet measured on a GPU)
+    # MLXCEL_PREFILL_BATCH environment variable's, else GPU_PREFILL_BATCH on a GPU and 1 on CPU
     prefill_batch_size: int | None = None
 
     @property
@@ -85,9 +97,9 @@ class EngineConfig:
         if self.prefill_batch_size is not None:
             return self.prefill_batch_size
         try:
-            return max(1, int(os.environ.get("MLXCEL_PREFILL_BATCH", "1")))
-        except ValueError:
-            return 1
+            return max(1, int(os.environ["MLXCEL_PREFILL_BATCH"]))
+        except (KeyError, ValueError):
+            return default_prefill_batch()
 
     @property
     def resolved_storage(self) -> str:

@@ -43,8 +43,12 @@ def _env_int(name: str, default: int, low: int, high: int) -> int:
 # every M up to 8 but gate/up at 8 (level, 65-70 us): q/o 26 vs 64 us, k/v 11 vs 66, down 73 vs 195; an 8B 4-bit
 # batch of 8 decoded at 887 tok/s, against 265 at the old default of 2.
 LAYER_MAX_ROWS = _env_int("MLXCEL_QMV_MAX_ROWS", qmv.MAX_ROWS, 1, qmv.MAX_ROWS)
-# The same for the 16-bit kernel (MLXCEL_HMV_MAX_ROWS, 1..8; default 2): it was measured at 1 and 2 rows only.
-HALF_MAX_ROWS = _env_int("MLXCEL_HMV_MAX_ROWS", 2, 1, hmv.MAX_ROWS)
+# The same for the 16-bit kernel: MLXCEL_HMV_MAX_ROWS (1..8) for every model, else by the model's width (half_rows):
+# on the H200 (seventeenth session, benchmarks/RESULTS.md) 8 rows against 2 decoded a Llama-3.2-1B bf16 batch of 8
+# (2048 wide) at 3119 vs 1685 tok/s, and a Llama-3-8B bf16 one (4096 wide) at 717 vs 1108 (b=32: 2628 vs 3111): at
+# 8B the GPU, not the host, bounds the step and MLX's GEMM reads 8 rows' weights better than this kernel.
+HALF_MAX_ROWS = _env_int("MLXCEL_HMV_MAX_ROWS", 0, 0, hmv.MAX_ROWS) or None
+HALF_ROWS_MAX_HIDDEN = 2048  # models up to this wide: hmv.MAX_ROWS rows a launch; wider ones: 2
 # Smallest weight (N x K values) swapped (MLXCEL_QMV_MIN_WEIGHT; default 2^23): at 1024 x 4096 (Llama-3-8B's k/v)
 # the kernel was no faster than MLX (6.1 vs 6.2 us) and every call costs more host time than MLX's.
 MIN_WEIGHT = _env_int("MLXCEL_QMV_MIN_WEIGHT", 1 << 23, 0, 1 << 40)
@@ -211,10 +215,20 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
         return as_rows(super().as_linear, x) if y is None else y
 
 
+def half_rows(hidden_size: int | None) -> int:
+    """Rows of x up to which a 16-bit model `hidden_size` wide calls kernels/hmv.py (see HALF_MAX_ROWS)."""
+    return hmv.MAX_ROWS if hidden_size is not None and hidden_size <= HALF_ROWS_MAX_HIDDEN else 2
+
+
+def half_limit(model_rows: int) -> int:
+    """The row limit of a call: MLXCEL_HMV_MAX_ROWS where set, else the model's (`half_rows`, kept by its layers)."""
+    return HALF_MAX_ROWS or model_rows
+
+
 def _half_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
     """x @ layer's 16-bit weight on kernels/hmv.py, or None when this call is not for it."""
     w = layer["weight"]
-    args = hmv.launch_args(x.shape, x.dtype, w.dtype, w.shape[0], None, HALF_MAX_ROWS, mode)
+    args = hmv.launch_args(x.shape, x.dtype, w.dtype, w.shape[0], None, half_limit(layer.kernel_rows), mode)
     if args is None or not qmv.kernel_ready():
         return None
     return hmv.launch(args, x, w, mode, extra)
@@ -222,6 +236,8 @@ def _half_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tupl
 
 class FastLinear(_DecodeKernelLayer, nn.Linear):
     """nn.Linear (bf16/fp16) whose decode calls run kernels/hmv.py (hmv.enabled)."""
+
+    kernel_rows = 2  # use_fast_half_linear sets the model's (half_rows)
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
         return _half_matvec(self, x, mode, extra)
@@ -232,6 +248,8 @@ class FastLinear(_DecodeKernelLayer, nn.Linear):
 
 class FastEmbedding(nn.Embedding):
     """nn.Embedding (bf16/fp16) whose `as_linear` (a tied LM head) runs kernels/hmv.py for decode."""
+
+    kernel_rows = 2  # as FastLinear's
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = _half_matvec(self, x)
@@ -282,16 +300,18 @@ def half_kernel_takes(layer: nn.Module) -> bool:
 
 
 def use_fast_half_linear(model: nn.Module) -> int:
-    """Swap every plain bf16/fp16 nn.Linear / nn.Embedding kernels/hmv.py supports; return how many (unconditional,
-    as use_fast_quantized_linear)."""
+    """Swap every plain bf16/fp16 nn.Linear / nn.Embedding kernels/hmv.py supports, each taking up to the model
+    width's `half_rows`; return how many (unconditional, as use_fast_quantized_linear)."""
     from ..engine.compiled_decode import forget_traces
 
     forget_traces(model)
+    rows = half_rows(embedding_width(model))
     swapped = 0
     for _, module in model.named_modules():
         fast = _HALF_SWAPS.get(type(module))
         if fast is not None and half_kernel_takes(module):
             module.__class__ = fast
+            module.kernel_rows = rows
             swapped += 1
     return swapped
 

@@ -110,6 +110,7 @@ class FusedProjection:
         self.kernel = self.quantized and fast_linear.enabled() and fast_linear.kernel_takes(first)
         # (16-bit: where the model's layers were swapped, as hmv.enabled decided for the model's width)
         self.half_kernel = type(first) is fast_linear.FastLinear and fast_linear.half_kernel_takes(first)
+        self.half_rows = first.kernel_rows if self.half_kernel else None  # (the model's, as its layers keep it)
         self.fold_norm = (self.kernel or self.half_kernel) and norm_fusion_enabled()
         # (NQ, NK) when the layers are q, k, v with equal k and v widths: the kernel's "qkv" mode.
         self.qkv_split = (widths[0], widths[1]) if len(widths) == 3 and widths[1] == widths[2] else None
@@ -139,7 +140,7 @@ class FusedProjection:
         p = self.params
         if self.half_kernel:
             return hmv.launch_args(x.shape, x.dtype, p["weight"].dtype, p["weight"].shape[0], None,
-                                   fast_linear.HALF_MAX_ROWS, mode, split, eps)
+                                   fast_linear.half_limit(self.half_rows), mode, split, eps)
         return qmv.launch_args(x.shape, x.dtype, p["scales"].dtype, p["weight"].shape[0], self.group_size, None,
                                fast_linear.LAYER_MAX_ROWS, mode, split, eps)
 

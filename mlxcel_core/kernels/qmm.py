@@ -37,11 +37,12 @@ WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs): split K until the grid has as many
 X_TYPES = (mx.bfloat16, mx.float16)
-# MLXCEL_QMM_WIDE=1 (experimental, off by default): each thread loads its part of a weight row's group as one vector
-# (G / 32 words) and x four values at a time, instead of 16-bit pieces; four to eight times fewer load instructions.
-# At M = 32 the default layout streams the 8B gate/up weight at 157 GB/s (benchmarks/RESULTS.md, sixteenth session).
-# Not yet run on a GPU.
-WIDE = os.environ.get("MLXCEL_QMM_WIDE", "0").strip() == "1"
+# The wide load layout (MLXCEL_QMM_WIDE=0 turns it off): each thread loads its part of a weight row's group as one
+# vector (G / 32 words) and x four values at a time, instead of 16-bit pieces; four to eight times fewer load
+# instructions. At M = 32 the narrow layout streamed the 8B gate/up weight at 157 GB/s (sixteenth session); the wide
+# one decoded an 8B 4-bit batch of 32 at 1409 tok/s against 1085 narrow on the H200 (benchmarks/RESULTS.md,
+# seventeenth session).
+WIDE = os.environ.get("MLXCEL_QMM_WIDE", "1").strip() != "0"
 
 _HEADER = qmv_source.SAME_TYPE + r"""
 // d += a (16 x 16, row) * b (16 x 8, col), float32 accumulators; T is the 16-bit type of a and b.

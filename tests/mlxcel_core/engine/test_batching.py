@@ -8,6 +8,7 @@ import pytest
 
 from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
+from mlxcel_core.engine.types import GPU_PREFILL_BATCH
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
 
@@ -264,6 +265,18 @@ def test_prefill_batch_setting(monkeypatch):
     assert EngineConfig(max_batch_size=8, storage="dense").resolved_prefill_batch == 1  # paged only
     assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1  # unquantized pools only
     monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "lots")
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1  # this backend's default (CPU)
+
+
+def test_prefill_batch_default_follows_the_backend(monkeypatch):
+    """8 on a GPU (it cut batch TTFT there), 1 on CPU (it raised it there)."""
+    monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == GPU_PREFILL_BATCH == 8
+    assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1
+    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "1")
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
 
 

@@ -29,7 +29,7 @@ def _swap_every_layer(monkeypatch):
 def test_default_thresholds(monkeypatch):
     monkeypatch.undo()
     assert fast_linear.LAYER_MAX_ROWS == qmv.MAX_ROWS and fast_linear.MIN_WEIGHT == 1 << 23
-    assert fast_linear.HALF_MAX_ROWS == 2
+    assert fast_linear.HALF_MAX_ROWS is None  # (MLXCEL_HMV_MAX_ROWS unset: by the model's width)
     small = nn.QuantizedLinear(4096, 1024, bias=False, group_size=64, bits=4)  # Llama-3-8B's k/v: 2^22
     large = nn.QuantizedLinear(4096, 4096, bias=False, group_size=64, bits=4)
     holder = nn.Module()
@@ -167,6 +167,29 @@ def test_swap_touches_only_plain_supported_layers():
     assert use_fast_quantized_linear(block) == 0  # idempotent
     assert restore_quantized_linear(block) == 4
     assert type(block.a) is nn.QuantizedLinear and type(block.emb) is nn.QuantizedEmbedding
+
+
+@pytest.mark.parametrize("width, rows", [(2048, 8), (4096, 2), (None, 2)])
+def test_sixteen_bit_rows_follow_the_model_width(monkeypatch, width, rows):
+    """The 16-bit kernel takes 8 rows a call in models up to 2048 wide (1B bf16 b=8 on the H200: 3119 vs 1685 tok/s)
+    and 2 in wider ones (8B bf16: 717 vs 1108); MLXCEL_HMV_MAX_ROWS overrides both, fused projections included."""
+    from mlxcel_core.kernels.fused_projections import fuse_projections
+    from mlxcel_core.models.shapes import build_random_model
+
+    model, _ = build_random_model("tiny")
+    if width is None:  # no 16-bit embedding (a 4-bit one): the width is unknown
+        model.model.embed_tokens = nn.QuantizedEmbedding(64, 64, group_size=64, bits=4)
+    else:
+        model.model.embed_tokens = nn.Embedding(8, width)
+        model.model.embed_tokens.set_dtype(mx.bfloat16)
+    assert fast_linear.use_fast_half_linear(model) > 0
+    fuse_projections(model)
+    attention = model.model.layers[0].self_attn
+    assert type(attention.o_proj) is fast_linear.FastLinear and attention.fused_qkv.half_kernel
+    assert attention.o_proj.kernel_rows == attention.fused_qkv.half_rows == rows
+    assert fast_linear.half_limit(attention.o_proj.kernel_rows) == rows
+    monkeypatch.setattr(fast_linear, "HALF_MAX_ROWS", 4)
+    assert fast_linear.half_limit(attention.fused_qkv.half_rows) == 4
 
 
 def test_fast_layers_compute_what_mlx_layers_do():
