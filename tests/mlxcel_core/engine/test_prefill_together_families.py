@@ -1,0 +1,91 @@
+"""Whole prompts prefilled together (the GPU default, MLXCEL_PREFILL_BATCH) in every model family: sliding windows
+shorter than the prompts, attention and final soft-capping, q/k norms, per-layer RoPE, fused q/k/v, experts. Each
+padded row's first-token logits match its prompt prefilled alone, and every sequence's greedy tokens are its solo
+run's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxcel_core.engine import Engine, EngineConfig
+from mlxcel_core.sampling import SamplingParams
+from parity import load_quiet, prompt_ids, save_tiny_checkpoint
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, initializer_range=0.1)
+# family -> (transformers config and model class names, config)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, use_sliding_window=True, sliding_window=8,
+                                                             max_window_layers=1)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    # head_dim 16: 8 factors; 128 positions past an original 32 (the long factors, as transformers picks them)
+    "phi3-longrope-window": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=0, max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=8,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [1.2 + i for i in range(8)]})),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+        final_logit_softcapping=10.0, initializer_range=0.3, attn_implementation="eager", pad_token_id=0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24,
+        initializer_range=0.3, pad_token_id=0)),
+}
+PROMPT_LENGTHS = (5, 23, 1, 14)  # left-padded to 23: past every window above
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp(request.param), getattr(transformers, config_cls),
+                                getattr(transformers, model_cls), **{**SMALL, **extra})
+    return load_quiet(path)
+
+
+def _engine(loaded, together: int) -> Engine:
+    return Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=8,
+                                                              prefix_cache=False, prefill_batch_size=together))
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return [prompt_ids(n, vocab=min(vocab, 320), seed=i) for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+def test_first_logits_match_each_prompt_alone(family):
+    prompts = _prompts(family.model.args.vocab_size)
+    engine = _engine(family, 4)
+    seq_ids = tuple(range(len(prompts)))
+    for seq_id, prompt in zip(seq_ids, prompts):
+        engine.storage.add(seq_id, prompt)
+    together = engine.runner.prefill_together(seq_ids, prompts)
+    for seq_id, prompt in zip(seq_ids, prompts):
+        alone = _engine(family, 1)
+        alone.storage.add(0, prompt)
+        want = alone.runner.prefill(0, prompt, 0, True)[0]
+        scale = mx.abs(want).max().item()
+        assert mx.allclose(together[seq_id], want, rtol=1e-4, atol=1e-4 * max(1.0, scale)).item(), seq_id
+
+
+def test_greedy_tokens_match_one_prompt_at_a_time(family):
+    prompts = _prompts(family.model.args.vocab_size)
+
+    def run(together: int) -> dict[int, list[int]]:
+        engine = _engine(family, together)
+        ids = {engine.open(prompt, SamplingParams(max_tokens=12)): i
+               for i, prompt in enumerate(prompts)}
+        tokens: dict[int, list[int]] = {i: [] for i in ids.values()}
+        while engine.has_work():
+            for out in engine.step():
+                if out.token is not None:
+                    tokens[ids[out.seq_id]].append(out.token)
+        assert engine.storage.stats()["blocks_free"] == engine.storage.pool.num_blocks  # nothing leaked
+        return tokens
+
+    solo, together = run(1), run(4)
+    assert together == solo and sum(map(len, solo.values())) > 2 * len(prompts)  # (not all stopped at once)
