@@ -1,5 +1,5 @@
 """Whole prompts prefilled together (the GPU default, MLXCEL_PREFILL_BATCH) in every model family: sliding windows
-shorter than the prompts, attention and final soft-capping, q/k norms, per-layer RoPE, fused q/k/v, experts. Each
+shorter than the prompts, attention and final soft-capping, q/k norms, per-layer RoPE, longrope, fused q/k/v, experts. Each
 padded row's first-token logits match its prompt prefilled alone, and every sequence's greedy tokens are its solo
 run's."""
 
@@ -28,6 +28,9 @@ FAMILIES = {
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                          "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [1.2 + i for i in range(8)]})),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3-moe-window": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        mlp_only_layers=[1], use_sliding_window=True, sliding_window=8)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
         final_logit_softcapping=10.0, initializer_range=0.3, attn_implementation="eager", pad_token_id=0)),
