@@ -1,7 +1,7 @@
 """Whole prompts prefilled together (the GPU default, MLXCEL_PREFILL_BATCH) in every model family: sliding windows
-shorter than the prompts, attention and final soft-capping, q/k norms, per-layer RoPE, longrope, fused q/k/v, experts. Each
-padded row's first-token logits match its prompt prefilled alone, and every sequence's greedy tokens are its solo
-run's."""
+shorter than the prompts, attention and final soft-capping, q/k norms, per-layer RoPE, longrope, fused q/k/v,
+experts. Each padded row's first-token logits match its prompt prefilled alone, and every sequence's greedy tokens
+are its solo run's."""
 
 from __future__ import annotations
 
