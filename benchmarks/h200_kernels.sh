@@ -131,7 +131,8 @@ case "${1:-}" in
     done ;;
   together)
     timeout 300 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_batching.py --tb=short -rf \
-      -k "together or prefill_batch" 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal"
+      -k "together or prefill_batch" tests/mlxcel_core/engine/test_prefill_together_families.py 2>&1 \
+      | grep -E "^E |FAILED|passed|failed|Fatal"
     for what in "llama-3.2-1b --dtype bfloat16" "llama-3-8b --bits 4"; do
       for v in 1 8 1 8; do
         echo "== MLXCEL_PREFILL_BATCH=$v $what $(date +%T)"
