@@ -21,8 +21,8 @@ from mlxcel_cli import __version__  # noqa: E402
 from mlxcel_cli.main import app  # noqa: E402
 
 ENVIRONMENT = [
-    ("MLXCEL_CACHE_DIR", "Directory for mlxcel's files: downloaded and converted models (models/) and autotuning "
-                         "results (autotune/). Default: the platform's user cache directory for \"mlxcel\" "
+    ("MLXCEL_CACHE_DIR", "Directory for mlxcel's files: downloaded and converted models (models/), autotuning "
+                         "results (autotune/) and compiled CUDA kernels (kernels/). Default: the platform's user cache directory for \"mlxcel\" "
                          "(for example ~/.cache/mlxcel on Linux, ~/Library/Caches/mlxcel on macOS)."),
     ("HF_HUB_OFFLINE", "Set to 1 to never download from the Hugging Face Hub; "
                        "models must already be local or in the Hugging Face cache."),
@@ -45,6 +45,8 @@ ENVIRONMENT = [
     ("MLXCEL_COMBINE_IN_KERNEL", "0: a paged decode step's attention splits are combined by a second kernel launch. "
                                  "Default: the last of the split kernel's blocks for each head group combines them, one "
                                  "launch a layer (CUDA only)."),
+    ("MLX_PTX_CACHE_DIR", "MLX's own setting: where it keeps the CUDA kernels it compiles. Unless it is set, mlxcel "
+                          "sets it to $MLXCEL_CACHE_DIR/kernels/mlx-VERSION/GPU, which outlives /tmp (MLX's default)."),
     ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
                         "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
                         "unaffected)."),
