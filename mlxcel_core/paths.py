@@ -37,5 +37,9 @@ def kernel_cache_dir() -> Path | None:
     device = f"{info.get('architecture', '')}-{info.get('device_name', '')}"
     path = cache_dir() / "kernels" / f"mlx-{mx.__version__}" / "".join(
         c if c.isalnum() or c in "._-" else "_" for c in device)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None  # not writable: MLX's default (where MLX cannot create its directory it keeps nothing at all)
     os.environ[PTX_CACHE_ENV] = str(path)
     return path
