@@ -38,7 +38,9 @@ FAMILIES = {
         head_dim=16, num_hidden_layers=3, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24,
         initializer_range=0.3, pad_token_id=0)),
 }
-PROMPT_LENGTHS = (5, 23, 1, 14)  # left-padded to 23: past every window above
+# Left-padded to 23: past every window above. And 3 x 2 rows: on a GPU, few enough for the decode kernels' launches
+# (fused q/k/v with RoPE at each row's own position, kernels/fused_projections.py).
+PROMPT_LENGTHS = {"long": (5, 23, 1, 14), "short": (2, 1, 2)}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -56,12 +58,13 @@ def _engine(loaded, together: int) -> Engine:
                                                               prefix_cache=False, prefill_batch_size=together))
 
 
-def _prompts(vocab: int) -> list[list[int]]:
-    return [prompt_ids(n, vocab=min(vocab, 320), seed=i) for i, n in enumerate(PROMPT_LENGTHS)]
+def _prompts(vocab: int, lengths: str) -> list[list[int]]:
+    return [prompt_ids(n, vocab=min(vocab, 320), seed=i) for i, n in enumerate(PROMPT_LENGTHS[lengths])]
 
 
-def test_first_logits_match_each_prompt_alone(family):
-    prompts = _prompts(family.model.args.vocab_size)
+@pytest.mark.parametrize("lengths", sorted(PROMPT_LENGTHS))
+def test_first_logits_match_each_prompt_alone(family, lengths):
+    prompts = _prompts(family.model.args.vocab_size, lengths)
     engine = _engine(family, 4)
     seq_ids = tuple(range(len(prompts)))
     for seq_id, prompt in zip(seq_ids, prompts):
@@ -75,11 +78,14 @@ def test_first_logits_match_each_prompt_alone(family):
         assert mx.allclose(together[seq_id], want, rtol=1e-4, atol=1e-4 * max(1.0, scale)).item(), seq_id
 
 
-def test_greedy_tokens_match_one_prompt_at_a_time(family):
-    prompts = _prompts(family.model.args.vocab_size)
+@pytest.mark.parametrize("lengths", sorted(PROMPT_LENGTHS))
+def test_greedy_tokens_match_one_prompt_at_a_time(family, lengths):
+    prompts = _prompts(family.model.args.vocab_size, lengths)
 
     def run(together: int) -> dict[int, list[int]]:
         engine = _engine(family, together)
+        real, calls = engine.runner.prefill_together, []
+        engine.runner.prefill_together = lambda seq_ids, prompts: calls.append(len(seq_ids)) or real(seq_ids, prompts)
         ids = {engine.open(prompt, SamplingParams(max_tokens=12)): i
                for i, prompt in enumerate(prompts)}
         tokens: dict[int, list[int]] = {i: [] for i in ids.values()}
@@ -88,6 +94,7 @@ def test_greedy_tokens_match_one_prompt_at_a_time(family):
                 if out.token is not None:
                     tokens[ids[out.seq_id]].append(out.token)
         assert engine.storage.stats()["blocks_free"] == engine.storage.pool.num_blocks  # nothing leaked
+        assert calls == ([len(prompts)] if together > 1 else [])  # all at once, or one at a time
         return tokens
 
     solo, together = run(1), run(4)
