@@ -128,7 +128,7 @@ def speculative_config(draft_model: Optional[str], draft_ngram: int, num_draft_t
 
 
 def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, prefill_chunk_size: int,
-                  speculative=None):
+                  speculative=None, prefill_batch: Optional[int] = None):
     from mlxcel_core.engine import EngineConfig
     from mlxcel_core.errors import InputError
 
@@ -138,5 +138,8 @@ def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, pre
         raise InputError(f"--decode-storage-backend must be auto, dense or paged, got '{storage}'")
     if prefill_chunk_size < 1:
         raise InputError(f"--prefill-chunk-size must be >= 1, got {prefill_chunk_size}")
+    if prefill_batch is not None and prefill_batch < 1:
+        raise InputError(f"--prefill-batch must be >= 1, got {prefill_batch}")
     return EngineConfig(max_batch_size=max_batch_size, kv_bits=kv_bits, storage=storage,
-                        prefill_chunk_size=prefill_chunk_size, speculative=speculative)
+                        prefill_chunk_size=prefill_chunk_size, speculative=speculative,
+                        prefill_batch_size=prefill_batch)

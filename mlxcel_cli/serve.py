@@ -39,6 +39,9 @@ MaxQueue = Annotated[int, _opt("--max-queue-depth", env="MLXCEL_MAX_QUEUE_DEPTH"
                                help="Sequences that may wait for a batch slot; more get 503.")]
 PrefillChunk = Annotated[int, _opt("--prefill-chunk-size", env="MLXCEL_PREFILL_CHUNK_SIZE", min=1,
                                    help="Prompt tokens computed per forward pass.")]
+PrefillBatch = Annotated[Optional[int], _opt("--prefill-batch", env="MLXCEL_PREFILL_BATCH", metavar="N", min=1,
+                                             help="Waiting prompts prefilled together in one forward (paged KV "
+                                                  "without --kv-bits). Default: 8 on a GPU, 1 on CPU.")]
 Storage = Annotated[str, _opt("--decode-storage-backend", env="MLXCEL_DECODE_STORAGE_BACKEND",
                               help="KV storage: auto (paged when batching or on CUDA, else dense), dense or paged.")]
 CtxSize = Annotated[int, _opt("--ctx-size", env="MLXCEL_CTX_SIZE", min=0,
@@ -100,6 +103,7 @@ def serve(
     max_batch_size: MaxBatch = None,
     max_queue_depth: MaxQueue = 32,
     prefill_chunk_size: PrefillChunk = 2048,
+    prefill_batch: PrefillBatch = None,
     storage: Storage = "auto",
     ctx_size: CtxSize = 0,
     max_n: MaxN = 4,
@@ -122,7 +126,7 @@ def serve(
             raise fail(f"--log-format must be text or json, got '{log_format}'")
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
         engine_config = opt.engine_config(max_batch_size or parallel, kv_bits, storage, prefill_chunk_size,
-                                          speculative)
+                                          speculative, prefill_batch)
         group, _ = join_ranks(tp_size, verbose=verbose)
         if group is not None and group.rank() > 0:  # only rank 0 serves HTTP; this rank mirrors its engine
             follow_leader(group, model, engine_config)

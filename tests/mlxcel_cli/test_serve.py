@@ -153,6 +153,7 @@ def test_help_lists_every_flag_with_its_env_var(capsys):
                       ("--n-parallel", None), ("--max-batch-size", "MLXCEL_MAX_BATCH_SIZE"),
                       ("--max-queue-depth", "MLXCEL_MAX_QUEUE_DEPTH"),
                       ("--prefill-chunk-size", "MLXCEL_PREFILL_CHUNK_SIZE"),
+                      ("--prefill-batch", "MLXCEL_PREFILL_BATCH"),
                       ("--decode-storage-backend", "MLXCEL_DECODE_STORAGE_BACKEND"), ("--ctx-size", "MLXCEL_CTX_SIZE"),
                       ("--max-n", "MLXCEL_MAX_N"), ("--kv-bits", "MLXCEL_KV_BITS"),
                       ("--log-format", "MLXCEL_LOG_FORMAT"), ("--draft-model", "MLXCEL_DRAFT_MODEL"),
@@ -168,6 +169,7 @@ def test_help_lists_every_flag_with_its_env_var(capsys):
     (["--decode-storage-backend", "disk"], "--decode-storage-backend must be"),
     (["--port", "70000"], "70000"),
     (["--max-batch-size", "0"], "--max-batch-size"),
+    (["--prefill-batch", "0"], "--prefill-batch"),
     (["--draft-ngram", "2", "--num-draft-tokens", "0"], "num-draft-tokens must be"),
     (["--draft-ngram", "2", "--draft-model", "x"], "not both"),
 ])
@@ -175,3 +177,25 @@ def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mlxcel: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("args,env,want", [([], None, None), (["--prefill-batch", "3"], None, 3),
+                                           ([], "5", 5), (["--prefill-batch", "2"], "5", 2)])
+def test_prefill_batch_reaches_the_engine(monkeypatch, args, env, want):
+    """--prefill-batch / MLXCEL_PREFILL_BATCH: the engine's prefill_batch_size (None: the backend's default)."""
+    import mlxcel_core.server
+    from mlxcel_core.errors import InputError
+
+    seen = []
+
+    def create_app(config, on_load_failed=None):
+        seen.append(config.engine)
+        raise InputError("stopped before serving")
+
+    monkeypatch.setattr(mlxcel_core.server, "create_app", create_app)
+    if env is None:
+        monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
+    else:
+        monkeypatch.setenv("MLXCEL_PREFILL_BATCH", env)
+    assert main(["serve", "--parallel", "8", *args]) == 2
+    assert seen[0].prefill_batch_size == want and seen[0].max_batch_size == 8
