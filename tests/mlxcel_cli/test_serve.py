@@ -183,6 +183,7 @@ def test_bad_flags_exit_2_with_one_line(args, message, capsys):
                                            ([], "5", 5), (["--prefill-batch", "2"], "5", 2)])
 def test_prefill_batch_reaches_the_engine(monkeypatch, args, env, want):
     """--prefill-batch / MLXCEL_PREFILL_BATCH: the engine's prefill_batch_size (None: the backend's default)."""
+    import mlxcel_cli.serve as serve_module
     import mlxcel_core.server
     from mlxcel_core.errors import InputError
 
@@ -193,6 +194,8 @@ def test_prefill_batch_reaches_the_engine(monkeypatch, args, env, want):
         raise InputError("stopped before serving")
 
     monkeypatch.setattr(mlxcel_core.server, "create_app", create_app)
+    # (serve's logging setup stops the "mlxcel" logger's propagation: later tests' caplog would see nothing)
+    monkeypatch.setattr(serve_module, "_configure_logging", lambda log_format, verbose: None)
     if env is None:
         monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
     else:
