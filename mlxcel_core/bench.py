@@ -280,14 +280,14 @@ def human_count(n: int) -> str:
 
 def bench_header(bench_model: BenchModel, env: dict[str, str] | None = None) -> str:
     from .engine.compiled_decode import describe_decode_steps
-    from .kernels import describe_decode_kernels
+    from .kernels import describe_decode_batches, describe_decode_kernels
 
     env = env or environment()
     steps = describe_decode_steps()
     return (f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
             f"model: {bench_model.description}, {human_count(bench_model.n_params)} params, "
             f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename}); decode steps {steps}; "
-            f"{describe_decode_kernels()}")
+            f"{describe_decode_kernels()}; {describe_decode_batches()}")
 
 
 # -- timing -------------------------------------------------------------------------------------------------

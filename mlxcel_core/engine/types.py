@@ -27,6 +27,14 @@ def default_prefill_batch() -> int:
     return GPU_PREFILL_BATCH if mx.default_device().type == mx.DeviceType.gpu else 1
 
 
+def prefill_batch_setting() -> int:
+    """MLXCEL_PREFILL_BATCH (at least 1), else default_prefill_batch(): what an engine without its own value takes."""
+    try:
+        return max(1, int(os.environ["MLXCEL_PREFILL_BATCH"]))
+    except (KeyError, ValueError):
+        return default_prefill_batch()
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (engine/speculative.py): one drafter proposes up to `num_draft_tokens` per round."""
@@ -94,12 +102,7 @@ class EngineConfig:
     def resolved_prefill_batch(self) -> int:
         if self.resolved_storage != "paged" or self.kv_bits is not None:  # (a quantized pool's prefill reads back)
             return 1
-        if self.prefill_batch_size is not None:
-            return self.prefill_batch_size
-        try:
-            return max(1, int(os.environ["MLXCEL_PREFILL_BATCH"]))
-        except (KeyError, ValueError):
-            return default_prefill_batch()
+        return self.prefill_batch_size if self.prefill_batch_size is not None else prefill_batch_setting()
 
     @property
     def resolved_storage(self) -> str:

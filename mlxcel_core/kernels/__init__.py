@@ -49,6 +49,24 @@ def describe_decode_kernels() -> str:
             f"16-bit matvec kernel {half_kernel_state()} (MLXCEL_HMV), {describe_kv_writes()}")
 
 
+def describe_decode_batches() -> str:
+    """For benchmark headers: how decode batches and waiting prompts are computed."""
+    from ..engine.types import prefill_batch_setting
+    from . import fast_linear, hmv, qmm
+
+    parts = []
+    if enabled():  # (the 4-bit kernel's batch modes; without it MLX computes every batch)
+        mode = fast_linear.BATCH_MODE + (f" ({'wide' if qmm.WIDE else 'narrow'} loads, MLXCEL_QMM_WIDE)"
+                                         if fast_linear.BATCH_MODE == "mma" else "")
+        parts.append(f"4-bit decode batches of 9+ rows: {mode} (MLXCEL_QMM_BATCH)")
+    if half_kernel_state() != "off":
+        rows = (f"up to {fast_linear.HALF_MAX_ROWS}" if fast_linear.HALF_MAX_ROWS else
+                f"up to {hmv.MAX_ROWS} in models up to {fast_linear.HALF_ROWS_MAX_HIDDEN} wide, else 2")
+        parts.append(f"16-bit kernel rows {rows} (MLXCEL_HMV_MAX_ROWS)")
+    parts.append(f"waiting prompts prefilled together: up to {prefill_batch_setting()} (MLXCEL_PREFILL_BATCH)")
+    return ", ".join(parts)
+
+
 def half_kernel_state() -> str:
     """hmv.enabled in words: decided by MLXCEL_HMV, or by each model's hidden size where it is unset."""
     from . import hmv

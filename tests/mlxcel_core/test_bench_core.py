@@ -193,8 +193,33 @@ def test_unknown_shape_and_bad_options():
         load_bench_model(shape="tiny", bits=3)
 
 
+def test_header_names_the_batch_modes(monkeypatch):
+    """With the kernels on: the 4-bit batch mode and its loads, the 16-bit kernel's rows, the prompts prefilled
+    together, as the environment sets them."""
+    from mlxcel_core import kernels
+    from mlxcel_core.bench import BenchModel, bench_header
+    from mlxcel_core.kernels import fast_linear, qmm
+
+    model = BenchModel(model=None, vocab_size=320, description="tiny", filename="x", n_params=1000, size_bytes=2**20)
+    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "3")
+    monkeypatch.setattr(kernels, "enabled", lambda: True)
+    monkeypatch.setattr(kernels, "half_kernel_state", lambda: "on")
+    assert bench_header(model).endswith(
+        "; 4-bit decode batches of 9+ rows: mma (wide loads, MLXCEL_QMM_WIDE) (MLXCEL_QMM_BATCH), 16-bit kernel rows "
+        "up to 8 in models up to 2048 wide, else 2 (MLXCEL_HMV_MAX_ROWS), waiting prompts prefilled together: up to 3 "
+        "(MLXCEL_PREFILL_BATCH)")
+    monkeypatch.setattr(fast_linear, "HALF_MAX_ROWS", 4)
+    monkeypatch.setattr(qmm, "WIDE", False)
+    assert bench_header(model).endswith("mma (narrow loads, MLXCEL_QMM_WIDE) (MLXCEL_QMM_BATCH), 16-bit kernel rows "
+                                        "up to 4 (MLXCEL_HMV_MAX_ROWS), waiting prompts prefilled together: up to 3 "
+                                        "(MLXCEL_PREFILL_BATCH)")
+    monkeypatch.setattr(fast_linear, "BATCH_MODE", "matrix")
+    assert "; 4-bit decode batches of 9+ rows: matrix (MLXCEL_QMM_BATCH), " in bench_header(model)
+
+
 def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     from mlxcel_core.bench import BenchModel, bench_header
+    from mlxcel_core.engine.types import default_prefill_batch
 
     model = BenchModel(model=None, vocab_size=320, description="tiny", filename="x", n_params=1000, size_bytes=2**20)
     monkeypatch.setenv("MLXCEL_COMPILE", "1")
@@ -218,7 +243,8 @@ def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     assert bench_header(model).endswith(
         "fused q/k/v, gate/up and residual adds on (MLXCEL_FUSE), norms folded off (MLXCEL_FUSE_NORM on, but no fused "
         "projection on a CUDA matvec kernel to fold into), rope folded off (MLXCEL_FUSE_ROPE), 4-bit matvec kernel off "
-        "(MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV), " + kv)
+        "(MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV), " + kv + "; waiting prompts prefilled together: up to "
+        f"{default_prefill_batch()} (MLXCEL_PREFILL_BATCH)")  # (with both kernels off, no batch modes to name)
     if cuda_kernel_available():  # a kernel to fold into
         monkeypatch.setenv("MLXCEL_QMV", "1")
         assert "norms folded on (MLXCEL_FUSE_NORM), rope folded off (MLXCEL_FUSE_ROPE)" in bench_header(model)
