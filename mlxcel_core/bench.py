@@ -34,7 +34,7 @@ STORAGE_BACKENDS = ("auto", "dense", "paged")
 FIELDS = ("mlxcel_version", "mlx_version", "backend", "device", "model_filename", "model_type", "model_size",
           "model_n_params", "n_batch", "n_prompt", "n_gen", "n_depth", "kv_bits", "storage", "test", "test_time",
           "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "ttft_ms", "peak_memory_gb", "prefill_computed",
-          "samples_ns", "samples_ts")
+          "warmup_ms", "samples_ns", "samples_ts")
 
 
 # -- what to run ------------------------------------------------------------------------------------
@@ -144,6 +144,8 @@ class BenchResult:
     prefill_computed: int  # prompt tokens the engine computed inside the timed region (max over repetitions)
     kv_bits: int | None = None
     storage: str = "auto"
+    # wall time of the warm-up run (None without one): a process's first test includes compiling its GPU kernels
+    warmup_ms: float | None = None
     mlxcel_version: str = __version__
     mlx_version: str = ""
     test_time: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -179,7 +181,7 @@ class BenchResult:
             "avg_ns": int(round(self.avg_ns)), "stddev_ns": int(round(self.stddev_ns)),
             "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts, "ttft_ms": self.ttft_ms,
             "peak_memory_gb": self.peak_memory_gb, "prefill_computed": self.prefill_computed,
-            "samples_ns": list(self.samples_ns), "samples_ts": self.samples_ts,
+            "warmup_ms": self.warmup_ms, "samples_ns": list(self.samples_ns), "samples_ts": self.samples_ts,
         }
         return {k: values[k] for k in FIELDS}
 
@@ -471,9 +473,13 @@ def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[
         mx.reset_peak_memory()
         engine = engine_for(bench_model, test, config)
         prompts, prefixes = bench_prompts(bench_model, test, config.seed)
+        warmup_ms = None
         if config.warmup:
             log(f"{test.label} (b={test.n_batch}): warm-up")
+            start = clock()
             measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
+            warmup_ms = (clock() - start) * 1000
+            log(f"{test.label} (b={test.n_batch}): warm-up took {warmup_ms:.1f} ms")
         samples = []
         for rep in range(config.repetitions):
             sample = measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
@@ -486,7 +492,7 @@ def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[
             device=env["device"], samples_ns=[int(round(s.seconds * 1e9)) for s in samples],
             ttft_ms=statistics.fmean(s.ttft_s for s in samples) * 1000, peak_memory_gb=mx.get_peak_memory() / 1e9,
             prefill_computed=max(s.prefill_computed for s in samples), kv_bits=config.kv_bits,
-            storage=engine.config.resolved_storage, mlx_version=env["mlx_version"])
+            storage=engine.config.resolved_storage, mlx_version=env["mlx_version"], warmup_ms=warmup_ms)
         del engine
         results.append(result)
         if on_result is not None:

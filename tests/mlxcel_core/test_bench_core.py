@@ -110,6 +110,17 @@ def test_batch_tg_reports_aggregate_tokens_per_decode_step(tiny, batch):
     assert r.samples_ns == [6_000_000_000] * 2
     assert r.avg_ts == pytest.approx(batch)  # b * n tokens / n steps
     assert r.prefill_computed == batch  # one prompt token per row
+    assert r.warmup_ms is None and r.to_dict()["warmup_ms"] is None  # (no warm-up run)
+
+
+def test_warm_up_time_is_reported(tiny):
+    """The warm-up run's wall time (a process's first test includes its kernel compiles on a GPU): with the step
+    clock, its readings: one at its start, one at submit, one per engine step of the 6 decode steps + the prefill
+    step, one at its end."""
+    config = BenchConfig(n_prompt=(0,), n_gen=(6,), repetitions=1, warmup=True)
+    (r,) = run_bench(tiny, config, clock=StepClock())
+    assert r.samples_ns == [6_000_000_000]
+    assert r.warmup_ms == r.to_dict()["warmup_ms"] and r.warmup_ms >= 7_000
 
 
 @pytest.mark.parametrize("storage", ["dense", "paged"])
@@ -145,7 +156,7 @@ def test_run_bench_end_to_end_on_tiny(tiny):
     assert [r.test.label for r in results] == ["pp8", "tg4", "pp8+tg4", "pp8 @ d32", "tg4 @ d32", "pp8+tg4 @ d32"]
     for r in results:
         assert len(r.samples_ns) == 2 and all(ns > 0 for ns in r.samples_ns)
-        assert r.avg_ts > 0 and r.ttft_ms > 0 and r.peak_memory_gb > 0
+        assert r.avg_ts > 0 and r.ttft_ms > 0 and r.peak_memory_gb > 0 and r.warmup_ms > 0
         assert r.prefill_computed == r.test.test_tokens
         assert r.to_dict()["model_type"] == "tiny (random) bf16"
 
