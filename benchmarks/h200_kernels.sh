@@ -9,6 +9,8 @@
 #   bash benchmarks/h200_kernels.sh rows       # kernels/qmm.py's tests, then MLXCEL_QMM_BATCH=chunks and matrix at an
 #                                              # 8B 4-bit batch of 32 (mma, the default, gave 1094 tok/s and mlx 300;
 #                                              # these two did not finish in 115 s in the sixteenth session)
+#   bash benchmarks/h200_kernels.sh coldstart SHAPE.. # the kernel cache under $MLXCEL_CACHE_DIR: a first process
+#                                              # compiles (warmup_ms), a second should not (not yet run on a GPU)
 #   bash benchmarks/h200_kernels.sh qmm        # those ways one product at a time (benchmarks/qmm_batch.py), with
 #                                              # qmm.py's two load layouts (MLXCEL_QMM_WIDE=0/1)
 #   bash benchmarks/h200_kernels.sh hmv8       # the 16-bit kernel's tests at 8 rows (passed, seventeenth session: 8 rows
@@ -149,6 +151,19 @@ case "${1:-}" in
       echo "== MLXCEL_QMM_WIDE=$wide $(date +%T): $(MLXCEL_QMM_WIDE=$wide timeout 150 python benchmarks/batch_decode.py \
         --model-shape llama-3-8b --bits 4 --batches 32 --reps 1 --no-mlx-lm 2>&1 | grep "run 1/1")"
     done ;;
+  coldstart)
+    # SHAPE..: the kernel cache (paths.kernel_cache_dir: $MLXCEL_CACHE_DIR/kernels/...): an empty cache dir, then the
+    # same bench in two processes; the first warm-up compiles every kernel, the second should find them (warmup_ms)
+    shift
+    export MLXCEL_CACHE_DIR=$(mktemp -d)
+    for run in 1 2; do
+      echo "== process $run $(date +%T)"
+      timeout 250 python -m mlxcel_cli bench --model-shape ${@:-llama-3-8b --bits 4} -p 512 -n 32 -r 1 -o jsonl \
+        2>/dev/null | python -c 'import json, sys
+for line in sys.stdin:
+    r = json.loads(line); print(r["test"], "warm-up %.0f ms," % r["warmup_ms"], "%.1f t/s" % r["avg_ts"])'
+    done
+    echo "kernels cached: $(find "$MLXCEL_CACHE_DIR/kernels" -type f | wc -l) files in $(ls "$MLXCEL_CACHE_DIR/kernels"/*)" ;;
   qmm)
     # the batch products one at a time: MLX, MLX as one matrix, dequantize + matmul, the matvec kernel in 8-row
     # launches, kernels/qmm.py (with its difference from MLX's result)
