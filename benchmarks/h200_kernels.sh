@@ -152,7 +152,7 @@ case "${1:-}" in
         --model-shape llama-3-8b --bits 4 --batches 32 --reps 1 --no-mlx-lm 2>&1 | grep "run 1/1")"
     done ;;
   coldstart)
-    # SHAPE..: the kernel cache (paths.kernel_cache_dir: $MLXCEL_CACHE_DIR/kernels/...): an empty cache dir, then the
+    # SHAPE..: the kernel cache (paths.use_kernel_cache: $MLXCEL_CACHE_DIR/kernels/...): an empty cache dir, then the
     # same bench in two processes; the first warm-up compiles every kernel, the second should find them (warmup_ms)
     shift
     export MLXCEL_CACHE_DIR=$(mktemp -d)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..paths import kernel_cache_dir
+from ..paths import use_kernel_cache
 from ..tokenizer import Tokenizer, load_hf_tokenizer
 from .gguf import load_gguf
 from .hf import load_hf_weights, read_config
@@ -35,7 +35,7 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
     `group` (an mx.distributed group of size > 1): this rank's tensor-parallel shard of the model. From
     safetensors the rank reads only its slices' bytes (loading/sliced.py); from GGUF each sharded tensor is
     read whole once and sliced in memory."""
-    kernel_cache_dir()  # before anything compiles
+    use_kernel_cache()  # before anything compiles
     source = resolve_model(spec, log)
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path)

@@ -84,10 +84,10 @@ def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat1
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from ..paths import kernel_cache_dir
+    from ..paths import use_kernel_cache
     from . import model_class_for
 
-    kernel_cache_dir()  # before anything compiles
+    use_kernel_cache()  # before anything compiles
     check_shape_options(name, bits, dtype)
     config = shape_config(name)
     model_cls, args_cls = model_class_for(config)

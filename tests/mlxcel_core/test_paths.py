@@ -29,24 +29,24 @@ def cuda(monkeypatch, tmp_path):
 
 def test_kernels_persist_under_the_cache_dir_per_mlx_version_and_gpu(cuda):
     want = cuda / "kernels" / f"mlx-{mx.__version__}" / "sm_90-NVIDIA_H200__x_"
-    assert paths.kernel_cache_dir() == want and want.is_dir()
+    assert paths.use_kernel_cache() == want and want.is_dir()
     assert os.environ[paths.PTX_CACHE_ENV] == str(want)  # what MLX reads at its first compile
 
 
 def test_an_explicit_mlx_setting_wins(cuda, monkeypatch):
     monkeypatch.setenv(paths.PTX_CACHE_ENV, "/somewhere/else")
-    assert paths.kernel_cache_dir() == paths.Path("/somewhere/else")
+    assert paths.use_kernel_cache() == paths.Path("/somewhere/else")
     assert os.environ[paths.PTX_CACHE_ENV] == "/somewhere/else"
 
 
 def test_an_unwritable_cache_dir_leaves_mlx_default(cuda, monkeypatch):
     (cuda / "kernels").write_text("a file where the directory would go")
-    assert paths.kernel_cache_dir() is None and paths.PTX_CACHE_ENV not in os.environ
+    assert paths.use_kernel_cache() is None and paths.PTX_CACHE_ENV not in os.environ
 
 
 def test_nothing_set_without_cuda(cuda, monkeypatch):
     monkeypatch.setattr(mx, "cuda", _FakeCuda(False))
-    assert paths.kernel_cache_dir() is None and paths.PTX_CACHE_ENV not in os.environ
+    assert paths.use_kernel_cache() is None and paths.PTX_CACHE_ENV not in os.environ
 
 
 def test_model_loading_sets_it_first(cuda, monkeypatch):
