@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,11 +29,16 @@ def default_prefill_batch() -> int:
 
 
 def prefill_batch_setting() -> int:
-    """MLXCEL_PREFILL_BATCH (at least 1), else default_prefill_batch(): what an engine without its own value takes."""
-    try:
-        return max(1, int(os.environ["MLXCEL_PREFILL_BATCH"]))
-    except (KeyError, ValueError):
-        return default_prefill_batch()
+    """MLXCEL_PREFILL_BATCH (at least 1), else default_prefill_batch(): what an engine without its own value takes.
+    A value that is not a whole number is reported (a warning) and the default used."""
+    value = os.environ.get("MLXCEL_PREFILL_BATCH", "").strip()
+    if value:
+        try:
+            return max(1, int(value))
+        except ValueError:
+            logging.getLogger("mlxcel.engine").warning(
+                "mlxcel: MLXCEL_PREFILL_BATCH=%r is not a whole number; using %d", value, default_prefill_batch())
+    return default_prefill_batch()
 
 
 @dataclass(frozen=True)

@@ -256,7 +256,7 @@ def test_prompts_together_respect_the_budget_and_the_prefix_cache(loaded):
     assert calls == [2] and engine.storage.stats()["prefix_hits"] == 2
 
 
-def test_prefill_batch_setting(monkeypatch):
+def test_prefill_batch_setting(monkeypatch, caplog):
     monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
     monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "8")
@@ -266,6 +266,7 @@ def test_prefill_batch_setting(monkeypatch):
     assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1  # unquantized pools only
     monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "lots")
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1  # this backend's default (CPU)
+    assert "MLXCEL_PREFILL_BATCH='lots' is not a whole number; using 1" in caplog.text
 
 
 def test_prefill_batch_default_follows_the_backend(monkeypatch):
