@@ -37,7 +37,7 @@ def prefill_batch_setting() -> int:
             return max(1, int(value))
         except ValueError:
             logging.getLogger("mlxcel.engine").warning(
-                "mlxcel: MLXCEL_PREFILL_BATCH=%r is not a whole number; using %d", value, default_prefill_batch())
+                "mlxcel: MLXCEL_PREFILL_BATCH=%r is not a whole number; ignored", value)
     return default_prefill_batch()
 
 

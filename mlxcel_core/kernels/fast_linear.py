@@ -32,9 +32,15 @@ DEFAULT_QMV = "1"  # on where MLX runs on CUDA
 
 
 def _env_int(name: str, default: int, low: int, high: int) -> int:
+    """The environment's whole number `name`, clamped to low..high; unset: `default`; anything else: reported on
+    stderr (one line) and ignored (`default`)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
     try:
-        return min(high, max(low, int(os.environ.get(name, default))))
+        return min(high, max(low, int(value)))
     except ValueError:
+        print(f"mlxcel: {name}={value!r} is not a whole number; ignored", file=sys.stderr)
         return default
 
 

@@ -266,7 +266,7 @@ def test_prefill_batch_setting(monkeypatch, caplog):
     assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1  # unquantized pools only
     monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "lots")
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1  # this backend's default (CPU)
-    assert "MLXCEL_PREFILL_BATCH='lots' is not a whole number; using 1" in caplog.text
+    assert "MLXCEL_PREFILL_BATCH='lots' is not a whole number; ignored" in caplog.text
 
 
 def test_prefill_batch_default_follows_the_backend(monkeypatch):

@@ -40,6 +40,18 @@ def test_default_thresholds(monkeypatch):
     assert mx.array_equal(large(x), nn.QuantizedLinear.__call__(large, x)).item()  # more rows: MLX's own call
 
 
+def test_row_limits_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("MLXCEL_HMV_MAX_ROWS", " 4 ")
+    assert fast_linear._env_int("MLXCEL_HMV_MAX_ROWS", 0, 0, 8) == 4
+    monkeypatch.setenv("MLXCEL_HMV_MAX_ROWS", "99")
+    assert fast_linear._env_int("MLXCEL_HMV_MAX_ROWS", 0, 0, 8) == 8  # clamped
+    monkeypatch.setenv("MLXCEL_HMV_MAX_ROWS", "")
+    assert fast_linear._env_int("MLXCEL_HMV_MAX_ROWS", 0, 0, 8) == 0 and capsys.readouterr().err == ""
+    monkeypatch.setenv("MLXCEL_HMV_MAX_ROWS", "eight")
+    assert fast_linear._env_int("MLXCEL_HMV_MAX_ROWS", 0, 0, 8) == 0
+    assert capsys.readouterr().err == "mlxcel: MLXCEL_HMV_MAX_ROWS='eight' is not a whole number; ignored\n"
+
+
 @pytest.mark.parametrize("batch_mode", fast_linear.BATCH_MODES)
 def test_a_decode_batch_beyond_the_kernel(monkeypatch, batch_mode):
     """A decode batch of more rows than one launch takes ([B, 1, K]), through a swapped layer and a tied LM head, as
