@@ -56,6 +56,9 @@ DraftNgram = Annotated[int, _opt("--draft-ngram", env="MLXCEL_DRAFT_NGRAM", meta
                                  help="Speculative decoding by prompt lookup (n-grams up to N); 0 = off.")]
 NumDraftTokens = Annotated[int, _opt("--num-draft-tokens", env="MLXCEL_NUM_DRAFT_TOKENS", metavar="K",
                                      help="Speculative decoding: tokens drafted per round (1-64).")]
+Warmup = Annotated[bool, _opt("--warmup/--no-warmup", env="MLXCEL_WARMUP",
+                              help="Run one short request before /health turns 200, so that the first client does "
+                                   "not wait for GPU kernels to compile.")]
 LogFormat = Annotated[str, _opt("--log-format", env="MLXCEL_LOG_FORMAT",
                                 help="Log lines on stderr as text or json (one object per line).")]
 
@@ -111,6 +114,7 @@ def serve(
     draft_model: DraftModel = None,
     draft_ngram: DraftNgram = 0,
     num_draft_tokens: NumDraftTokens = 5,
+    warmup: Warmup = True,
     log_format: LogFormat = "text",
     tp_size: TpSize = 1,
     verbose: opt.Verbose = False,
@@ -139,7 +143,7 @@ def serve(
 
         config = ServerConfig(model=model, engine=engine_config, api_key=api_key or None,
                               max_queue_depth=max_queue_depth, max_n=max_n, ctx_size=ctx_size or None,
-                              group=group)
+                              group=group, warmup=warmup)
         failed: list[BaseException] = []
         holder: dict = {}
 

@@ -44,6 +44,7 @@ class ServerConfig:
     max_n: int = 4
     ctx_size: int | None = None  # cap on the model's context
     group: Any = None  # rank 0 of a tensor-parallel group (mx.distributed), else None
+    warmup: bool = True  # one short request on a throwaway engine before /health turns 200 (engine_loop.warm_up)
 
 
 class Server:
@@ -61,7 +62,7 @@ class Server:
                 return load_model(config.model, log=lambda m: log.info("%s", m), group=config.group)
         capacity = config.engine.max_batch_size + config.max_queue_depth
         self.engine = EngineLoop(load, config.engine, self.metrics, config.ctx_size, capacity,
-                                 on_load_failed=on_load_failed, group=config.group)
+                                 on_load_failed=on_load_failed, group=config.group, warmup=config.warmup)
         self.model_id = config.model or DEFAULT_MODEL_NAME
         self.created = int(time.time())
         self._formatter = None

@@ -59,15 +59,35 @@ class Job:
     first_token: float | None = None
 
 
+WARMUP_PROMPT = list(range(3, 19))  # 16 ids every vocabulary has; past the decode kernels' rows (a prefill)
+WARMUP_TOKENS = 4
+
+
+def warm_up(engine: Engine) -> float:
+    """One short greedy request through `engine`, which is then dropped: the process's first prefill and decode
+    steps compile their GPU kernels (about 70 s for an 8B 4-bit model on a fresh H200; mlxcel keeps them in its
+    kernel cache after that) and trace the compiled decode step, so the first client does not wait for that.
+    Returns its wall time in seconds."""
+    start = time.perf_counter()
+    engine.open(WARMUP_PROMPT, SamplingParams(max_tokens=WARMUP_TOKENS))
+    while engine.has_work():
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"the warm-up request failed: {out.error}")
+    return time.perf_counter() - start
+
+
 class EngineLoop:
     def __init__(self, load: Callable, engine_config: EngineConfig, metrics: ServerMetrics,
                  ctx_size: int | None = None, capacity: int = 64, max_failures: int = 3,
-                 on_load_failed: Callable[[BaseException], None] | None = None, group=None):
+                 on_load_failed: Callable[[BaseException], None] | None = None, group=None, warmup: bool = False):
         """`group`: this is rank 0 of a tensor-parallel group; the other ranks mirror the engine's inputs
         (distributed/mirror.py). A failed step then stops the server (a fresh Engine here could not be
-        matched on the other ranks)."""
+        matched on the other ranks). `warmup`: before turning ready, run one short request on a throwaway engine
+        (`warm_up`; not with `group`, whose ranks would have to mirror it)."""
         self._load, self.engine_config, self.metrics = load, engine_config, metrics
         self.group = group
+        self.warmup = warmup and group is None
         if group is not None:
             max_failures = 1
         self.ctx_size, self.capacity, self.max_failures = ctx_size, capacity, max_failures
@@ -165,6 +185,10 @@ class EngineLoop:
                 from ..loading import load_model
 
                 self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
+            if self.warmup:
+                seconds = warm_up(Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config,
+                                         draft=self.draft))
+                log.info("warm-up: %.1f s (the first run on a machine compiles its GPU kernels)", seconds)
             self.engine = self._new_engine()
         except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
             self.state, self.error = "failed", exc

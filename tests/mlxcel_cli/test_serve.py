@@ -157,7 +157,8 @@ def test_help_lists_every_flag_with_its_env_var(capsys):
                       ("--decode-storage-backend", "MLXCEL_DECODE_STORAGE_BACKEND"), ("--ctx-size", "MLXCEL_CTX_SIZE"),
                       ("--max-n", "MLXCEL_MAX_N"), ("--kv-bits", "MLXCEL_KV_BITS"),
                       ("--log-format", "MLXCEL_LOG_FORMAT"), ("--draft-model", "MLXCEL_DRAFT_MODEL"),
-                      ("--draft-ngram", "MLXCEL_DRAFT_NGRAM"), ("--num-draft-tokens", "MLXCEL_NUM_DRAFT_TOKENS")]:
+                      ("--draft-ngram", "MLXCEL_DRAFT_NGRAM"), ("--num-draft-tokens", "MLXCEL_NUM_DRAFT_TOKENS"),
+                      ("--no-warmup", "MLXCEL_WARMUP")]:
         assert flag in out
         if env:
             assert env in re.sub(r"\s+", "", out), env
@@ -179,10 +180,8 @@ def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert err.startswith("mlxcel: error: ") and message in err, err
 
 
-@pytest.mark.parametrize("args,env,want", [([], None, None), (["--prefill-batch", "3"], None, 3),
-                                           ([], "5", 5), (["--prefill-batch", "2"], "5", 2)])
-def test_prefill_batch_reaches_the_engine(monkeypatch, args, env, want):
-    """--prefill-batch / MLXCEL_PREFILL_BATCH: the engine's prefill_batch_size (None: the backend's default)."""
+def _served_config(monkeypatch, args, env: dict):
+    """The ServerConfig `mlxcel serve ARGS` builds under `env` (None: unset), stopped before it serves."""
     import mlxcel_cli.serve as serve_module
     import mlxcel_core.server
     from mlxcel_core.errors import InputError
@@ -190,15 +189,31 @@ def test_prefill_batch_reaches_the_engine(monkeypatch, args, env, want):
     seen = []
 
     def create_app(config, on_load_failed=None):
-        seen.append(config.engine)
+        seen.append(config)
         raise InputError("stopped before serving")
 
     monkeypatch.setattr(mlxcel_core.server, "create_app", create_app)
     # (serve's logging setup stops the "mlxcel" logger's propagation: later tests' caplog would see nothing)
     monkeypatch.setattr(serve_module, "_configure_logging", lambda log_format, verbose: None)
-    if env is None:
-        monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
-    else:
-        monkeypatch.setenv("MLXCEL_PREFILL_BATCH", env)
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     assert main(["serve", "--parallel", "8", *args]) == 2
-    assert seen[0].prefill_batch_size == want and seen[0].max_batch_size == 8
+    return seen[0]
+
+
+@pytest.mark.parametrize("args,env,want", [([], None, None), (["--prefill-batch", "3"], None, 3),
+                                           ([], "5", 5), (["--prefill-batch", "2"], "5", 2)])
+def test_prefill_batch_reaches_the_engine(monkeypatch, args, env, want):
+    """--prefill-batch / MLXCEL_PREFILL_BATCH: the engine's prefill_batch_size (None: the backend's default)."""
+    config = _served_config(monkeypatch, args, {"MLXCEL_PREFILL_BATCH": env})
+    assert config.engine.prefill_batch_size == want and config.engine.max_batch_size == 8
+
+
+@pytest.mark.parametrize("args,env,want", [([], None, True), (["--no-warmup"], None, False), ([], "0", False),
+                                           (["--warmup"], "0", True)])
+def test_warmup_reaches_the_server(monkeypatch, args, env, want):
+    """On by default (the first client should not wait for kernel compiles); --no-warmup / MLXCEL_WARMUP=0."""
+    assert _served_config(monkeypatch, args, {"MLXCEL_WARMUP": env}).warmup is want
