@@ -69,7 +69,8 @@ def warm_up(engine: Engine) -> float:
     kernel cache after that) and trace the compiled decode step, so the first client does not wait for that.
     Returns its wall time in seconds."""
     start = time.perf_counter()
-    engine.open(WARMUP_PROMPT, SamplingParams(max_tokens=WARMUP_TOKENS))
+    room = max(1, min(len(WARMUP_PROMPT), engine.max_context - WARMUP_TOKENS))  # (a model with a tiny context)
+    engine.open(WARMUP_PROMPT[:room], SamplingParams(max_tokens=WARMUP_TOKENS))
     while engine.has_work():
         for out in engine.step():
             if out.error is not None:

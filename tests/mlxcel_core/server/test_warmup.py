@@ -80,6 +80,13 @@ def test_warm_up_decodes_its_tokens():
     assert engine_loop.warm_up(engine) > 0 and len(produced) == WARMUP_TOKENS
 
 
+def test_warm_up_fits_a_short_context():
+    loaded = _Loaded()
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
+    engine.max_context = 10  # (as --ctx-size would cap it)
+    assert engine_loop.warm_up(engine) > 0 and engine.runner.prefill_tokens == 10 - WARMUP_TOKENS
+
+
 def test_a_failing_warm_up_fails_the_load(monkeypatch):
     failed = []
 
