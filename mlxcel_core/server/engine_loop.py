@@ -189,7 +189,7 @@ class EngineLoop:
             if self.warmup:
                 seconds = warm_up(Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config,
                                          draft=self.draft))
-                log.info("warm-up: %.1f s (the first run on a machine compiles its GPU kernels)", seconds)
+                log.info("warm-up: %.1f s", seconds)
             self.engine = self._new_engine()
         except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
             self.state, self.error = "failed", exc
