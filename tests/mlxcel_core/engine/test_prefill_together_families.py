@@ -38,8 +38,8 @@ FAMILIES = {
         head_dim=16, num_hidden_layers=3, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24,
         initializer_range=0.3, pad_token_id=0)),
 }
-# Left-padded to 23: past every window above. And 3 x 2 rows: on a GPU, few enough for the decode kernels' launches
-# (fused q/k/v with RoPE at each row's own position, kernels/fused_projections.py).
+# Left-padded to 23: past every window above. And three prompts of 1-2 tokens (6 padded rows: few enough that a
+# 16-bit or 4-bit model's rows would take the decode kernels on a GPU; these float32 checkpoints keep MLX's ops there).
 PROMPT_LENGTHS = {"long": (5, 23, 1, 14), "short": (2, 1, 2)}
 
 
