@@ -186,10 +186,8 @@ class EngineLoop:
                 from ..loading import load_model
 
                 self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
-            if self.warmup:
-                seconds = warm_up(Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config,
-                                         draft=self.draft))
-                log.info("warm-up: %.1f s", seconds)
+            if self.warmup:  # (on an engine like the serving one, dropped after)
+                log.info("warm-up: %.1f s", warm_up(self._new_engine()))
             self.engine = self._new_engine()
         except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
             self.state, self.error = "failed", exc
