@@ -23,9 +23,11 @@ PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 def use_kernel_cache() -> Path | None:
     """Point MLX's kernel cache (the CUDA kernels it compiles, ours and its own) into the cache dir and return it:
     MLX_PTX_CACHE_DIR as set, else, on a CUDA device, cache_dir()/kernels/mlx-<version>/<architecture>-<device>
-    (set in the environment here, before MLX's first compile reads it); None on other backends (nothing to keep). MLX's own default, /tmp/mlx/<version>/ptx, is lost
-    with /tmp: every fresh machine or container then compiles again before its first token (about 70 s for an 8B
-    4-bit model on the H200, mlx-lm 6 s). MLX names entries by kernel and shape only, so one directory per GPU."""
+    (set in the environment here, before MLX's first compile reads it); None on other backends (nothing to keep).
+
+    MLX's own default, /tmp/mlx/<version>/ptx, is lost with /tmp: every fresh machine or container then compiles
+    again before its first token (about 70 s for an 8B 4-bit model on the H200, mlx-lm 6 s). MLX names its cache
+    files by kernel module, not by GPU (jit_module.cpp, read_cached_ptx), so one directory per GPU."""
     import mlx.core as mx
 
     if os.environ.get(PTX_CACHE_ENV):
