@@ -8,7 +8,7 @@ import pytest
 
 from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
-from mlxcel_core.engine.types import GPU_PREFILL_BATCH
+from mlxcel_core.engine.types import GPU_PREFILL_BATCH, default_prefill_batch
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
 
@@ -258,14 +258,15 @@ def test_prompts_together_respect_the_budget_and_the_prefix_cache(loaded):
 
 def test_prefill_batch_setting(monkeypatch, caplog):
     monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
-    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
+    default = default_prefill_batch()  # 8 on a GPU, 1 on CPU (the next test)
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == default
     monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "8")
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 8
     assert EngineConfig(max_batch_size=8, prefill_batch_size=3).resolved_prefill_batch == 3
     assert EngineConfig(max_batch_size=8, storage="dense").resolved_prefill_batch == 1  # paged only
     assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1  # unquantized pools only
     monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "lots")
-    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1  # this backend's default (CPU)
+    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == default  # this backend's default
     assert "MLXCEL_PREFILL_BATCH='lots' is not a whole number; ignored" in caplog.text
 
 
