@@ -18,6 +18,7 @@ import functools
 import mlx.core as mx
 
 from ..kv.cuda_paged_attention import cuda_kernel_available
+from .cubin_cache import cuda_kernel
 from .qmv import FLOAT_TYPES
 
 THREADS = 1024
@@ -104,7 +105,7 @@ _SOURCE = r"""
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxcel_greedy_tokens",
         input_names=["logits"],
         output_names=["tokens", "readout"],

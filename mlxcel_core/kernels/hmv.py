@@ -25,6 +25,7 @@ import os
 import mlx.core as mx
 
 from . import qmv
+from .cubin_cache import cuda_kernel
 from .qmv_source import MODES, base_mode, header, kernel_name, kernel_source
 
 ENV = "MLXCEL_HMV"
@@ -96,7 +97,7 @@ def launch_args(x_shape: tuple, x_dtype, w_dtype, n: int, config: tuple | None =
 
 @functools.cache
 def _kernel(mode: str = "plain"):
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=kernel_name(mode, "half"),
         input_names=["x", "w", *MODES[mode][0]],
         output_names=list(MODES[mode][1]),

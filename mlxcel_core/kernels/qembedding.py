@@ -22,6 +22,7 @@ import math
 import mlx.core as mx
 
 from ..kv.cuda_paged_attention import cuda_kernel_available
+from .cubin_cache import cuda_kernel
 from .qmv import FLOAT_TYPES, GROUP_SIZES, MAX_ROWS
 
 MAX_IDS = MAX_ROWS  # a decode step's rows; a prompt's lookup stays MLX's
@@ -51,7 +52,7 @@ _SOURCE = r"""
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name="mlxcel_qembedding",
         input_names=["ids", "w", "scales", "biases"],
         output_names=["out"],

@@ -31,6 +31,7 @@ import os
 import mlx.core as mx
 
 from . import qmv, qmv_source
+from .cubin_cache import cuda_kernel
 
 MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
 WARPS = 4  # a block's warps, 16 weight rows each
@@ -245,7 +246,7 @@ KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hex
 
 @functools.cache
 def _kernel():
-    return mx.fast.cuda_kernel(name=KERNEL_NAME, input_names=["x", "w", "scales", "biases"],
+    return cuda_kernel(name=KERNEL_NAME, input_names=["x", "w", "scales", "biases"],
                                output_names=["partial"], source=_SOURCE, header=_HEADER)
 
 

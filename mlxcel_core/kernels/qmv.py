@@ -43,6 +43,7 @@ import mlx.core as mx
 
 from ..cuda_small_arrays import float32_bits
 from ..kv.cuda_paged_attention import cuda_kernel_available
+from .cubin_cache import cuda_kernel
 from .qmv_source import _HEADER, KERNEL_NAME, MODES, base_mode, kernel_name, kernel_source  # noqa: F401
 
 MAX_ROWS = 8  # rows of x one launch handles (decode batch); more rows go to mx.quantized_matmul
@@ -54,7 +55,7 @@ FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 @functools.cache
 def _kernel(mode: str = "plain"):
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=kernel_name(mode),
         input_names=["x", "w", "scales", "biases", *MODES[mode][0]],
         output_names=list(MODES[mode][1]),

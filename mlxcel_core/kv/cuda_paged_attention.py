@@ -120,8 +120,10 @@ NEW_KV_INPUTS = ("k_new", "v_new", "slot_blocks", "slot_offsets")
 
 @functools.cache
 def _kernel(one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False):
+    from ..kernels.cubin_cache import cuda_kernel  # (here: the kernels package imports this module)
+
     kind = "one_split" if one_split else ("split_combine" if last_block_combines else "split")
-    return mx.fast.cuda_kernel(
+    return cuda_kernel(
         name=f"paged_decode_{kind}{'_new_kv' if new_kv else ''}",
         input_names=[*INPUTS, *(NEW_KV_INPUTS if new_kv else ()), *(("counters",) if last_block_combines else ())],
         output_names=["out"] if one_split else [*(("out",) if last_block_combines else ()), "o_part", "m_part",
@@ -132,7 +134,9 @@ def _kernel(one_split: bool = False, new_kv: bool = False, last_block_combines: 
 
 @functools.cache
 def _combine_kernel():
-    return mx.fast.cuda_kernel(
+    from ..kernels.cubin_cache import cuda_kernel
+
+    return cuda_kernel(
         name="paged_decode_combine",
         input_names=["o_part", "m_part", "l_part"],
         output_names=["out"],

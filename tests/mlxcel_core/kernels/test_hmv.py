@@ -179,15 +179,17 @@ def test_model_decode_with_the_kernel_agrees(monkeypatch):
     MLX's bf16 GEMV rounds differently from this kernel's float32 sums)."""
     from test_fused_projections import _decode_logits
 
-    runs = {}
+    runs, models = {}, {}
     for flag in ("1", "0"):
         monkeypatch.setenv("MLXCEL_HMV", flag)
         model, _ = build_random_model("llama-3.2-1b", dtype="bfloat16", seed=7)
+        models[flag] = model
         assert (type(model.layers[0].mlp.down_proj) is FastLinear) == (flag == "1")
         runs[flag] = np.concatenate([np.array(_decode_logits(model, batch).astype(mx.float32)) for batch in (1, 2)])
     assert np.isfinite(runs["1"]).all()
     assert np.abs(runs["1"] - runs["0"]).max() <= 0.25 * runs["0"].std()
-    assert fast_linear.half_limit(model.layers[0].mlp.down_proj.kernel_rows) >= 2  # batch 2 took the kernel too
+    # batch 2 took the kernel too (the kernel model's layer: the other model's is MLX's Linear)
+    assert fast_linear.half_limit(models["1"].layers[0].mlp.down_proj.kernel_rows) >= 2
 
 
 @needs_cuda

@@ -1,0 +1,198 @@
+"""kernels/cubin_cache.py: our CUDA kernels' compiled variants kept on disk, so a second process compiles nothing.
+
+On CPU: the translation unit it writes, compile-once-per-machine with a stand-in compiler, the fallback to MLX's
+own kernel, and (where nvcc is installed) every kernel family's real variants -- reached through the same launch
+functions the models call -- compiled for sm_90 with the symbol MLX will look up. On CUDA: the cached kernel gives
+MLX's kernel's results bit for bit, and a fresh kernel object loads the cubin instead of compiling.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import mlx.core as mx
+import pytest
+
+from cuda_compile import needs_nvcc, nvcc
+from mlxcel_core.kernels import cubin_cache
+from mlxcel_core.kernels.cubin_cache import CachedKernel, kernel_text, shape_scalars
+
+BODY = """
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < x_shape[0] * x_shape[1]) { y[i] = static_cast<T>(static_cast<float>(x[i]) * SCALE + (FLAG ? 1 : 0)); }
+"""
+
+
+def test_the_translation_unit_declares_what_the_body_reads():
+    text = kernel_text("k_1", BODY, "// header\n", ["x", "w"], [mx.bfloat16, mx.uint32], [2, 1], ["y"],
+                       [mx.bfloat16], [("T", mx.bfloat16), ("SCALE", 3), ("FLAG", True)])
+    assert 'extern "C" __global__ void k_1(' in text and "// header" in text
+    # inputs, then outputs, then the shape of each input the body reads (w's is not read), as MLX orders scalars
+    assert text.index("const __nv_bfloat16* x") < text.index("const uint32_t* w") < text.index("__nv_bfloat16* y")
+    assert text.index("__nv_bfloat16* y") < text.index("int x_shape_0") < text.index("int x_shape_1")
+    assert "w_shape" not in text
+    assert "const int x_shape[2] = {x_shape_0, x_shape_1};" in text
+    assert "using T = __nv_bfloat16;" in text and "constexpr int SCALE = 3;" in text
+    assert "constexpr bool FLAG = true;" in text
+    assert shape_scalars(BODY, ["x", "w"], [mx.zeros((3, 5)), mx.zeros((7,), mx.uint32)]) == [3, 5]
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A stand-in GPU and NVRTC for the cache's bookkeeping."""
+    monkeypatch.setattr(cubin_cache, "gpu_architecture", lambda: "sm_90")
+    monkeypatch.setattr(cubin_cache, "nvrtc_version", lambda: "13.0")
+
+
+def test_a_variant_is_compiled_once_per_machine(tmp_path, machine):
+    compiled = []
+
+    def compile_stub(text, name, arch):
+        compiled.append(name)
+        assert f'void {name}(' in text and arch == "sm_90"
+        return b"CUBIN:" + name.encode()
+
+    def kernel():  # each call: a new process's kernel object, same cache directory
+        return CachedKernel("mlxcel_t", ["x", "w"], ["y"], BODY, directory=tmp_path, compile=compile_stub)
+
+    args = ([("T", mx.bfloat16), ("SCALE", 3), ("FLAG", True)], [mx.bfloat16, mx.uint32], [2, 1], [mx.bfloat16])
+    first = kernel()
+    name, cubin = first.variant(*args)
+    assert first.variant(*args) == (name, cubin) and compiled == [name]
+    assert (tmp_path / f"{name}.cubin").read_bytes() == cubin == b"CUBIN:" + name.encode()
+    assert kernel().variant(*args) == (name, cubin) and compiled == [name]  # the next process reads the file
+    other, _ = kernel().variant([("T", mx.bfloat16), ("SCALE", 4), ("FLAG", True)], *args[1:])
+    assert other != name and compiled == [name, other]  # another template value: another variant
+    rank, _ = kernel().variant(args[0], args[1], [3, 1], args[3])  # x's rank changes its parameters
+    assert rank not in (name, other) and len(compiled) == 3
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_an_unwritable_cache_still_runs_the_kernel(tmp_path, machine):
+    kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path / "missing",
+                          compile=lambda text, name, arch: b"CUBIN")
+    assert kernel.variant([("T", mx.float32), ("SCALE", 1), ("FLAG", False)], [mx.float32], [2], [mx.float32])[1] \
+        == b"CUBIN"
+
+
+def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypatch):
+    made, calls = [], []
+
+    def mlx_kernel(**spec):
+        made.append(spec)
+        return lambda **call: calls.append(call) or ["mlx"]
+
+    def broken(text, name, arch):
+        raise RuntimeError("no NVRTC here")
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_kernel)
+    kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, "// h", directory=tmp_path, compile=broken)
+    call = dict(inputs=[mx.zeros((2, 2))], template=[("T", mx.float32), ("SCALE", 1), ("FLAG", False)],
+                grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(2, 2)], output_dtypes=[mx.float32])
+    assert kernel(**call) == ["mlx"] and kernel(**call) == ["mlx"]
+    assert made == [dict(name="mlxcel_t", input_names=["x"], output_names=["y"], source=BODY, header="// h")]
+    assert len(calls) == 2 and calls[0]["template"] == call["template"] and calls[0]["init_value"] is None
+
+
+def test_without_a_cache_directory_or_with_the_switch_off_it_is_mlxs_kernel(monkeypatch, tmp_path):
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: ("mlx", spec["name"]))
+    monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: None)
+    assert cubin_cache.cuda_kernel("mlxcel_t", ["x"], ["y"], BODY) == ("mlx", "mlxcel_t")
+    monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: tmp_path)
+    assert isinstance(cubin_cache.cuda_kernel("mlxcel_t", ["x"], ["y"], BODY), CachedKernel)
+    monkeypatch.setenv(cubin_cache.ENV, "0")
+    assert cubin_cache.cuda_kernel("mlxcel_t", ["x"], ["y"], BODY) == ("mlx", "mlxcel_t")
+
+
+# -- every kernel family's real variants, compiled by nvcc (where installed) ------------------------------------
+
+
+def _kernel_factories():
+    from mlxcel_core.kernels import greedy, hmv, qembedding, qmm, qmv
+    from mlxcel_core.kv import cuda_paged_attention as cpa
+
+    return [qmv._kernel, hmv._kernel, greedy._kernel, qembedding._kernel, qmm._kernel, cpa._kernel,
+            cpa._combine_kernel]
+
+
+@pytest.fixture
+def through_nvcc(tmp_path, machine, monkeypatch):
+    """Kernel factories that build CachedKernels compiling with nvcc, and a stand-in launch: each variant a model
+    would launch is compiled for sm_90, and its cubin must hold the symbol MLX looks up."""
+    built = []
+
+    def compile_nvcc(text, name, arch):
+        src = tmp_path / f"{name}.cu"
+        src.write_text(text)
+        run = subprocess.run([nvcc(), "-std=c++17", f"-arch={arch}", "-cubin", "-o", str(tmp_path / "k.cubin"),
+                              str(src)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-4000:]
+        cubin = (tmp_path / "k.cubin").read_bytes()
+        assert name.encode() in cubin  # extern "C": the symbol is the plain name
+        built.append(name)
+        return cubin
+
+    def launch(*, name, compiled_source, inputs, output_shapes, output_dtypes, scalars, **_):
+        assert compiled_source and all(isinstance(s, int) for s in scalars)
+        return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(cubin_cache, "compile_cubin", compile_nvcc)
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", launch, raising=False)
+    monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: tmp_path)
+    for factory in _kernel_factories():
+        factory.cache_clear()
+    yield built
+    for factory in _kernel_factories():
+        factory.cache_clear()
+
+
+@needs_nvcc
+def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
+    from mlxcel_core.kernels import greedy, hmv, qembedding, qmm, qmv
+    from mlxcel_core.kv.cuda_paged_attention import cuda_paged_decode_attention
+
+    x = mx.zeros((1, 256), mx.bfloat16)
+    w, scales, biases = mx.quantize(mx.zeros((64, 256), mx.bfloat16), group_size=64, bits=4)
+    qmv.cuda_quantized_matvec(x, w, scales, biases, 64)
+    args = hmv.launch_args(x.shape, x.dtype, mx.bfloat16, 64)
+    hmv.launch(args, x, mx.zeros((64, 256), mx.bfloat16))
+    greedy._kernel()(inputs=[mx.zeros((2, 100), mx.bfloat16)], template=[("T", mx.bfloat16), ("TPB", 1024)],
+                     grid=(2048, 1, 1), threadgroup=(1024, 1, 1), output_shapes=[(2,), (2,)],
+                     output_dtypes=[mx.uint32, mx.int32])
+    qembedding.quantized_embedding(mx.array([1, 2], mx.uint32), w, scales, biases, 64)
+    qmm.quantized_matmul(mx.zeros((16, 256), mx.bfloat16), w, scales, biases, 64)
+    q = mx.zeros((1, 4, 64), mx.bfloat16)
+    pool = mx.zeros((4, 16, 2, 64), mx.bfloat16)
+    table, lens = mx.array([[0, 1]], mx.int32), mx.array([20], mx.int32)
+    cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=1)
+    cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=2, _two_launches=True)
+    names = {n.rsplit("_", 1)[0] for n in through_nvcc}
+    assert {qmv.kernel_name("plain"), hmv._kernel().name, "mlxcel_greedy_tokens", "mlxcel_qembedding",
+            qmm.KERNEL_NAME, "paged_decode_one_split", "paged_decode_split", "paged_decode_combine"} <= names, names
+
+
+# -- on CUDA ------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="needs CUDA")
+
+
+@cuda
+def test_the_cached_kernel_is_mlxs_kernel_bit_for_bit_and_the_next_process_compiles_nothing(tmp_path, monkeypatch):
+    x = mx.random.normal((3, 257)).astype(mx.bfloat16)
+    call = dict(inputs=[x, mx.zeros((5,), mx.uint32)], template=[("T", mx.bfloat16), ("SCALE", 3), ("FLAG", True)],
+                grid=(x.size, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape], output_dtypes=[x.dtype])
+    (want,) = mx.fast.cuda_kernel(name="mlxcel_cubin_test", input_names=["x", "w"], output_names=["y"],
+                                  source=BODY)(**call)
+    compiled = []
+
+    def counting(text, name, arch):
+        compiled.append(name)
+        return cubin_cache.compile_cubin(text, name, arch)
+
+    first = CachedKernel("mlxcel_cubin_test", ["x", "w"], ["y"], BODY, directory=tmp_path, compile=counting)
+    (got,) = first(**call)
+    assert mx.array_equal(got, want).item() and len(compiled) == 1
+    fresh = CachedKernel("mlxcel_cubin_test", ["x", "w"], ["y"], BODY, directory=tmp_path, compile=counting)
+    (again,) = fresh(**call)
+    assert mx.array_equal(again, want).item() and len(compiled) == 1
+    assert len(list(tmp_path.glob("mlxcel_cubin_test_*.cubin"))) == 1
