@@ -21,7 +21,8 @@ PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
 
 
 def use_kernel_cache() -> Path | None:
-    """Point MLX's kernel cache (the CUDA kernels it compiles, ours and its own) into the cache dir and return it:
+    """Point MLX's kernel cache (the CUDA kernels it compiles of its own; kernels/cubin_cache.py keeps ours there)
+    into the cache dir and return it:
     MLX_PTX_CACHE_DIR as set, else, on a CUDA device, cache_dir()/kernels/mlx-<version>/<architecture>-<device>
     (set in the environment here, before MLX's first compile reads it); None on other backends (nothing to keep).
 

@@ -35,7 +35,10 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
     `group` (an mx.distributed group of size > 1): this rank's tensor-parallel shard of the model. From
     safetensors the rank reads only its slices' bytes (loading/sliced.py); from GGUF each sharded tensor is
     read whole once and sliced in memory."""
-    use_kernel_cache()  # before anything compiles
+    kernels = use_kernel_cache()  # before anything compiles
+    if kernels is not None and not any(kernels.iterdir()):
+        log(f"first run with this GPU and MLX version: compiling CUDA kernels (about a minute for an 8B model); "
+            f"later runs reuse them from {kernels}")
     source = resolve_model(spec, log)
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path)

@@ -113,3 +113,23 @@ def test_broken_inputs_give_specific_errors(tiny_llama_dir, tmp_path):
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CorruptModelError, match="model.safetensors"):
         quiet(path)
+
+
+def test_the_first_run_on_a_gpu_says_it_is_compiling_kernels(tiny_llama_dir, tmp_path, monkeypatch):
+    """An empty kernel cache (a new machine, GPU or MLX version) means a minute of compiles before the first token:
+    said once, on the load's log, with where they will be kept; not again once the cache holds anything."""
+    import mlxcel_core.loading.load as load
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    monkeypatch.setattr(load, "use_kernel_cache", lambda: kernels)
+    said = []
+    quiet(tiny_llama_dir, said)
+    assert [m for m in said if "compiling CUDA kernels" in m and str(kernels) in m] and len(said) == 1
+    (kernels / "a.cubin").write_bytes(b"x")
+    said.clear()
+    quiet(tiny_llama_dir, said)
+    assert not said
+    monkeypatch.setattr(load, "use_kernel_cache", lambda: None)  # CPU, Metal: nothing to compile or keep
+    quiet(tiny_llama_dir, said)
+    assert not said
