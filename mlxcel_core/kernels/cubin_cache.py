@@ -36,6 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 
 ENV = "MLXCEL_CUBIN_CACHE"
+ELF_MAGIC = b"\x7fELF"  # a cubin is an ELF file
 log = logging.getLogger("mlxcel")
 
 CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
@@ -217,7 +218,7 @@ class CachedKernel:
                 cubin = path.read_bytes()
             except OSError:
                 cubin = b""
-            if not cubin:
+            if not cubin.startswith(ELF_MAGIC):  # none yet, or not a cubin (damaged): compile it again
                 cubin = (self._compile or compile_cubin)(draft.replace("KERNEL_NAME", func), func, arch)
                 tmp = path.with_suffix(f".tmp{os.getpid()}")
                 try:
@@ -234,14 +235,13 @@ class CachedKernel:
             try:
                 ndims = [x.ndim for x in inputs]
                 func, cubin = self.variant(list(template), [x.dtype for x in inputs], ndims, list(output_dtypes))
-            except Exception as exc:  # noqa: BLE001 - MLX's path below compiles (and reports) it as before
-                log.debug("kernel %s: cubin cache off (%s); MLX compiles it", self.name, exc)
-                self._fallback()
-            else:
                 return mx.fast.precompiled_cuda_kernel(
                     name=func, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
                     output_dtypes=output_dtypes, scalars=shape_scalars(self.source, self.input_names, inputs),
                     grid=grid, threadgroup=threadgroup, init_value=init_value, ensure_row_contiguous=True)
+            except Exception as exc:  # noqa: BLE001 - MLX's path below compiles (and reports) it as before
+                log.debug("kernel %s: cubin cache off (%s); MLX compiles it", self.name, exc)
+                self._fallback()
         return self._fallback()(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                                 output_shapes=output_shapes, output_dtypes=output_dtypes, init_value=init_value,
                                 **kwargs)

@@ -15,6 +15,7 @@ import pytest
 
 from cuda_compile import needs_nvcc, nvcc
 from mlxcel_core.kernels import cubin_cache
+from mlxcel_core.kernels.cubin_cache import ELF_MAGIC as ELF
 from mlxcel_core.kernels.cubin_cache import CachedKernel, kernel_text, shape_scalars
 
 BODY = """
@@ -50,7 +51,7 @@ def test_a_variant_is_compiled_once_per_machine(tmp_path, machine):
     def compile_stub(text, name, arch):
         compiled.append(name)
         assert f'void {name}(' in text and arch == "sm_90"
-        return b"CUBIN:" + name.encode()
+        return ELF + name.encode()
 
     def kernel():  # each call: a new process's kernel object, same cache directory
         return CachedKernel("mlxcel_t", ["x", "w"], ["y"], BODY, directory=tmp_path, compile=compile_stub)
@@ -59,20 +60,23 @@ def test_a_variant_is_compiled_once_per_machine(tmp_path, machine):
     first = kernel()
     name, cubin = first.variant(*args)
     assert first.variant(*args) == (name, cubin) and compiled == [name]
-    assert (tmp_path / f"{name}.cubin").read_bytes() == cubin == b"CUBIN:" + name.encode()
+    assert (tmp_path / f"{name}.cubin").read_bytes() == cubin == ELF + name.encode()
     assert kernel().variant(*args) == (name, cubin) and compiled == [name]  # the next process reads the file
     other, _ = kernel().variant([("T", mx.bfloat16), ("SCALE", 4), ("FLAG", True)], *args[1:])
     assert other != name and compiled == [name, other]  # another template value: another variant
     rank, _ = kernel().variant(args[0], args[1], [3, 1], args[3])  # x's rank changes its parameters
     assert rank not in (name, other) and len(compiled) == 3
     assert not list(tmp_path.glob("*.tmp*"))
+    (tmp_path / f"{name}.cubin").write_bytes(b"garbage")  # a damaged file is compiled again and replaced
+    assert kernel().variant(*args) == (name, cubin) and compiled[-1] == name and len(compiled) == 4
+    assert (tmp_path / f"{name}.cubin").read_bytes() == cubin
 
 
 def test_an_unwritable_cache_still_runs_the_kernel(tmp_path, machine):
     kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path / "missing",
-                          compile=lambda text, name, arch: b"CUBIN")
+                          compile=lambda text, name, arch: ELF)
     assert kernel.variant([("T", mx.float32), ("SCALE", 1), ("FLAG", False)], [mx.float32], [2], [mx.float32])[1] \
-        == b"CUBIN"
+        == ELF
 
 
 def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypatch):
@@ -92,6 +96,18 @@ def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypat
     assert kernel(**call) == ["mlx"] and kernel(**call) == ["mlx"]
     assert made == [dict(name="mlxcel_t", input_names=["x"], output_names=["y"], source=BODY, header="// h")]
     assert len(calls) == 2 and calls[0]["template"] == call["template"] and calls[0]["init_value"] is None
+
+
+def test_a_failed_precompiled_launch_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypatch):
+    """(An MLX whose precompiled_cuda_kernel takes other arguments, say.)"""
+    def refuse(**_):
+        raise TypeError("unexpected keyword argument")
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: lambda **call: ["mlx"])
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", refuse, raising=False)
+    kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path, compile=lambda text, name, arch: ELF)
+    assert kernel(inputs=[mx.zeros((2, 2))], template=[("T", mx.float32), ("SCALE", 1), ("FLAG", False)],
+                  grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(2, 2)], output_dtypes=[mx.float32]) == ["mlx"]
 
 
 def test_without_a_cache_directory_or_with_the_switch_off_it_is_mlxs_kernel(monkeypatch, tmp_path):
