@@ -11,12 +11,15 @@
 #                                              # these two did not finish in 115 s in the sixteenth session)
 #   bash benchmarks/h200_kernels.sh coldstart SHAPE.. # the kernel cache under $MLXCEL_CACHE_DIR: a first process
 #                                              # compiles (warmup_ms), a second should not (not yet run on a GPU)
+#   bash benchmarks/h200_kernels.sh restart    # startup_phases.py in three processes on one empty cache dir, then
+#                                              # serve_coldstart.py (1B 4-bit; eighteenth session: 56 s, then 2.3 s
+#                                              # and 1.7 s a process with the cubin cache; serve ready in 2.2 s)
 #   bash benchmarks/h200_kernels.sh qmm        # those ways one product at a time (benchmarks/qmm_batch.py), with
 #                                              # qmm.py's two load layouts (MLXCEL_QMM_WIDE=0/1)
 #   bash benchmarks/h200_kernels.sh hmv8       # the 16-bit kernel's tests at 8 rows (passed, seventeenth session: 8 rows
 #                                              # are the default up to 2048 wide), then MLXCEL_HMV_MAX_ROWS 2 vs 8
-#   bash benchmarks/h200_kernels.sh together   # the engine's prefill-together tests (not yet run on a GPU; the default
-#                                              # there since the seventeenth session), then batch TTFT with
+#   bash benchmarks/h200_kernels.sh together   # the engine's prefill-together tests (passed on the H200 in the
+#                                              # eighteenth session; the default there), then batch TTFT with
 #                                              # MLXCEL_PREFILL_BATCH=8 vs 1, 1B bf16 and 8B 4-bit at b=8 and 32
 #   bash benchmarks/h200_kernels.sh wide       # qmm.py's tests (both layouts), then an 8B 4-bit batch of 32 with
 #                                              # MLXCEL_QMM_WIDE=0 and 1, alternating (mlxcel only). On a fresh machine
@@ -151,6 +154,17 @@ case "${1:-}" in
       echo "== MLXCEL_QMM_WIDE=$wide $(date +%T): $(MLXCEL_QMM_WIDE=$wide timeout 150 python benchmarks/batch_decode.py \
         --model-shape llama-3-8b --bits 4 --batches 32 --reps 1 --no-mlx-lm 2>&1 | grep "run 1/1")"
     done ;;
+  restart)
+    export MLXCEL_CACHE_DIR=$(mktemp -d)
+    python -c "import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path; from serve_coldstart import save_model
+save_model('llama-3.2-1b', 4, 'bfloat16', Path('$MLXCEL_CACHE_DIR/model'))"
+    for p in 1 2 3; do
+      echo "== process $p $(date +%T)"
+      timeout 150 python benchmarks/startup_phases.py "$MLXCEL_CACHE_DIR/model" 2>&1 | grep -E "step|total|rror"
+    done
+    unset MLXCEL_CACHE_DIR
+    timeout 200 python benchmarks/serve_coldstart.py --model-shape llama-3.2-1b --bits 4 2>&1 | tail -4 ;;
   coldstart)
     # SHAPE..: the kernel cache (paths.use_kernel_cache: $MLXCEL_CACHE_DIR/kernels/...): an empty cache dir, then the
     # same bench in two processes; the first warm-up compiles every kernel, the second should find them (warmup_ms)
