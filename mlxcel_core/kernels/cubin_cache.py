@@ -255,6 +255,11 @@ def cuda_kernel(name: str, input_names: list[str], output_names: list[str], sour
         from ..paths import use_kernel_cache
 
         directory = use_kernel_cache()
+        try:  # (an MLX_PTX_CACHE_DIR of the user's that MLX has not created yet)
+            if directory is not None:
+                directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            directory = None
     if directory is None:
         return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names, source=source,
                                    header=header)

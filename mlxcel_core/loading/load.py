@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -29,6 +30,13 @@ def _stderr(msg: str) -> None:
     print(f"mlxcel: {msg}", file=sys.stderr)
 
 
+def _holds_nothing(directory: Path) -> bool:
+    try:
+        return not any(directory.iterdir())
+    except OSError:  # (an MLX_PTX_CACHE_DIR that MLX has not created yet)
+        return True
+
+
 def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, group=None) -> LoadedModel:
     """Load a model from a directory, a .gguf file, a Hub repo id, or (None) the default model.
 
@@ -36,7 +44,7 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
     safetensors the rank reads only its slices' bytes (loading/sliced.py); from GGUF each sharded tensor is
     read whole once and sliced in memory."""
     kernels = use_kernel_cache()  # before anything compiles
-    if kernels is not None and not any(kernels.iterdir()):
+    if kernels is not None and _holds_nothing(kernels):
         log(f"first run with this GPU and MLX version: compiling CUDA kernels (about a minute for an 8B model); "
             f"later runs reuse them from {kernels}")
     source = resolve_model(spec, log)

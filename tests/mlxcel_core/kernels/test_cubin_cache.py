@@ -116,6 +116,8 @@ def test_without_a_cache_directory_or_with_the_switch_off_it_is_mlxs_kernel(monk
     assert cubin_cache.cuda_kernel("mlxcel_t", ["x"], ["y"], BODY) == ("mlx", "mlxcel_t")
     monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: tmp_path)
     assert isinstance(cubin_cache.cuda_kernel("mlxcel_t", ["x"], ["y"], BODY), CachedKernel)
+    monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: tmp_path / "made" / "here")
+    assert cubin_cache.cuda_kernel("mlxcel_t", ["x"], ["y"], BODY).directory.is_dir()  # (MLX makes its own later)
     monkeypatch.setenv(cubin_cache.ENV, "0")
     assert cubin_cache.cuda_kernel("mlxcel_t", ["x"], ["y"], BODY) == ("mlx", "mlxcel_t")
 

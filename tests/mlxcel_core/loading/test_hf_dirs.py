@@ -130,6 +130,10 @@ def test_the_first_run_on_a_gpu_says_it_is_compiling_kernels(tiny_llama_dir, tmp
     said.clear()
     quiet(tiny_llama_dir, said)
     assert not said
+    monkeypatch.setattr(load, "use_kernel_cache", lambda: tmp_path / "not-yet")  # a user's MLX_PTX_CACHE_DIR
+    quiet(tiny_llama_dir, said)
+    assert len(said) == 1 and "compiling CUDA kernels" in said[0]
+    said.clear()
     monkeypatch.setattr(load, "use_kernel_cache", lambda: None)  # CPU, Metal: nothing to compile or keep
     quiet(tiny_llama_dir, said)
     assert not said
