@@ -61,17 +61,32 @@ class Job:
 
 WARMUP_PROMPT = list(range(3, 19))  # 16 ids every vocabulary has; past the decode kernels' rows (a prefill)
 WARMUP_TOKENS = 4
+WARMUP_MAX_ROWS = 8  # the decode kernels' own limit (kernels/qmv.py MAX_ROWS): one compiled variant per batch size
 
 
-def warm_up(engine: Engine) -> float:
-    """One short greedy request through `engine`, which is then dropped: the process's first prefill and decode
-    steps compile their GPU kernels (about 70 s for an 8B 4-bit model on a fresh H200; mlxcel keeps them in its
-    kernel cache after that) and trace the compiled decode step, so the first client does not wait for that.
-    Returns its wall time in seconds."""
+def warmup_rows(config: EngineConfig) -> int:
+    """Decode batch sizes the warm-up visits (1..this): on a GPU every size up to the batch limit and 8, because the
+    decode kernels and the compiled step are built per batch size (else a machine's first batch of each size stalls
+    every client while they compile); on CPU 1 (nothing is compiled there)."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return 1
+    return max(1, min(config.max_batch_size, WARMUP_MAX_ROWS))
+
+
+def warm_up(engine: Engine, rows: int = 1) -> float:
+    """Short greedy requests through `engine`, which is then dropped: the process's first prefill and decode steps
+    compile their GPU kernels (about 60-70 s on a fresh H200; mlxcel keeps them in its kernel cache after that, when
+    this takes under a second) and trace the compiled decode step, so the first client does not wait for that.
+    With `rows` > 1 the requests join one a step (a new one's prefill is granted at once), so the decode batch runs
+    at every size from 1 to `rows`. Returns its wall time in seconds."""
     start = time.perf_counter()
-    room = max(1, min(len(WARMUP_PROMPT), engine.max_context - WARMUP_TOKENS))  # (a model with a tiny context)
-    engine.open(WARMUP_PROMPT[:room], SamplingParams(max_tokens=WARMUP_TOKENS))
-    while engine.has_work():
+    tokens = WARMUP_TOKENS + rows - 1  # the first request still decodes in the step where the last one first does
+    room = max(1, min(len(WARMUP_PROMPT), engine.max_context - tokens))  # (a model with a tiny context)
+    opened = 0
+    while opened < rows or engine.has_work():
+        if opened < rows:
+            engine.open(WARMUP_PROMPT[:room], SamplingParams(max_tokens=max(1, min(tokens, engine.max_context - room))))
+            opened += 1
         for out in engine.step():
             if out.error is not None:
                 raise RuntimeError(f"the warm-up request failed: {out.error}")
@@ -187,7 +202,8 @@ class EngineLoop:
 
                 self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
             if self.warmup:  # (on an engine like the serving one, dropped after)
-                log.info("warm-up: %.1f s", warm_up(self._new_engine()))
+                rows = warmup_rows(self.engine_config)
+                log.info("warm-up: %.1f s (decode batches of 1 to %d)", warm_up(self._new_engine(), rows), rows)
             self.engine = self._new_engine()
         except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
             self.state, self.error = "failed", exc

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import threading
 
+import mlx.core as mx
 import pytest
 
 from mlxcel_core.bench import RandomIdTokenizer
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.models.shapes import build_random_model
 from mlxcel_core.server import engine_loop
-from mlxcel_core.server.engine_loop import WARMUP_PROMPT, WARMUP_TOKENS, EngineLoop
+from mlxcel_core.server.engine_loop import WARMUP_PROMPT, WARMUP_TOKENS, EngineLoop, warmup_rows
 from mlxcel_core.server.metrics import ServerMetrics
 
 
@@ -27,9 +28,9 @@ def _start(monkeypatch, **kwargs):
     warmed = []
     real = engine_loop.warm_up
 
-    def spy(engine):
+    def spy(engine, rows=1):
         warmed.append(engine)
-        return real(engine)
+        return real(engine, rows)
 
     monkeypatch.setattr(engine_loop, "warm_up", spy)
     loop = EngineLoop(_Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), **kwargs)
@@ -90,7 +91,7 @@ def test_warm_up_fits_a_short_context():
 def test_a_failing_warm_up_fails_the_load(monkeypatch):
     failed = []
 
-    def broken(engine):
+    def broken(engine, rows=1):
         raise RuntimeError("the warm-up request failed: boom")
 
     monkeypatch.setattr(engine_loop, "warm_up", broken)
@@ -101,3 +102,27 @@ def test_a_failing_warm_up_fails_the_load(monkeypatch):
         threading.Event().wait(0.02)
     assert loop.state == "failed" and "boom" in str(loop.error) and failed
     assert loop.health().startswith("The engine is not running: the warm-up request failed")
+
+
+def test_on_a_gpu_the_warm_up_decodes_every_batch_size_up_to_the_limit(monkeypatch):
+    """The decode kernels and the compiled step are built per batch size: on a GPU the warm-up visits 1..min(batch
+    limit, 8) (requests join one a step), so no client's first batch of a new size waits for compiles; on CPU 1."""
+    loaded = _Loaded()
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
+    sizes = []
+    decode = engine.runner.decode
+
+    def spying(seq_ids, tokens, before_trace=None):
+        sizes.append(len(seq_ids))
+        return decode(seq_ids, tokens, before_trace)
+
+    engine.runner.decode = spying
+    assert engine_loop.warm_up(engine, rows=3) > 0
+    assert sizes[:3] == [1, 2, 3] and max(sizes) == 3 and not engine.has_work()
+    assert engine.runner.prefill_tokens == 3 * len(WARMUP_PROMPT)
+
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert warmup_rows(EngineConfig(max_batch_size=4)) == 1
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert warmup_rows(EngineConfig(max_batch_size=4)) == 4
+    assert warmup_rows(EngineConfig(max_batch_size=32)) == 8
