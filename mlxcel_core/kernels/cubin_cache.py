@@ -180,6 +180,16 @@ def gpu_architecture() -> str:
 
 # -- the kernel ---------------------------------------------------------------------------------------------------
 
+_reported: list[str] = []
+
+
+def _report_fallback(name: str, exc: Exception) -> None:
+    """Once a process: why its kernels are compiled by MLX in every process (the restart then costs seconds)."""
+    if not _reported:
+        log.warning("mlxcel: CUDA kernel %s is compiled by MLX, not kept in the kernel cache (%s: %s)", name,
+                    type(exc).__name__, exc)
+    _reported.append(name)
+
 
 class CachedKernel:
     """What ``mx.fast.cuda_kernel`` returns, with each variant's cubin read from (or compiled into) `directory`.
@@ -240,7 +250,7 @@ class CachedKernel:
                     output_dtypes=output_dtypes, scalars=shape_scalars(self.source, self.input_names, inputs),
                     grid=grid, threadgroup=threadgroup, init_value=init_value, ensure_row_contiguous=True)
             except Exception as exc:  # noqa: BLE001 - MLX's path below compiles (and reports) it as before
-                log.debug("kernel %s: cubin cache off (%s); MLX compiles it", self.name, exc)
+                _report_fallback(self.name, exc)
                 self._fallback()
         return self._fallback()(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                                 output_shapes=output_shapes, output_dtypes=output_dtypes, init_value=init_value,

@@ -79,7 +79,8 @@ def test_an_unwritable_cache_still_runs_the_kernel(tmp_path, machine):
         == ELF
 
 
-def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypatch):
+def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypatch, caplog):
+    monkeypatch.setattr(cubin_cache, "_reported", [])
     made, calls = [], []
 
     def mlx_kernel(**spec):
@@ -96,6 +97,7 @@ def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypat
     assert kernel(**call) == ["mlx"] and kernel(**call) == ["mlx"]
     assert made == [dict(name="mlxcel_t", input_names=["x"], output_names=["y"], source=BODY, header="// h")]
     assert len(calls) == 2 and calls[0]["template"] == call["template"] and calls[0]["init_value"] is None
+    assert caplog.text.count("not kept in the kernel cache (RuntimeError: no NVRTC here)") == 1  # said once
 
 
 def test_a_failed_precompiled_launch_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypatch):
