@@ -57,18 +57,23 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip() != "0"
 
 
+def shape_reads(source: str, input_names: list[str]) -> list[tuple[bool, bool]]:
+    """Per input: whether the body reads its shape (NAME_shape) and its rank (NAME_ndim), as MLX decides it."""
+    return [(f"{name}_shape" in source, f"{name}_ndim" in source) for name in input_names]
+
+
 def kernel_text(func_name: str, source: str, header: str, input_names: list[str], input_dtypes: list,
                 input_ndims: list[int], output_names: list[str], output_dtypes: list, template: list) -> str:
     """The translation unit of one variant (module docstring: how it differs from MLX's build_kernel)."""
     params = [f"    const {CUDA_TYPES[dt]}* {name}" for name, dt in zip(input_names, input_dtypes)]
     params += [f"    {CUDA_TYPES[dt]}* {name}" for name, dt in zip(output_names, output_dtypes)]
     unpack = []
-    for name, ndim in zip(input_names, input_ndims):
-        if ndim and f"{name}_shape" in source:
+    for name, ndim, (shape, rank) in zip(input_names, input_ndims, shape_reads(source, input_names)):
+        if ndim and shape:
             dims = [f"{name}_shape_{d}" for d in range(ndim)]
             params += [f"    int {d}" for d in dims]
             unpack.append(f"  const int {name}_shape[{ndim}] = {{{', '.join(dims)}}};")
-        if ndim and f"{name}_ndim" in source:
+        if ndim and rank:
             params.append(f"    int {name}_ndim")
     consts = []
     for key, value in template:
@@ -82,13 +87,14 @@ def kernel_text(func_name: str, source: str, header: str, input_names: list[str]
             + "\n".join(unpack + consts) + "\n\n" + source + "\n}\n")
 
 
-def shape_scalars(source: str, input_names: list[str], inputs: list) -> list[int]:
-    """The int scalars `kernel_text` declared, in its order: each read input's shape, then its rank."""
+def shape_scalars(reads: list[tuple[bool, bool]], inputs: list) -> list[int]:
+    """The int scalars `kernel_text` declared, in its order: each read input's shape, then its rank (`reads`:
+    `shape_reads`, worked out once per kernel: a launch should not search the source)."""
     out: list[int] = []
-    for name, x in zip(input_names, inputs):
-        if x.ndim and f"{name}_shape" in source:
+    for (shape, rank), x in zip(reads, inputs):
+        if x.ndim and shape:
             out.extend(x.shape)
-        if x.ndim and f"{name}_ndim" in source:
+        if x.ndim and rank:
             out.append(x.ndim)
     return out
 
@@ -199,6 +205,7 @@ class CachedKernel:
                  directory: Path | None = None, compile=None):
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.source, self.header, self.directory, self._compile = source, header, directory, compile
+        self._reads = shape_reads(source, self.input_names)
         self._variants: dict = {}  # key -> (function name, cubin)
         self._lock = threading.Lock()
         self._mlx = None  # MLX's own kernel, once anything here failed
@@ -247,7 +254,7 @@ class CachedKernel:
                 func, cubin = self.variant(list(template), [x.dtype for x in inputs], ndims, list(output_dtypes))
                 return mx.fast.precompiled_cuda_kernel(
                     name=func, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
-                    output_dtypes=output_dtypes, scalars=shape_scalars(self.source, self.input_names, inputs),
+                    output_dtypes=output_dtypes, scalars=shape_scalars(self._reads, inputs),
                     grid=grid, threadgroup=threadgroup, init_value=init_value, ensure_row_contiguous=True)
             except Exception as exc:  # noqa: BLE001 - MLX's path below compiles (and reports) it as before
                 _report_fallback(self.name, exc)

@@ -16,7 +16,7 @@ import pytest
 from cuda_compile import needs_nvcc, nvcc
 from mlxcel_core.kernels import cubin_cache
 from mlxcel_core.kernels.cubin_cache import ELF_MAGIC as ELF
-from mlxcel_core.kernels.cubin_cache import CachedKernel, kernel_text, shape_scalars
+from mlxcel_core.kernels.cubin_cache import CachedKernel, kernel_text, shape_reads, shape_scalars
 
 BODY = """
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -35,7 +35,9 @@ def test_the_translation_unit_declares_what_the_body_reads():
     assert "const int x_shape[2] = {x_shape_0, x_shape_1};" in text
     assert "using T = __nv_bfloat16;" in text and "constexpr int SCALE = 3;" in text
     assert "constexpr bool FLAG = true;" in text
-    assert shape_scalars(BODY, ["x", "w"], [mx.zeros((3, 5)), mx.zeros((7,), mx.uint32)]) == [3, 5]
+    reads = shape_reads(BODY, ["x", "w"])
+    assert reads == [(True, False), (False, False)]
+    assert shape_scalars(reads, [mx.zeros((3, 5)), mx.zeros((7,), mx.uint32)]) == [3, 5]
 
 
 @pytest.fixture
