@@ -10,11 +10,14 @@ Public API (imported lazily so `mlxcel_core.errors` stays cheap to import)::
 import os
 from importlib import import_module
 
+from . import paths
+
 # float32 means float32: MLX's CUDA backend otherwise runs float32 matmuls as TF32 (about 1e-3 relative error;
 # transformers parity and greedy tokens on float32 models drift). 16-bit and quantized models are unaffected.
 # MLX reads the variable when it initializes, so this must run before mlx is first imported; set
 # MLX_ENABLE_TF32=1 to trade that precision for speed.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+paths.keep_driver_cache()  # (also read when CUDA initializes)
 
 __version__ = "0.1.0"
 

@@ -18,6 +18,20 @@ def models_dir() -> Path:
 
 
 PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+DRIVER_CACHE_ENV = "CUDA_CACHE_PATH"
+
+
+def driver_cache_dir() -> Path:
+    return cache_dir() / "kernels" / "cuda-driver"
+
+
+def keep_driver_cache() -> None:
+    """Unless CUDA_CACHE_PATH is set, point the CUDA driver's JIT cache (the PTX it compiles for this GPU: MLX's own
+    shipped kernels) beside the kernel cache, instead of ~/.nv, which a fresh container loses. On the H200 an empty
+    one added 7 s to a process's start (benchmarks/RESULTS.md, eighteenth session). The driver reads the variable when
+    CUDA initializes, so mlxcel_core sets it on import, before mlx (the directory is made by use_kernel_cache)."""
+    if not os.environ.get(DRIVER_CACHE_ENV):
+        os.environ[DRIVER_CACHE_ENV] = str(driver_cache_dir())
 
 
 def use_kernel_cache() -> Path | None:
@@ -42,6 +56,8 @@ def use_kernel_cache() -> Path | None:
         c if c.isalnum() or c in "._-" else "_" for c in device)
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if os.environ.get(DRIVER_CACHE_ENV) == str(driver_cache_dir()):
+            driver_cache_dir().mkdir(exist_ok=True)
     except OSError:
         return None  # not writable: MLX's default (where MLX cannot create its directory it keeps nothing at all)
     os.environ[PTX_CACHE_ENV] = str(path)

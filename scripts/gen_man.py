@@ -47,6 +47,9 @@ ENVIRONMENT = [
                                  "launch a layer (CUDA only)."),
     ("MLX_PTX_CACHE_DIR", "MLX's own setting: where it keeps the CUDA kernels it compiles. Unless it is set, mlxcel "
                           "sets it to $MLXCEL_CACHE_DIR/kernels/mlx-VERSION/GPU, which outlives /tmp (MLX's default)."),
+    ("CUDA_CACHE_PATH", "The CUDA driver's own setting: where it keeps the PTX it compiles for the GPU. Unless it is "
+                        "set, mlxcel sets it to $MLXCEL_CACHE_DIR/kernels/cuda-driver (the driver's default, ~/.nv, is "
+                        "lost with a fresh container)."),
     ("MLXCEL_CUBIN_CACHE", "0: mlxcel's CUDA kernels are compiled in every process (as mx.fast.cuda_kernel does). "
                            "Default: each is compiled once and kept as a cubin in the kernel cache directory above."),
     ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "

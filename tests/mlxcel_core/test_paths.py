@@ -59,3 +59,12 @@ def test_model_loading_sets_it_first(cuda, monkeypatch):
     monkeypatch.delenv(paths.PTX_CACHE_ENV)
     load_model(str(save_tiny_llama(cuda / "tiny")), log=lambda m: None)
     assert os.environ[paths.PTX_CACHE_ENV].startswith(str(cuda / "kernels"))
+
+
+def test_the_cuda_driver_cache_is_made_beside_the_kernels(cuda, monkeypatch):
+    """mlxcel_core points CUDA_CACHE_PATH there on import (test_init.py); the directory is made with the kernels'."""
+    monkeypatch.setenv(paths.DRIVER_CACHE_ENV, str(paths.driver_cache_dir()))
+    assert paths.use_kernel_cache() is not None and (cuda / "kernels" / "cuda-driver").is_dir()
+    monkeypatch.setenv(paths.DRIVER_CACHE_ENV, str(cuda / "theirs"))  # the user's own: left to the driver
+    paths.use_kernel_cache()
+    assert not (cuda / "theirs").exists()
