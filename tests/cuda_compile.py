@@ -11,8 +11,8 @@ import subprocess
 import mlx.core as mx
 import pytest
 
-CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.uint32: "uint32_t",
-              mx.int32: "int32_t"}
+from mlxcel_core.kernels.cubin_cache import CUDA_TYPES  # MLX's dtype_to_cuda_type, as the cubin cache writes it
+
 STAND_IN_HEADER = """
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
