@@ -186,15 +186,16 @@ def gpu_architecture() -> str:
 
 # -- the kernel ---------------------------------------------------------------------------------------------------
 
-_reported: list[str] = []
+_warned = False
 
 
 def _report_fallback(name: str, exc: Exception) -> None:
     """Once a process: why its kernels are compiled by MLX in every process (the restart then costs seconds)."""
-    if not _reported:
+    global _warned
+    if not _warned:
         log.warning("mlxcel: CUDA kernel %s is compiled by MLX, not kept in the kernel cache (%s: %s)", name,
                     type(exc).__name__, exc)
-    _reported.append(name)
+        _warned = True
 
 
 class CachedKernel:
@@ -258,7 +259,6 @@ class CachedKernel:
                     grid=grid, threadgroup=threadgroup, init_value=init_value, ensure_row_contiguous=True)
             except Exception as exc:  # noqa: BLE001 - MLX's path below compiles (and reports) it as before
                 _report_fallback(self.name, exc)
-                self._fallback()
         return self._fallback()(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                                 output_shapes=output_shapes, output_dtypes=output_dtypes, init_value=init_value,
                                 **kwargs)

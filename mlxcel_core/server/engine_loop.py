@@ -61,7 +61,6 @@ class Job:
 
 WARMUP_PROMPT = list(range(3, 19))  # 16 ids every vocabulary has; past the decode kernels' rows (a prefill)
 WARMUP_TOKENS = 4
-WARMUP_MAX_ROWS = 8  # the decode kernels' own limit (kernels/qmv.py MAX_ROWS): one compiled variant per batch size
 
 
 def warmup_rows(config: EngineConfig) -> int:
@@ -70,7 +69,9 @@ def warmup_rows(config: EngineConfig) -> int:
     every client while they compile); on CPU 1 (nothing is compiled there)."""
     if mx.default_device().type != mx.DeviceType.gpu:
         return 1
-    return max(1, min(config.max_batch_size, WARMUP_MAX_ROWS))
+    from ..kernels.qmv import MAX_ROWS  # the decode kernels' rows: one compiled variant per batch size up to it
+
+    return max(1, min(config.max_batch_size, MAX_ROWS))
 
 
 def warm_up(engine: Engine, rows: int = 1) -> float:

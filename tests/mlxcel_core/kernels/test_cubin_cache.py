@@ -82,7 +82,7 @@ def test_an_unwritable_cache_still_runs_the_kernel(tmp_path, machine):
 
 
 def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypatch, caplog):
-    monkeypatch.setattr(cubin_cache, "_reported", [])
+    monkeypatch.setattr(cubin_cache, "_warned", False)
     made, calls = [], []
 
     def mlx_kernel(**spec):
