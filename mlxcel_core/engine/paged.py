@@ -112,6 +112,13 @@ class PagedStorage:
 
     def decode_caches(self, seq_ids) -> list["DecodeView"]:
         self.submit_in_place_writes()
+        slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(*self.decode_inputs(seq_ids))
+        return [DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
+                for layer in range(len(self.pools))]
+
+    def decode_inputs(self, seq_ids) -> tuple:
+        """Advance each row one position: the step's ints (slot blocks, slot offsets, block tables, positions,
+        context lengths) as `int_views` takes them."""
         positions = []
         for seq_id in seq_ids:
             position = self.lengths[seq_id]
@@ -123,11 +130,8 @@ class PagedStorage:
         width = max(len(t) for t in tables)
         if self.pad_block_tables:
             width = 1 << (width - 1).bit_length()
-        slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(
-            *self._block_offsets([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)]),
-            [t + [0] * (width - len(t)) for t in tables], positions, [p + 1 for p in positions])
-        return [DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
-                for layer in range(len(self.pools))]
+        return (*self._block_offsets([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)]),
+                [t + [0] * (width - len(t)) for t in tables], positions, [p + 1 for p in positions])
 
     def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
         """Several new tokens of one decoding sequence (speculative verification): a prompt chunk's view."""

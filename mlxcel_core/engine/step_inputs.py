@@ -18,9 +18,9 @@ from ..kv.cuda_paged_attention import cuda_kernel_available
 MIN_INTS = MIN_ELEMENTS  # 16 bytes: more than the allocator's 8-byte small blocks
 
 
-def int_views(*parts: Sequence[int] | Sequence[Sequence[int]]) -> list[mx.array]:
-    """Each part (a list of ints, or a list of equal-length int lists) as an int32 array of that shape; all of them
-    views of one array made from the host's values."""
+def packed_ints(*parts: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[int], list[tuple]]:
+    """The parts (each a list of ints, or a list of equal-length int lists) as one flat list, padded to MIN_INTS,
+    and each part's (start, length, shape) in it."""
     flat: list[int] = []
     spans = []
     for part in parts:
@@ -31,7 +31,14 @@ def int_views(*parts: Sequence[int] | Sequence[Sequence[int]]) -> list[mx.array]
         shape = (len(rows), len(rows[0])) if rows is not None else (len(values),)
         spans.append((len(flat), len(values), shape))
         flat.extend(values)
-    packed = mx.array(flat + [0] * max(0, MIN_INTS - len(flat)), dtype=mx.int32)
+    return flat + [0] * max(0, MIN_INTS - len(flat)), spans
+
+
+def int_views(*parts: Sequence[int] | Sequence[Sequence[int]]) -> list[mx.array]:
+    """Each part (a list of ints, or a list of equal-length int lists) as an int32 array of that shape; all of them
+    views of one array made from the host's values (`packed_ints`)."""
+    flat, spans = packed_ints(*parts)
+    packed = mx.array(flat, dtype=mx.int32)
     if cuda_kernel_available():
         # One copy made by the GPU, so every layer's kernels read memory the GPU wrote. Reading the host-written
         # array itself, rope ran 1.1-1.6x and the KV scatter 1.1-1.2x slower per call on the H200.

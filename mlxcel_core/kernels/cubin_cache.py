@@ -31,6 +31,8 @@ import logging
 import os
 import re
 import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -189,6 +191,36 @@ def gpu_architecture() -> str:
 _warned = False
 
 
+@dataclass
+class Launch:
+    """One launch of a cached kernel as MLX will make it (custom_kernel.cpp): the arguments are the inputs' and outputs'
+    data pointers, then `scalars` as ints; the grid is in threads (blocks = ceil(grid / threadgroup)). `func` is None
+    for a launch that went to MLX's own kernel (a recording holding one cannot be replayed)."""
+    func: str | None
+    cubin: bytes
+    inputs: list
+    outputs: list
+    scalars: list[int]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+
+
+_recording: list[Launch] | None = None
+
+
+@contextmanager
+def record_launches():
+    """Within it, every launch of a cached kernel is appended to the yielded list, arrays and all (kept alive, so
+    their buffers stay where they were once evaluated): benchmarks/graph_replay.py replays a decode step from it."""
+    global _recording
+    launches: list[Launch] = []
+    _recording = launches
+    try:
+        yield launches
+    finally:
+        _recording = None
+
+
 def _report_fallback(name: str, exc: Exception) -> None:
     """Once a process: why its kernels are compiled by MLX in every process (the restart then costs seconds)."""
     global _warned
@@ -253,12 +285,20 @@ class CachedKernel:
             try:
                 ndims = [x.ndim for x in inputs]
                 func, cubin = self.variant(list(template), [x.dtype for x in inputs], ndims, list(output_dtypes))
-                return mx.fast.precompiled_cuda_kernel(
+                scalars = shape_scalars(self._reads, inputs)
+                outputs = mx.fast.precompiled_cuda_kernel(
                     name=func, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
-                    output_dtypes=output_dtypes, scalars=shape_scalars(self._reads, inputs),
+                    output_dtypes=output_dtypes, scalars=scalars,
                     grid=grid, threadgroup=threadgroup, init_value=init_value, ensure_row_contiguous=True)
+                if _recording is not None:
+                    replayable = init_value is None
+                    _recording.append(Launch(func if replayable else None, cubin, list(inputs), list(outputs), scalars,
+                                             tuple(grid), tuple(threadgroup)))
+                return outputs
             except Exception as exc:  # noqa: BLE001 - MLX's path below compiles (and reports) it as before
                 _report_fallback(self.name, exc)
+        if _recording is not None:
+            _recording.append(Launch(None, b"", list(inputs), [], [], tuple(grid), tuple(threadgroup)))
         return self._fallback()(inputs=inputs, template=template, grid=grid, threadgroup=threadgroup,
                                 output_shapes=output_shapes, output_dtypes=output_dtypes, init_value=init_value,
                                 **kwargs)

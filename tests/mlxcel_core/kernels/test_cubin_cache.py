@@ -218,3 +218,34 @@ def test_the_cached_kernel_is_mlxs_kernel_bit_for_bit_and_the_next_process_compi
     (again,) = fresh(**call)
     assert mx.array_equal(again, want).item() and len(compiled) == 1
     assert len(list(tmp_path.glob("mlxcel_cubin_test_*.cubin"))) == 1
+
+
+def test_record_launches_keeps_each_launch_as_mlx_makes_it(tmp_path, machine, monkeypatch):
+    """What benchmarks/graph_replay.py replays: function, cubin, arrays, shape scalars and grid of each launch, and a
+    launch that went to MLX's own kernel marked as not replayable."""
+    made = []
+
+    def precompiled(**call):
+        made.append(call)
+        return [mx.zeros(call["output_shapes"][0])]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled, raising=False)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: lambda **call: ["mlx"])
+    kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path, compile=lambda text, name, arch: ELF)
+    x = mx.zeros((3, 5))
+    call = dict(inputs=[x], template=[("T", mx.float32), ("SCALE", 1), ("FLAG", False)], grid=(15, 1, 1),
+                threadgroup=(8, 1, 1), output_shapes=[(3, 5)], output_dtypes=[mx.float32])
+    kernel(**call)  # not recorded
+    with cubin_cache.record_launches() as launches:
+        (y,) = kernel(**call)
+        kernel(**call, init_value=0.0)
+        kernel._mlx = lambda **_: ["mlx"]  # from now on MLX's kernel (as after a failed compile)
+        assert kernel(**call) == ["mlx"]
+    kernel(**call)
+    assert len(made) == 3 and len(launches) == 3
+    first = launches[0]
+    assert first.func == made[1]["name"] and first.func.startswith("mlxcel_t_") and first.cubin == ELF
+    assert first.inputs[0] is x and first.outputs[0] is y and first.scalars == [3, 5] == made[1]["scalars"]
+    assert first.grid == (15, 1, 1) and first.threadgroup == (8, 1, 1)
+    assert launches[1].func is None  # init_value: MLX fills the outputs first, a launch the recording lacks
+    assert launches[2].func is None and launches[2].inputs[0] is x

@@ -1,0 +1,315 @@
+"""A batch-1 decode step replayed as one CUDA graph of our own kernels, outside MLX (CUDA only; an experiment).
+
+    python benchmarks/graph_replay.py --model-shape llama-3.2-1b --bits 4 [--tokens 128]
+
+Why: the 1B step is host-bound (benchmarks/RESULTS.md: 0.89 ms of GPU work in 1.4-1.5 ms a token; the host builds
+the step's MLX graph and MLX encodes ~88 kernel nodes into CUDA graphs every token). Every launch of such a step is
+one of our cached kernels (kernels/cubin_cache.py), so the step can be recorded once and replayed by the CUDA driver
+with no MLX work a token: this measures what that would give before the engine is built around it.
+
+1. An engine with op-by-op decode steps (the Python of each step runs, so `record_launches` sees every launch)
+   decodes a few tokens of a random prompt; one more step is recorded: each launch's cubin, function, grid and
+   arrays. Any launch that was not a cached kernel (or used `init_value`) stops the experiment.
+2. The recorded arrays' device addresses are read (one MLX kernel writes them out), the cubins are loaded with the
+   driver API, and the launches are captured into one CUDA graph, after a device-to-device copy of the step's output
+   token into its input token.
+3. Check: every recorded output buffer is zeroed, the graph replayed once with the recorded step's inputs, and each
+   output must come back byte for byte.
+4. Real decoding: per token the host writes the step's ints (slot, block table, position, context length: the
+   storage's `decode_inputs`, the values `int_views` would upload) into the step's input buffer, launches the graph and
+   reads the token one step behind. The tokens are compared with the engine's own (compiled steps, the default), and
+   decode speed is reported beside the engine's and mlx-lm's in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import mlx.core as mx  # noqa: E402
+
+from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
+from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
+from mlxcel_core.engine.step_inputs import packed_ints  # noqa: E402
+from mlxcel_core.kernels.cubin_cache import record_launches  # noqa: E402
+from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.sampling import SamplingParams  # noqa: E402
+
+c_void_p, c_uint, c_size_t, byref = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.byref
+
+
+class Driver:
+    """The few CUDA driver calls a graph replay needs, on MLX's (primary) context and a stream of our own."""
+
+    def __init__(self):
+        self.lib = lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernel.argtypes = [c_void_p] + [c_uint] * 7 + [c_void_p, c_void_p, c_void_p]
+        lib.cuMemsetD8Async.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, c_size_t, c_void_p]
+        lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, c_size_t, c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, c_void_p, c_size_t, c_void_p]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [c_void_p, ctypes.c_uint64, c_size_t, c_void_p]
+        lib.cuMemcpyDtoH_v2.argtypes = [c_void_p, ctypes.c_uint64, c_size_t]
+        lib.cuGraphInstantiateWithFlags.argtypes = [c_void_p, c_void_p, ctypes.c_ulonglong]
+        lib.cuGraphLaunch.argtypes = [c_void_p, c_void_p]
+        for name in ("cuStreamSynchronize", "cuEventRecord", "cuEventSynchronize"):
+            getattr(lib, name).argtypes = [c_void_p] * (2 if name == "cuEventRecord" else 1)
+        self.check(lib.cuInit(0), "cuInit")
+        ctx = c_void_p()
+        self.check(lib.cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            self.check(lib.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
+            self.check(lib.cuDevicePrimaryCtxRetain(byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self.check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self.stream = c_void_p()
+        self.check(lib.cuStreamCreate(byref(self.stream), 1), "cuStreamCreate")  # non-blocking
+        self.functions: dict[str, c_void_p] = {}
+        self.keep: list = []  # ctypes buffers a captured graph points into
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, byref(text))
+            raise RuntimeError(f"{what}: CUDA error {rc} ({(text.value or b'?').decode()})")
+
+    def function(self, name: str, cubin: bytes) -> c_void_p:
+        if name not in self.functions:
+            module, fn = c_void_p(), c_void_p()
+            self.keep.append(cubin)
+            self.check(self.lib.cuModuleLoadData(byref(module), cubin), f"cuModuleLoadData {name}")
+            self.check(self.lib.cuModuleGetFunction(byref(fn), module, name.encode()), f"cuModuleGetFunction {name}")
+            self.functions[name] = fn
+        return self.functions[name]
+
+    def launch(self, fn, blocks, threads, args: list) -> None:
+        """`args`: ctypes values (c_uint64 addresses, c_int scalars), kept alive for a captured graph."""
+        params = (c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        self.keep += [params, args]
+        rc = self.lib.cuLaunchKernel(fn, *blocks, *threads, 0, self.stream, ctypes.cast(params, c_void_p), None)
+        self.check(rc, "cuLaunchKernel")
+
+    def capture(self, body) -> c_void_p:
+        """The work `body()` issues on the stream, as an instantiated CUDA graph."""
+        graph, exe = c_void_p(), c_void_p()
+        self.check(self.lib.cuStreamBeginCapture_v2(self.stream, 2), "cuStreamBeginCapture")  # relaxed mode
+        body()
+        self.check(self.lib.cuStreamEndCapture(self.stream, byref(graph)), "cuStreamEndCapture")
+        self.check(self.lib.cuGraphInstantiateWithFlags(byref(exe), graph, 0), "cuGraphInstantiate")
+        return exe
+
+    def pinned(self, nbytes: int) -> c_void_p:
+        ptr = c_void_p()
+        self.check(self.lib.cuMemAllocHost_v2(byref(ptr), nbytes), "cuMemAllocHost")
+        return ptr
+
+    def event(self) -> c_void_p:
+        ev = c_void_p()
+        self.check(self.lib.cuEventCreate(byref(ev), 0), "cuEventCreate")
+        return ev
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        buf = ctypes.create_string_buffer(nbytes)
+        self.check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        self.check(self.lib.cuMemcpyDtoH_v2(buf, address, nbytes), "cuMemcpyDtoH")
+        return buf.raw
+
+
+def addresses(arrays: list[mx.array]) -> list[int]:
+    """Each evaluated array's device address (with its offset), as MLX passes it to a kernel: written out by a
+    kernel of MLX's own, 64 arrays a launch."""
+    found: list[int] = []
+    for start in range(0, len(arrays), 64):
+        chunk = arrays[start:start + 64]
+        names = [f"x{i}" for i in range(len(chunk))]
+        body = "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + "".join(
+            f"  out[{i}] = (unsigned long long)({name});\n" for i, name in enumerate(names)) + "}\n"
+        kernel = mx.fast.cuda_kernel(name=f"mlxcel_addresses_{len(chunk)}", input_names=names, output_names=["out"],
+                                     source=body)
+        (out,) = kernel(inputs=chunk, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(len(chunk),)],
+                        output_dtypes=[mx.uint64])
+        found += out.tolist()
+    return found
+
+
+def engine_tokens(engine: Engine, prompt: list[int], count: int, on_decode=None):
+    """The engine's greedy tokens for `prompt`, `count` of them, and the seconds from the second token to the last."""
+    seq = engine.open(prompt, SamplingParams(max_tokens=count))
+    tokens, t1 = [], None
+    while engine.has_work() and len(tokens) < count:
+        for out in engine.step():
+            if out.finish_reason == "error":
+                raise RuntimeError(out.error)
+            if out.token is not None:
+                tokens.append(out.token)
+                if len(tokens) == 2:
+                    t1 = time.perf_counter()
+        if on_decode is not None and on_decode():
+            return tokens, 0.0, seq
+    return tokens, time.perf_counter() - t1, seq
+
+
+class Recorder:
+    """An op-by-op engine whose decode steps can be recorded: wraps its runner's decode and storage's decode_caches."""
+
+    def __init__(self, model, vocab: int):
+        self.engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, compile_decode=False,
+                                                                          storage="paged"))
+        self.storage = self.engine.storage
+        self.storage.pad_block_tables = True  # one block-table width from 512 to 1024 tokens: one recording serves
+        self.decodes = 0
+        self.launches = None
+        runner, storage = self.engine.runner, self.storage
+        decode, caches = runner.decode, storage.decode_caches
+
+        def counted(seq_ids, tokens, before_trace=None):
+            self.decodes += 1
+            self.token_in = tokens
+            return decode(seq_ids, tokens, before_trace)
+
+        def kept(seq_ids):
+            views = caches(seq_ids)
+            self.step_ints = views[0].slots[0]  # a view at offset 0 of the step's uploaded ints
+            return views
+
+        runner.decode, storage.decode_caches = counted, kept
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-shape", choices=shape_names(), default="llama-3.2-1b")
+    parser.add_argument("--bits", type=int, choices=(4, 8))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
+    parser.add_argument("--warm", type=int, default=4, help="decode steps before the recorded one")
+    parser.add_argument("--no-mlx-lm", action="store_true")
+    args = parser.parse_args(argv)
+    if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
+        print("graph_replay.py needs MLX's CUDA backend", file=sys.stderr)
+        return 1
+    model, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
+    vocab = config["vocab_size"]
+    prompt = random_prompt(vocab, args.prompt_tokens, 0, "graph-replay")
+    total = args.warm + args.tokens + 4
+    print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}")
+
+    # The engine as generate runs it (compiled steps): the reference tokens and speed. Twice: the first compiles.
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1))
+    for _ in range(2):
+        reference, seconds, seq = engine_tokens(engine, prompt, total)
+        engine.release(seq)
+    print(f"mlxcel engine: {(len(reference) - 2) / seconds:.1f} tok/s decode ({len(reference)} tokens)")
+    if not args.no_mlx_lm:
+        import compare_mlx_lm as compare
+        from gpu_profile import mlx_lm_tokens
+
+        theirs = compare.mlx_lm_twin(model, config)
+        for _ in range(2):
+            gen = mlx_lm_tokens(theirs, prompt, 0, total - 1)
+            next(gen)
+            t0 = time.perf_counter()
+            n = sum(1 for _ in gen)
+            mx.synchronize()
+            rate = (n - 1) / (time.perf_counter() - t0)
+        print(f"mlx-lm: {rate:.1f} tok/s decode")
+
+    # 1. Record one decode step.
+    rec = Recorder(model, vocab)
+    tokens, _, seq = engine_tokens(rec.engine, prompt, total, on_decode=lambda: rec.decodes >= args.warm)
+    rec.engine.launcher.wait()
+    with record_launches() as launches:
+        rec.engine.step()
+    rec.engine.launcher.wait()
+    recorded_step = rec.decodes  # this step produced token number `recorded_step` (token 0 is the prefill's)
+    bad = [launch for launch in launches if launch.func is None]
+    if bad or not launches:
+        print(f"cannot replay: {len(bad)} of {len(launches)} launches are not cached kernels")
+        return 1
+    arrays = {id(a): a for launch in launches for a in launch.inputs + launch.outputs}
+    arrays[id(rec.token_in)] = rec.token_in
+    arrays[id(rec.step_ints)] = rec.step_ints
+    arrays = list(arrays.values())
+    mx.eval(arrays)
+    mx.synchronize()
+    where = dict(zip(map(id, arrays), addresses(arrays)))
+    mx.synchronize()
+    greedy = next(launch for launch in reversed(launches) if "greedy" in launch.func)
+    token_out = where[id(greedy.outputs[0])]
+    print(f"recorded step {recorded_step}: {len(launches)} launches, {len(arrays)} arrays, "
+          f"{len({launch.func for launch in launches})} kernels")
+
+    # 2. The graph: the previous token in, then every launch.
+    drv = Driver()
+    token_in = where[id(rec.token_in)]
+
+    def issue():
+        drv.check(drv.lib.cuMemcpyDtoDAsync_v2(token_in, token_out, 4, drv.stream), "cuMemcpyDtoDAsync")
+        for launch in launches:
+            fn = drv.function(launch.func, launch.cubin)
+            ptrs = [ctypes.c_uint64(where[id(a)]) for a in launch.inputs + launch.outputs]
+            blocks = [-(-g // t) for g, t in zip(launch.grid, launch.threadgroup)]
+            drv.launch(fn, blocks, launch.threadgroup, ptrs + [ctypes.c_int(s) for s in launch.scalars])
+
+    graph = drv.capture(issue)
+
+    # 3. Byte-for-byte check of the recorded step. Its token input must hold the token before the recorded one:
+    # the graph copies the output token there first, so the output is set to that token before the replay.
+    outputs = {id(a): a for launch in launches for a in launch.outputs}
+    expected = {k: drv.read(where[k], a.nbytes) for k, a in outputs.items()}
+    previous = drv.read(token_in, 4)
+    for k, a in outputs.items():
+        drv.check(drv.lib.cuMemsetD8Async(where[k], 0, a.nbytes, drv.stream), "cuMemsetD8Async")
+    drv.check(drv.lib.cuMemcpyHtoDAsync_v2(token_out, previous, 4, drv.stream), "cuMemcpyHtoDAsync")
+    drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
+    differ = [k for k, a in outputs.items() if drv.read(where[k], a.nbytes) != expected[k]]
+    print(f"replayed step: {len(outputs) - len(differ)} of {len(outputs)} outputs byte for byte"
+          + (f"; differing: {sorted({launch.func for launch in launches for o in launch.outputs if id(o) in differ})}"
+             if differ else ""))
+
+    # 4. Decode with the graph: the storage's next ints, the graph, the token read one step behind.
+    storage = rec.storage
+    flat, spans = packed_ints(*storage.decode_inputs((seq,)))
+    step_bytes = 4 * len(flat)
+    ints_at = where[id(rec.step_ints)]
+    host_ints = [drv.pinned(step_bytes) for _ in range(2)]
+    host_token = [drv.pinned(4) for _ in range(2)]
+    events = [drv.event() for _ in range(2)]
+    replayed: list[int] = []
+    t1, last = None, 0
+    for k in range(args.tokens + 1):
+        if k:
+            flat_k, spans_k = packed_ints(*storage.decode_inputs((seq,)))
+            if spans_k != spans:
+                print(f"step ints changed layout at token {k}: stopping")
+                break
+            flat = flat_k
+        slot, last = k % 2, k
+        ctypes.memmove(host_ints[slot], (ctypes.c_int32 * len(flat))(*flat), step_bytes)
+        drv.check(drv.lib.cuMemcpyHtoDAsync_v2(ints_at, host_ints[slot], step_bytes, drv.stream), "HtoD")
+        drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
+        drv.check(drv.lib.cuMemcpyDtoHAsync_v2(host_token[slot], token_out, 4, drv.stream), "DtoH")
+        drv.check(drv.lib.cuEventRecord(events[slot], drv.stream), "cuEventRecord")
+        if k:
+            drv.check(drv.lib.cuEventSynchronize(events[1 - slot]), "cuEventSynchronize")
+            replayed.append(ctypes.c_uint32.from_address(host_token[1 - slot].value).value)
+            if k == 1:
+                t1 = time.perf_counter()
+    drv.check(drv.lib.cuEventSynchronize(events[last % 2]), "cuEventSynchronize")
+    replayed.append(ctypes.c_uint32.from_address(host_token[last % 2].value).value)
+    seconds = time.perf_counter() - t1
+    want = reference[recorded_step + 1:recorded_step + 1 + len(replayed)]
+    agree = next((i for i, (a, b) in enumerate(zip(replayed, want)) if a != b), min(len(replayed), len(want)))
+    print(f"graph replay: {(len(replayed) - 1) / seconds:.1f} tok/s decode ({len(replayed)} tokens); greedy tokens "
+          f"agree with the engine's for {agree}/{len(want)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
