@@ -34,11 +34,14 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine.step_inputs import packed_ints  # noqa: E402
 from mlxcel_core.kernels.cubin_cache import record_launches  # noqa: E402
+from mlxcel_core.models import transformer  # noqa: E402
+from mlxcel_core.models.rope import fold_positions  # noqa: E402
 from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
@@ -179,6 +182,16 @@ class Recorder:
             return views
 
         runner.decode, storage.decode_caches = counted, kept
+        # The RoPE fold's positions are MLX ops on the step's offset (models/rope.py), not a cached kernel: the replay
+        # writes them itself (position * scale, float32, what those ops compute for one row).
+        self.positions = []
+
+        def positions(offset, batch, length, scale):
+            out = fold_positions(offset, batch, length, scale)
+            self.positions.append((out, scale))
+            return out
+
+        transformer.fold_positions = positions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,25 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     total = args.warm + args.tokens + 4
     print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}")
 
-    # The engine as generate runs it (compiled steps): the reference tokens and speed. Twice: the first compiles.
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1))
-    for _ in range(2):
-        reference, seconds, seq = engine_tokens(engine, prompt, total)
-        engine.release(seq)
-    print(f"mlxcel engine: {(len(reference) - 2) / seconds:.1f} tok/s decode ({len(reference)} tokens)")
-    if not args.no_mlx_lm:
-        import compare_mlx_lm as compare
-        from gpu_profile import mlx_lm_tokens
+    # The engine as generate runs it (compiled steps) and mlx-lm, measured as compare_mlx_lm.py does: the reference
+    # tokens and speeds. Twice each: the first run compiles.
+    import compare_mlx_lm as compare
 
+    for _ in range(2):
+        ours = compare.run_mlxcel(model, vocab, prompt, total)
+    reference = ours.tokens
+    print(f"mlxcel engine: {ours.decode_tps:.1f} tok/s decode, TTFT {ours.ttft_s * 1e3:.0f} ms")
+    if not args.no_mlx_lm:
         theirs = compare.mlx_lm_twin(model, config)
         for _ in range(2):
-            gen = mlx_lm_tokens(theirs, prompt, 0, total - 1)
-            next(gen)
-            t0 = time.perf_counter()
-            n = sum(1 for _ in gen)
-            mx.synchronize()
-            rate = (n - 1) / (time.perf_counter() - t0)
-        print(f"mlx-lm: {rate:.1f} tok/s decode")
+            run = compare.run_mlx_lm(theirs, prompt, total)
+        print(f"mlx-lm: {run.decode_tps:.1f} tok/s decode, TTFT {run.ttft_s * 1e3:.0f} ms; greedy tokens agree with "
+              f"mlxcel's for {compare.agreeing_prefix(run.tokens, reference)}/{len(reference)}")
 
     # 1. Record one decode step.
     rec = Recorder(model, vocab)
@@ -235,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     arrays = {id(a): a for launch in launches for a in launch.inputs + launch.outputs}
     arrays[id(rec.token_in)] = rec.token_in
     arrays[id(rec.step_ints)] = rec.step_ints
+    step_positions = {id(a): (a, scale) for a, scale in rec.positions[-1:]}
+    arrays.update({k: a for k, (a, _) in step_positions.items()})
     arrays = list(arrays.values())
     mx.eval(arrays)
     mx.synchronize()
@@ -244,6 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     token_out = where[id(greedy.outputs[0])]
     print(f"recorded step {recorded_step}: {len(launches)} launches, {len(arrays)} arrays, "
           f"{len({launch.func for launch in launches})} kernels")
+    # Inputs no recorded launch wrote, small enough to be a step's own (weights and pools are not): the step's ints
+    # (rewritten per token), the RoPE positions (too), anything else would be stale in a replay.
+    base, made = where[id(rec.step_ints)], {id(o) for launch in launches for o in launch.outputs}
+    for a in {id(a): a for launch in launches for a in launch.inputs}.values():
+        if id(a) not in made and a.size <= 64:
+            kind = ("step ints" if base <= where[id(a)] < base + 4 * 64 else
+                    "rope positions" if id(a) in step_positions else "OTHER")
+            print(f"  step input {a.shape} {a.dtype} at +{where[id(a)] - base}: {kind} {a.tolist()}")
 
     # 2. The graph: the previous token in, then every launch.
     drv = Driver()
@@ -280,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ints_at = where[id(rec.step_ints)]
     host_ints = [drv.pinned(step_bytes) for _ in range(2)]
     host_token = [drv.pinned(4) for _ in range(2)]
+    host_positions = [drv.pinned(4) for _ in range(2)]
     events = [drv.event() for _ in range(2)]
     replayed: list[int] = []
     t1, last = None, 0
@@ -293,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         slot, last = k % 2, k
         ctypes.memmove(host_ints[slot], (ctypes.c_int32 * len(flat))(*flat), step_bytes)
         drv.check(drv.lib.cuMemcpyHtoDAsync_v2(ints_at, host_ints[slot], step_bytes, drv.stream), "HtoD")
+        position = flat[spans[3][0]]
+        for a, scale in step_positions.values():
+            value = ctypes.c_float(np.float32(position) * np.float32(scale))
+            ctypes.memmove(host_positions[slot].value, ctypes.addressof(value), 4)
+            drv.check(drv.lib.cuMemcpyHtoDAsync_v2(where[id(a)], host_positions[slot], 4, drv.stream), "HtoD")
         drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
         drv.check(drv.lib.cuMemcpyDtoHAsync_v2(host_token[slot], token_out, 4, drv.stream), "DtoH")
         drv.check(drv.lib.cuEventRecord(events[slot], drv.stream), "cuEventRecord")
@@ -305,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     replayed.append(ctypes.c_uint32.from_address(host_token[last % 2].value).value)
     seconds = time.perf_counter() - t1
     want = reference[recorded_step + 1:recorded_step + 1 + len(replayed)]
-    agree = next((i for i, (a, b) in enumerate(zip(replayed, want)) if a != b), min(len(replayed), len(want)))
+    agree = compare.agreeing_prefix(replayed, want)
+    print(f"first tokens: replay {replayed[:6]}, engine {want[:6]}")
     print(f"graph replay: {(len(replayed) - 1) / seconds:.1f} tok/s decode ({len(replayed)} tokens); greedy tokens "
           f"agree with the engine's for {agree}/{len(want)}")
     return 0
