@@ -141,6 +141,18 @@ def addresses(arrays: list[mx.array]) -> list[int]:
     return found
 
 
+def write_step_inputs(drv: Driver, flat: list[int], position: int, ints_at: int, position_slots: list, host_ints,
+                      host_position) -> None:
+    """Queue the copies of a step's ints and RoPE positions (through pinned buffers, which must stay unchanged
+    until the copies ran)."""
+    ctypes.memmove(host_ints, (ctypes.c_int32 * len(flat))(*flat), 4 * len(flat))
+    drv.check(drv.lib.cuMemcpyHtoDAsync_v2(ints_at, host_ints, 4 * len(flat), drv.stream), "cuMemcpyHtoDAsync")
+    for address, scale in position_slots:  # (device address, RoPE scale)
+        value = ctypes.c_float(np.float32(position) * np.float32(scale))
+        ctypes.memmove(host_position, ctypes.addressof(value), 4)
+        drv.check(drv.lib.cuMemcpyHtoDAsync_v2(address, host_position, 4, drv.stream), "cuMemcpyHtoDAsync")
+
+
 def engine_tokens(engine: Engine, prompt: list[int], count: int, on_decode=None):
     """The engine's greedy tokens for `prompt`, `count` of them, and the seconds from the second token to the last."""
     seq = engine.open(prompt, SamplingParams(max_tokens=count))
@@ -181,7 +193,13 @@ class Recorder:
             self.step_ints = views[0].slots[0]  # a view at offset 0 of the step's uploaded ints
             return views
 
-        runner.decode, storage.decode_caches = counted, kept
+        inputs = storage.decode_inputs
+
+        def advanced(seq_ids):
+            self.parts = inputs(seq_ids)
+            return self.parts
+
+        runner.decode, storage.decode_caches, storage.decode_inputs = counted, kept, advanced
         # The RoPE fold's positions are MLX ops on the step's offset (models/rope.py), not a cached kernel: the replay
         # writes them itself (position * scale, float32, what those ops compute for one row).
         self.positions = []
@@ -250,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     mx.synchronize()
     where = dict(zip(map(id, arrays), addresses(arrays)))
     mx.synchronize()
+    position_slots = [(where[k], scale) for k, (_, scale) in step_positions.items()]
     greedy = next(launch for launch in reversed(launches) if "greedy" in launch.func)
     token_out = where[id(greedy.outputs[0])]
     print(f"recorded step {recorded_step}: {len(launches)} launches, {len(arrays)} arrays, "
@@ -291,11 +310,38 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; differing: {sorted({launch.func for launch in launches for o in launch.outputs if id(o) in differ})}"
              if differ else ""))
 
-    # 4. Decode with the graph: the storage's next ints, the graph, the token read one step behind.
-    storage = rec.storage
-    flat, spans = packed_ints(*storage.decode_inputs((seq,)))
-    step_bytes = 4 * len(flat)
+    # 4. The next step by MLX, then by the graph (the storage's ints and the positions written by the host, the
+    # token copied on the device): launch by launch, each output must be the same bytes.
+    with record_launches() as following:
+        rec.engine.step()
+    rec.engine.launcher.wait()
+    recorded_step = rec.decodes
+    flat, spans = packed_ints(*rec.parts)
+    theirs = list({id(a): a for launch in following for a in launch.outputs}.values())
+    mx.eval(theirs)
+    mx.synchronize()
+    their_at = dict(zip(map(id, theirs), addresses(theirs)))
+    mx.synchronize()
     ints_at = where[id(rec.step_ints)]
+    position = flat[spans[3][0]]
+    write_step_inputs(drv, flat, position, ints_at, position_slots, drv.pinned(4 * len(flat)), drv.pinned(4))
+    drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
+    first_bad = None
+    for i, (mine, other) in enumerate(zip(launches, following)):
+        same = all(drv.read(where[id(a)], a.nbytes) == drv.read(their_at[id(b)], b.nbytes)
+                   for a, b in zip(mine.outputs, other.outputs))
+        if not same and first_bad is None:
+            first_bad = (i, mine.func)
+    print(f"step {recorded_step} by MLX ({len(following)} launches) and by the graph: "
+          + ("every output the same" if first_bad is None else f"first differing launch {first_bad}")
+          + f"; ints {flat[:6]}..., position {position} (MLX's positions {rec.positions[-1][0].tolist()})")
+    their_greedy = next(launch for launch in reversed(following) if "greedy" in launch.func)
+    print(f"  its token: MLX {their_greedy.outputs[0].tolist()}, graph {list(drv.read(token_out, 4))} (bytes), "
+          f"the engine's (compiled) {reference[recorded_step]}")
+
+    # 5. Decode with the graph: the storage's next ints, the graph, the token read one step behind.
+    storage = rec.storage
+    step_bytes = 4 * len(flat)
     host_ints = [drv.pinned(step_bytes) for _ in range(2)]
     host_token = [drv.pinned(4) for _ in range(2)]
     host_positions = [drv.pinned(4) for _ in range(2)]
@@ -303,20 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     replayed: list[int] = []
     t1, last = None, 0
     for k in range(args.tokens + 1):
-        if k:
-            flat_k, spans_k = packed_ints(*storage.decode_inputs((seq,)))
-            if spans_k != spans:
-                print(f"step ints changed layout at token {k}: stopping")
-                break
-            flat = flat_k
+        flat_k, spans_k = packed_ints(*storage.decode_inputs((seq,)))
+        if spans_k != spans:
+            print(f"step ints changed layout at token {k}: stopping")
+            break
+        flat = flat_k
         slot, last = k % 2, k
-        ctypes.memmove(host_ints[slot], (ctypes.c_int32 * len(flat))(*flat), step_bytes)
-        drv.check(drv.lib.cuMemcpyHtoDAsync_v2(ints_at, host_ints[slot], step_bytes, drv.stream), "HtoD")
-        position = flat[spans[3][0]]
-        for a, scale in step_positions.values():
-            value = ctypes.c_float(np.float32(position) * np.float32(scale))
-            ctypes.memmove(host_positions[slot].value, ctypes.addressof(value), 4)
-            drv.check(drv.lib.cuMemcpyHtoDAsync_v2(where[id(a)], host_positions[slot], 4, drv.stream), "HtoD")
+        write_step_inputs(drv, flat, flat[spans[3][0]], ints_at, position_slots, host_ints[slot], host_positions[slot])
         drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
         drv.check(drv.lib.cuMemcpyDtoHAsync_v2(host_token[slot], token_out, 4, drv.stream), "DtoH")
         drv.check(drv.lib.cuEventRecord(events[slot], drv.stream), "cuEventRecord")
