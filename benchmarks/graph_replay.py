@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     where = dict(zip(map(id, arrays), addresses(arrays)))
     mx.synchronize()
     position_slots = [(where[k], scale) for k, (_, scale) in step_positions.items()]
+    ints_at = where[id(rec.step_ints)]
     greedy = next(launch for launch in reversed(launches) if "greedy" in launch.func)
     token_out = where[id(greedy.outputs[0])]
     print(f"recorded step {recorded_step}: {len(launches)} launches, {len(arrays)} arrays, "
@@ -322,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     mx.synchronize()
     their_at = dict(zip(map(id, theirs), addresses(theirs)))
     mx.synchronize()
-    ints_at = where[id(rec.step_ints)]
     position = flat[spans[3][0]]
     write_step_inputs(drv, flat, position, ints_at, position_slots, drv.pinned(4 * len(flat)), drv.pinned(4))
     drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
