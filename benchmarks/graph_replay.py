@@ -283,6 +283,28 @@ def main(argv: list[str] | None = None) -> int:
                     "rope positions" if id(a) in step_positions else "OTHER")
             print(f"  step input {a.shape} {a.dtype} at +{where[id(a)] - base}: {kind} {a.tolist()}")
 
+    # Where each launch's inputs come from: an earlier launch's output, the model's weights, the KV pools and combine
+    # counters, the step's ints, positions or token. Anything else was made by MLX in the step (a copy, say) and
+    # would be stale in a replay.
+    from mlx.utils import tree_flatten
+
+    held = [a for _, a in tree_flatten(model.parameters())]
+    held += [a for pools in rec.storage.pools if pools for a in pools]
+    held += [a for a in rec.storage.combine_counters if a is not None]
+    held_at = set(addresses(held))
+    spans_out = []
+    foreign = 0
+    for i, launch in enumerate(launches):
+        for j, a in enumerate(launch.inputs):
+            at = where[id(a)]
+            known = (at in held_at or id(a) in step_positions or at == where[id(rec.token_in)]
+                     or base <= at < base + 4 * 64 or any(lo <= at < hi for lo, hi in spans_out))
+            if not known:
+                foreign += 1
+                print(f"  launch {i} {launch.func[:40]} input {j}: {a.shape} {a.dtype} made by MLX in the step")
+        spans_out += [(where[id(o)], where[id(o)] + o.nbytes) for o in launch.outputs]
+    print(f"inputs made by MLX in the step (stale in a replay): {foreign}")
+
     # 2. The graph: the previous token in, then every launch.
     drv = Driver()
     token_in = where[id(rec.token_in)]
