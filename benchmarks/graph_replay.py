@@ -348,15 +348,31 @@ def main(argv: list[str] | None = None) -> int:
     position = flat[spans[3][0]]
     write_step_inputs(drv, flat, position, ints_at, position_slots, drv.pinned(4 * len(flat)), drv.pinned(4))
     drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
-    first_bad = None
+    first_bad, bad = None, []
     for i, (mine, other) in enumerate(zip(launches, following)):
         same = all(drv.read(where[id(a)], a.nbytes) == drv.read(their_at[id(b)], b.nbytes)
                    for a, b in zip(mine.outputs, other.outputs))
-        if not same and first_bad is None:
-            first_bad = (i, mine.func)
+        if not same:
+            bad.append(i)
+            first_bad = first_bad or (i, mine.func)
     print(f"step {recorded_step} by MLX ({len(following)} launches) and by the graph: "
           + ("every output the same" if first_bad is None else f"first differing launch {first_bad}")
           + f"; ints {flat[:6]}..., position {position} (MLX's positions {rec.positions[-1][0].tolist()})")
+    if bad:
+        i = bad[0]
+        mine, other = launches[i], following[i]
+        print(f"  differing launches: {bad}")
+        for a, b in zip(mine.outputs, other.outputs):
+            x, y = drv.read(where[id(a)], a.nbytes), drv.read(their_at[id(b)], b.nbytes)
+            diff = [k for k in range(len(x)) if x[k] != y[k]]
+            print(f"  launch {i} output {a.shape} {a.dtype}: {len(diff)} of {len(x)} bytes differ"
+                  + (f", from byte {diff[0]} to {diff[-1]}" if diff else ""))
+        mx.eval(other.inputs)
+        their_in = addresses(other.inputs)
+        for j, (a, at) in enumerate(zip(mine.inputs, their_in)):
+            same = drv.read(where[id(a)], a.nbytes) == drv.read(at, a.nbytes)
+            print(f"  launch {i} input {j} {a.shape} {a.dtype}: {'same' if same else 'DIFFERS'} "
+                  f"({'same buffer' if where[id(a)] == at else 'other buffers'})")
     their_greedy = next(launch for launch in reversed(following) if "greedy" in launch.func)
     print(f"  its token: MLX {their_greedy.outputs[0].tolist()}, graph {list(drv.read(token_out, 4))} (bytes), "
           f"the engine's (compiled) {reference[recorded_step]}")
