@@ -124,7 +124,7 @@ class Driver:
         return buf.raw
 
 
-def addresses(arrays: list[mx.array]) -> list[int]:
+def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> list[int]:
     """Each evaluated array's device address (with its offset), as MLX passes it to a kernel: written out by a
     kernel of MLX's own, 64 arrays a launch."""
     found: list[int] = []
@@ -136,7 +136,7 @@ def addresses(arrays: list[mx.array]) -> list[int]:
         kernel = mx.fast.cuda_kernel(name=f"mlxcel_addresses_{len(chunk)}", input_names=names, output_names=["out"],
                                      source=body)
         (out,) = kernel(inputs=chunk, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(len(chunk),)],
-                        output_dtypes=[mx.uint64])
+                        output_dtypes=[mx.uint64], ensure_row_contiguous=ensure_row_contiguous)
         found += out.tolist()
     return found
 
@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  launch {i} {launch.func[:40]} input {j}: {a.shape} {a.dtype} made by MLX in the step")
         spans_out += [(where[id(o)], where[id(o)] + o.nbytes) for o in launch.outputs]
     print(f"inputs made by MLX in the step (stale in a replay): {foreign}")
+    launch_inputs = list({id(a): a for launch in launches for a in launch.inputs}.values())
+    copied = [a for a, at in zip(launch_inputs, addresses(launch_inputs, ensure_row_contiguous=True))
+              if at != where[id(a)]]
+    print(f"inputs MLX copies before a launch (not row-contiguous): {[(a.shape, a.dtype) for a in copied]}")
 
     # 2. The graph: the previous token in, then every launch.
     drv = Driver()
