@@ -133,10 +133,10 @@ def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> li
         names = [f"x{i}" for i in range(len(chunk))]
         body = "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + "".join(
             f"  out[{i}] = (unsigned long long)({name});\n" for i, name in enumerate(names)) + "}\n"
-        kernel = mx.fast.cuda_kernel(name=f"mlxcel_addresses_{len(chunk)}", input_names=names, output_names=["out"],
-                                     source=body)
+        kernel = mx.fast.cuda_kernel(name=f"mlxcel_addresses_{len(chunk)}_{int(ensure_row_contiguous)}", input_names=names, output_names=["out"],
+                                     source=body, ensure_row_contiguous=ensure_row_contiguous)
         (out,) = kernel(inputs=chunk, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(len(chunk),)],
-                        output_dtypes=[mx.uint64], ensure_row_contiguous=ensure_row_contiguous)
+                        output_dtypes=[mx.uint64])
         found += out.tolist()
     return found
 
