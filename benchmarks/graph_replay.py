@@ -1,24 +1,21 @@
-"""A batch-1 decode step replayed as one CUDA graph of our own kernels, outside MLX (CUDA only; an experiment).
+"""A batch-1 decode step replayed as one CUDA graph of our own kernels, outside MLX, checked launch by launch (CUDA
+only): the experiment behind engine/graph_decode.py (MLXCEL_CUDA_GRAPH=1), kept as its byte-level check.
 
     python benchmarks/graph_replay.py --model-shape llama-3.2-1b --bits 4 [--tokens 128]
 
-Why: the 1B step is host-bound (benchmarks/RESULTS.md: 0.89 ms of GPU work in 1.4-1.5 ms a token; the host builds
-the step's MLX graph and MLX encodes ~88 kernel nodes into CUDA graphs every token). Every launch of such a step is
-one of our cached kernels (kernels/cubin_cache.py), so the step can be recorded once and replayed by the CUDA driver
-with no MLX work a token: this measures what that would give before the engine is built around it.
-
 1. An engine with op-by-op decode steps (the Python of each step runs, so `record_launches` sees every launch)
-   decodes a few tokens of a random prompt; one more step is recorded: each launch's cubin, function, grid and
-   arrays. Any launch that was not a cached kernel (or used `init_value`) stops the experiment.
+   decodes a few tokens of a random prompt; one more step is recorded, its final RMSNorm as a kernel of ours
+   (`rms_norm.final_norm_as_kernel`): each launch's cubin, function, grid and arrays. The inputs made by MLX in the
+   step (stale in a replay) and those MLX copies before a launch are listed.
 2. The recorded arrays' device addresses are read (one MLX kernel writes them out), the cubins are loaded with the
    driver API, and the launches are captured into one CUDA graph, after a device-to-device copy of the step's output
    token into its input token.
 3. Check: every recorded output buffer is zeroed, the graph replayed once with the recorded step's inputs, and each
-   output must come back byte for byte.
-4. Real decoding: per token the host writes the step's ints (slot, block table, position, context length: the
-   storage's `decode_inputs`, the values `int_views` would upload) into the step's input buffer, launches the graph and
-   reads the token one step behind. The tokens are compared with the engine's own (compiled steps, the default), and
-   decode speed is reported beside the engine's and mlx-lm's in the same process.
+   output must come back byte for byte. Then MLX runs the next step and the graph replays it (the host writing the
+   storage's ints and the RoPE position): each launch's outputs are compared byte for byte.
+4. Real decoding: per token the host writes the step's ints and position, launches the graph and reads the token one
+   step behind. The tokens are compared with the engine's own (compiled steps, the default), and decode speed is
+   reported beside the engine's and mlx-lm's in the same process.
 """
 
 from __future__ import annotations
@@ -40,105 +37,13 @@ from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # n
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine.step_inputs import packed_ints  # noqa: E402
 from mlxcel_core.kernels.cubin_cache import record_launches  # noqa: E402
+from mlxcel_core.kernels.cuda_driver import Driver, addresses  # noqa: E402
+from mlxcel_core.kernels.rms_norm import final_norm_as_kernel  # noqa: E402
 from mlxcel_core.models import transformer  # noqa: E402
 from mlxcel_core.models.rope import fold_positions  # noqa: E402
 from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
-c_void_p, c_uint, c_size_t, byref = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.byref
-
-
-class Driver:
-    """The few CUDA driver calls a graph replay needs, on MLX's (primary) context and a stream of our own."""
-
-    def __init__(self):
-        self.lib = lib = ctypes.CDLL("libcuda.so.1")
-        lib.cuLaunchKernel.argtypes = [c_void_p] + [c_uint] * 7 + [c_void_p, c_void_p, c_void_p]
-        lib.cuMemsetD8Async.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, c_size_t, c_void_p]
-        lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, c_size_t, c_void_p]
-        lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, c_void_p, c_size_t, c_void_p]
-        lib.cuMemcpyDtoHAsync_v2.argtypes = [c_void_p, ctypes.c_uint64, c_size_t, c_void_p]
-        lib.cuMemcpyDtoH_v2.argtypes = [c_void_p, ctypes.c_uint64, c_size_t]
-        lib.cuGraphInstantiateWithFlags.argtypes = [c_void_p, c_void_p, ctypes.c_ulonglong]
-        lib.cuGraphLaunch.argtypes = [c_void_p, c_void_p]
-        for name in ("cuStreamSynchronize", "cuEventRecord", "cuEventSynchronize"):
-            getattr(lib, name).argtypes = [c_void_p] * (2 if name == "cuEventRecord" else 1)
-        self.check(lib.cuInit(0), "cuInit")
-        ctx = c_void_p()
-        self.check(lib.cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
-        if not ctx.value:
-            dev = ctypes.c_int()
-            self.check(lib.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
-            self.check(lib.cuDevicePrimaryCtxRetain(byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-            self.check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        self.stream = c_void_p()
-        self.check(lib.cuStreamCreate(byref(self.stream), 1), "cuStreamCreate")  # non-blocking
-        self.functions: dict[str, c_void_p] = {}
-        self.keep: list = []  # ctypes buffers a captured graph points into
-
-    def check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            text = ctypes.c_char_p()
-            self.lib.cuGetErrorString(rc, byref(text))
-            raise RuntimeError(f"{what}: CUDA error {rc} ({(text.value or b'?').decode()})")
-
-    def function(self, name: str, cubin: bytes) -> c_void_p:
-        if name not in self.functions:
-            module, fn = c_void_p(), c_void_p()
-            self.keep.append(cubin)
-            self.check(self.lib.cuModuleLoadData(byref(module), cubin), f"cuModuleLoadData {name}")
-            self.check(self.lib.cuModuleGetFunction(byref(fn), module, name.encode()), f"cuModuleGetFunction {name}")
-            self.functions[name] = fn
-        return self.functions[name]
-
-    def launch(self, fn, blocks, threads, args: list) -> None:
-        """`args`: ctypes values (c_uint64 addresses, c_int scalars), kept alive for a captured graph."""
-        params = (c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        self.keep += [params, args]
-        rc = self.lib.cuLaunchKernel(fn, *blocks, *threads, 0, self.stream, ctypes.cast(params, c_void_p), None)
-        self.check(rc, "cuLaunchKernel")
-
-    def capture(self, body) -> c_void_p:
-        """The work `body()` issues on the stream, as an instantiated CUDA graph."""
-        graph, exe = c_void_p(), c_void_p()
-        self.check(self.lib.cuStreamBeginCapture_v2(self.stream, 2), "cuStreamBeginCapture")  # relaxed mode
-        body()
-        self.check(self.lib.cuStreamEndCapture(self.stream, byref(graph)), "cuStreamEndCapture")
-        self.check(self.lib.cuGraphInstantiateWithFlags(byref(exe), graph, 0), "cuGraphInstantiate")
-        return exe
-
-    def pinned(self, nbytes: int) -> c_void_p:
-        ptr = c_void_p()
-        self.check(self.lib.cuMemAllocHost_v2(byref(ptr), nbytes), "cuMemAllocHost")
-        return ptr
-
-    def event(self) -> c_void_p:
-        ev = c_void_p()
-        self.check(self.lib.cuEventCreate(byref(ev), 0), "cuEventCreate")
-        return ev
-
-    def read(self, address: int, nbytes: int) -> bytes:
-        buf = ctypes.create_string_buffer(nbytes)
-        self.check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-        self.check(self.lib.cuMemcpyDtoH_v2(buf, address, nbytes), "cuMemcpyDtoH")
-        return buf.raw
-
-
-def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> list[int]:
-    """Each evaluated array's device address (with its offset), as MLX passes it to a kernel: written out by a
-    kernel of MLX's own, 64 arrays a launch."""
-    found: list[int] = []
-    for start in range(0, len(arrays), 64):
-        chunk = arrays[start:start + 64]
-        names = [f"x{i}" for i in range(len(chunk))]
-        body = "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + "".join(
-            f"  out[{i}] = (unsigned long long)({name});\n" for i, name in enumerate(names)) + "}\n"
-        kernel = mx.fast.cuda_kernel(name=f"mlxcel_addresses_{len(chunk)}_{int(ensure_row_contiguous)}", input_names=names, output_names=["out"],
-                                     source=body, ensure_row_contiguous=ensure_row_contiguous)
-        (out,) = kernel(inputs=chunk, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(len(chunk),)],
-                        output_dtypes=[mx.uint64])
-        found += out.tolist()
-    return found
 
 
 def write_step_inputs(drv: Driver, flat: list[int], position: int, ints_at: int, position_slots: list, host_ints,
@@ -151,30 +56,6 @@ def write_step_inputs(drv: Driver, flat: list[int], position: int, ints_at: int,
         value = ctypes.c_float(np.float32(position) * np.float32(scale))
         ctypes.memmove(host_position, ctypes.addressof(value), 4)
         drv.check(drv.lib.cuMemcpyHtoDAsync_v2(address, host_position, 4, drv.stream), "cuMemcpyHtoDAsync")
-
-
-RMS_NORM = r"""
-extern "C" __global__ void mlxcel_replay_rms_norm(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
-                                                  int n, float eps) {
-  __shared__ float part[32];
-  float s = 0.f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) { float v = __bfloat162float(x[i]); s += v * v; }
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float t = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    if (threadIdx.x == 0) part[0] = t;
-  }
-  __syncthreads();
-  const float r = rsqrtf(part[0] / n + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {  // MLX's order: T(x * r), then times the weight
-    const __nv_bfloat16 t = __float2bfloat16(__bfloat162float(x[i]) * r);
-    y[i] = __float2bfloat16(__bfloat162float(t) * __bfloat162float(w[i]));
-  }
-}
-"""
 
 
 def engine_tokens(engine: Engine, prompt: list[int], count: int, on_decode=None):
@@ -274,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(model, vocab)
     tokens, _, seq = engine_tokens(rec.engine, prompt, total, on_decode=lambda: rec.decodes >= args.warm)
     rec.engine.launcher.wait()
-    with record_launches() as launches:
+    with record_launches() as launches, final_norm_as_kernel():  # the final RMSNorm as a kernel of ours
         rec.engine.step()
     rec.engine.launcher.wait()
     recorded_step = rec.decodes  # this step produced token number `recorded_step` (token 0 is the prefill's)
@@ -337,24 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     drv = Driver()
     token_in = where[id(rec.token_in)]
 
-    # The model's final RMSNorm is MLX's op (launch -2, the LM head, reads it): a kernel of ours stands in for it.
-    from mlxcel_core.kernels import cubin_cache
-
-    final_norm = model.model.norm
-    hidden, normed = launches[-3].outputs[0], launches[-2].inputs[0]
-    norm_fn = drv.function("mlxcel_replay_rms_norm", cubin_cache.compile_cubin(
-        cubin_cache.PRELUDE + RMS_NORM, "mlxcel_replay_rms_norm", cubin_cache.gpu_architecture()))
-    mx.eval(final_norm.weight)
-    norm_w = addresses([final_norm.weight])[0]
-    print(f"final norm: {hidden.shape} -> {normed.shape}, eps {final_norm.eps}")
-
     def issue():
         drv.check(drv.lib.cuMemcpyDtoDAsync_v2(token_in, token_out, 4, drv.stream), "cuMemcpyDtoDAsync")
-        for i, launch in enumerate(launches):
-            if i == len(launches) - 2:
-                drv.launch(norm_fn, [1, 1, 1], [1024, 1, 1],
-                           [ctypes.c_uint64(where[id(hidden)]), ctypes.c_uint64(norm_w),
-                            ctypes.c_uint64(where[id(normed)]), ctypes.c_int(normed.size), ctypes.c_float(final_norm.eps)])
+        for launch in launches:
             fn = drv.function(launch.func, launch.cubin)
             ptrs = [ctypes.c_uint64(where[id(a)]) for a in launch.inputs + launch.outputs]
             blocks = [-(-g // t) for g, t in zip(launch.grid, launch.threadgroup)]
@@ -378,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. The next step by MLX, then by the graph (the storage's ints and the positions written by the host, the
     # token copied on the device): launch by launch, each output must be the same bytes.
-    with record_launches() as following:
+    with record_launches() as following, final_norm_as_kernel():
         rec.engine.step()
     rec.engine.launcher.wait()
     recorded_step = rec.decodes

@@ -30,6 +30,8 @@
 #   bash benchmarks/h200_kernels.sh sweep      # launch configurations inside 8B decodes (16-bit kernel on bf16, 4-bit
 #                                              # kernel on 4-bit): each mode's GPU time per configuration
 #   bash benchmarks/h200_kernels.sh sweep1b    # the same for the 1B 4-bit decode (not yet run): the unmet 2x target
+#   bash benchmarks/h200_kernels.sh graph      # MLXCEL_CUDA_GRAPH=1 (engine/graph_decode.py): its GPU test (the plain
+#                                              # engine's greedy tokens, replaying), then compare_mlx_lm 1B 4-bit with it
 #   bash benchmarks/h200_kernels.sh kv SHAPE.. # compare_mlx_lm per shape (default "llama-3-8b --dtype bfloat16";
 #                                              # two shapes fit a call), KV written by scatter ops
 #                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (the default)
@@ -198,6 +200,11 @@ for line in sys.stdin:
     # thread: about two waves of blocks. Candidates with fewer, fuller blocks or both rounds of K in flight:
     timeout 280 python benchmarks/inmodel_sweep.py --model-shape llama-3.2-1b --bits 4 --configs 4,1,1 8,1,1 8,2,1 \
       4,2,1 4,1,2 8,1,2 2,2,1 4,4,1 2>&1 | grep -vi "warn" ;;
+  graph)
+    timeout 200 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/engine/test_graph_decode.py --tb=short -rf \
+      2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
+    MLXCEL_CUDA_GRAPH=1 timeout 200 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --bits 4 $A \
+      --rounds 2 2>&1 | grep -E "round|median decode|graph|Error" ;;
   kv)
     shift
     bash "$0" gate MLXCEL_KV_IN_KERNEL "${@:-llama-3-8b --dtype bfloat16}" ;;

@@ -27,7 +27,11 @@ from ..models.base import CausalLM
 from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
+from ..kernels import cubin_cache
+from ..kv.cuda_paged_attention import cuda_kernel_available
 from .compiled_decode import compile_enabled
+from .graph_decode import GraphDecoder
+from .graph_decode import requested as graph_requested
 from .launcher import launch_thread_requested, make_launcher, settle
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, SchedulerConfig
@@ -109,6 +113,12 @@ class Engine:
         self.launcher = make_launcher(self._threaded)
         if self._threaded:
             settle(model)
+        # MLXCEL_CUDA_GRAPH=1: a lone greedy row's decode steps replayed as one CUDA graph (graph_decode.py)
+        self.graph: GraphDecoder | None = None
+        if (graph_requested() and cuda_kernel_available() and cubin_cache.enabled() and not self._threaded
+                and self.config.resolved_storage == "paged" and self.config.kv_bits is None
+                and self.config.speculative is None and not is_launched()):
+            self.graph = GraphDecoder(model, self.storage)
         self._steady_rows: tuple[int, ...] | None = None  # the last step's rows when it only decoded them
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
@@ -177,6 +187,8 @@ class Engine:
     def _step(self) -> list[StepOutput]:
         if self.mirror is not None:
             self.mirror.before_step()
+        if self.graph is not None and self.scheduler.num_waiting:
+            self.graph.settle()  # admitting a sequence sets up its storage
         # A sequence decoding alone speculates (speculative.py); drafting needs every token so far on the host.
         speculate = self.speculator is not None and sum(1 for _ in self._live()) == 1
         sync = not self.lookahead or speculate or any(s.params.needs_history for s in self._live())
@@ -185,6 +197,9 @@ class Engine:
             self.launcher.wait()
             outputs = self._commit(keep=0)
         batch = self.scheduler.schedule()
+        graph_row = self._graph_row(batch, sync or speculate)
+        if self.graph is not None and graph_row is None:
+            self.graph.settle()  # MLX runs this step: the replayed steps before it first
         # Overlap (threaded launcher): the same rows decode again and nothing else, so building this step
         # evaluates nothing on this thread (a first decode traces, a prefill chunk evaluates its caches).
         rows = tuple(batch.decode)
@@ -199,6 +214,8 @@ class Engine:
         speculated = self._speculate(self._sequences[batch.decode[0]]) if speculate and batch.decode else None
         if speculated is not None:
             outputs += speculated
+        elif graph_row is not None:
+            outputs += self._graph_decode(graph_row, produced)
         elif batch.decode:
             tokens = mx.concatenate([self._latest[s] for s in batch.decode])  # one row: the array itself
             before_trace = self.launcher.wait if overlap else None  # a trace must not run beside a launch
@@ -220,8 +237,10 @@ class Engine:
             outputs += self._run((work.seq_id,), produced, run, sample=work.last)
         # The host reads this step's rows as one vector (-1: NaN logits), built and scheduled now with the step:
         # made later in _commit it would queue behind the next step's forward and wait for it (no overlap).
-        readout = mx.concatenate([s.readout for s in produced.values()]) if produced else None
+        readouts = [s.readout for s in produced.values()]
+        readout = (readouts[0] if len(readouts) == 1 else mx.concatenate(readouts)) if produced else None
         arrays = [a for sampled in produced.values() for a in sampled.arrays()] + ([readout] if produced else [])
+        arrays = [a for a in arrays if isinstance(a, mx.array)]  # a replayed step's readout is the host's
         if overlap:
             self.launcher.wait()  # the previous step is encoded: this thread may read
             outputs += self._commit(keep=1)  # the step before it (the device holds the previous one)
@@ -328,6 +347,23 @@ class Engine:
             if outputs[-1].finished:
                 break
         return outputs
+
+    def _graph_row(self, batch, sync: bool) -> int | None:
+        """The row whose decode step this is, where it can be a replayed CUDA graph: one plain-greedy row decoding
+        alone, nothing else in the step."""
+        if (self.graph is None or not self.graph.usable or sync or self.mirror is not None or len(batch.decode) != 1
+                or batch.prefill is not None or batch.together or batch.cancelled):
+            return None
+        params = self._sequences[batch.decode[0]].params
+        return batch.decode[0] if params.plain_greedy and params.logprobs is None else None
+
+    def _graph_decode(self, seq_id: int, produced: dict) -> list[StepOutput]:
+        try:
+            token, readout = self.graph.decode(seq_id, self._latest[seq_id])
+        except Exception as exc:  # the model, the storage or the driver failed: this row ends
+            return [self._end(self._sequences[seq_id], "error", None, f"{type(exc).__name__}: {exc}")]
+        produced[seq_id] = _Sampled(token, readout)
+        return []
 
     def _commit(self, keep: int) -> list[StepOutput]:
         """Read the submitted steps, oldest first, until `keep` are left unread."""

@@ -111,8 +111,12 @@ class PagedStorage:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
 
     def decode_caches(self, seq_ids) -> list["DecodeView"]:
+        return self.decode_views(self.decode_inputs(seq_ids))
+
+    def decode_views(self, parts: tuple) -> list["DecodeView"]:
+        """Per-layer caches of a decode step whose rows `decode_inputs` advanced (`parts`: what it returned)."""
         self.submit_in_place_writes()
-        slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(*self.decode_inputs(seq_ids))
+        slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(*parts)
         return [DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
                 for layer in range(len(self.pools))]
 

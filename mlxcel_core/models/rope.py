@@ -166,7 +166,8 @@ def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
     cached = getattr(rope, "_fold_inv_freq", None)
     if cached is None:
         if rope._periods is not None:
-            cached = (1.0 / rope._periods).astype(mx.float32)
+            # contiguous: MLX copied the strided result before every launch that read it (16 copies a 1B step)
+            cached = mx.contiguous((1.0 / rope._periods).astype(mx.float32))
         else:
             exponents = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
             cached = mx.array((rope.base ** -exponents).astype(np.float32))
@@ -187,6 +188,13 @@ def _ramp(n: int) -> mx.array:
     ramp = mx.arange(n, dtype=mx.float32)
     mx.eval(ramp)
     return ramp
+
+
+def last_positions(offset: mx.array) -> tuple[mx.array, float] | None:
+    """(positions, scale) that `fold_positions` last made from `offset` (this very array), or None."""
+    if _last_positions is not None and _last_positions[0] is offset:
+        return _last_positions[2], _last_positions[1][2]
+    return None
 
 
 def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float) -> mx.array:

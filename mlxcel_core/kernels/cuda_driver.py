@@ -1,0 +1,143 @@
+"""The few CUDA driver calls that replay our kernels outside MLX (engine/graph_decode.py, benchmarks/graph_replay.py):
+load a cubin, launch a function, capture launches into a CUDA graph and launch it, copy a few bytes.
+
+Through ctypes on libcuda, on the context MLX made current (the device's primary context), with a stream of our own.
+CUDA only; nothing here runs on import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import mlx.core as mx
+
+c_void_p, c_uint, c_size_t, c_uint64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_uint64
+byref = ctypes.byref
+CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed: MLX's own calls on its threads are not part of a capture
+
+
+class Driver:
+    def __init__(self):
+        self.lib = lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernel.argtypes = [c_void_p] + [c_uint] * 7 + [c_void_p, c_void_p, c_void_p]
+        lib.cuMemsetD8Async.argtypes = [c_uint64, ctypes.c_ubyte, c_size_t, c_void_p]
+        lib.cuMemcpyDtoDAsync_v2.argtypes = [c_uint64, c_uint64, c_size_t, c_void_p]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [c_uint64, c_void_p, c_size_t, c_void_p]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [c_void_p, c_uint64, c_size_t, c_void_p]
+        lib.cuMemcpyDtoH_v2.argtypes = [c_void_p, c_uint64, c_size_t]
+        lib.cuGraphInstantiateWithFlags.argtypes = [c_void_p, c_void_p, ctypes.c_ulonglong]
+        lib.cuGraphLaunch.argtypes = [c_void_p, c_void_p]
+        lib.cuEventRecord.argtypes = [c_void_p, c_void_p]
+        for name in ("cuStreamSynchronize", "cuEventSynchronize", "cuGraphExecDestroy", "cuGraphDestroy"):
+            getattr(lib, name).argtypes = [c_void_p]
+        self.check(lib.cuInit(0), "cuInit")
+        ctx = c_void_p()
+        self.check(lib.cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:  # this thread has not used CUDA through the runtime yet: the device's primary context
+            dev = ctypes.c_int()
+            self.check(lib.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
+            self.check(lib.cuDevicePrimaryCtxRetain(byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self.check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self.stream = c_void_p()
+        self.check(lib.cuStreamCreate(byref(self.stream), 1), "cuStreamCreate")  # 1: non-blocking
+        self.functions: dict[str, c_void_p] = {}
+        self.modules: list[bytes] = []  # the loaded cubins' bytes
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            text = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, byref(text))
+            raise RuntimeError(f"{what}: CUDA error {rc} ({(text.value or b'?').decode()})")
+
+    def function(self, name: str, cubin: bytes) -> c_void_p:
+        """`name` of a cubin (loaded once per name)."""
+        if name not in self.functions:
+            module, fn = c_void_p(), c_void_p()
+            self.modules.append(cubin)
+            self.check(self.lib.cuModuleLoadData(byref(module), cubin), f"cuModuleLoadData {name}")
+            self.check(self.lib.cuModuleGetFunction(byref(fn), module, name.encode()), f"cuModuleGetFunction {name}")
+            self.functions[name] = fn
+        return self.functions[name]
+
+    def launch(self, fn, blocks, threads, args: list) -> None:
+        """`args`: ctypes values in the kernel's parameter order (c_uint64 addresses, c_int / c_float scalars)."""
+        params = (c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        rc = self.lib.cuLaunchKernel(fn, *blocks, *threads, 0, self.stream, ctypes.cast(params, c_void_p), None)
+        self.check(rc, "cuLaunchKernel")
+
+    def copy_on_device(self, dst: int, src: int, nbytes: int) -> None:
+        self.check(self.lib.cuMemcpyDtoDAsync_v2(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
+
+    def upload(self, dst: int, host: c_void_p, nbytes: int) -> None:
+        """From pinned memory (`pinned`), queued: `host` must hold its bytes until the copy has run."""
+        self.check(self.lib.cuMemcpyHtoDAsync_v2(dst, host, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def download(self, host: c_void_p, src: int, nbytes: int) -> None:
+        self.check(self.lib.cuMemcpyDtoHAsync_v2(host, src, nbytes, self.stream), "cuMemcpyDtoHAsync")
+
+    def fill_zero(self, dst: int, nbytes: int) -> None:
+        self.check(self.lib.cuMemsetD8Async(dst, 0, nbytes, self.stream), "cuMemsetD8Async")
+
+    def capture(self, body) -> c_void_p:
+        """What `body()` issues on the stream, as an instantiated CUDA graph (its template destroyed)."""
+        graph, exe = c_void_p(), c_void_p()
+        self.check(self.lib.cuStreamBeginCapture_v2(self.stream, CAPTURE_RELAXED), "cuStreamBeginCapture")
+        try:
+            body()
+        finally:
+            rc = self.lib.cuStreamEndCapture(self.stream, byref(graph))
+        self.check(rc, "cuStreamEndCapture")
+        self.check(self.lib.cuGraphInstantiateWithFlags(byref(exe), graph, 0), "cuGraphInstantiate")
+        self.lib.cuGraphDestroy(graph)
+        return exe
+
+    def launch_graph(self, exe) -> None:
+        self.check(self.lib.cuGraphLaunch(exe, self.stream), "cuGraphLaunch")
+
+    def destroy_graph(self, exe) -> None:
+        self.lib.cuGraphExecDestroy(exe)
+
+    def pinned(self, nbytes: int) -> c_void_p:
+        ptr = c_void_p()
+        self.check(self.lib.cuMemAllocHost_v2(byref(ptr), nbytes), "cuMemAllocHost")
+        return ptr
+
+    def event(self) -> c_void_p:
+        ev = c_void_p()
+        self.check(self.lib.cuEventCreate(byref(ev), 2), "cuEventCreate")  # 2: CU_EVENT_DISABLE_TIMING
+        return ev
+
+    def record(self, event) -> None:
+        self.check(self.lib.cuEventRecord(event, self.stream), "cuEventRecord")
+
+    def wait(self, event) -> None:
+        self.check(self.lib.cuEventSynchronize(event), "cuEventSynchronize")
+
+    def synchronize(self) -> None:
+        self.check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def read(self, address: int, nbytes: int) -> bytes:
+        """`nbytes` at `address`, after the stream's queued work."""
+        buf = ctypes.create_string_buffer(nbytes)
+        self.synchronize()
+        self.check(self.lib.cuMemcpyDtoH_v2(buf, address, nbytes), "cuMemcpyDtoH")
+        return buf.raw
+
+
+def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> list[int]:
+    """Each evaluated array's device address (with its offset), as MLX passes it to a kernel, written out by a kernel
+    of MLX's own, 64 arrays a launch. With `ensure_row_contiguous`, MLX copies an array it does not count as row
+    contiguous first (as our cached kernels' launches do), and that copy's address comes back."""
+    found: list[int] = []
+    for start in range(0, len(arrays), 64):
+        chunk = arrays[start:start + 64]
+        names = [f"x{i}" for i in range(len(chunk))]
+        body = "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + "".join(
+            f"  out[{i}] = (unsigned long long)({name});\n" for i, name in enumerate(names)) + "}\n"
+        kernel = mx.fast.cuda_kernel(name=f"mlxcel_addresses_{len(chunk)}_{int(ensure_row_contiguous)}",
+                                     input_names=names, output_names=["out"], source=body,
+                                     ensure_row_contiguous=ensure_row_contiguous)
+        (out,) = kernel(inputs=chunk, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(len(chunk),)],
+                        output_dtypes=[mx.uint64])
+        found += out.tolist()
+    return found

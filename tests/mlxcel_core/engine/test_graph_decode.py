@@ -1,0 +1,159 @@
+"""engine/graph_decode.py: a lone greedy row's decode steps replayed as one CUDA graph (MLXCEL_CUDA_GRAPH=1).
+
+On CPU: the engine's side with MLX standing in for the CUDA driver (a GraphDecoder whose `_build` keeps the step's
+layout and whose `_launch` computes the step with MLX from the same storage ints). Requests arriving and ending at
+different steps give the plain engine's tokens, the stand-in serves exactly the steps where one plain-greedy row
+decodes alone, and the engine settles it before anything of MLX's runs. `blockers` is checked on made-up launches.
+On CUDA: the real graph on a Llama-3.2-1B-shaped 4-bit model gives the plain engine's greedy tokens, replaying.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tiny_models import save_tiny_llama
+from mlxcel_core.engine import Engine, EngineConfig
+from mlxcel_core.engine.graph_decode import GraphDecoder, _Replay, blockers, module_arrays
+from mlxcel_core.engine.step_inputs import packed_ints
+from mlxcel_core.kernels.cubin_cache import Launch
+from mlxcel_core.kernels.greedy import greedy_tokens
+from mlxcel_core.loading import load_model
+from mlxcel_core.sampling import SamplingParams
+
+rng = np.random.default_rng(11)
+PROMPTS = [rng.integers(3, 300, size=n).tolist() for n in (7, 30, 3, 12)]
+ARRIVAL_STEP = [0, 9, 10, 40]
+MAX_TOKENS = [24, 6, 20, 70]  # the last runs alone past block boundaries (32-token blocks) and a table width change
+
+
+class StandInDecoder(GraphDecoder):
+    """GraphDecoder's bookkeeping, MLX in place of the driver: each 'replay' is the step computed op by op."""
+
+    def __init__(self, model, storage, engine):
+        super().__init__(model, storage)
+        self.engine, self.settles, self.alone = engine, 0, []
+
+    def _build(self, seq_id, latest, caches, parts, launches, token, readout):
+        _, spans = packed_ints(*parts)
+        return _Replay(seq_id, None, token, 0, 0, spans, self.storage.pool_rows, [], [])
+
+    def _launch(self, replay, parts, flat):
+        self.alone.append(sum(1 for _ in self.engine._live()))
+        logits = self.model(replay.token[:, None], self.storage.decode_views(parts))[:, -1, :]
+        replay.token, readout = greedy_tokens(logits)
+        mx.eval(replay.token, readout)
+        return readout
+
+    def settle(self):
+        self.settles += 1
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    lm = load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny-graph"))), log=lambda m: None)
+    lm.tokenizer.eos_token_ids = set()
+    return lm
+
+
+def drive(engine: Engine, params: list[SamplingParams]) -> dict[int, list[int]]:
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(PROMPTS) or engine.has_work():
+        for i, (prompt, at) in enumerate(zip(PROMPTS, ARRIVAL_STEP)):
+            if at == step and i not in ids:
+                ids[i] = engine.open(prompt, params[i])
+        for o in engine.step():
+            assert o.error is None, o.error
+            if o.token is not None:
+                out.setdefault(o.seq_id, []).append(o.token)
+        step += 1
+    return {i: out.get(s, []) for i, s in ids.items()}
+
+
+@pytest.mark.parametrize("logprobs_row", [None, 2])
+def test_the_stand_in_serves_lone_greedy_rows_and_gives_the_plain_tokens(loaded, logprobs_row):
+    params = [SamplingParams(max_tokens=n, logprobs=2 if i == logprobs_row else None)
+              for i, n in enumerate(MAX_TOKENS)]
+    config = EngineConfig(max_batch_size=4, storage="paged")
+    plain = drive(Engine(loaded.model, loaded.tokenizer, config), params)
+    engine = Engine(loaded.model, loaded.tokenizer, config)
+    assert engine.graph is None  # no CUDA here
+    engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
+    assert drive(engine, params) == plain
+    assert {i: len(t) for i, t in plain.items()} == dict(enumerate(MAX_TOKENS))
+    assert stand_in.alone and set(stand_in.alone) == {1}  # replays only while one row is live
+    # Rows 0 (alone at first) and 3 (alone at the end) replay; row 2 is the logprobs row in one run, never replayed.
+    assert stand_in.replayed > 60
+    # recorded again after each MLX step and each block-table width change, not every step
+    assert 2 <= stand_in.recorded <= 10
+    assert stand_in.settles > 0
+
+
+def test_a_replay_is_dropped_when_the_row_took_an_mlx_step(loaded):
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged"))
+    engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
+    seq = engine.open(PROMPTS[0], SamplingParams(max_tokens=8))
+    for _ in range(4):
+        engine.step()
+    recorded = stand_in.recorded
+    engine._latest[seq] = engine._latest[seq] + 0  # as after an MLX step: another array holds the newest token
+    engine.step()
+    assert stand_in.recorded == recorded + 1
+
+
+def test_blockers_name_what_a_replay_would_read_stale():
+    a, w, out1, out2, ints, tok = (mx.zeros((4,)) for _ in range(6))
+    where = {id(a): 1000, id(w): 5000, id(out1): 9000, id(out2): 9100, id(ints): 200, id(tok): 300}
+    good = [Launch("k1", b"", [w, ints, tok], [out1], [], (1, 1, 1), (1, 1, 1)),
+            Launch("k2", b"", [out1, w], [out2], [], (1, 1, 1), (1, 1, 1))]
+    assert blockers(good, where, held={5000}, step_ints=(200, 264), fresh={id(tok)}, copied=set()) == []
+    stale = good + [Launch("k3", b"", [a], [], [], (1, 1, 1), (1, 1, 1))]
+    assert blockers(stale, where, {5000}, (200, 264), {id(tok)}, set()) == [
+        "launch 2 (k3) reads a (4,) mlx.core.float32 array made by MLX in the step"]
+    assert "copies first" in blockers(good, where, {5000}, (200, 264), {id(tok)}, {id(w)})[0]
+    mlx_own = [Launch(None, b"", [w], [], [], (1, 1, 1), (1, 1, 1))]
+    assert "not a cached kernel" in blockers(mlx_own, where, {5000}, (200, 264), set(), set())[0]
+    # an output read before its launch ran is not "an earlier launch's output"
+    backwards = [good[1], good[0]]
+    assert len(blockers(backwards, where, {5000}, (200, 264), {id(tok)}, set())) == 1
+
+
+def test_module_arrays_include_private_ones(loaded):
+    model = loaded.model
+    layer = model.layers[0]
+    layer._cached_constant = mx.ones((3,))
+    try:
+        found = {id(a) for a in module_arrays(model)}
+        assert id(layer._cached_constant) in found
+        assert id(model.layers[-1].self_attn.q_proj.weight) in found
+    finally:
+        del layer["_cached_constant"]
+
+
+cuda = pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="needs CUDA")
+
+
+@cuda
+def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch):
+    from mlxcel_core.bench import RandomIdTokenizer, random_prompt
+    from mlxcel_core.models.shapes import build_random_model
+
+    model, config = build_random_model("llama-3.2-1b", bits=4, seed=0)
+    prompt = random_prompt(config["vocab_size"], 100, 0, "graph-test")
+
+    def tokens(engine):
+        seq = engine.open(prompt, SamplingParams(max_tokens=60))
+        out = []
+        while engine.has_work():
+            out += [o.token for o in engine.step() if o.token is not None]
+        engine.release(seq)
+        return out
+
+    tokenizer = RandomIdTokenizer(config["vocab_size"])
+    plain = tokens(Engine(model, tokenizer, EngineConfig(max_batch_size=1)))
+    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "1")
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1))
+    assert engine.graph is not None
+    assert tokens(engine) == plain
+    assert engine.graph.usable and engine.graph.replayed >= 50, (engine.graph.replayed, engine.graph.recorded)
