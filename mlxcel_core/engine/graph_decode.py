@@ -68,8 +68,8 @@ def blockers(launches: list[Launch], where: dict[int, int], held: set[int], step
              fresh: set[int], copied: set[int]) -> list[str]:
     """Why the recorded step cannot be replayed (empty: it can). `where`: array id -> device address; `held`: the
     addresses of arrays that outlive the step (model, pools, counters); `step_ints`: the ints' [start, end) bytes;
-    `fresh`: ids of the per-step inputs the replay rewrites (positions, input token); `copied`: ids of inputs MLX
-    copies before a launch."""
+    `fresh`: the addresses of the per-step inputs the replay rewrites (positions, input token: by address, as a
+    launch may read a view of them, another array object); `copied`: ids of inputs MLX copies before a launch."""
     problems = []
     made: list[tuple[int, int]] = []
     for i, launch in enumerate(launches):
@@ -80,7 +80,7 @@ def blockers(launches: list[Launch], where: dict[int, int], held: set[int], step
             at = where[id(a)]
             if id(a) in copied:
                 problems.append(f"launch {i} ({launch.func}) reads a {a.shape} {a.dtype} array MLX copies first")
-            elif not (at in held or id(a) in fresh or step_ints[0] <= at < step_ints[1]
+            elif not (at in held or at in fresh or step_ints[0] <= at < step_ints[1]
                       or any(lo <= at < hi for lo, hi in made)):
                 problems.append(f"launch {i} ({launch.func}) reads a {a.shape} {a.dtype} array made by MLX in the step")
         made += [(where[id(o)], where[id(o)] + o.nbytes) for o in launch.outputs]
@@ -129,6 +129,7 @@ class GraphDecoder:
         self.slots: list[_Slot] = []
         self.replayed = 0  # steps replayed (tests, logs)
         self.recorded = 0
+        self.why_not: str | None = None  # why the step could not be replayed, once `usable` is False
         self._held_model: set[int] | None = None
 
     def decode(self, seq_id: int, latest: mx.array) -> tuple[mx.array, object]:
@@ -183,6 +184,7 @@ class GraphDecoder:
             self.replay = self._build(seq_id, latest, caches, parts, launches, token, readout)
         except Exception as exc:  # noqa: BLE001 - this step's token is MLX's all the same; later steps stay MLX's
             self.usable = False
+            self.why_not = f"{type(exc).__name__}: {exc}"
             log.warning("mlxcel: decode steps are not replayed as a CUDA graph for this model (%s: %s)",
                         type(exc).__name__, exc)
         return token, readout
@@ -214,7 +216,7 @@ class GraphDecoder:
         flat, spans = packed_ints(*parts)
         if len(flat) > MAX_INTS:
             raise NotReplayable(f"{len(flat)} step ints")
-        fresh = {id(latest)} | ({id(roped[0])} if roped else set())
+        fresh = {where[id(latest)]} | ({where[id(roped[0])]} if roped else set())
         problems = blockers(launches, where, held, (ints_at, ints_at + 4 * len(flat)), fresh, copied)
         if problems:
             raise NotReplayable(f"{problems[0]} (and {len(problems) - 1} more)" if len(problems) > 1 else problems[0])
