@@ -37,7 +37,7 @@ from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # n
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine.step_inputs import packed_ints  # noqa: E402
 from mlxcel_core.kernels.cubin_cache import record_launches  # noqa: E402
-from mlxcel_core.kernels.cuda_driver import Driver, addresses  # noqa: E402
+from mlxcel_core.kernels.cuda_driver import Driver, addresses, issue_launches  # noqa: E402
 from mlxcel_core.kernels.rms_norm import final_norm_as_kernel  # noqa: E402
 from mlxcel_core.models import transformer  # noqa: E402
 from mlxcel_core.models.rope import fold_positions  # noqa: E402
@@ -219,12 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     token_in = where[id(rec.token_in)]
 
     def issue():
-        drv.check(drv.lib.cuMemcpyDtoDAsync_v2(token_in, token_out, 4, drv.stream), "cuMemcpyDtoDAsync")
-        for launch in launches:
-            fn = drv.function(launch.func, launch.cubin)
-            ptrs = [ctypes.c_uint64(where[id(a)]) for a in launch.inputs + launch.outputs]
-            blocks = [-(-g // t) for g, t in zip(launch.grid, launch.threadgroup)]
-            drv.launch(fn, blocks, launch.threadgroup, ptrs + [ctypes.c_int(s) for s in launch.scalars])
+        drv.copy_on_device(token_in, token_out, 4)
+        issue_launches(drv, launches, where)
 
     graph = drv.capture(issue)
 

@@ -190,7 +190,7 @@ class GraphDecoder:
         return token, readout
 
     def _build(self, seq_id, latest, caches, parts, launches, token, readout) -> _Replay:
-        from ..kernels.cuda_driver import Driver, addresses
+        from ..kernels.cuda_driver import Driver, addresses, issue_launches
 
         if not launches or not launches[-1].func or not launches[-1].func.startswith("mlxcel_greedy_tokens"):
             raise NotReplayable("the step does not end in the greedy kernel")
@@ -228,11 +228,7 @@ class GraphDecoder:
 
         def issue():
             driver.copy_on_device(token_in, token_out, 4)
-            for launch in launches:
-                fn = driver.function(launch.func, launch.cubin)
-                args = [ctypes.c_uint64(where[id(a)]) for a in launch.inputs + launch.outputs]
-                blocks = [-(-g // t) for g, t in zip(launch.grid, launch.threadgroup)]
-                driver.launch(fn, blocks, launch.threadgroup, args + [ctypes.c_int(s) for s in launch.scalars])
+            issue_launches(driver, launches, where)
 
         exe = driver.capture(issue)
         positions = [(where[id(roped[0])], roped[1])] if roped else []

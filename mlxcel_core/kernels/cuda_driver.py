@@ -124,6 +124,16 @@ class Driver:
         return buf.raw
 
 
+def issue_launches(driver: Driver, launches: list, where: dict[int, int]) -> None:
+    """Issue recorded launches (cubin_cache.Launch) on the driver's stream, as MLX would make them: the inputs' and
+    outputs' addresses (`where`: array id -> address), then the int scalars; the grid in threads."""
+    for launch in launches:
+        fn = driver.function(launch.func, launch.cubin)
+        args = [c_uint64(where[id(a)]) for a in launch.inputs + launch.outputs]
+        blocks = [-(-g // t) for g, t in zip(launch.grid, launch.threadgroup)]
+        driver.launch(fn, blocks, launch.threadgroup, args + [ctypes.c_int(s) for s in launch.scalars])
+
+
 def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> list[int]:
     """Each evaluated array's device address (with its offset), as MLX passes it to a kernel, written out by a kernel
     of MLX's own, 64 arrays a launch. With `ensure_row_contiguous`, MLX copies an array it does not count as row

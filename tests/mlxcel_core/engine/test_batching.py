@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine_drive import drive
 from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.engine.types import GPU_PREFILL_BATCH, default_prefill_batch
@@ -25,21 +26,6 @@ def loaded(tmp_path_factory):
     lm = load_model(str(path), log=lambda m: None)
     lm.tokenizer.eos_token_ids = set()
     return lm
-
-
-def drive(engine: Engine, prompts, arrivals, params) -> dict[int, list[int]]:
-    """Open request i at step arrivals[i]; return each request's tokens (keyed by request index)."""
-    ids, out, step = {}, {}, 0
-    while len(ids) < len(prompts) or engine.has_work():
-        for i, (prompt, at) in enumerate(zip(prompts, arrivals)):
-            if at == step and i not in ids:
-                ids[i] = engine.open(prompt, params[i])
-        for o in engine.step():
-            assert o.error is None, o.error
-            if o.token is not None:
-                out.setdefault(o.seq_id, []).append(o.token)
-        step += 1
-    return {i: out[s] for i, s in ids.items()}
 
 
 def solo(loaded, config=None):

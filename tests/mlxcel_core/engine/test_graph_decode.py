@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine_drive import drive
 from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.engine.graph_decode import GraphDecoder, _Replay, blockers, module_arrays
@@ -57,30 +58,16 @@ def loaded(tmp_path_factory):
     return lm
 
 
-def drive(engine: Engine, params: list[SamplingParams]) -> dict[int, list[int]]:
-    ids, out, step = {}, {}, 0
-    while len(ids) < len(PROMPTS) or engine.has_work():
-        for i, (prompt, at) in enumerate(zip(PROMPTS, ARRIVAL_STEP)):
-            if at == step and i not in ids:
-                ids[i] = engine.open(prompt, params[i])
-        for o in engine.step():
-            assert o.error is None, o.error
-            if o.token is not None:
-                out.setdefault(o.seq_id, []).append(o.token)
-        step += 1
-    return {i: out.get(s, []) for i, s in ids.items()}
-
-
 @pytest.mark.parametrize("logprobs_row", [None, 2])
 def test_the_stand_in_serves_lone_greedy_rows_and_gives_the_plain_tokens(loaded, logprobs_row):
     params = [SamplingParams(max_tokens=n, logprobs=2 if i == logprobs_row else None)
               for i, n in enumerate(MAX_TOKENS)]
     config = EngineConfig(max_batch_size=4, storage="paged")
-    plain = drive(Engine(loaded.model, loaded.tokenizer, config), params)
+    plain = drive(Engine(loaded.model, loaded.tokenizer, config), PROMPTS, ARRIVAL_STEP, params)
     engine = Engine(loaded.model, loaded.tokenizer, config)
     assert engine.graph is None  # no CUDA here
     engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
-    assert drive(engine, params) == plain
+    assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == plain
     assert {i: len(t) for i, t in plain.items()} == dict(enumerate(MAX_TOKENS))
     assert stand_in.alone and set(stand_in.alone) == {1}  # replays only while one row is live
     # Rows 0 (alone at first) and 3 (alone at the end) replay; row 2 is the logprobs row in one run, never replayed.
