@@ -166,7 +166,8 @@ def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
     cached = getattr(rope, "_fold_inv_freq", None)
     if cached is None:
         if rope._periods is not None:
-            # contiguous: MLX copied the strided result before every launch that read it (16 copies a 1B step)
+            # contiguous: MLX did not count this result as row contiguous and copied it before each launch that
+            # read it in op-by-op steps (benchmarks/graph_replay.py); a replayed graph reads it where it is
             cached = mx.contiguous((1.0 / rope._periods).astype(mx.float32))
         else:
             exponents = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
