@@ -119,6 +119,7 @@ class Engine:
                 and self.config.resolved_storage == "paged" and self.config.kv_bits is None
                 and self.config.speculative is None and not is_launched()):
             self.graph = GraphDecoder(model, self.storage)
+            self.storage.pad_block_tables = True  # one recording serves until the table's width doubles
         self._steady_rows: tuple[int, ...] | None = None  # the last step's rows when it only decoded them
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}

@@ -170,7 +170,7 @@ def through_nvcc(tmp_path, machine, monkeypatch):
 
 @needs_nvcc
 def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
-    from mlxcel_core.kernels import greedy, hmv, qembedding, qmm, qmv
+    from mlxcel_core.kernels import greedy, hmv, qembedding, qmm, qmv, rms_norm
     from mlxcel_core.kv.cuda_paged_attention import cuda_paged_decode_attention
 
     x = mx.zeros((1, 256), mx.bfloat16)
@@ -188,9 +188,14 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
     table, lens = mx.array([[0, 1]], mx.int32), mx.array([20], mx.int32)
     cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=1)
     cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=2, _two_launches=True)
+    rms_norm._kernels.clear()  # (kernels made before the fixture's stand-ins)
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        rms_norm.rms_norm(mx.zeros((1, 1, 256), dtype), mx.ones((256,), dtype), 1e-5)
+    rms_norm._kernels.clear()
     names = {n.rsplit("_", 1)[0] for n in through_nvcc}
     assert {qmv.kernel_name("plain"), hmv._kernel().name, "mlxcel_greedy_tokens", "mlxcel_qembedding",
             qmm.KERNEL_NAME, "paged_decode_one_split", "paged_decode_split", "paged_decode_combine"} <= names, names
+    assert sum(n.startswith("mlxcel_rms_norm_") for n in through_nvcc) == 3  # one variant a dtype
 
 
 # -- on CUDA ------------------------------------------------------------------------------------------------------
