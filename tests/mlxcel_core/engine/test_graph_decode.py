@@ -9,6 +9,8 @@ On CUDA: the real graph on a Llama-3.2-1B-shaped 4-bit model gives the plain eng
 
 from __future__ import annotations
 
+import ctypes
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from engine_drive import drive
 from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
-from mlxcel_core.engine.graph_decode import GraphDecoder, _Replay, blockers, module_arrays
+from mlxcel_core.engine.graph_decode import GraphDecoder, _Replay, _Slot, blockers, module_arrays
 from mlxcel_core.engine.step_inputs import packed_ints
 from mlxcel_core.kernels.cubin_cache import Launch
 from mlxcel_core.kernels.greedy import greedy_tokens
@@ -150,3 +152,55 @@ def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch):
     assert tokens(engine) == plain
     graph = engine.graph
     assert graph.usable and graph.replayed >= 50, (graph.replayed, graph.recorded, graph.why_not)
+
+
+class FakeDriver:
+    """The driver calls `_launch` makes, on host memory: uploads copy bytes into `device` (address -> bytes)."""
+
+    def __init__(self):
+        self.calls, self.device, self.buffers = [], {}, []
+
+    def host(self, nbytes):
+        buf = ctypes.create_string_buffer(nbytes)
+        self.buffers.append(buf)
+        return ctypes.c_void_p(ctypes.addressof(buf))
+
+    def upload(self, dst, host, nbytes):
+        address = host.value if isinstance(host, ctypes.c_void_p) else host
+        self.device[dst] = ctypes.string_at(address, nbytes)
+        self.calls.append(("upload", dst))
+
+    def launch_graph(self, exe):
+        self.calls.append(("graph", exe))
+
+    def download(self, host, src, nbytes):
+        ctypes.memmove(host, src.to_bytes(4, "little", signed=True), 4)  # the "token" read back: its address
+        self.calls.append(("download", src))
+
+    def record(self, event):
+        self.calls.append(("record", event))
+
+    def wait(self, event):
+        self.calls.append(("wait", event))
+
+
+def test_a_replay_uploads_the_steps_ints_and_position_then_reads_its_token_through_a_slot():
+    decoder = GraphDecoder(model=None, storage=None)
+    decoder.driver = driver = FakeDriver()
+    decoder.slots = [_Slot(driver.host(4096 * 4), driver.host(64), driver.host(4), f"event{i}") for i in range(4)]
+    replay = _Replay(0, "exe", mx.zeros((1,), mx.uint32), readout_at=77, ints_at=1000, spans=[], pool_rows=64,
+                     positions=[(2000, 0.5)], arrays=[])
+    parts = ([3], [4], [[0, 1, 2, 0]], [517], [518])
+    flat, _ = packed_ints(*parts)
+    readouts = []
+    for step in range(6):
+        readouts.append(decoder._launch(replay, parts, flat))
+        decoder.replayed += 1
+    assert driver.device[1000] == np.array(flat, np.int32).tobytes()
+    assert np.frombuffer(driver.device[2000], np.float32)[0] == np.float32(517) * np.float32(0.5)
+    first = driver.calls[:5]
+    assert first == [("upload", 1000), ("upload", 2000), ("graph", "exe"), ("download", 77), ("record", "event0")]
+    # a slot is waited for before its pinned buffers are written again (the fifth replay reuses the first slot)
+    waits = [c for c in driver.calls if c[0] == "wait"]
+    assert waits == [("wait", "event0"), ("wait", "event1")]
+    assert readouts[-1].tolist() == [77] and driver.calls[-1] == ("wait", "event1")
