@@ -22,13 +22,13 @@ import mlx.core as mx
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..distributed.group import is_launched
 from ..errors import InputError
+from ..kernels import cubin_cache
 from ..kernels.greedy import greedy_tokens, readout_of
+from ..kv.cuda_paged_attention import cuda_kernel_available
 from ..models.base import CausalLM
 from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
-from ..kernels import cubin_cache
-from ..kv.cuda_paged_attention import cuda_kernel_available
 from .compiled_decode import compile_enabled
 from .graph_decode import GraphDecoder
 from .graph_decode import requested as graph_requested

@@ -20,9 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..kernels.rms_norm import final_norm
 from .activations import swiglu
 from .base import BaseModelArgs, LayerCache, attention, cache_offset, normed
-from ..kernels.rms_norm import final_norm
 from .rope import RoPE, fold_frequencies, fold_positions, rope_base, rope_scaling_config
 
 
