@@ -55,11 +55,20 @@ def compile_enabled(requested: bool | None = None) -> bool:
 
 def describe_decode_steps() -> str:
     """For benchmark headers: how this process's engines build decode steps by default."""
+    from ..kv.cuda_paged_attention import cuda_kernel_available
+    from .graph_decode import ENV as GRAPH_ENV
+    from .graph_decode import requested as graph_requested
+
+    graph = ""
+    if graph_requested():
+        graph = (f", a lone greedy row's steps replayed as one CUDA graph ({GRAPH_ENV}=1)" if cuda_kernel_available()
+                 else f" ({GRAPH_ENV}=1 applies on CUDA only)")
     if compile_enabled():
-        return "compiled where supported" + (
-            f", paged steps handed to MLX on a launcher thread ({LAUNCH_ENV}=1)" if launch_thread_requested() else "")
+        threaded = launch_thread_requested()
+        launcher = f", paged steps handed to MLX on a launcher thread ({LAUNCH_ENV}=1)" if threaded else ""
+        return "compiled where supported" + launcher + graph
     env = os.environ.get(ENV, "").strip()
-    return f"op by op ({ENV}={env})" if env == "0" else f"op by op (the default on CPU; {ENV}=1 compiles)"
+    return (f"op by op ({ENV}={env})" if env == "0" else f"op by op (the default on CPU; {ENV}=1 compiles)") + graph
 
 
 class StepKV:
