@@ -4,7 +4,8 @@ Why: on the H200 a 1B 4-bit step is 0.89 ms of GPU work in 1.35-1.5 ms a token. 
 the step's graph in Python and MLX, and MLX encoding ~88 kernel nodes into CUDA graphs each token. Every launch of
 that step is one of our cached kernels (kernels/cubin_cache.py). Recorded once and replayed by the CUDA driver, with
 nothing of MLX's a token, benchmarks/graph_replay.py decoded 1238-1250 tok/s, with greedy tokens identical to the
-engine's (benchmarks/RESULTS.md, nineteenth session).
+engine's (benchmarks/RESULTS.md, nineteenth session). This module's own first GPU run replayed nothing (a view of
+the input token was taken for an MLX-made array, since fixed); it is off by default until a GPU run validates it.
 
 - record: one decode step of the row runs op by op through MLX, greedy included, inside
   `cubin_cache.record_launches` and `rms_norm.final_norm_as_kernel`. That step's token is the engine's, as from any
