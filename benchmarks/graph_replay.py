@@ -39,8 +39,7 @@ from mlxcel_core.engine.step_inputs import packed_ints  # noqa: E402
 from mlxcel_core.kernels.cubin_cache import record_launches  # noqa: E402
 from mlxcel_core.kernels.cuda_driver import Driver, addresses, issue_launches  # noqa: E402
 from mlxcel_core.kernels.rms_norm import final_norm_as_kernel  # noqa: E402
-from mlxcel_core.models import transformer  # noqa: E402
-from mlxcel_core.models.rope import fold_positions  # noqa: E402
+from mlxcel_core.models.rope import last_positions  # noqa: E402
 from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
@@ -50,12 +49,11 @@ def write_step_inputs(drv: Driver, flat: list[int], position: int, ints_at: int,
                       host_position) -> None:
     """Queue the copies of a step's ints and RoPE positions (through pinned buffers, which must stay unchanged
     until the copies ran)."""
-    ctypes.memmove(host_ints, (ctypes.c_int32 * len(flat))(*flat), 4 * len(flat))
-    drv.check(drv.lib.cuMemcpyHtoDAsync_v2(ints_at, host_ints, 4 * len(flat), drv.stream), "cuMemcpyHtoDAsync")
+    (ctypes.c_int32 * len(flat)).from_address(host_ints.value)[:] = flat
+    drv.upload(ints_at, host_ints, 4 * len(flat))
     for address, scale in position_slots:  # (device address, RoPE scale)
-        value = ctypes.c_float(np.float32(position) * np.float32(scale))
-        ctypes.memmove(host_position, ctypes.addressof(value), 4)
-        drv.check(drv.lib.cuMemcpyHtoDAsync_v2(address, host_position, 4, drv.stream), "cuMemcpyHtoDAsync")
+        ctypes.c_float.from_address(host_position.value).value = np.float32(position) * np.float32(scale)
+        drv.upload(address, host_position, 4)
 
 
 def engine_tokens(engine: Engine, prompt: list[int], count: int, on_decode=None):
@@ -84,7 +82,6 @@ class Recorder:
         self.storage = self.engine.storage
         self.storage.pad_block_tables = True  # one block-table width from 512 to 1024 tokens: one recording serves
         self.decodes = 0
-        self.launches = None
         runner, storage = self.engine.runner, self.storage
         decode, caches = runner.decode, storage.decode_caches
 
@@ -96,6 +93,7 @@ class Recorder:
         def kept(seq_ids):
             views = caches(seq_ids)
             self.step_ints = views[0].slots[0]  # a view at offset 0 of the step's uploaded ints
+            self.offset = views[0].offset  # the step's positions: rope.last_positions finds the RoPE fold's from it
             return views
 
         inputs = storage.decode_inputs
@@ -105,16 +103,6 @@ class Recorder:
             return self.parts
 
         runner.decode, storage.decode_caches, storage.decode_inputs = counted, kept, advanced
-        # The RoPE fold's positions are MLX ops on the step's offset (models/rope.py), not a cached kernel: the replay
-        # writes them itself (position * scale, float32, what those ops compute for one row).
-        self.positions = []
-
-        def positions(offset, batch, length, scale):
-            out = fold_positions(offset, batch, length, scale)
-            self.positions.append((out, scale))
-            return out
-
-        transformer.fold_positions = positions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     arrays = {id(a): a for launch in launches for a in launch.inputs + launch.outputs}
     arrays[id(rec.token_in)] = rec.token_in
     arrays[id(rec.step_ints)] = rec.step_ints
-    step_positions = {id(a): (a, scale) for a, scale in rec.positions[-1:]}
+    # The RoPE fold's positions are MLX ops on the step's offset (models/rope.py), not a cached kernel: the replay
+    # writes them itself (position * scale, float32, what those ops compute for one row).
+    roped = last_positions(rec.offset)
+    step_positions = {id(roped[0]): roped} if roped else {}
     arrays.update({k: a for k, (a, _) in step_positions.items()})
     arrays = list(arrays.values())
     mx.eval(arrays)
@@ -262,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             first_bad = first_bad or (i, mine.func)
     print(f"step {recorded_step} by MLX ({len(following)} launches) and by the graph: "
           + ("every output the same" if first_bad is None else f"first differing launch {first_bad}")
-          + f"; ints {flat[:6]}..., position {position} (MLX's positions {rec.positions[-1][0].tolist()})")
+          + f"; ints {flat[:6]}..., position {position} (MLX's positions {last_positions(rec.offset)[0].tolist()})")
     if bad:
         i = bad[0]
         mine, other = launches[i], following[i]

@@ -159,12 +159,12 @@ class GraphDecoder:
         driver = self.driver
         if slot.used:  # its pinned buffers may still feed a queued copy
             driver.wait(slot.event)
-        ctypes.memmove(slot.ints, (ctypes.c_int32 * len(flat))(*flat), 4 * len(flat))
+        (ctypes.c_int32 * len(flat)).from_address(slot.ints.value)[:] = flat
         driver.upload(replay.ints_at, slot.ints, 4 * len(flat))
         for i, (address, scale) in enumerate(replay.positions):
-            value = ctypes.c_float(np.float32(position) * np.float32(scale))  # what rope.fold_positions computes
-            ctypes.memmove(slot.position.value + 4 * i, ctypes.addressof(value), 4)
-            driver.upload(address, slot.position.value + 4 * i, 4)
+            host = slot.position.value + 4 * i
+            ctypes.c_float.from_address(host).value = np.float32(position) * np.float32(scale)  # fold_positions' value
+            driver.upload(address, host, 4)
         driver.launch_graph(replay.exe)
         driver.download(slot.readout, replay.readout_at, 4)
         driver.record(slot.event)
