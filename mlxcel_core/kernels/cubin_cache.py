@@ -14,7 +14,7 @@ The translation unit is what MLX's build_kernel (mlx/backend/cuda/custom_kernel.
 the function is ``extern "C"`` (a precompiled kernel is looked up by its symbol); an input's ``NAME_shape`` /
 ``NAME_ndim``, which MLX passes as extra parameters, come as int scalars after the outputs (MLX appends scalars there)
 and are gathered back into a local ``NAME_shape`` array; and the prelude includes only the CUDA headers our kernels
-use (fp16/bf16, cstdint, limits for ``inf``), not MLX's device headers, which are not installed.
+use (fp16/bf16, cstdint; ``inf`` from its bits), not MLX's device headers, which are not installed.
 
 A variant is keyed by the template values, the inputs' dtypes and (where a shape is read) their ranks, and the output
 dtypes; its cubin file's name carries a hash of its source, the GPU architecture and NVRTC's version. Where anything
@@ -45,12 +45,14 @@ CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32
               mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
               mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
 
+# No <cuda/std/limits>: NVRTC keeps its ~250 numeric_limits members in every cubin (59 KB where 19 KB is the kernel),
+# and MLX 0.32.4 spends time in proportion to a precompiled kernel's cubin on every launch (on the H200, 70 KB cost
+# 12 us more a launch than 4 KB: benchmarks/precompiled_call_cost.py).
 PRELUDE = r"""#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda/std/cstdint>
-#include <cuda/std/limits>
 
-#define inf cuda::std::numeric_limits<float>::infinity()
+#define inf __int_as_float(0x7f800000)
 
 """
 
@@ -104,13 +106,16 @@ def shape_scalars(reads: list[tuple[bool, bool]], inputs: list) -> list[int]:
 # -- NVRTC through ctypes -----------------------------------------------------------------------------------------
 
 
-def _loaded_library(stem: str) -> str | None:
-    """The path of a shared library this process has loaded (MLX's CUDA build loads NVRTC), from /proc/self/maps."""
+def _loaded_library(stem: str, maps_path: str = "/proc/self/maps") -> str | None:
+    """The path of a shared library this process has loaded (MLX's CUDA build loads NVRTC), from /proc/self/maps.
+
+    Matches the file name `stem.so*` only: a process that also loaded torch maps libnvrtc-builtins.so, which has no
+    nvrtcVersion."""
     try:
-        with open("/proc/self/maps") as maps:
+        with open(maps_path) as maps:
             for line in maps:
                 path = line.rsplit(" ", 1)[-1].strip()
-                if f"/{stem}" in path and ".so" in path:
+                if path.rsplit("/", 1)[-1].startswith(f"{stem}.so"):
                     return path
     except OSError:
         pass

@@ -254,3 +254,14 @@ def test_record_launches_keeps_each_launch_as_mlx_makes_it(tmp_path, machine, mo
     assert first.grid == (15, 1, 1) and first.threadgroup == (8, 1, 1)
     assert launches[1].func is None  # init_value: MLX fills the outputs first, a launch the recording lacks
     assert launches[2].func is None and launches[2].inputs[0] is x
+
+
+def test_nvrtc_is_found_by_its_own_file_name_not_its_builtins(tmp_path):
+    # a process that imported torch maps libnvrtc-builtins (no nvrtcVersion) before MLX's libnvrtc
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /venv/nvidia/cu13/lib/libnvrtc-builtins.so.13.0\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /venv/nvidia/cu13/lib/libnvrtc.so.13\n")
+    assert cubin_cache._loaded_library("libnvrtc", str(maps)) == "/venv/nvidia/cu13/lib/libnvrtc.so.13"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /venv/lib/libnvrtc-builtins.so.13.0\n")
+    assert cubin_cache._loaded_library("libnvrtc", str(maps)) is None
