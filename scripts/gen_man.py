@@ -51,7 +51,9 @@ ENVIRONMENT = [
                         "set, mlxcel sets it to $MLXCEL_CACHE_DIR/kernels/cuda-driver (the driver's default, ~/.nv, is "
                         "lost with a fresh container)."),
     ("MLXCEL_CUBIN_CACHE", "0: mlxcel's CUDA kernels are compiled in every process (as mx.fast.cuda_kernel does). "
-                           "Default: each is compiled once and kept as a cubin in the kernel cache directory above."),
+                           "Default: each is compiled once and kept as a cubin in the kernel cache directory above. "
+                           "MLX hashes a kept cubin at each launch, so a small model's decode steps are slower from "
+                           "cubins (13-28% at 1B on an H200); 0 trades that for a compile at the first request."),
     ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
                         "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
                         "unaffected)."),
@@ -71,7 +73,7 @@ ENVIRONMENT = [
                              "token fell 1.5-5x on the H200), 1 on CPU (where it rose)."),
     ("MLXCEL_CUDA_GRAPH", "1 (experimental, off by default; CUDA): while one greedy request decodes alone, its decode "
      "steps are recorded once and replayed as one CUDA graph of mlxcel's kernels, with no MLX work a token; other "
-     "steps run through MLX as before."),
+     "steps run through MLX as before. Recordings are kept for later requests (not yet validated on a GPU)."),
     ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
                              "decode step to MLX on a launcher thread while the next one is built; tokens are read "
                              "two steps later instead of one."),

@@ -218,6 +218,7 @@ class CompiledDecoder:
                 self.traces.paged_shapes.add(shapes)
         logits, pools = self.traces.paged(*inputs, view.storage.pools)
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
+        view.storage.pools_version += 1
         # Its attention kernels may have written the pools in place: later pool updates wait for it (paged.py).
         view.storage.written_in_place.append(logits)
         return logits

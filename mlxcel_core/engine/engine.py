@@ -118,7 +118,7 @@ class Engine:
         if (graph_requested() and cuda_kernel_available() and cubin_cache.enabled() and not self._threaded
                 and self.config.resolved_storage == "paged" and self.config.kv_bits is None
                 and self.config.speculative is None and not is_launched()):
-            self.graph = GraphDecoder(model, self.storage)
+            self.graph = GraphDecoder(model, self.storage, open_rows=lambda seq_id: seq_id in self._latest)
             self.storage.pad_block_tables = True  # one recording serves until the table's width doubles
         self._steady_rows: tuple[int, ...] | None = None  # the last step's rows when it only decoded them
         self._ids = itertools.count()
@@ -355,8 +355,9 @@ class Engine:
         if (self.graph is None or not self.graph.usable or sync or self.mirror is not None or len(batch.decode) != 1
                 or batch.prefill is not None or batch.together or batch.cancelled):
             return None
-        params = self._sequences[batch.decode[0]].params
-        return batch.decode[0] if params.plain_greedy and params.logprobs is None else None
+        seq_id = batch.decode[0]
+        params = self._sequences[seq_id].params
+        return seq_id if params.plain_greedy and params.logprobs is None and self.graph.takes(seq_id) else None
 
     def _graph_decode(self, seq_id: int, produced: dict) -> list[StepOutput]:
         try:

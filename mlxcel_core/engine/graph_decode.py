@@ -4,8 +4,11 @@ Why: on the H200 a 1B 4-bit step is 0.89 ms of GPU work in 1.35-1.5 ms a token. 
 the step's graph in Python and MLX, and MLX encoding ~88 kernel nodes into CUDA graphs each token. Every launch of
 that step is one of our cached kernels (kernels/cubin_cache.py). Recorded once and replayed by the CUDA driver, with
 nothing of MLX's a token, benchmarks/graph_replay.py decoded 1238-1250 tok/s, with greedy tokens identical to the
-engine's (benchmarks/RESULTS.md, nineteenth session). This module's own first GPU run replayed nothing (a view of
-the input token was taken for an MLX-made array, since fixed); it is off by default until a GPU run validates it.
+engine's (benchmarks/RESULTS.md, nineteenth session). On the H200 (twentieth session) this module, recording each
+request, gave the plain engine's tokens and 2.19x mlx-lm at 1B 4-bit; its recording per request then held up the
+first token (TTFT 39 against 13 ms). Recordings are now kept and adopted across requests; that form failed its GPU
+test on a second request (its replays read pools MLX had since replaced), fixed on CPU (`_check_pools`) but not yet
+run on a GPU. Off by default until a GPU run validates it.
 
 - record: one decode step of the row runs op by op through MLX, greedy included, inside
   `cubin_cache.record_launches` and `rms_norm.final_norm_as_kernel`. That step's token is the engine's, as from any
@@ -18,8 +21,12 @@ the input token was taken for an MLX-made array, since fixed); it is off by defa
 - replay (`decode`): the host advances the storage (`decode_inputs`) and queues its ints and the RoPE position into
   their buffers from pinned memory. It then launches the graph and queues the readout's copy to the host. The engine
   reads that readout when it commits the step, one step behind, like an MLX step's.
-  A step whose ints change layout (the block table's padded width doubles) or whose pools grow is an MLX step,
-  recorded again.
+- A recording is kept per layout of the step's ints (the block table's padded width) and pool size, up to
+  MAX_REPLAYS. Nothing else in it belongs to the row, so another row (the next request), or the same row after an
+  MLX step, adopts it: its newest token is copied into the graph's token buffer. The buffer backs the newest token
+  of the row that last replayed, so a row still open elsewhere (`open_rows`) is never adopted from.
+- While nothing is recorded, a row's first decode step is the engine's own (`takes`): a recording waits for the
+  GPU, and the engine reads the prompt's first token one step later, so that token would wait too (TTFT).
 
 The graph runs on a stream of its own, which MLX does not order against its own. `settle` waits for the queued
 graph steps, and the engine calls it before anything of MLX's runs.
@@ -43,6 +50,7 @@ from .step_inputs import packed_ints
 
 ENV = "MLXCEL_CUDA_GRAPH"
 SLOTS = 4  # pinned buffers for steps in flight (the engine reads a step's readout one or two steps later)
+MAX_REPLAYS = 4  # recordings kept (layouts of the step's ints): each holds one step's buffers and a CUDA graph
 MAX_INTS = 4096  # a step's ints (slots, block table, position, context length) at most
 log = logging.getLogger("mlxcel.engine")
 
@@ -110,9 +118,10 @@ class _Slot:
 
 @dataclass
 class _Replay:
-    seq_id: int
+    seq_id: int  # the row that replayed last: its newest token is `token`
     exe: ctypes.c_void_p | None
     token: mx.array  # the greedy launch's token output: the engine's latest token of the row after every replay
+    token_at: int  # its device address (a row adopting the replay writes its newest token there)
     readout_at: int
     ints_at: int
     spans: list
@@ -122,29 +131,42 @@ class _Replay:
 
 
 class GraphDecoder:
-    def __init__(self, model, storage):
-        self.model, self.storage = model, storage
+    def __init__(self, model, storage, open_rows=lambda seq_id: False):
+        self.model, self.storage, self.open_rows = model, storage, open_rows
         self.usable = True
-        self.replay: _Replay | None = None
+        self.replays: dict[tuple, _Replay] = {}  # (ints layout, pool rows) -> recording, oldest first
         self.driver = None
         self.slots: list[_Slot] = []
         self.replayed = 0  # steps replayed (tests, logs)
         self.recorded = 0
+        self.adopted = 0  # replays taken over by another row or after an MLX step
         self.why_not: str | None = None  # why the step could not be replayed, once `usable` is False
+        self._stepped: int | None = None  # the row whose first step `takes` left to the engine
+        self._pools_version = -1  # the storage's pools_version when the replays' pool addresses were checked
+        self._pool_addresses: list[int] = []
         self._held_model: set[int] | None = None
 
     def decode(self, seq_id: int, latest: mx.array) -> tuple[mx.array, object]:
         """One decode step of the lone row `seq_id` whose newest token is `latest`: (token, readout)."""
-        replay = self.replay
-        if replay is not None and replay.seq_id == seq_id and latest is replay.token:
-            parts = self.storage.decode_inputs((seq_id,))
-            flat, spans = packed_ints(*parts)
-            if spans == replay.spans and self.storage.pool_rows == replay.pool_rows:
-                readout = self._launch(replay, parts, flat)
-                self.replayed += 1
-                return replay.token, readout
-            return self._record(seq_id, latest, parts)
-        return self._record(seq_id, latest, None)
+        parts = self.storage.decode_inputs((seq_id,))
+        flat, spans = packed_ints(*parts)
+        key = (tuple(spans), self.storage.pool_rows)
+        if self.replays and self.storage.pools_version != self._pools_version:
+            self._check_pools()
+        replay = self.replays.get(key)
+        if replay is not None and (latest is replay.token or self._adopt(replay, seq_id, latest)):
+            readout = self._launch(replay, parts, flat)
+            self.replayed += 1
+            return replay.token, readout
+        return self._record(seq_id, latest, parts, key)
+
+    def takes(self, seq_id: int) -> bool:
+        """Whether this step of the lone row `seq_id` is the graph's. Not a row's first step while nothing is
+        recorded: that step is the engine's own, so a recording does not hold up the token before it."""
+        if self.replays or seq_id == self._stepped:
+            return True
+        self._stepped = seq_id
+        return False
 
     def settle(self) -> None:
         """Wait for the queued replays (before MLX touches the pools or the row's token)."""
@@ -171,18 +193,58 @@ class GraphDecoder:
         slot.used = True
         return HostReadout(driver, slot.event, slot.readout)
 
-    def _record(self, seq_id: int, latest: mx.array, parts: tuple | None) -> tuple[mx.array, mx.array]:
+    def _kept(self) -> list[mx.array]:
+        """The arrays a replay reads that the storage owns: the KV pools and the combine counters."""
+        kept = [a for pools in self.storage.pools if pools for a in pools]
+        return kept + [c for c in self.storage.combine_counters if c is not None]
+
+    def _check_pools(self) -> None:
+        """The storage replaced pool arrays since the replays were checked (MLX wrote them: a prefill, an MLX
+        step). Where MLX gave the new arrays the old memory (donation) the replays still hold; otherwise they
+        point at freed memory and are dropped."""
         self.settle()
-        self._drop()
+        if self._addresses(self._kept()) != self._pool_addresses:
+            for key in list(self.replays):
+                self._drop(key)
+        self._pools_version = self.storage.pools_version
+
+    def _addresses(self, arrays: list[mx.array]) -> list[int]:
+        from ..kernels.cuda_driver import addresses
+
+        return addresses(arrays)
+
+    def _adopt(self, replay: _Replay, seq_id: int, latest: mx.array) -> bool:
+        """Make `replay` continue from `latest` (another row's, or this row's after an MLX step); False where it
+        cannot: the row that replayed last is still open (the token buffer is its newest token), or `latest` is not
+        one token of the graph's dtype."""
+        if (replay.seq_id != seq_id and self.open_rows(replay.seq_id)) or latest.dtype != replay.token.dtype \
+                or latest.size != 1:
+            return False
+        from ..kernels.cuda_driver import addresses
+
+        self.settle()
+        mx.eval(latest)
+        self.driver.copy_on_device(replay.token_at, addresses([latest])[0], latest.nbytes)
+        replay.seq_id = seq_id
+        self.adopted += 1
+        return True
+
+    def _record(self, seq_id: int, latest: mx.array, parts: tuple, key: tuple) -> tuple[mx.array, mx.array]:
+        self.settle()
         storage = self.storage
-        parts = parts if parts is not None else storage.decode_inputs((seq_id,))
         with record_launches() as launches, final_norm_as_kernel():
             caches = storage.decode_views(parts)
             logits = self.model(latest[:, None], caches)[:, -1, :]
             token, readout = greedy_tokens(logits)
         self.recorded += 1
         try:
-            self.replay = self._build(seq_id, latest, caches, parts, launches, token, readout)
+            replay = self._build(seq_id, latest, caches, parts, launches, token, readout)
+            self._pool_addresses, self._pools_version = self._addresses(self._kept()), storage.pools_version
+            for stale in [k for k in self.replays if k[1] != storage.pool_rows]:  # the step grew the pools
+                self._drop(stale)
+            if len(self.replays) >= MAX_REPLAYS:
+                self._drop(next(iter(self.replays)))
+            self.replays[key] = replay
         except Exception as exc:  # noqa: BLE001 - this step's token is MLX's all the same; later steps stay MLX's
             self.usable = False
             self.why_not = f"{type(exc).__name__}: {exc}"
@@ -209,9 +271,9 @@ class GraphDecoder:
         copied = {id(a) for a, at in zip(inputs, addresses(inputs, ensure_row_contiguous=True)) if at != where[id(a)]}
         if self._held_model is None:
             self._held_model = set(addresses(module_arrays(self.model)))
-        kept = [a for pools in self.storage.pools if pools for a in pools]
-        kept += [c for c in self.storage.combine_counters if c is not None]
-        held = self._held_model | set(addresses(kept))
+        kept = self._kept()
+        pool_addresses = addresses(kept)
+        held = self._held_model | set(pool_addresses)
         mx.synchronize()
         ints_at = where[id(step_ints)]
         flat, spans = packed_ints(*parts)
@@ -233,11 +295,16 @@ class GraphDecoder:
 
         exe = driver.capture(issue)
         positions = [(where[id(roped[0])], roped[1])] if roped else []
-        return _Replay(seq_id, exe, token, where[id(readout)], ints_at, spans, self.storage.pool_rows, positions,
-                       arrays)
+        # The storage's arrays are not held here: holding a pool would keep MLX from writing the next one into its
+        # memory, and the replays would then be dropped at every prefill (_check_pools).
+        kept_ids = {id(a) for a in kept}
+        arrays = [a for a in arrays if id(a) not in kept_ids]
+        return _Replay(seq_id, exe, token, token_out, where[id(readout)], ints_at, spans, self.storage.pool_rows,
+                       positions, arrays)
 
-    def _drop(self) -> None:
-        if self.replay is not None and self.replay.exe is not None:
-            self.driver.destroy_graph(self.replay.exe)
-        self.replay = None
+    def _drop(self, key: tuple) -> None:
+        replay = self.replays.pop(key)
+        if replay.exe is not None:
+            self.settle()
+            self.driver.destroy_graph(replay.exe)
 

@@ -52,6 +52,9 @@ class PagedStorage:
         # lowest free id first -- so a short sequence never pays for the whole budget's allocation (on the H200,
         # allocating 2 GB of pools at the first prefill cost 13-17 ms of its TTFT on the 8B shape).
         self.pool_rows = 0
+        # Counts replacements of any pool array (a write by MLX ops makes a new array; where MLX donates the old
+        # one's memory, its address stays): engine/graph_decode.py re-checks the addresses it replays against.
+        self.pools_version = 0
         self.tables: dict[int, BlockTable] = {}
         self.lengths: dict[int, int] = {}  # tokens written per sequence
         self.prompts: dict[int, list[int]] = {}
@@ -202,6 +205,7 @@ class PagedStorage:
             pool[slots] = part.astype(pool.dtype)
             updated.append(pool)
         self.pools[layer] = updated
+        self.pools_version += 1
         return updated
 
     def layer_pools(self, layer: int, parts: list[mx.array]) -> list[mx.array]:
@@ -210,9 +214,11 @@ class PagedStorage:
         if self.pools[layer] is None:
             size = (self.pool_rows, self.pool.block_size)
             self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
+            self.pools_version += 1
         elif self.pools[layer][0].shape[0] < self.pool_rows:  # higher blocks came into use: grow (zeros, as new)
             self.pools[layer] = [mx.concatenate([pool, mx.zeros((self.pool_rows - pool.shape[0], *pool.shape[1:]),
                                                                pool.dtype)]) for pool in self.pools[layer]]
+            self.pools_version += 1
         return self.pools[layer]
 
     def decode_attention(self, queries: mx.array, pools: list[mx.array], block_tables: mx.array):

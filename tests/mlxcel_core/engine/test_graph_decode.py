@@ -40,13 +40,27 @@ class StandInDecoder(GraphDecoder):
 
     def _build(self, seq_id, latest, caches, parts, launches, token, readout):
         _, spans = packed_ints(*parts)
-        return _Replay(seq_id, None, token, 0, 0, spans, self.storage.pool_rows, [], [])
+        return _Replay(seq_id, None, token, 0, 0, 0, spans, self.storage.pool_rows, [], [])
+
+    pools_moved = False  # whether MLX's pool writes "moved" the pools (new memory) or wrote into the old memory
+
+    def _addresses(self, arrays):
+        return [id(a) for a in arrays] if self.pools_moved else [0] * len(arrays)
+
+    def _adopt(self, replay, seq_id, latest):  # the real one copies `latest` into the graph's token buffer
+        if replay.seq_id != seq_id and self.open_rows(replay.seq_id):
+            return False
+        replay.token, replay.seq_id = latest, seq_id
+        self.adopted += 1
+        return True
 
     def _launch(self, replay, parts, flat):
         self.alone.append(sum(1 for _ in self.engine._live()))
         logits = self.model(replay.token[:, None], self.storage.decode_views(parts))[:, -1, :]
         replay.token, readout = greedy_tokens(logits)
         mx.eval(replay.token, readout)
+        self._pool_addresses = self._addresses(self._kept())  # a replay's kernels write the pools in place
+        self._pools_version = self.storage.pools_version
         return readout
 
     def settle(self):
@@ -69,26 +83,72 @@ def test_the_stand_in_serves_lone_greedy_rows_and_gives_the_plain_tokens(loaded,
     engine = Engine(loaded.model, loaded.tokenizer, config)
     assert engine.graph is None  # no CUDA here
     engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
+    stand_in.open_rows = lambda seq_id: seq_id in engine._latest
     assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == plain
     assert {i: len(t) for i, t in plain.items()} == dict(enumerate(MAX_TOKENS))
     assert stand_in.alone and set(stand_in.alone) == {1}  # replays only while one row is live
     # Rows 0 (alone at first) and 3 (alone at the end) replay; row 2 is the logprobs row in one run, never replayed.
     assert stand_in.replayed > 60
-    # recorded again after each MLX step and each block-table width change, not every step
-    assert 2 <= stand_in.recorded <= 10
+    # recorded once per block-table width, then adopted (after MLX steps, by the next row), not every step
+    assert 2 <= stand_in.recorded <= 4 and stand_in.adopted >= 1
     assert stand_in.settles > 0
 
 
-def test_a_replay_is_dropped_when_the_row_took_an_mlx_step(loaded):
+def _lone_engine(loaded):
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged"))
     engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
-    seq = engine.open(PROMPTS[0], SamplingParams(max_tokens=8))
+    stand_in.open_rows = lambda seq_id: seq_id in engine._latest
+    return engine, stand_in
+
+
+def test_a_rows_first_step_is_mlxs_and_its_second_records(loaded):
+    engine, stand_in = _lone_engine(loaded)
+    engine.open(PROMPTS[0], SamplingParams(max_tokens=8))
+    engine.step()  # the prompt
+    engine.step()  # first decode step: MLX's, so nothing waits for the GPU before the prompt's token is read
+    assert (stand_in.recorded, stand_in.replayed) == (0, 0)
+    engine.step()
+    assert (stand_in.recorded, stand_in.replayed) == (1, 0)
+    engine.step()
+    assert (stand_in.recorded, stand_in.replayed) == (1, 1)
+
+
+def test_a_replay_is_adopted_after_an_mlx_step_and_by_the_next_request(loaded):
+    engine, stand_in = _lone_engine(loaded)
+    first = engine.open(PROMPTS[0], SamplingParams(max_tokens=8))
     for _ in range(4):
         engine.step()
-    recorded = stand_in.recorded
-    engine._latest[seq] = engine._latest[seq] + 0  # as after an MLX step: another array holds the newest token
+    assert (stand_in.recorded, stand_in.adopted) == (1, 0)
+    engine._latest[first] = engine._latest[first] + 0  # as after an MLX step: another array holds the newest token
     engine.step()
-    assert stand_in.recorded == recorded + 1
+    assert (stand_in.recorded, stand_in.adopted) == (1, 1)
+    while engine.has_work():
+        engine.step()
+    # a new request of the same block-table width replays the recording from its first decode step
+    plain_engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged"))
+    expected = drive(plain_engine, [PROMPTS[2]], [0], [SamplingParams(max_tokens=6)])[0]
+    replayed = stand_in.replayed
+    assert drive(engine, [PROMPTS[2]], [0], [SamplingParams(max_tokens=6)])[0] == expected
+    assert stand_in.recorded == 1 and stand_in.adopted == 2 and stand_in.replayed == replayed + 5
+
+
+def test_replays_are_dropped_when_an_mlx_write_moved_the_pools(loaded):
+    engine, stand_in = _lone_engine(loaded)
+    stand_in.pools_moved = True
+    drive(engine, [PROMPTS[0]], [0], [SamplingParams(max_tokens=8)])
+    assert stand_in.recorded == 1
+    # the next prompt's prefill writes the pools as new arrays at new addresses: the recording is dropped, made again
+    drive(engine, [PROMPTS[2]], [0], [SamplingParams(max_tokens=8)])
+    assert stand_in.recorded == 2 and stand_in.adopted == 0
+
+
+def test_a_replay_is_not_adopted_while_the_row_that_owns_its_token_is_open(loaded):
+    engine, stand_in = _lone_engine(loaded)
+    engine.open(PROMPTS[0], SamplingParams(max_tokens=8))
+    for _ in range(4):
+        engine.step()
+    replay = next(iter(stand_in.replays.values()))
+    assert not stand_in._adopt(replay, 12345, replay.token + 0)
 
 
 def test_blockers_name_what_a_replay_would_read_stale():
@@ -152,6 +212,9 @@ def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch):
     assert tokens(engine) == plain
     graph = engine.graph
     assert graph.usable and graph.replayed >= 50, (graph.replayed, graph.recorded, graph.why_not)
+    recorded, replayed = graph.recorded, graph.replayed
+    assert tokens(engine) == plain  # the next request adopts the recordings: none made again
+    assert graph.recorded == recorded and graph.replayed >= replayed + 55 and graph.adopted >= 1
 
 
 class FakeDriver:
@@ -188,8 +251,8 @@ def test_a_replay_uploads_the_steps_ints_and_position_then_reads_its_token_throu
     decoder = GraphDecoder(model=None, storage=None)
     decoder.driver = driver = FakeDriver()
     decoder.slots = [_Slot(driver.host(4096 * 4), driver.host(64), driver.host(4), f"event{i}") for i in range(4)]
-    replay = _Replay(0, "exe", mx.zeros((1,), mx.uint32), readout_at=77, ints_at=1000, spans=[], pool_rows=64,
-                     positions=[(2000, 0.5)], arrays=[])
+    replay = _Replay(0, "exe", mx.zeros((1,), mx.uint32), token_at=55, readout_at=77, ints_at=1000, spans=[],
+                     pool_rows=64, positions=[(2000, 0.5)], arrays=[])
     parts = ([3], [4], [[0, 1, 2, 0]], [517], [518])
     flat, _ = packed_ints(*parts)
     readouts = []
