@@ -125,7 +125,6 @@ class _Replay:
     readout_at: int
     ints_at: int
     spans: list
-    pool_rows: int
     positions: list[tuple[int, float]]  # (device address, RoPE scale) of the positions the kernels read
     arrays: list  # the recorded step's arrays, kept alive (the graph points into their buffers)
 
@@ -150,6 +149,7 @@ class GraphDecoder:
         """One decode step of the lone row `seq_id` whose newest token is `latest`: (token, readout)."""
         parts = self.storage.decode_inputs((seq_id,))
         flat, spans = packed_ints(*parts)
+        # (pool rows: a step whose blocks need more rows than the pools hold must be MLX's, which grows them)
         key = (tuple(spans), self.storage.pool_rows)
         if self.replays and self.storage.pools_version != self._pools_version:
             self._check_pools()
@@ -220,11 +220,9 @@ class GraphDecoder:
         if (replay.seq_id != seq_id and self.open_rows(replay.seq_id)) or latest.dtype != replay.token.dtype \
                 or latest.size != 1:
             return False
-        from ..kernels.cuda_driver import addresses
-
         self.settle()
         mx.eval(latest)
-        self.driver.copy_on_device(replay.token_at, addresses([latest])[0], latest.nbytes)
+        self.driver.copy_on_device(replay.token_at, self._addresses([latest])[0], latest.nbytes)
         replay.seq_id = seq_id
         self.adopted += 1
         return True
@@ -238,10 +236,12 @@ class GraphDecoder:
             token, readout = greedy_tokens(logits)
         self.recorded += 1
         try:
-            replay = self._build(seq_id, latest, caches, parts, launches, token, readout)
-            self._pool_addresses, self._pools_version = self._addresses(self._kept()), storage.pools_version
-            for stale in [k for k in self.replays if k[1] != storage.pool_rows]:  # the step grew the pools
-                self._drop(stale)
+            pool_addresses = self._addresses(self._kept())
+            replay = self._build(seq_id, latest, caches, parts, launches, token, readout, pool_addresses)
+            if pool_addresses != self._pool_addresses:  # this step moved the pools (grew them): the others are stale
+                for stale in list(self.replays):
+                    self._drop(stale)
+            self._pool_addresses, self._pools_version = pool_addresses, storage.pools_version
             if len(self.replays) >= MAX_REPLAYS:
                 self._drop(next(iter(self.replays)))
             self.replays[key] = replay
@@ -252,7 +252,7 @@ class GraphDecoder:
                         type(exc).__name__, exc)
         return token, readout
 
-    def _build(self, seq_id, latest, caches, parts, launches, token, readout) -> _Replay:
+    def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses) -> _Replay:
         from ..kernels.cuda_driver import Driver, addresses, issue_launches
 
         if not launches or not launches[-1].func or not launches[-1].func.startswith("mlxcel_greedy_tokens"):
@@ -271,8 +271,6 @@ class GraphDecoder:
         copied = {id(a) for a, at in zip(inputs, addresses(inputs, ensure_row_contiguous=True)) if at != where[id(a)]}
         if self._held_model is None:
             self._held_model = set(addresses(module_arrays(self.model)))
-        kept = self._kept()
-        pool_addresses = addresses(kept)
         held = self._held_model | set(pool_addresses)
         mx.synchronize()
         ints_at = where[id(step_ints)]
@@ -297,10 +295,9 @@ class GraphDecoder:
         positions = [(where[id(roped[0])], roped[1])] if roped else []
         # The storage's arrays are not held here: holding a pool would keep MLX from writing the next one into its
         # memory, and the replays would then be dropped at every prefill (_check_pools).
-        kept_ids = {id(a) for a in kept}
+        kept_ids = {id(a) for a in self._kept()}
         arrays = [a for a in arrays if id(a) not in kept_ids]
-        return _Replay(seq_id, exe, token, token_out, where[id(readout)], ints_at, spans, self.storage.pool_rows,
-                       positions, arrays)
+        return _Replay(seq_id, exe, token, token_out, where[id(readout)], ints_at, spans, positions, arrays)
 
     def _drop(self, key: tuple) -> None:
         replay = self.replays.pop(key)

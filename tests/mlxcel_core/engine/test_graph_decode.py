@@ -38,9 +38,9 @@ class StandInDecoder(GraphDecoder):
         super().__init__(model, storage)
         self.engine, self.settles, self.alone = engine, 0, []
 
-    def _build(self, seq_id, latest, caches, parts, launches, token, readout):
+    def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses):
         _, spans = packed_ints(*parts)
-        return _Replay(seq_id, None, token, 0, 0, 0, spans, self.storage.pool_rows, [], [])
+        return _Replay(seq_id, None, token, 0, 0, 0, spans, [], [])
 
     pools_moved = False  # whether MLX's pool writes "moved" the pools (new memory) or wrote into the old memory
 
@@ -140,6 +140,15 @@ def test_replays_are_dropped_when_an_mlx_write_moved_the_pools(loaded):
     # the next prompt's prefill writes the pools as new arrays at new addresses: the recording is dropped, made again
     drive(engine, [PROMPTS[2]], [0], [SamplingParams(max_tokens=8)])
     assert stand_in.recorded == 2 and stand_in.adopted == 0
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_recording_that_moved_the_pools_drops_the_others(loaded, moved):
+    engine, stand_in = _lone_engine(loaded)
+    stand_in.pools_moved = moved
+    drive(engine, [PROMPTS[3]], [0], [SamplingParams(max_tokens=70)])  # crosses block-table widths: records again
+    assert stand_in.recorded >= 2
+    assert len(stand_in.replays) == (1 if moved else stand_in.recorded)
 
 
 def test_a_replay_is_not_adopted_while_the_row_that_owns_its_token_is_open(loaded):
@@ -252,7 +261,7 @@ def test_a_replay_uploads_the_steps_ints_and_position_then_reads_its_token_throu
     decoder.driver = driver = FakeDriver()
     decoder.slots = [_Slot(driver.host(4096 * 4), driver.host(64), driver.host(4), f"event{i}") for i in range(4)]
     replay = _Replay(0, "exe", mx.zeros((1,), mx.uint32), token_at=55, readout_at=77, ints_at=1000, spans=[],
-                     pool_rows=64, positions=[(2000, 0.5)], arrays=[])
+                     positions=[(2000, 0.5)], arrays=[])
     parts = ([3], [4], [[0, 1, 2, 0]], [517], [518])
     flat, _ = packed_ints(*parts)
     readouts = []
