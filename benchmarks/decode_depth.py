@@ -32,7 +32,7 @@ from mlxcel_core.engine.engine import make_storage  # noqa: E402
 from mlxcel_core.engine.runner import ModelRunner  # noqa: E402
 from mlxcel_core.engine.types import EngineConfig  # noqa: E402
 from mlxcel_core.kernels.greedy import greedy_tokens  # noqa: E402
-from mlxcel_core.models.shapes import DTYPES, build_random_model, shape_names  # noqa: E402
+from mlxcel_core.models.shapes import add_shape_arguments, build_random_model  # noqa: E402
 
 
 def decode(model, prompt: list[int], count: int, depth: int) -> tuple[list[int], float]:
@@ -61,10 +61,7 @@ def decode(model, prompt: list[int], count: int, depth: int) -> tuple[list[int],
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-shape", choices=shape_names(), default="llama-3.2-1b")
-    parser.add_argument("--bits", type=int, choices=(4, 8))
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    add_shape_arguments(parser)
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens timed per run")
     parser.add_argument("--depths", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=3)

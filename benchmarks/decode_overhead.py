@@ -30,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 from mlxcel_core.bench import environment, random_prompt  # noqa: E402
 from mlxcel_core.cache import make_cache  # noqa: E402
 from mlxcel_core.engine.compiled_decode import CompiledDecoder, StepKV, StepTraces  # noqa: E402
-from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.models.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
 
 VARIANTS = ("eager", "compiled", "compiled-nomask")
 
@@ -138,10 +138,7 @@ def engine_main(args, model, config) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-shape", choices=shape_names(), default="llama-3.2-1b")
-    parser.add_argument("--bits", type=int, choices=(4, 8))
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    add_shape_arguments(parser)
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--engine", type=lambda v: [int(b) for b in v.split(",")], metavar="B,B,...",

@@ -32,7 +32,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.models.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(HERE))
@@ -158,10 +158,7 @@ def report(side: str, r: dict, count: int, top: int, unit: str = "token") -> Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-shape", choices=shape_names(), default="llama-3-8b")
-    parser.add_argument("--bits", type=int, choices=(4, 8))
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    add_shape_arguments(parser, "llama-3-8b")
     parser.add_argument("--warm", type=int, default=16, help="decode tokens before profiling (kernels compile)")
     parser.add_argument("--tokens", type=int, default=32, help="decode tokens profiled")
     parser.add_argument("--top", type=int, default=15)

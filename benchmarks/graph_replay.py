@@ -40,7 +40,7 @@ from mlxcel_core.kernels.cubin_cache import record_launches  # noqa: E402
 from mlxcel_core.kernels.cuda_driver import Driver, addresses, issue_launches  # noqa: E402
 from mlxcel_core.kernels.rms_norm import final_norm_as_kernel  # noqa: E402
 from mlxcel_core.models.rope import last_positions  # noqa: E402
-from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.models.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 
@@ -107,10 +107,7 @@ class Recorder:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-shape", choices=shape_names(), default="llama-3.2-1b")
-    parser.add_argument("--bits", type=int, choices=(4, 8))
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    add_shape_arguments(parser)
     parser.add_argument("--tokens", type=int, default=128, help="decode tokens timed")
     parser.add_argument("--warm", type=int, default=4, help="decode steps before the recorded one")
     parser.add_argument("--no-mlx-lm", action="store_true")

@@ -46,6 +46,14 @@ def shape_names() -> list[str]:
     return list(SHAPES)
 
 
+def add_shape_arguments(parser, default_shape: str = "llama-3.2-1b") -> None:
+    """The benchmark scripts' model options: --model-shape, --bits, --dtype, --prompt-tokens (an argparse parser)."""
+    parser.add_argument("--model-shape", choices=shape_names(), default=default_shape)
+    parser.add_argument("--bits", type=int, choices=(4, 8))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+
+
 def shape_config(name: str) -> dict[str, Any]:
     """A copy of the shape's config.json-style dict; InputError for unknown names."""
     if name not in SHAPES:
