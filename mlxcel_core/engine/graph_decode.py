@@ -7,8 +7,8 @@ nothing of MLX's a token, benchmarks/graph_replay.py decoded 1238-1250 tok/s, wi
 engine's (benchmarks/RESULTS.md, nineteenth session). On the H200 (twentieth session) this module, recording each
 request, gave the plain engine's tokens and 2.19x mlx-lm at 1B 4-bit; its recording per request then held up the
 first token (TTFT 39 against 13 ms). Recordings are now kept and adopted across requests; that form failed its GPU
-test on a second request (its replays read pools MLX had since replaced), fixed on CPU (`_check_pools`) but not yet
-run on a GPU. Off by default until a GPU run validates it.
+test (most likely on its second request, whose replays read pools MLX had since replaced). The fix (`_check_pools`)
+is tested on CPU, not yet on a GPU. Off by default until a GPU run validates it.
 
 - record: one decode step of the row runs op by op through MLX, greedy included, inside
   `cubin_cache.record_launches` and `rms_norm.final_norm_as_kernel`. That step's token is the engine's, as from any
