@@ -6,9 +6,11 @@ that step is one of our cached kernels (kernels/cubin_cache.py). Recorded once a
 nothing of MLX's a token, benchmarks/graph_replay.py decoded 1238-1250 tok/s, with greedy tokens identical to the
 engine's (benchmarks/RESULTS.md, nineteenth session). On the H200 (twentieth session) this module, recording each
 request, gave the plain engine's tokens and 2.19x mlx-lm at 1B 4-bit; its recording per request then held up the
-first token (TTFT 39 against 13 ms). Recordings are now kept and adopted across requests; that form failed its GPU
-test (most likely on its second request, whose replays read pools MLX had since replaced). The fix (`_check_pools`)
-is tested on CPU, not yet on a GPU. Off by default until a GPU run validates it.
+first token (TTFT 39 against 13 ms). Recordings are now kept and adopted across requests. In the twenty-first session
+its GPU test passed (two requests each, the second adopting every recording, 4-bit and bf16: bf16 steps replay since
+kernels/qembedding.py's 16-bit lookup). That test had failed before only because it compared the second request,
+whose prompt came from the prefix cache, with the plain engine's first; the plain engine's own two requests differ
+the same way.
 
 - record: one decode step of the row runs op by op through MLX, greedy included, inside
   `cubin_cache.record_launches` and `rms_norm.final_norm_as_kernel`. That step's token is the engine's, as from any

@@ -253,9 +253,15 @@ class FastLinear(_DecodeKernelLayer, nn.Linear):
 
 
 class FastEmbedding(nn.Embedding):
-    """nn.Embedding (bf16/fp16) whose `as_linear` (a tied LM head) runs kernels/hmv.py for decode."""
+    """nn.Embedding (bf16/fp16) whose decode lookups are one launch of kernels/qembedding.py's 16-bit copy (one a CUDA
+    graph can replay) and whose `as_linear` (a tied LM head) runs kernels/hmv.py for decode."""
 
     kernel_rows = 2  # as FastLinear's
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        if qembedding.half_kernel_runs(ids, self):
+            return qembedding.embedding(ids, self["weight"])
+        return super().__call__(ids)
 
     def as_linear(self, x: mx.array) -> mx.array:
         y = _half_matvec(self, x)

@@ -1,6 +1,8 @@
-"""A 4-bit token-embedding lookup (``nn.QuantizedEmbedding.__call__``) for a decode step's few ids as one CUDA launch.
+"""Token-embedding lookups for a decode step's few ids as one CUDA launch: 4-bit (``nn.QuantizedEmbedding``) and
+16-bit (``nn.Embedding``).
 
     rows = quantized_embedding(ids, weight, scales, biases, group_size)   # == mx.dequantize(weight[ids], ...)
+    rows = embedding(ids, weight)                                         # == weight[ids], bf16/fp16
 
 As MLX ops the lookup is three gathers (the packed words, the scales, the biases) and a dequantize: four launches a
 decode step. On the H200 a 1B 4-bit step's gathers took 64.5 us together, 16 us a gather (benchmarks/RESULTS.md,
@@ -12,6 +14,11 @@ Runs where `kernel_runs` says so: MLX on CUDA computing on the GPU by default, 4
 size 32/64/128, at most MAX_IDS ids; anything else is MLX's own call (kernels/fast_linear.py's FastQuantizedEmbedding
 decides). An id outside [0, vocabulary) is clamped into it (MLX's gather does not check either; the kernel must not
 read outside the table).
+
+The 16-bit lookup is a copy of each id's row, 16 bytes a thread. MLX's own is a gather, a launch too, but one a CUDA
+graph of our kernels cannot hold (engine/graph_decode.py replays only cached kernels): with this kernel a bf16
+model's decode step can be replayed. It runs where `half_kernel_runs` says so (a bf16/fp16 table whose width is a
+multiple of 8, at most MAX_IDS ids, MLX on CUDA), for the same `FastEmbedding` layers kernels/hmv.py serves.
 """
 
 from __future__ import annotations
@@ -48,6 +55,35 @@ _SOURCE = r"""
         o[i] = scale * static_cast<T>(static_cast<int>((word >> (4 * i)) & 0xf)) + bias;
     }
 """
+
+
+_HALF_SOURCE = r"""
+    const int r = blockIdx.y;
+    const int chunks = w_shape[1] / 8;  // 16-byte chunks a row: 8 16-bit values
+    const int j = blockIdx.x * TPB + threadIdx.x;
+    if (j >= chunks) {
+        return;
+    }
+    const long long vocab = w_shape[0];
+    long long id = static_cast<long long>(ids[r]);
+    id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
+    const size_t src = (size_t(id) * chunks + j) * 8;
+    const size_t dst = (size_t(r) * chunks + j) * 8;
+    if (((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(out)) & 15) == 0) {
+        *reinterpret_cast<uint4*>(out + dst) = *reinterpret_cast<const uint4*>(w + src);
+    } else {  // a table that is a view at an odd offset: the same copy, a value at a time
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            out[dst + i] = w[src + i];
+        }
+    }
+"""
+HALF_TYPES = (mx.bfloat16, mx.float16)
+
+
+@functools.cache
+def _half_kernel():
+    return cuda_kernel(name="mlxcel_embedding", input_names=["ids", "w"], output_names=["out"], source=_HALF_SOURCE)
 
 
 @functools.cache
@@ -89,5 +125,33 @@ def quantized_embedding(ids: mx.array, weight: mx.array, scales: mx.array, biase
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(*ids.shape, words * 8)],
         output_dtypes=[scales.dtype],
+    )
+    return out
+
+
+def half_shape_supported(ids_shape, ids_dtype, w_shape, w_dtype) -> bool:
+    """Whether the 16-bit lookup handles these operands (`half_kernel_runs` adds the backend)."""
+    size = math.prod(ids_shape)
+    return (w_dtype in HALF_TYPES and len(w_shape) == 2 and w_shape[1] % 8 == 0
+            and ids_dtype in (mx.int32, mx.uint32) and 1 <= size <= MAX_IDS)
+
+
+def half_kernel_runs(ids: mx.array, layer) -> bool:
+    """Whether `layer(ids)` (a 16-bit nn.Embedding) can be this launch here."""
+    weight = layer["weight"]
+    return (cuda_kernel_available() and mx.default_device() == mx.gpu
+            and half_shape_supported(ids.shape, ids.dtype, weight.shape, weight.dtype))
+
+
+def embedding(ids: mx.array, weight: mx.array) -> mx.array:
+    """Rows [*ids.shape, K] of a 16-bit table [V, K]; the caller checked `half_shape_supported` and the backend."""
+    chunks = weight.shape[1] // 8
+    (out,) = _half_kernel()(
+        inputs=[ids, weight],
+        template=[("TPB", THREADS)],
+        grid=(-(-chunks // THREADS) * THREADS, ids.size, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*ids.shape, weight.shape[1])],
+        output_dtypes=[weight.dtype],
     )
     return out

@@ -45,7 +45,9 @@ class StandInDecoder(GraphDecoder):
     pools_moved = False  # whether MLX's pool writes "moved" the pools (new memory) or wrote into the old memory
 
     def _addresses(self, arrays):
-        return [id(a) for a in arrays] if self.pools_moved else [0] * len(arrays)
+        # "moved": every new pool array, and every recording (which may grow the pools), is new memory. (A step
+        # of our kernels on CUDA writes the pools in place, so the arrays alone would not show a recording's move.)
+        return [(id(a), self.recorded) for a in arrays] if self.pools_moved else [0] * len(arrays)
 
     def _adopt(self, replay, seq_id, latest):  # the real one copies `latest` into the graph's token buffer
         if replay.seq_id != seq_id and self.open_rows(replay.seq_id):
@@ -198,11 +200,12 @@ cuda = pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_availabl
 
 
 @cuda
-def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch):
+@pytest.mark.parametrize("bits", [4, None], ids=["4bit", "bf16"])  # (bf16 replays since the 16-bit lookup kernel)
+def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch, bits):
     from mlxcel_core.bench import RandomIdTokenizer, random_prompt
     from mlxcel_core.models.shapes import build_random_model
 
-    model, config = build_random_model("llama-3.2-1b", bits=4, seed=0)
+    model, config = build_random_model("llama-3.2-1b", bits=bits, seed=0)
     prompt = random_prompt(config["vocab_size"], 100, 0, "graph-test")
 
     def tokens(engine):
@@ -214,16 +217,29 @@ def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch):
         return out
 
     tokenizer = RandomIdTokenizer(config["vocab_size"])
-    plain = tokens(Engine(model, tokenizer, EngineConfig(max_batch_size=1)))
+    plain_engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1))
+    # The second request's prompt comes from the prefix cache but for its last partial block: a 4-token prefill,
+    # whose rounding differs from the whole prompt's. On these random weights its greedy tokens differ from the
+    # first request's (seen on the H200), in both engines alike, so each request is compared with its plain twin.
+    plain, plain_again = tokens(plain_engine), tokens(plain_engine)
     monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "1")
     engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1))
     assert engine.graph is not None
-    assert tokens(engine) == plain
     graph = engine.graph
-    assert graph.usable and graph.replayed >= 50, (graph.replayed, graph.recorded, graph.why_not)
+
+    def counters():
+        return dict(recorded=graph.recorded, replayed=graph.replayed, adopted=graph.adopted, why_not=graph.why_not)
+
+    def first_difference(out, expected):
+        return next((i for i, (a, b) in enumerate(zip(out, expected)) if a != b), min(len(out), len(expected)))
+
+    first = tokens(engine)
+    assert first == plain, ("request 1 differs at", first_difference(first, plain), counters())
+    assert graph.usable and graph.replayed >= 50, counters()
     recorded, replayed = graph.recorded, graph.replayed
-    assert tokens(engine) == plain  # the next request adopts the recordings: none made again
-    assert graph.recorded == recorded and graph.replayed >= replayed + 55 and graph.adopted >= 1
+    second = tokens(engine)  # the next request adopts the recordings: none made again
+    assert second == plain_again, ("request 2 differs at", first_difference(second, plain_again), counters())
+    assert graph.recorded == recorded and graph.replayed >= replayed + 55 and graph.adopted >= 1, counters()
 
 
 class FakeDriver:

@@ -133,8 +133,8 @@ def _kernel_factories():
     from mlxcel_core.kernels import greedy, hmv, qembedding, qmm, qmv
     from mlxcel_core.kv import cuda_paged_attention as cpa
 
-    return [qmv._kernel, hmv._kernel, greedy._kernel, qembedding._kernel, qmm._kernel, cpa._kernel,
-            cpa._combine_kernel]
+    return [qmv._kernel, hmv._kernel, greedy._kernel, qembedding._kernel, qembedding._half_kernel, qmm._kernel,
+            cpa._kernel, cpa._combine_kernel]
 
 
 @pytest.fixture
@@ -182,6 +182,8 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
                      grid=(2048, 1, 1), threadgroup=(1024, 1, 1), output_shapes=[(2,), (2,)],
                      output_dtypes=[mx.uint32, mx.int32])
     qembedding.quantized_embedding(mx.array([1, 2], mx.uint32), w, scales, biases, 64)
+    for dtype in qembedding.HALF_TYPES:
+        qembedding.embedding(mx.array([1, 2], mx.uint32), mx.zeros((64, 256), dtype))
     qmm.quantized_matmul(mx.zeros((16, 256), mx.bfloat16), w, scales, biases, 64)
     q = mx.zeros((1, 4, 64), mx.bfloat16)
     pool = mx.zeros((4, 16, 2, 64), mx.bfloat16)
@@ -194,6 +196,7 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
     rms_norm._kernels.clear()
     names = {n.rsplit("_", 1)[0] for n in through_nvcc}
     assert {qmv.kernel_name("plain"), hmv._kernel().name, "mlxcel_greedy_tokens", "mlxcel_qembedding",
+            "mlxcel_embedding",
             qmm.KERNEL_NAME, "paged_decode_one_split", "paged_decode_split", "paged_decode_combine"} <= names, names
     assert sum(n.startswith("mlxcel_rms_norm_") for n in through_nvcc) == 3  # one variant a dtype
 
