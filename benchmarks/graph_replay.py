@@ -1,5 +1,5 @@
 """A batch-1 decode step replayed as one CUDA graph of our own kernels, outside MLX, checked launch by launch (CUDA
-only): the experiment behind engine/graph_decode.py (MLXCEL_CUDA_GRAPH=1), kept as its byte-level check.
+only): the experiment behind engine/graph_decode.py (on by default on CUDA), kept as its byte-level check.
 
     python benchmarks/graph_replay.py --model-shape llama-3.2-1b --bits 4 [--tokens 128]
 

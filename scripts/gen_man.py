@@ -71,9 +71,9 @@ ENVIRONMENT = [
     ("MLXCEL_PREFILL_BATCH", "N: up to N waiting prompts are prefilled whole in one forward (left-padded; paged KV "
                              "without --kv-bits) instead of one a step. Default: 8 on a GPU (a batch's time to first "
                              "token fell 1.5-5x on the H200), 1 on CPU (where it rose)."),
-    ("MLXCEL_CUDA_GRAPH", "1 (experimental, off by default; CUDA): while one greedy request decodes alone, its decode "
-     "steps are recorded once and replayed as one CUDA graph of mlxcel's kernels, with no MLX work a token; other "
-     "steps run through MLX as before. Recordings are kept for later requests (not yet validated on a GPU)."),
+    ("MLXCEL_CUDA_GRAPH", "0: replay no decode step as a CUDA graph. Default on CUDA: while one greedy request decodes "
+     "alone, its decode steps after the first are recorded once and replayed as one CUDA graph of mlxcel's kernels, "
+     "with no MLX work a token; other steps run through MLX as before. Recordings are kept for later requests."),
     ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
                              "decode step to MLX on a launcher thread while the next one is built; tokens are read "
                              "two steps later instead of one."),

@@ -31,7 +31,7 @@ from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from .compiled_decode import compile_enabled
 from .graph_decode import GraphDecoder
-from .graph_decode import requested as graph_requested
+from .graph_decode import enabled as graph_enabled
 from .launcher import launch_thread_requested, make_launcher, settle
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, SchedulerConfig
@@ -113,9 +113,9 @@ class Engine:
         self.launcher = make_launcher(self._threaded)
         if self._threaded:
             settle(model)
-        # MLXCEL_CUDA_GRAPH=1: a lone greedy row's decode steps replayed as one CUDA graph (graph_decode.py)
+        # a lone greedy row's decode steps replayed as one CUDA graph (graph_decode.py; MLXCEL_CUDA_GRAPH=0: off)
         self.graph: GraphDecoder | None = None
-        if (graph_requested() and cuda_kernel_available() and cubin_cache.enabled() and not self._threaded
+        if (graph_enabled() and cuda_kernel_available() and cubin_cache.enabled() and not self._threaded
                 and self.config.resolved_storage == "paged" and self.config.kv_bits is None
                 and self.config.speculative is None and not is_launched()):
             self.graph = GraphDecoder(model, self.storage, open_rows=lambda seq_id: seq_id in self._latest)

@@ -240,11 +240,14 @@ def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     monkeypatch.delenv("MLXCEL_COMPILE")  # the default: compiled on a GPU only
     expected = "compiled where supported" if mx.default_device().type == mx.DeviceType.gpu else \
         "op by op (the default on CPU; MLXCEL_COMPILE=1 compiles)"
-    assert f"; decode steps {expected}; " in bench_header(model)
-    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "1")
-    graph = (", a lone greedy row's steps replayed as one CUDA graph (MLXCEL_CUDA_GRAPH=1)" if cuda_kernel_available()
-             else " (MLXCEL_CUDA_GRAPH=1 applies on CUDA only)")
+    on_cuda = ", a lone greedy row's steps replayed as one CUDA graph (MLXCEL_CUDA_GRAPH=0 turns it off)"
+    graph = on_cuda if cuda_kernel_available() else ""  # the default: on where CUDA is
     assert f"; decode steps {expected}{graph}; " in bench_header(model)
+    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "1")
+    graph = on_cuda if cuda_kernel_available() else " (MLXCEL_CUDA_GRAPH=1 applies on CUDA only)"
+    assert f"; decode steps {expected}{graph}; " in bench_header(model)
+    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "0")
+    assert f"; decode steps {expected}; " in bench_header(model)
     monkeypatch.delenv("MLXCEL_CUDA_GRAPH")
     monkeypatch.setenv("MLXCEL_FUSE", "1")
     monkeypatch.setenv("MLXCEL_QMV", "0")

@@ -1,4 +1,5 @@
-"""engine/graph_decode.py: a lone greedy row's decode steps replayed as one CUDA graph (MLXCEL_CUDA_GRAPH=1).
+"""engine/graph_decode.py: a lone greedy row's decode steps replayed as one CUDA graph (on CUDA; MLXCEL_CUDA_GRAPH=0
+turns it off).
 
 On CPU: the engine's side with MLX standing in for the CUDA driver (a GraphDecoder whose `_build` keeps the step's
 layout and whose `_launch` computes the step with MLX from the same storage ints). Requests arriving and ending at
@@ -69,6 +70,12 @@ class StandInDecoder(GraphDecoder):
         self.settles += 1
 
 
+@pytest.fixture(autouse=True)
+def no_real_graph(monkeypatch):
+    """The stand-in tests' engines make no GraphDecoder of their own (on CUDA the engine's default would)."""
+    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "0")
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     lm = load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny-graph"))), log=lambda m: None)
@@ -83,7 +90,7 @@ def test_the_stand_in_serves_lone_greedy_rows_and_gives_the_plain_tokens(loaded,
     config = EngineConfig(max_batch_size=4, storage="paged")
     plain = drive(Engine(loaded.model, loaded.tokenizer, config), PROMPTS, ARRIVAL_STEP, params)
     engine = Engine(loaded.model, loaded.tokenizer, config)
-    assert engine.graph is None  # no CUDA here
+    assert engine.graph is None  # MLXCEL_CUDA_GRAPH=0 (no_real_graph)
     engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
     stand_in.open_rows = lambda seq_id: seq_id in engine._latest
     assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == plain
@@ -217,7 +224,9 @@ def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch, bits)
         return out
 
     tokenizer = RandomIdTokenizer(config["vocab_size"])
+    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "0")
     plain_engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1))
+    assert plain_engine.graph is None
     # The second request's prompt comes from the prefix cache but for its last partial block: a 4-token prefill,
     # whose rounding differs from the whole prompt's. On these random weights its greedy tokens differ from the
     # first request's (seen on the H200), in both engines alike, so each request is compared with its plain twin.

@@ -142,7 +142,8 @@ def test_fast_half_embedding_is_mlxs_lookup_where_the_kernel_does_not_run():
 @pytest.mark.parametrize("dtype", qembedding.HALF_TYPES, ids=["bf16", "fp16"])
 def test_half_source_compiles_for_sm90_without_spills(tmp_path, dtype):
     t = CUDA_TYPES[dtype]
-    params = ["    const uint32_t* ids", f"    const {t}* w", "    const __grid_constant__ Shape w_shape", f"    {t}* out"]
+    params = ["    const uint32_t* ids", f"    const {t}* w", "    const __grid_constant__ Shape w_shape",
+              f"    {t}* out"]
     compile_sm90(tmp_path, kernel_file("mlxcel_embedding", params, {"TPB": qembedding.THREADS},
                                        qembedding._HALF_SOURCE))
 
