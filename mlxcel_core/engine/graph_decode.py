@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from ..kernels.cubin_cache import Launch, record_launches
+from ..kernels.cubin_cache import Launch, pdl_enabled, record_launches
 from ..kernels.greedy import greedy_tokens
 from ..kernels.rms_norm import final_norm_as_kernel
 from ..models.rope import last_positions
@@ -299,7 +299,7 @@ class GraphDecoder:
 
         def issue():
             driver.copy_on_device(token_in, token_out, 4)
-            issue_launches(driver, launches, where)
+            issue_launches(driver, launches, where, programmatic=pdl_enabled())
 
         exe = driver.capture(issue)
         positions = [(where[id(roped[0])], roped[1])] if roped else []

@@ -57,8 +57,26 @@ PRELUDE = r"""#include <cuda_bf16.h>
 """
 
 
+PDL_ENV = "MLXCEL_GRAPH_PDL"
+# Programmatic dependent launch (sm_90+): a kernel waits here for the stream's previous kernel and its writes, then
+# lets the next kernel's blocks be placed while its own run. Only a launch made with the programmatic-serialization
+# attribute (engine/graph_decode.py's replays, MLXCEL_GRAPH_PDL=1) starts before its predecessor ends; under any other
+# launch both instructions return at once.
+PDL_PROLOGUE = r"""#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+"""
+
+
 def enabled() -> bool:
     return os.environ.get(ENV, "").strip() != "0"
+
+
+def pdl_enabled() -> bool:
+    """MLXCEL_GRAPH_PDL=1 (experimental): cached kernels carry PDL_PROLOGUE and replayed graphs chain their launches
+    programmatically, so a kernel's blocks are placed before the previous kernel ends."""
+    return os.environ.get(PDL_ENV, "").strip() == "1"
 
 
 def shape_reads(source: str, input_names: list[str]) -> list[tuple[bool, bool]]:
@@ -67,8 +85,10 @@ def shape_reads(source: str, input_names: list[str]) -> list[tuple[bool, bool]]:
 
 
 def kernel_text(func_name: str, source: str, header: str, input_names: list[str], input_dtypes: list,
-                input_ndims: list[int], output_names: list[str], output_dtypes: list, template: list) -> str:
-    """The translation unit of one variant (module docstring: how it differs from MLX's build_kernel)."""
+                input_ndims: list[int], output_names: list[str], output_dtypes: list, template: list,
+                pdl: bool = False) -> str:
+    """The translation unit of one variant (module docstring: how it differs from MLX's build_kernel); `pdl`: the body
+    starts with PDL_PROLOGUE."""
     params = [f"    const {CUDA_TYPES[dt]}* {name}" for name, dt in zip(input_names, input_dtypes)]
     params += [f"    {CUDA_TYPES[dt]}* {name}" for name, dt in zip(output_names, output_dtypes)]
     unpack = []
@@ -88,7 +108,7 @@ def kernel_text(func_name: str, source: str, header: str, input_names: list[str]
         else:
             consts.append(f"  constexpr int {key} = {int(value)};")
     return (PRELUDE + header + f'\nextern "C" __global__ void {func_name}(\n' + ",\n".join(params) + ") {\n"
-            + "\n".join(unpack + consts) + "\n\n" + source + "\n}\n")
+            + "\n".join(unpack + consts) + "\n\n" + (PDL_PROLOGUE if pdl else "") + source + "\n}\n")
 
 
 def shape_scalars(reads: list[tuple[bool, bool]], inputs: list) -> list[int]:
@@ -208,6 +228,7 @@ class Launch:
     scalars: list[int]
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
+    pdl: bool = False  # the kernel starts with PDL_PROLOGUE: it may be launched before its predecessor ends
 
 
 _recording: list[Launch] | None = None
@@ -254,9 +275,11 @@ class CachedKernel:
                                             output_names=self.output_names, source=self.source, header=self.header)
         return self._mlx
 
-    def variant(self, template: list, input_dtypes: list, input_ndims: list[int], output_dtypes: list):
-        """(function name, cubin) of one variant: this process's, the cache file's, or compiled now."""
-        key = (tuple(template), tuple(input_dtypes), tuple(input_ndims), tuple(output_dtypes))
+    def variant(self, template: list, input_dtypes: list, input_ndims: list[int], output_dtypes: list,
+                pdl: bool = False):
+        """(function name, cubin) of one variant: this process's, the cache file's, or compiled now; `pdl`: with
+        PDL_PROLOGUE."""
+        key = (tuple(template), tuple(input_dtypes), tuple(input_ndims), tuple(output_dtypes), pdl)
         found = self._variants.get(key)
         if found is not None:
             return found
@@ -265,7 +288,7 @@ class CachedKernel:
                 return self._variants[key]
             arch = gpu_architecture()
             draft = kernel_text("KERNEL_NAME", self.source, self.header, self.input_names, input_dtypes,
-                                input_ndims, self.output_names, output_dtypes, template)
+                                input_ndims, self.output_names, output_dtypes, template, pdl)
             digest = hashlib.sha256(f"{draft}\n{arch}\n{nvrtc_version()}".encode()).hexdigest()[:20]
             func = f"{self.name}_{digest}"
             path = self.directory / f"{func}.cubin"
@@ -289,7 +312,8 @@ class CachedKernel:
         if self._mlx is None and not kwargs:
             try:
                 ndims = [x.ndim for x in inputs]
-                func, cubin = self.variant(list(template), [x.dtype for x in inputs], ndims, list(output_dtypes))
+                pdl = pdl_enabled()
+                func, cubin = self.variant(list(template), [x.dtype for x in inputs], ndims, list(output_dtypes), pdl)
                 scalars = shape_scalars(self._reads, inputs)
                 outputs = mx.fast.precompiled_cuda_kernel(
                     name=func, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
@@ -298,7 +322,7 @@ class CachedKernel:
                 if _recording is not None:
                     replayable = init_value is None
                     _recording.append(Launch(func if replayable else None, cubin, list(inputs), list(outputs), scalars,
-                                             tuple(grid), tuple(threadgroup)))
+                                             tuple(grid), tuple(threadgroup), pdl))
                 return outputs
             except Exception as exc:  # noqa: BLE001 - MLX's path below compiles (and reports) it as before
                 _report_fallback(self.name, exc)

@@ -14,12 +14,34 @@ import mlx.core as mx
 c_void_p, c_uint, c_size_t, c_uint64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_uint64
 byref = ctypes.byref
 CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed: MLX's own calls on its threads are not part of a capture
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h)
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (72 bytes, as cuda.h 13.0 lays it out)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (56 bytes: the stream at offset 32, the attributes at 40, their count at 48)."""
+    _fields_ = [("grid", c_uint * 3), ("block", c_uint * 3), ("shared_bytes", c_uint), ("stream", c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", c_uint)]
+
+
+def programmatic_config(blocks, threads, stream) -> tuple[LaunchConfig, LaunchAttribute]:
+    """A launch's config that lets it start before the stream's previous kernel ends (the kernel waits itself:
+    cubin_cache.PDL_PROLOGUE). The attribute is returned too: the config points at it."""
+    attribute = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value = (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed
+    config = LaunchConfig((c_uint * 3)(*blocks), (c_uint * 3)(*threads), 0, stream, ctypes.pointer(attribute), 1)
+    return config, attribute
 
 
 class Driver:
     def __init__(self):
         self.lib = lib = ctypes.CDLL("libcuda.so.1")
         lib.cuLaunchKernel.argtypes = [c_void_p] + [c_uint] * 7 + [c_void_p, c_void_p, c_void_p]
+        lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), c_void_p, c_void_p, c_void_p]
         lib.cuMemsetD8Async.argtypes = [c_uint64, ctypes.c_ubyte, c_size_t, c_void_p]
         lib.cuMemcpyDtoDAsync_v2.argtypes = [c_uint64, c_uint64, c_size_t, c_void_p]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [c_uint64, c_void_p, c_size_t, c_void_p]
@@ -59,9 +81,15 @@ class Driver:
             self.functions[name] = fn
         return self.functions[name]
 
-    def launch(self, fn, blocks, threads, args: list) -> None:
-        """`args`: ctypes values in the kernel's parameter order (c_uint64 addresses, c_int / c_float scalars)."""
+    def launch(self, fn, blocks, threads, args: list, programmatic: bool = False) -> None:
+        """`args`: ctypes values in the kernel's parameter order (c_uint64 addresses, c_int / c_float scalars);
+        `programmatic`: the launch may start before the stream's previous kernel ends (`programmatic_config`)."""
         params = (c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        if programmatic:
+            config, _attribute = programmatic_config(blocks, threads, self.stream)
+            rc = self.lib.cuLaunchKernelEx(byref(config), fn, ctypes.cast(params, c_void_p), None)
+            self.check(rc, "cuLaunchKernelEx")
+            return
         rc = self.lib.cuLaunchKernel(fn, *blocks, *threads, 0, self.stream, ctypes.cast(params, c_void_p), None)
         self.check(rc, "cuLaunchKernel")
 
@@ -124,14 +152,18 @@ class Driver:
         return buf.raw
 
 
-def issue_launches(driver: Driver, launches: list, where: dict[int, int]) -> None:
+def issue_launches(driver: Driver, launches: list, where: dict[int, int], programmatic: bool = False) -> None:
     """Issue recorded launches (cubin_cache.Launch) on the driver's stream, as MLX would make them: the inputs' and
-    outputs' addresses (`where`: array id -> address), then the int scalars; the grid in threads."""
-    for launch in launches:
+    outputs' addresses (`where`: array id -> address), then the int scalars; the grid in threads. `programmatic`:
+    every launch after the first whose kernel waits for its predecessor itself (`Launch.pdl`, built with
+    cubin_cache.PDL_PROLOGUE) may start before the previous one ends; the first follows whatever the stream did before
+    (a copy) in order."""
+    for i, launch in enumerate(launches):
         fn = driver.function(launch.func, launch.cubin)
         args = [c_uint64(where[id(a)]) for a in launch.inputs + launch.outputs]
         blocks = [-(-g // t) for g, t in zip(launch.grid, launch.threadgroup)]
-        driver.launch(fn, blocks, launch.threadgroup, args + [ctypes.c_int(s) for s in launch.scalars])
+        driver.launch(fn, blocks, launch.threadgroup, args + [ctypes.c_int(s) for s in launch.scalars],
+                      programmatic=programmatic and i > 0 and launch.pdl)
 
 
 def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> list[int]:

@@ -74,6 +74,23 @@ def test_a_variant_is_compiled_once_per_machine(tmp_path, machine):
     assert (tmp_path / f"{name}.cubin").read_bytes() == cubin
 
 
+def test_a_pdl_variant_is_its_own_cubin_with_the_prologue(tmp_path, machine):
+    texts = {}
+
+    def compile_stub(text, name, arch):
+        texts[name] = text
+        return ELF + name.encode()
+
+    kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path, compile=compile_stub)
+    args = ([("T", mx.float32), ("SCALE", 1), ("FLAG", False)], [mx.float32], [2], [mx.float32])
+    plain, _ = kernel.variant(*args)
+    chained, _ = kernel.variant(*args, pdl=True)
+    assert plain != chained and len(texts) == 2
+    assert "griddepcontrol.wait" not in texts[plain]
+    text = texts[chained]
+    assert text.index("griddepcontrol.wait") < text.index("griddepcontrol.launch_dependents") < text.index(BODY.strip())
+
+
 def test_an_unwritable_cache_still_runs_the_kernel(tmp_path, machine):
     kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path / "missing",
                           compile=lambda text, name, arch: ELF)
@@ -199,6 +216,19 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
             "mlxcel_embedding",
             qmm.KERNEL_NAME, "paged_decode_one_split", "paged_decode_split", "paged_decode_combine"} <= names, names
     assert sum(n.startswith("mlxcel_rms_norm_") for n in through_nvcc) == 3  # one variant a dtype
+
+
+@needs_nvcc
+def test_kernels_with_the_pdl_prologue_compile_for_sm90(through_nvcc, monkeypatch):
+    """MLXCEL_GRAPH_PDL=1: griddepcontrol compiles for sm_90, in a kernel family whose body returns early."""
+    from mlxcel_core.kernels import greedy, qembedding
+
+    monkeypatch.setenv("MLXCEL_GRAPH_PDL", "1")
+    greedy._kernel()(inputs=[mx.zeros((2, 100), mx.bfloat16)], template=[("T", mx.bfloat16), ("TPB", 1024)],
+                     grid=(2048, 1, 1), threadgroup=(1024, 1, 1), output_shapes=[(2,), (2,)],
+                     output_dtypes=[mx.uint32, mx.int32])
+    qembedding.embedding(mx.array([1, 2], mx.uint32), mx.zeros((64, 256), mx.bfloat16))
+    assert len(through_nvcc) == 2
 
 
 # -- on CUDA ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,52 @@
+"""kernels/cuda_driver.py without a GPU: the launch-config structs as cuda.h lays them out, and which recorded
+launches `issue_launches` chains programmatically (MLXCEL_GRAPH_PDL)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import mlx.core as mx
+
+from mlxcel_core.kernels.cubin_cache import Launch
+from mlxcel_core.kernels.cuda_driver import (PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttribute, LaunchConfig,
+                                             issue_launches, programmatic_config)
+
+
+def test_the_launch_structs_have_cuda_hs_layout():
+    # sizeof / offsetof from a C program built against CUDA 13.0's cuda.h: 72 8 56 32 40 48
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(LaunchConfig) == 56
+    assert (LaunchConfig.stream.offset, LaunchConfig.attrs.offset, LaunchConfig.num_attrs.offset) == (32, 40, 48)
+
+
+def test_a_programmatic_config_carries_the_serialization_attribute():
+    config, attribute = programmatic_config([3, 2, 1], [128, 1, 1], ctypes.c_void_p(1234))
+    assert list(config.grid) == [3, 2, 1] and list(config.block) == [128, 1, 1] and config.stream == 1234
+    assert config.num_attrs == 1 and config.attrs.contents.id == PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert bytes(attribute)[8:12] == (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed
+
+
+class RecordingDriver:
+    def __init__(self):
+        self.launched = []
+
+    def function(self, name, cubin):
+        return name
+
+    def launch(self, fn, blocks, threads, args, programmatic=False):
+        self.launched.append((fn, blocks, [a.value for a in args], programmatic))
+
+
+def test_only_later_launches_of_kernels_that_wait_themselves_are_chained():
+    a, b = mx.zeros((4,)), mx.zeros((4,))
+    where = {id(a): 100, id(b): 200}
+    launches = [Launch("k0", b"", [a], [b], [7], (256, 1, 1), (128, 1, 1), pdl=True),
+                Launch("k1", b"", [b], [a], [], (64, 2, 1), (32, 1, 1), pdl=True),
+                Launch("k2", b"", [a], [b], [], (1, 1, 1), (1, 1, 1), pdl=False)]
+    driver = RecordingDriver()
+    issue_launches(driver, launches, where, programmatic=True)
+    assert driver.launched == [("k0", [2, 1, 1], [100, 200, 7], False), ("k1", [2, 2, 1], [200, 100], True),
+                               ("k2", [1, 1, 1], [100, 200], False)]
+    driver = RecordingDriver()
+    issue_launches(driver, launches, where)
+    assert [p for *_, p in driver.launched] == [False, False, False]
