@@ -13,8 +13,15 @@ Timing, identical for both: one prompt of --prompt-tokens random token ids (seed
 no detokenization (mlxcel: an Engine whose tokenizer has no EOS and no text; mlx-lm: `generate_step`, which
 neither stops at EOS nor detokenizes). t0 is taken before the request is handed over; TTFT is until the first
 token is on the host (prefill tok/s = prompt tokens / TTFT); decode tok/s = N / (time of token N + 1 -
-time of token 1), N = --gen-tokens. One warm-up run each, then --rounds rounds; each round runs both, the
-first one alternating (mlxcel first in odd rounds), so slow drifts and background load hit both alike.
+time of token 1), N = --gen-tokens. One warm-up run each, as long as a timed one, then --rounds rounds; each
+round runs both, the first one alternating (mlxcel first in odd rounds), so slow drifts and background load hit both
+alike.
+
+mlxcel keeps one Engine for the whole comparison, as `mlxcel serve` and `mlxcel bench` do, with its prefix cache
+emptied before every run (bench.forget_cached_prefixes: no run reuses the previous one's identical prompt). On CUDA
+that keeps the decode step's CUDA graph recorded in the warm-up (engine/graph_decode.py), as a server keeps it; the
+last line says how many steps were replayed. Before the twenty-first session each run made a new Engine, so every
+timed run also recorded its graph (benchmarks/RESULTS.md says which runs were made which way).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
+from mlxcel_core.bench import RandomIdTokenizer, environment, forget_cached_prefixes, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
@@ -59,8 +66,13 @@ def timed(tokens_and_times: list[tuple[int, float]], t0: float, prompt_len: int)
 
 
 # -- mlxcel: its engine, as generate/run/serve use it ------------------------------------------------------------
-def run_mlxcel(model, vocab: int, prompt: list[int], gen: int, storage: str = "auto") -> Run:
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=storage))  # no EOS, no text
+def mlxcel_engine(model, vocab: int, storage: str = "auto") -> Engine:
+    return Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=storage))  # no EOS, no text
+
+
+def run_mlxcel(engine: Engine, prompt: list[int], gen: int) -> Run:
+    forget_cached_prefixes(engine)
+    computed = engine.runner.prefill_tokens
     seen: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     seq = engine.open(prompt, SamplingParams(max_tokens=gen + 1))  # greedy
@@ -73,6 +85,8 @@ def run_mlxcel(model, vocab: int, prompt: list[int], gen: int, storage: str = "a
             if out.token is not None:
                 seen.append((out.token, now))
     engine.release(seq)
+    if engine.runner.prefill_tokens - computed != len(prompt):  # the whole prompt, as mlx-lm computes it
+        raise RuntimeError(f"mlxcel computed {engine.runner.prefill_tokens - computed} of {len(prompt)} prompt tokens")
     return timed(seen, t0, len(prompt))
 
 
@@ -122,6 +136,16 @@ def load_both(args) -> tuple[object, object, int, str, str]:
 
     theirs, _ = mlx_lm.load(str(loaded.source.path) if loaded.source.path else args.model)
     return ours, theirs, vocab, description, "mlx_lm.load on the same directory"
+
+
+def describe_graph(graph, warm_replayed: int, timed_steps: int) -> str:
+    """What the engine's CUDA graph did in the timed rounds (so a silent fallback shows in the output)."""
+    if graph is None:
+        return "not used (CPU, MLXCEL_CUDA_GRAPH=0, or a configuration it does not serve)"
+    if not graph.usable:
+        return f"not replayable for this model: {graph.why_not}"
+    return (f"{graph.replayed - warm_replayed} of {timed_steps} timed decode steps replayed; "
+            f"{graph.recorded} recordings in all, {graph.adopted} adopted")
 
 
 def max_logit_diff(ours, theirs, vocab: int) -> float:
@@ -180,15 +204,19 @@ def main(argv: list[str] | None = None) -> int:
 
     prompt = random_prompt(vocab, args.prompt_tokens, args.seed, "compare")
 
+    engine = mlxcel_engine(ours, vocab, args.storage)
+
     def once(runtime: str, gen: int) -> Run:
         gc.collect()
         mx.clear_cache()
         if runtime == "mlxcel":
-            return run_mlxcel(ours, vocab, prompt, gen, args.storage)
+            return run_mlxcel(engine, prompt, gen)
         return run_mlx_lm(theirs, prompt, gen)
 
-    for runtime in RUNTIMES:  # warm-up: same prompt shape, a few decode steps
-        once(runtime, min(args.gen_tokens, 8))
+    for runtime in RUNTIMES:  # warm-up: the same prompt and length as a timed run
+        once(runtime, args.gen_tokens)
+    graph = engine.graph
+    warm_replayed = graph.replayed if graph is not None else 0
 
     rounds = []
     for r in range(args.rounds):
@@ -215,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['mlx-lm_decode_tps_median']:.2f} tok/s; median ratio mlxcel/mlx-lm {summary['decode_ratio_median']:.3f}x")
     say(f"median prefill: mlxcel {summary['mlxcel_prefill_tps_median']:.1f}, mlx-lm "
         f"{summary['mlx-lm_prefill_tps_median']:.1f} tok/s; median ratio mlxcel/mlx-lm {summary['prefill_ratio_median']:.3f}x")
+    summary["graph"] = describe_graph(graph, warm_replayed, args.rounds * args.gen_tokens)
+    say(f"mlxcel CUDA graph: {summary['graph']}")
     if args.json:
         def plain(run: Run) -> dict:
             return {k: v for k, v in asdict(run).items() if k != "tokens"}

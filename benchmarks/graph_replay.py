@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     # tokens and speeds. Twice each: the first run compiles.
     import compare_mlx_lm as compare
 
+    os.environ["MLXCEL_CUDA_GRAPH"] = "0"  # the reference is MLX's steps, not the engine's own replays
+    engine = compare.mlxcel_engine(model, vocab)
     for _ in range(2):
-        ours = compare.run_mlxcel(model, vocab, prompt, total)
+        ours = compare.run_mlxcel(engine, prompt, total)
     reference = ours.tokens
     print(f"mlxcel engine: {ours.decode_tps:.1f} tok/s decode, TTFT {ours.ttft_s * 1e3:.0f} ms")
     if not args.no_mlx_lm:
