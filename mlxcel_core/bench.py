@@ -34,7 +34,7 @@ STORAGE_BACKENDS = ("auto", "dense", "paged")
 FIELDS = ("mlxcel_version", "mlx_version", "backend", "device", "model_filename", "model_type", "model_size",
           "model_n_params", "n_batch", "n_prompt", "n_gen", "n_depth", "kv_bits", "storage", "test", "test_time",
           "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "ttft_ms", "peak_memory_gb", "prefill_computed",
-          "warmup_ms", "samples_ns", "samples_ts")
+          "graph_steps", "warmup_ms", "samples_ns", "samples_ts")
 
 
 # -- what to run ------------------------------------------------------------------------------------
@@ -146,6 +146,8 @@ class BenchResult:
     storage: str = "auto"
     # wall time of the warm-up run (None without one): a process's first test includes compiling its GPU kernels
     warmup_ms: float | None = None
+    # decode steps replayed as one CUDA graph in the timed runs (engine/graph_decode.py); None: the engine has none
+    graph_steps: int | None = None
     mlxcel_version: str = __version__
     mlx_version: str = ""
     test_time: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -181,7 +183,7 @@ class BenchResult:
             "avg_ns": int(round(self.avg_ns)), "stddev_ns": int(round(self.stddev_ns)),
             "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts, "ttft_ms": self.ttft_ms,
             "peak_memory_gb": self.peak_memory_gb, "prefill_computed": self.prefill_computed,
-            "warmup_ms": self.warmup_ms, "samples_ns": list(self.samples_ns), "samples_ts": self.samples_ts,
+            "graph_steps": self.graph_steps, "warmup_ms": self.warmup_ms, "samples_ns": list(self.samples_ns), "samples_ts": self.samples_ts,
         }
         return {k: values[k] for k in FIELDS}
 
@@ -480,6 +482,8 @@ def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[
             measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
             warmup_ms = (clock() - start) * 1000
             log(f"{test.label} (b={test.n_batch}): warm-up took {warmup_ms:.1f} ms")
+        graph = engine.graph
+        replayed_before = graph.replayed if graph is not None else 0
         samples = []
         for rep in range(config.repetitions):
             sample = measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
@@ -492,7 +496,10 @@ def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[
             device=env["device"], samples_ns=[int(round(s.seconds * 1e9)) for s in samples],
             ttft_ms=statistics.fmean(s.ttft_s for s in samples) * 1000, peak_memory_gb=mx.get_peak_memory() / 1e9,
             prefill_computed=max(s.prefill_computed for s in samples), kv_bits=config.kv_bits,
-            storage=engine.config.resolved_storage, mlx_version=env["mlx_version"], warmup_ms=warmup_ms)
+            storage=engine.config.resolved_storage, mlx_version=env["mlx_version"], warmup_ms=warmup_ms,
+            graph_steps=None if graph is None else graph.replayed - replayed_before)
+        if graph is not None and not graph.usable:
+            log(f"{test.label} (b={test.n_batch}): no decode step was replayed as a CUDA graph: {graph.why_not}")
         del engine
         results.append(result)
         if on_result is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import statistics
 
 import mlx.core as mx
@@ -272,3 +274,30 @@ def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
     assert f"paged KV written {in_kernel}" in bench_header(model)
     monkeypatch.setenv("MLXCEL_FUSE", "0")
     assert "fused q/k/v, gate/up and residual adds off (MLXCEL_FUSE)" in bench_header(model)
+
+
+# -- the CUDA graph's share of the timed steps ----------------------------------------------------------------
+def test_graph_steps_count_the_timed_runs_replayed_steps(tiny, monkeypatch):
+    """graph_steps: the decode steps of the timed runs the engine's graph replayed (a stand-in graph here, MLX in place
+    of the driver); the warm-up records, so every timed decode step is a replay. None where the engine has no graph."""
+    import mlxcel_core.bench as bench
+    from graph_stand_in import attach_stand_in
+
+    config = BenchConfig(n_prompt=(0,), n_gen=(6,), repetitions=2, storage="paged")
+    (plain,) = run_bench(tiny, config)
+    assert plain.graph_steps is None and plain.to_dict()["graph_steps"] is None  # (no CUDA: the engine makes none)
+    made = []
+
+    def engine_with_graph(*args):
+        engine = real(*args)
+        made.append(attach_stand_in(engine))
+        return engine
+
+    real = bench.engine_for
+    monkeypatch.setattr(bench, "engine_for", engine_with_graph)
+    (r,) = run_bench(tiny, config)
+    (stand_in,) = made
+    assert stand_in.recorded == 1  # in the warm-up
+    assert r.graph_steps == r.to_dict()["graph_steps"] == 2 * 6  # tg6: the prompt's token, then 6 replayed steps
+    (row,) = csv.DictReader(io.StringIO(render([r], "csv")))
+    assert row["graph_steps"] == "12"

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from engine_drive import drive
+from graph_stand_in import attach_stand_in
 from tiny_models import save_tiny_llama
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.engine.graph_decode import GraphDecoder, _Replay, _Slot, blockers, module_arrays
 from mlxcel_core.engine.step_inputs import packed_ints
 from mlxcel_core.kernels.cubin_cache import Launch
-from mlxcel_core.kernels.greedy import greedy_tokens
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
 
@@ -30,44 +30,6 @@ rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(3, 300, size=n).tolist() for n in (7, 30, 3, 12)]
 ARRIVAL_STEP = [0, 9, 10, 40]
 MAX_TOKENS = [24, 6, 20, 70]  # the last runs alone past block boundaries (32-token blocks) and a table width change
-
-
-class StandInDecoder(GraphDecoder):
-    """GraphDecoder's bookkeeping, MLX in place of the driver: each 'replay' is the step computed op by op."""
-
-    def __init__(self, model, storage, engine):
-        super().__init__(model, storage)
-        self.engine, self.settles, self.alone = engine, 0, []
-
-    def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses):
-        _, spans = packed_ints(*parts)
-        return _Replay(seq_id, None, token, 0, 0, 0, spans, [], [])
-
-    pools_moved = False  # whether MLX's pool writes "moved" the pools (new memory) or wrote into the old memory
-
-    def _addresses(self, arrays):
-        # "moved": every new pool array, and every recording (which may grow the pools), is new memory. (A step
-        # of our kernels on CUDA writes the pools in place, so the arrays alone would not show a recording's move.)
-        return [(id(a), self.recorded) for a in arrays] if self.pools_moved else [0] * len(arrays)
-
-    def _adopt(self, replay, seq_id, latest):  # the real one copies `latest` into the graph's token buffer
-        if replay.seq_id != seq_id and self.open_rows(replay.seq_id):
-            return False
-        replay.token, replay.seq_id = latest, seq_id
-        self.adopted += 1
-        return True
-
-    def _launch(self, replay, parts, flat):
-        self.alone.append(sum(1 for _ in self.engine._live()))
-        logits = self.model(replay.token[:, None], self.storage.decode_views(parts))[:, -1, :]
-        replay.token, readout = greedy_tokens(logits)
-        mx.eval(replay.token, readout)
-        self._pool_addresses = self._addresses(self._kept())  # a replay's kernels write the pools in place
-        self._pools_version = self.storage.pools_version
-        return readout
-
-    def settle(self):
-        self.settles += 1
 
 
 @pytest.fixture(autouse=True)
@@ -91,8 +53,7 @@ def test_the_stand_in_serves_lone_greedy_rows_and_gives_the_plain_tokens(loaded,
     plain = drive(Engine(loaded.model, loaded.tokenizer, config), PROMPTS, ARRIVAL_STEP, params)
     engine = Engine(loaded.model, loaded.tokenizer, config)
     assert engine.graph is None  # MLXCEL_CUDA_GRAPH=0 (no_real_graph)
-    engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
-    stand_in.open_rows = lambda seq_id: seq_id in engine._latest
+    stand_in = attach_stand_in(engine)
     assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == plain
     assert {i: len(t) for i, t in plain.items()} == dict(enumerate(MAX_TOKENS))
     assert stand_in.alone and set(stand_in.alone) == {1}  # replays only while one row is live
@@ -105,8 +66,7 @@ def test_the_stand_in_serves_lone_greedy_rows_and_gives_the_plain_tokens(loaded,
 
 def _lone_engine(loaded):
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged"))
-    engine.graph = stand_in = StandInDecoder(loaded.model, engine.storage, engine)
-    stand_in.open_rows = lambda seq_id: seq_id in engine._latest
+    stand_in = attach_stand_in(engine)
     return engine, stand_in
 
 
