@@ -32,6 +32,8 @@
 #   bash benchmarks/h200_kernels.sh sweep1b    # the same for the 1B 4-bit decode (not yet run): the unmet 2x target
 #   bash benchmarks/h200_kernels.sh graph      # the CUDA graph (engine/graph_decode.py, on by default): its GPU tests (the
 #                                              # plain engine's greedy tokens, replaying), then compare_mlx_lm 1B 4-bit
+#   bash benchmarks/h200_kernels.sh defaults   # compare_mlx_lm on the four shapes with the defaults, 2 rounds each (one
+#                                              # engine per script run since 7eef2af; its last line: the graph's steps)
 #   bash benchmarks/h200_kernels.sh pdl        # MLXCEL_GRAPH_PDL=1 (replayed launches chained programmatically, not yet
 #                                              # run on a GPU): the graph's GPU tests with it, then 1B bf16 and 4-bit
 #                                              # with it off and on (compare_mlx_lm)
@@ -210,6 +212,13 @@ for line in sys.stdin:
       2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
     timeout 180 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --bits 4 $A \
       --rounds 2 2>&1 | grep -E "round|median decode|graph|Error" ;;
+  defaults)
+    for what in "llama-3.2-1b --dtype bfloat16" "llama-3.2-1b --bits 4" "llama-3-8b --bits 4" \
+                "llama-3-8b --dtype bfloat16"; do
+      echo "== $what"
+      timeout 140 python benchmarks/compare_mlx_lm.py --model-shape $what $A --rounds 2 2>&1 \
+        | grep -E "round|median decode|CUDA graph|Error"
+    done ;;
   pdl)
     MLXCEL_GRAPH_PDL=1 timeout 300 python -m pytest -q -p no:cacheprovider -k cuda_graph --tb=short -rf \
       tests/mlxcel_core/engine/test_graph_decode.py 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
