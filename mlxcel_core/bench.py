@@ -183,7 +183,8 @@ class BenchResult:
             "avg_ns": int(round(self.avg_ns)), "stddev_ns": int(round(self.stddev_ns)),
             "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts, "ttft_ms": self.ttft_ms,
             "peak_memory_gb": self.peak_memory_gb, "prefill_computed": self.prefill_computed,
-            "graph_steps": self.graph_steps, "warmup_ms": self.warmup_ms, "samples_ns": list(self.samples_ns), "samples_ts": self.samples_ts,
+            "graph_steps": self.graph_steps, "warmup_ms": self.warmup_ms, "samples_ns": list(self.samples_ns),
+            "samples_ts": self.samples_ts,
         }
         return {k: values[k] for k in FIELDS}
 
