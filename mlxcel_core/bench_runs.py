@@ -1,0 +1,115 @@
+"""Driving an Engine with a batch of prompts and timing what the host sees (`mlxcel bench` and the benchmarks/
+scripts): seeded random prompts, one timed run of requests, the untimed prefill of a depth prefix, and emptying a
+paged prefix cache between repetitions."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import RuntimeFailure
+
+
+def random_prompt(vocab_size: int, length: int, *key) -> list[int]:
+    """Seeded random ids: the same key gives the same ids in every run and process."""
+    rng = random.Random(":".join(str(k) for k in key))
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+@dataclass
+class RunTiming:
+    """Host-clock timestamps of one engine run (all rows), as the host could read the tokens."""
+
+    submitted: float
+    first_token: list[float]  # per row
+    end: float  # all rows finished, or the end of the steady-decode window
+    window_start: float | None = None  # every row has its first token (steady mode)
+    window_tokens: int = 0  # tokens read after window_start (steady mode)
+    prefill_computed: int = 0  # engine.runner.prefill_tokens counted during the run
+
+    @property
+    def ttft(self) -> list[float]:
+        return [t - self.submitted for t in self.first_token]
+
+    @property
+    def all_first_tokens(self) -> float:
+        return max(self.first_token)
+
+
+def run_requests(engine, prompts: list[list[int]], max_tokens: int, conversations=None, steady_tokens: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> RunTiming:
+    """Submit every prompt at once, greedy, and step the engine; time what the host sees.
+
+    With `steady_tokens` = n, the run is timed until every row has its first token and then n more decode
+    steps of the full batch have been read (`window_tokens` counts them); the rows are then cancelled and
+    the engine drained outside the timed region.
+    """
+    from .sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens)
+    conversations = conversations or [None] * len(prompts)
+    before = engine.runner.prefill_tokens
+    submitted = clock()
+    seq_ids = [engine.open(p, params, c) for p, c in zip(prompts, conversations)]
+    row_of = {s: i for i, s in enumerate(seq_ids)}
+    first: dict[int, float] = {}
+    done: set[int] = set()
+    window_start, window_tokens, end = None, 0, None
+    target = None if steady_tokens is None else steady_tokens * len(prompts)
+    try:
+        while engine.has_work():
+            outputs = engine.step()
+            now = clock()
+            for out in outputs:
+                if out.finish_reason == "error":
+                    raise RuntimeFailure(f"generation failed: {out.error}")
+                row = row_of.get(out.seq_id)
+                if row is None:
+                    continue
+                if out.token is not None:
+                    if row not in first:
+                        first[row] = now
+                    elif window_start is not None:
+                        window_tokens += 1
+                if out.finished:
+                    done.add(row)
+            if window_start is None and len(first) == len(prompts) and target is not None:
+                window_start = now
+            if target is not None and window_start is not None and (window_tokens >= target or len(done) == len(prompts)):
+                end = now
+                break
+            if len(done) == len(prompts):
+                end = now
+                break
+        computed = engine.runner.prefill_tokens - before
+    finally:
+        for seq in seq_ids:  # steady mode: stop the rows; a failure: leave the engine clean
+            engine.close(seq)
+        while engine.has_work():
+            engine.step()
+        for seq in seq_ids:
+            engine.release(seq)
+    if end is None or len(first) < len(prompts):
+        raise RuntimeFailure("the engine stopped before every request produced a token")
+    return RunTiming(submitted, [first[i] for i in range(len(prompts))], end, window_start, window_tokens, computed)
+
+
+def prefill_context(engine, prefixes: list[list[int]]):
+    """Prefill each row's depth prefix (untimed) and return the Conversations that keep its KV state.
+
+    Dense storage reuses a Conversation's caches; paged storage finds the blocks in its prefix cache.
+    """
+    from .engine import Conversation
+
+    conversations = [Conversation() for _ in prefixes]
+    run_requests(engine, prefixes, 1, conversations)
+    return conversations
+
+
+def forget_cached_prefixes(engine) -> None:
+    """Empty a paged prefix cache, so a repetition never reuses the previous one's (identical) prompt."""
+    pool = getattr(engine.storage, "pool", None)
+    if pool is not None and getattr(pool, "enable_prefix_cache", False):
+        pool.release(pool.allocate(pool.num_available()))  # evicts every cached block, then frees it
