@@ -362,7 +362,8 @@ class Engine:
     def _graph_decode(self, seq_id: int, produced: dict) -> list[StepOutput]:
         try:
             token, readout = self.graph.decode(seq_id, self._latest[seq_id])
-        except Exception as exc:  # the model, the storage or the driver failed: this row ends
+        except Exception as exc:  # the model, the storage or the driver failed: this row ends, later steps are MLX's
+            self.graph.give_up(exc)
             return [self._end(self._sequences[seq_id], "error", None, f"{type(exc).__name__}: {exc}")]
         produced[seq_id] = _Sampled(token, readout)
         return []

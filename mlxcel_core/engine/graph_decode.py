@@ -255,12 +255,15 @@ class GraphDecoder:
                 self._drop(next(iter(self.replays)))
             self.replays[key] = replay
         except Exception as exc:  # noqa: BLE001 - this step's token is MLX's all the same; later steps stay MLX's
-            self.usable = False
-            self.why_not = f"{type(exc).__name__}: {exc}"
-            (log.warning if asked_for() else log.info)(
-                "mlxcel: decode steps are not replayed as a CUDA graph for this model (%s: %s)",
-                type(exc).__name__, exc)
+            self.give_up(exc, warn=asked_for())
         return token, readout
+
+    def give_up(self, exc: Exception, warn: bool = True) -> None:
+        """No step is replayed from now on (`usable` False, `why_not` says why): the engine's MLX steps serve."""
+        self.usable = False
+        self.why_not = f"{type(exc).__name__}: {exc}"
+        (log.warning if warn else log.info)("mlxcel: decode steps are not replayed as a CUDA graph for this model "
+                                            "(%s)", self.why_not)
 
     def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses) -> _Replay:
         from ..kernels.cuda_driver import Driver, addresses, issue_launches

@@ -120,6 +120,29 @@ def test_a_recording_that_moved_the_pools_drops_the_others(loaded, moved):
     assert len(stand_in.replays) == (1 if moved else stand_in.recorded)
 
 
+def test_a_replay_that_fails_ends_its_row_and_leaves_later_steps_to_mlx(loaded):
+    engine, stand_in = _lone_engine(loaded)
+    expected = drive(Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged")),
+                     [PROMPTS[2]], [0], [SamplingParams(max_tokens=12)])[0]
+    launch = stand_in._launch
+
+    def failing(*args):
+        raise RuntimeError("cuGraphLaunch: CUDA error 999 (stand-in)")
+
+    stand_in._launch = failing
+    seq = engine.open(PROMPTS[0], SamplingParams(max_tokens=12))
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    engine.release(seq)
+    assert outputs[-1].finish_reason == "error" and "CUDA error 999" in outputs[-1].error
+    assert not stand_in.usable and "CUDA error 999" in stand_in.why_not
+    stand_in._launch = launch
+    replayed = stand_in.replayed
+    assert drive(engine, [PROMPTS[2]], [0], [SamplingParams(max_tokens=12)])[0] == expected  # MLX's steps
+    assert stand_in.replayed == replayed
+
+
 def test_a_replay_is_not_adopted_while_the_row_that_owns_its_token_is_open(loaded):
     engine, stand_in = _lone_engine(loaded)
     engine.open(PROMPTS[0], SamplingParams(max_tokens=8))
