@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -181,6 +182,23 @@ class GraphDecoder:
         """Wait for the queued replays (before MLX touches the pools or the row's token)."""
         if self.driver is not None:
             self.driver.synchronize()
+
+    def close(self) -> None:
+        """Give back the CUDA graphs and the driver's buffers, events, cubins and stream (an engine that is dropped:
+        `mlxcel bench` makes one a test, `serve` a throwaway one for its warm-up)."""
+        for key in list(self.replays):
+            self._drop(key)
+        if self.driver is not None:
+            self.driver.close()
+            self.driver, self.slots = None, []
+
+    def __del__(self):
+        if self.driver is None or sys.is_finalizing():  # (at interpreter exit the CUDA library may be gone)
+            return
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - nothing to report to from a finalizer
+            pass
 
     # -- internals ----------------------------------------------------------------------------
     def _launch(self, replay: _Replay, parts: tuple, flat: list[int]) -> HostReadout:

@@ -50,7 +50,8 @@ class Driver:
         lib.cuGraphInstantiateWithFlags.argtypes = [c_void_p, c_void_p, ctypes.c_ulonglong]
         lib.cuGraphLaunch.argtypes = [c_void_p, c_void_p]
         lib.cuEventRecord.argtypes = [c_void_p, c_void_p]
-        for name in ("cuStreamSynchronize", "cuEventSynchronize", "cuGraphExecDestroy", "cuGraphDestroy"):
+        for name in ("cuStreamSynchronize", "cuEventSynchronize", "cuGraphExecDestroy", "cuGraphDestroy",
+                     "cuMemFreeHost", "cuEventDestroy_v2", "cuModuleUnload", "cuStreamDestroy_v2"):
             getattr(lib, name).argtypes = [c_void_p]
         self.check(lib.cuInit(0), "cuInit")
         ctx = c_void_p()
@@ -64,6 +65,7 @@ class Driver:
         self.check(lib.cuStreamCreate(byref(self.stream), 1), "cuStreamCreate")  # 1: non-blocking
         self.functions: dict[str, c_void_p] = {}
         self.modules: list[bytes] = []  # the loaded cubins' bytes
+        self._owned: list[tuple[str, c_void_p]] = []  # (how to free it, handle): what `close` gives back
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -77,6 +79,7 @@ class Driver:
             module, fn = c_void_p(), c_void_p()
             self.modules.append(cubin)
             self.check(self.lib.cuModuleLoadData(byref(module), cubin), f"cuModuleLoadData {name}")
+            self._owned.append(("cuModuleUnload", module))
             self.check(self.lib.cuModuleGetFunction(byref(fn), module, name.encode()), f"cuModuleGetFunction {name}")
             self.functions[name] = fn
         return self.functions[name]
@@ -128,11 +131,13 @@ class Driver:
     def pinned(self, nbytes: int) -> c_void_p:
         ptr = c_void_p()
         self.check(self.lib.cuMemAllocHost_v2(byref(ptr), nbytes), "cuMemAllocHost")
+        self._owned.append(("cuMemFreeHost", ptr))
         return ptr
 
     def event(self) -> c_void_p:
         ev = c_void_p()
         self.check(self.lib.cuEventCreate(byref(ev), 2), "cuEventCreate")  # 2: CU_EVENT_DISABLE_TIMING
+        self._owned.append(("cuEventDestroy_v2", ev))
         return ev
 
     def record(self, event) -> None:
@@ -143,6 +148,19 @@ class Driver:
 
     def synchronize(self) -> None:
         self.check(self.lib.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def close(self) -> None:
+        """Wait for the stream, then free what this driver made: pinned buffers, events, loaded cubins, its stream
+        (the caller destroys its graphs first). Nothing of it may be used afterwards."""
+        if self.stream is None:
+            return
+        self.synchronize()
+        for free, handle in reversed(self._owned):
+            getattr(self.lib, free)(handle)
+        self._owned.clear()
+        self.functions.clear()
+        self.lib.cuStreamDestroy_v2(self.stream)
+        self.stream = None
 
     def read(self, address: int, nbytes: int) -> bytes:
         """`nbytes` at `address`, after the stream's queued work."""

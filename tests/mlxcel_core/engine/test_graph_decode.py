@@ -264,6 +264,31 @@ class FakeDriver:
         self.calls.append(("wait", event))
 
 
+def test_close_destroys_the_graphs_then_closes_the_driver():
+    decoder = GraphDecoder(model=None, storage=None)
+    calls = []
+
+    class Driver:
+        def synchronize(self):
+            calls.append("synchronize")
+
+        def destroy_graph(self, exe):
+            calls.append(("destroy", exe))
+
+        def close(self):
+            calls.append("close")
+
+    decoder.driver = Driver()
+    token = mx.zeros((1,), mx.uint32)
+    decoder.replays = {"a": _Replay(0, "exe-a", token, 0, 0, 0, [], [], []),
+                       "b": _Replay(0, None, token, 0, 0, 0, [], [], [])}
+    decoder.close()
+    assert calls == ["synchronize", ("destroy", "exe-a"), "close"] and not decoder.replays
+    assert decoder.driver is None and decoder.slots == []
+    decoder.close()  # nothing left: nothing called
+    assert len(calls) == 3
+
+
 def test_a_replay_uploads_the_steps_ints_and_position_then_reads_its_token_through_a_slot():
     decoder = GraphDecoder(model=None, storage=None)
     decoder.driver = driver = FakeDriver()

@@ -50,3 +50,32 @@ def test_only_later_launches_of_kernels_that_wait_themselves_are_chained():
     driver = RecordingDriver()
     issue_launches(driver, launches, where)
     assert [p for *_, p in driver.launched] == [False, False, False]
+
+
+class RecordingLib:
+    """Stands in for libcuda: every call is recorded and succeeds."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, *[getattr(a, "value", a) for a in args]))
+            return 0
+        return call
+
+
+def test_close_frees_what_the_driver_made_once_its_stream_is_idle():
+    from mlxcel_core.kernels.cuda_driver import Driver
+
+    driver = Driver.__new__(Driver)  # no libcuda here: its bookkeeping only
+    driver.lib, driver.stream, driver.functions, driver.modules = RecordingLib(), ctypes.c_void_p(7), {}, []
+    driver._owned = [("cuModuleUnload", ctypes.c_void_p(1)), ("cuMemFreeHost", ctypes.c_void_p(2)),
+                     ("cuEventDestroy_v2", ctypes.c_void_p(3))]
+    driver.functions["k"] = ctypes.c_void_p(9)
+    driver.close()
+    assert driver.lib.calls == [("cuStreamSynchronize", 7), ("cuEventDestroy_v2", 3), ("cuMemFreeHost", 2),
+                                ("cuModuleUnload", 1), ("cuStreamDestroy_v2", 7)]
+    assert driver.stream is None and not driver.functions and not driver._owned
+    driver.close()  # a second close does nothing
+    assert len(driver.lib.calls) == 5
