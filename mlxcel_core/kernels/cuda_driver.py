@@ -51,7 +51,8 @@ class Driver:
         lib.cuGraphLaunch.argtypes = [c_void_p, c_void_p]
         lib.cuEventRecord.argtypes = [c_void_p, c_void_p]
         for name in ("cuStreamSynchronize", "cuEventSynchronize", "cuGraphExecDestroy", "cuGraphDestroy",
-                     "cuMemFreeHost", "cuEventDestroy_v2", "cuModuleUnload", "cuStreamDestroy_v2"):
+                     "cuMemFreeHost", "cuEventDestroy_v2", "cuModuleUnload", "cuStreamDestroy_v2",
+                     "cuCtxPushCurrent_v2"):
             getattr(lib, name).argtypes = [c_void_p]
         self.check(lib.cuInit(0), "cuInit")
         ctx = c_void_p()
@@ -61,6 +62,7 @@ class Driver:
             self.check(lib.cuDeviceGet(byref(dev), 0), "cuDeviceGet")
             self.check(lib.cuDevicePrimaryCtxRetain(byref(ctx), dev), "cuDevicePrimaryCtxRetain")
             self.check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        self.context = ctx
         self.stream = c_void_p()
         self.check(lib.cuStreamCreate(byref(self.stream), 1), "cuStreamCreate")  # 1: non-blocking
         self.functions: dict[str, c_void_p] = {}
@@ -154,13 +156,18 @@ class Driver:
         (the caller destroys its graphs first). Nothing of it may be used afterwards."""
         if self.stream is None:
             return
-        self.synchronize()
-        for free, handle in reversed(self._owned):
-            getattr(self.lib, free)(handle)
-        self._owned.clear()
-        self.functions.clear()
-        self.lib.cuStreamDestroy_v2(self.stream)
-        self.stream = None
+        # (a finalizer may run this on any thread: the context is made current here, and the thread's own restored)
+        self.check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+        try:
+            self.synchronize()
+            for free, handle in reversed(self._owned):
+                getattr(self.lib, free)(handle)
+            self._owned.clear()
+            self.functions.clear()
+            self.lib.cuStreamDestroy_v2(self.stream)
+            self.stream = None
+        finally:
+            self.lib.cuCtxPopCurrent_v2(byref(c_void_p()))
 
     def read(self, address: int, nbytes: int) -> bytes:
         """`nbytes` at `address`, after the stream's queued work."""

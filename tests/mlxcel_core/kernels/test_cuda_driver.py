@@ -70,12 +70,15 @@ def test_close_frees_what_the_driver_made_once_its_stream_is_idle():
 
     driver = Driver.__new__(Driver)  # no libcuda here: its bookkeeping only
     driver.lib, driver.stream, driver.functions, driver.modules = RecordingLib(), ctypes.c_void_p(7), {}, []
+    driver.context = ctypes.c_void_p(5)
     driver._owned = [("cuModuleUnload", ctypes.c_void_p(1)), ("cuMemFreeHost", ctypes.c_void_p(2)),
                      ("cuEventDestroy_v2", ctypes.c_void_p(3))]
     driver.functions["k"] = ctypes.c_void_p(9)
     driver.close()
-    assert driver.lib.calls == [("cuStreamSynchronize", 7), ("cuEventDestroy_v2", 3), ("cuMemFreeHost", 2),
-                                ("cuModuleUnload", 1), ("cuStreamDestroy_v2", 7)]
+    calls = driver.lib.calls
+    assert calls[:-1] == [("cuCtxPushCurrent_v2", 5), ("cuStreamSynchronize", 7), ("cuEventDestroy_v2", 3),
+                          ("cuMemFreeHost", 2), ("cuModuleUnload", 1), ("cuStreamDestroy_v2", 7)]
+    assert calls[-1][0] == "cuCtxPopCurrent_v2"  # the thread's own context back
     assert driver.stream is None and not driver.functions and not driver._owned
     driver.close()  # a second close does nothing
-    assert len(driver.lib.calls) == 5
+    assert len(driver.lib.calls) == 7
