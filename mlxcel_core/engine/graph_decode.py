@@ -32,7 +32,9 @@ the same way. On by default on CUDA since then: 1B decode 1.90x (4-bit) and 1.77
   GPU, and the engine reads the prompt's first token one step later, so that token would wait too (TTFT).
 
 The graph runs on a stream of its own, which MLX does not order against its own. `settle` waits for the queued
-graph steps, and the engine calls it before anything of MLX's runs.
+graph steps, and the engine calls it before anything of MLX's runs. A replay that raises ends its row and turns the
+graph off for the engine (`give_up`): later steps are MLX's. A dropped engine's graph gives its CUDA resources back
+(`close`).
 """
 
 from __future__ import annotations
