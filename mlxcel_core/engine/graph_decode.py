@@ -188,11 +188,14 @@ class GraphDecoder:
     def close(self) -> None:
         """Give back the CUDA graphs and the driver's buffers, events, cubins and stream (an engine that is dropped:
         `mlxcel bench` makes one a test, `serve` a throwaway one for its warm-up)."""
-        for key in list(self.replays):
-            self._drop(key)
-        if self.driver is not None:
-            self.driver.close()
-            self.driver, self.slots = None, []
+        if self.driver is None:
+            self.replays.clear()  # (none was captured: recordings need the driver)
+            return
+        with self.driver.current():
+            for key in list(self.replays):
+                self._drop(key)
+        self.driver.close()
+        self.driver, self.slots = None, []
 
     def __del__(self):
         if self.driver is None or sys.is_finalizing():  # (at interpreter exit the CUDA library may be gone)

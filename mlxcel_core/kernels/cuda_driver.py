@@ -7,6 +7,7 @@ CUDA only; nothing here runs on import.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import mlx.core as mx
@@ -156,9 +157,7 @@ class Driver:
         (the caller destroys its graphs first). Nothing of it may be used afterwards."""
         if self.stream is None:
             return
-        # (a finalizer may run this on any thread: the context is made current here, and the thread's own restored)
-        self.check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
-        try:
+        with self.current():
             self.synchronize()
             for free, handle in reversed(self._owned):
                 getattr(self.lib, free)(handle)
@@ -166,6 +165,14 @@ class Driver:
             self.functions.clear()
             self.lib.cuStreamDestroy_v2(self.stream)
             self.stream = None
+
+    @contextlib.contextmanager
+    def current(self):
+        """This driver's context current on the calling thread, the thread's own restored after (a finalizer may run
+        on any thread)."""
+        self.check(self.lib.cuCtxPushCurrent_v2(self.context), "cuCtxPushCurrent")
+        try:
+            yield
         finally:
             self.lib.cuCtxPopCurrent_v2(byref(c_void_p()))
 

@@ -10,6 +10,7 @@ On CUDA: the real graph on a Llama-3.2-1B-shaped 4-bit model gives the plain eng
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import mlx.core as mx
@@ -269,6 +270,12 @@ def test_close_destroys_the_graphs_then_closes_the_driver():
     calls = []
 
     class Driver:
+        @contextlib.contextmanager
+        def current(self):
+            calls.append("push")
+            yield
+            calls.append("pop")
+
         def synchronize(self):
             calls.append("synchronize")
 
@@ -283,10 +290,10 @@ def test_close_destroys_the_graphs_then_closes_the_driver():
     decoder.replays = {"a": _Replay(0, "exe-a", token, 0, 0, 0, [], [], []),
                        "b": _Replay(0, None, token, 0, 0, 0, [], [], [])}
     decoder.close()
-    assert calls == ["synchronize", ("destroy", "exe-a"), "close"] and not decoder.replays
+    assert calls == ["push", "synchronize", ("destroy", "exe-a"), "pop", "close"] and not decoder.replays
     assert decoder.driver is None and decoder.slots == []
     decoder.close()  # nothing left: nothing called
-    assert len(calls) == 3
+    assert len(calls) == 5
 
 
 def test_a_replay_uploads_the_steps_ints_and_position_then_reads_its_token_through_a_slot():
