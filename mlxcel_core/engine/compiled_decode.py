@@ -57,12 +57,13 @@ def describe_decode_steps() -> str:
     """For benchmark headers: how this process's engines build decode steps by default."""
     from ..kv.cuda_paged_attention import cuda_kernel_available
     from .graph_decode import ENV as GRAPH_ENV
+    from .graph_decode import asked_for as graph_asked_for
     from .graph_decode import enabled as graph_enabled
 
     graph = ""
     if graph_enabled() and cuda_kernel_available():
         graph = f", a lone greedy row's steps replayed as one CUDA graph ({GRAPH_ENV}=0 turns it off)"
-    elif os.environ.get(GRAPH_ENV, "").strip() == "1":
+    elif graph_asked_for():
         graph = f" ({GRAPH_ENV}=1 applies on CUDA only)"
     if compile_enabled():
         threaded = launch_thread_requested()

@@ -266,6 +266,7 @@ class CachedKernel:
         self.source, self.header, self.directory, self._compile = source, header, directory, compile
         self._reads = shape_reads(source, self.input_names)
         self._variants: dict = {}  # key -> (function name, cubin)
+        self.pdl = pdl_enabled()  # (read once: __call__ runs at every launch MLX makes outside compiled steps)
         self._lock = threading.Lock()
         self._mlx = None  # MLX's own kernel, once anything here failed
 
@@ -312,7 +313,7 @@ class CachedKernel:
         if self._mlx is None and not kwargs:
             try:
                 ndims = [x.ndim for x in inputs]
-                pdl = pdl_enabled()
+                pdl = self.pdl
                 func, cubin = self.variant(list(template), [x.dtype for x in inputs], ndims, list(output_dtypes), pdl)
                 scalars = shape_scalars(self._reads, inputs)
                 outputs = mx.fast.precompiled_cuda_kernel(

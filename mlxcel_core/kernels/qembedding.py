@@ -35,16 +35,23 @@ from .qmv import FLOAT_TYPES, GROUP_SIZES, MAX_ROWS
 MAX_IDS = MAX_ROWS  # a decode step's rows; a prompt's lookup stays MLX's
 THREADS = 256
 
-_SOURCE = r"""
+def _lookup(pieces: str, body: str) -> str:
+    """A lookup kernel's source: thread j of block row r takes piece j (of `pieces` a table row) of row ids[r], the id
+    clamped into the table (`id`), then `body`."""
+    return r"""
     const int r = blockIdx.y;
-    const int words = w_shape[1];
     const int j = blockIdx.x * TPB + threadIdx.x;
-    if (j >= words) {
+    const int pieces = """ + pieces + r""";
+    if (j >= pieces) {
         return;
     }
     const long long vocab = w_shape[0];
     long long id = static_cast<long long>(ids[r]);
     id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
+""" + body
+
+
+_SOURCE = _lookup("w_shape[1]  /* packed words: 8 values each */", r"""    const int words = pieces;
     const int groups = words * 8 / GS;
     const uint32_t word = w[id * words + j];
     const T scale = scales[id * groups + j * 8 / GS];
@@ -54,19 +61,10 @@ _SOURCE = r"""
     for (int i = 0; i < 8; ++i) {
         o[i] = scale * static_cast<T>(static_cast<int>((word >> (4 * i)) & 0xf)) + bias;
     }
-"""
+""")
 
 
-_HALF_SOURCE = r"""
-    const int r = blockIdx.y;
-    const int chunks = w_shape[1] / 8;  // 16-byte chunks a row: 8 16-bit values
-    const int j = blockIdx.x * TPB + threadIdx.x;
-    if (j >= chunks) {
-        return;
-    }
-    const long long vocab = w_shape[0];
-    long long id = static_cast<long long>(ids[r]);
-    id = id < 0 ? 0 : (id >= vocab ? vocab - 1 : id);
+_HALF_SOURCE = _lookup("w_shape[1] / 8  /* 16-byte chunks: 8 16-bit values each */", r"""    const int chunks = pieces;
     const size_t src = (size_t(id) * chunks + j) * 8;
     const size_t dst = (size_t(r) * chunks + j) * 8;
     if (((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(out)) & 15) == 0) {
@@ -77,7 +75,7 @@ _HALF_SOURCE = r"""
             out[dst + i] = w[src + i];
         }
     }
-"""
+""")
 HALF_TYPES = (mx.bfloat16, mx.float16)
 
 

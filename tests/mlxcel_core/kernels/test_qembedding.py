@@ -92,19 +92,23 @@ def test_ids_outside_the_table_are_clamped():
 
 
 @needs_cuda
-def test_a_4bit_models_decode_lookup_is_the_kernel(monkeypatch):
-    """build_random_model swaps the 1B shape's 4-bit embedding; a decode step's lookup then runs the kernel."""
+@pytest.mark.parametrize("bits, switch, fast, launch, mlx", [
+    (4, "MLXCEL_QMV", FastQuantizedEmbedding, "quantized_embedding", nn.QuantizedEmbedding),
+    (None, "MLXCEL_HMV", FastEmbedding, "embedding", nn.Embedding)], ids=["4bit", "bf16"])
+def test_a_models_decode_lookup_is_the_kernel(monkeypatch, bits, switch, fast, launch, mlx):
+    """build_random_model swaps the 1B shape's embedding (4-bit or bf16); a decode step's lookup then runs the
+    kernel, with MLX's rows."""
     from mlxcel_core.models.shapes import build_random_model
 
-    monkeypatch.setenv("MLXCEL_QMV", "1")
-    model, _ = build_random_model("llama-3.2-1b", bits=4, seed=3)
+    monkeypatch.setenv(switch, "1")
+    model, _ = build_random_model("llama-3.2-1b", bits=bits, seed=3)
     embed = model.model.embed_tokens
-    assert type(embed) is FastQuantizedEmbedding
+    assert type(embed) is fast
     calls = []
-    real = qembedding.quantized_embedding
-    monkeypatch.setattr(qembedding, "quantized_embedding", lambda *a: calls.append(a[0].shape) or real(*a))
+    real = getattr(qembedding, launch)
+    monkeypatch.setattr(qembedding, launch, lambda *a: calls.append(a[0].shape) or real(*a))
     ids = mx.array([[17]], mx.uint32)
-    assert mx.array_equal(embed(ids), nn.QuantizedEmbedding.__call__(embed, ids)).item() and calls == [(1, 1)]
+    assert mx.array_equal(embed(ids), mlx.__call__(embed, ids)).item() and calls == [(1, 1)]
 
 
 # -- the 16-bit lookup ---------------------------------------------------------------------------------------------
@@ -170,18 +174,3 @@ def test_half_kernel_rows_are_mlxs_bit_for_bit(dtype):
     got = qembedding.embedding(mx.array([9, 0], mx.uint32), shifted)
     assert mx.array_equal(got, shifted[mx.array([9, 0])]).item()
 
-
-@needs_cuda
-def test_a_bf16_models_decode_lookup_is_the_kernel(monkeypatch):
-    """build_random_model swaps the 1B shape's bf16 embedding; a decode step's lookup then runs the kernel."""
-    from mlxcel_core.models.shapes import build_random_model
-
-    monkeypatch.setenv("MLXCEL_HMV", "1")
-    model, _ = build_random_model("llama-3.2-1b", seed=3)
-    embed = model.model.embed_tokens
-    assert type(embed) is FastEmbedding
-    calls = []
-    real = qembedding.embedding
-    monkeypatch.setattr(qembedding, "embedding", lambda *a: calls.append(a[0].shape) or real(*a))
-    ids = mx.array([[17]], mx.uint32)
-    assert mx.array_equal(embed(ids), nn.Embedding.__call__(embed, ids)).item() and calls == [(1, 1)]
