@@ -172,6 +172,17 @@ class BlockPool:
                 self._block_of[parent] = block
                 self._hash_of[block] = parent
 
+    def forget_cached(self) -> int:
+        """Drop the prefix of every evictable block (they become free, handed out lowest id first again); held
+        blocks keep theirs. Returns how many were forgotten. Unlike allocating every block and releasing them, this
+        hands nothing out, so `high_water` (how far the KV arrays must reach) does not move."""
+        forgotten = len(self._evictable)
+        for block in self._evictable:
+            del self._block_of[self._hash_of.pop(block)]
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        return forgotten
+
     def copy_on_write(self, block_id: int) -> tuple[int, bool]:
         """Make block_id safe for one sequence to write into.
 

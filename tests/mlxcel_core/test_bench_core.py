@@ -152,6 +152,22 @@ def test_depth_prefix_is_not_recomputed_in_the_timed_region(tiny, storage, batch
     assert measure_test(cold, test, [pre + p for pre, p in zip(prefixes, prompts)], None).prefill_computed == 80 * batch
 
 
+def test_repetitions_keep_the_kv_arrays_the_size_one_request_needs(tiny):
+    """Emptying the prefix cache between repetitions hands no block out: the pool's high water (and so its KV arrays,
+    which the next write grows to cover it) stays at what one request used, not the pool's whole budget."""
+    test = BenchTest(40, 4)
+    engine = engine_for(tiny, test, BenchConfig(storage="paged"))
+    prompts, prefixes = bench_prompts(tiny, test, seed=0)
+    measure_test(engine, test, prompts, prefixes)
+    pool, rows = engine.storage.pool, engine.storage.pool_rows
+    used = pool.high_water
+    assert 0 < used < pool.num_blocks
+    for _ in range(2):
+        sample = measure_test(engine, test, prompts, prefixes)
+        assert sample.prefill_computed == 40  # nothing served from the cache
+        assert (pool.high_water, engine.storage.pool_rows) == (used, rows)
+
+
 def test_run_bench_end_to_end_on_tiny(tiny):
     config = BenchConfig(n_prompt=(8,), n_gen=(4,), pg=((8, 4),), n_depth=(0, 32), repetitions=2, warmup=True)
     results = run_bench(tiny, config)

@@ -64,6 +64,24 @@ def test_high_water_is_one_past_the_highest_id_ever_handed_out():
     assert pool.high_water == 5  # a refused allocation hands out nothing
 
 
+def test_forget_cached_frees_evictable_blocks_and_keeps_held_ones():
+    pool = BlockPool(8, block_size=2)
+    kept, dropped = BlockTable(pool), BlockTable(pool)
+    kept.ensure_capacity(4)  # blocks 0, 1
+    dropped.ensure_capacity(6)  # blocks 2, 3, 4
+    kept.cache_full_blocks([1, 2, 3, 4])
+    dropped.cache_full_blocks([5, 6, 7, 8, 9, 10])
+    dropped.free()
+    assert pool.num_available() == 8 - 2 and pool.high_water == 5
+    assert pool.forget_cached() == 3
+    assert [pool.is_cached(b) for b in range(5)] == [True, True, False, False, False]
+    assert pool.match_prefix([5, 6, 7, 8, 9, 10, 11]) == []  # forgotten
+    assert pool.match_prefix([1, 2, 3, 4, 0]) == [0, 1]  # still held, still cached
+    assert pool.allocate(2) == [2, 3]  # free again, lowest id first
+    assert pool.high_water == 5 and pool.stats.evictions == 0
+    assert pool.forget_cached() == 0
+
+
 def test_release_more_than_held_is_rejected_whole():
     pool = BlockPool(4, block_size=4)
     pool.allocate(2)
