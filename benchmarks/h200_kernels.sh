@@ -34,9 +34,9 @@
 #                                              # plain engine's greedy tokens, replaying), then compare_mlx_lm 1B 4-bit
 #   bash benchmarks/h200_kernels.sh defaults   # compare_mlx_lm on the four shapes with the defaults, 2 rounds each (one
 #                                              # engine per script run since 7eef2af; its last line: the graph's steps)
-#   bash benchmarks/h200_kernels.sh pdl        # MLXCEL_GRAPH_PDL=1 (replayed launches chained programmatically, not yet
-#                                              # run on a GPU): the graph's GPU tests with it, then 1B bf16 and 4-bit
-#                                              # with it off and on (compare_mlx_lm)
+#   bash benchmarks/h200_kernels.sh pdl        # programmatic dependent launch (MLXCEL_GRAPH_PDL, on by default from
+#                                              # sm_90 since the twenty-second session: +5% at 1B 4-bit): the graph's
+#                                              # GPU tests with it, then 1B bf16 and 4-bit with it off and on
 #   bash benchmarks/h200_kernels.sh kv SHAPE.. # compare_mlx_lm per shape (default "llama-3-8b --dtype bfloat16";
 #                                              # two shapes fit a call), KV written by scatter ops
 #                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (the default)

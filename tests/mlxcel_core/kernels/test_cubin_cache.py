@@ -218,6 +218,20 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
     assert sum(n.startswith("mlxcel_rms_norm_") for n in through_nvcc) == 3  # one variant a dtype
 
 
+@pytest.mark.parametrize("asked, architecture, expected", [
+    (None, "sm_90", True), (None, "sm_90a", True), (None, "sm_100", True), (None, "sm_89", False),
+    (None, "x86_64", False), ("0", "sm_90", False), ("1", "sm_80", True), ("1", "x86_64", True), (" 0 ", "sm_90", False),
+])
+def test_pdl_is_on_by_default_from_sm90_and_the_variable_overrides(monkeypatch, asked, architecture, expected):
+    if asked is None:
+        monkeypatch.delenv(cubin_cache.PDL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cubin_cache.PDL_ENV, asked)
+    monkeypatch.setattr(cubin_cache.mx, "device_info", lambda: {"architecture": architecture})
+    assert cubin_cache.pdl_enabled() is expected
+    assert CachedKernel("k", ["x"], ["y"], "y[0] = x[0];", directory=None).pdl is expected
+
+
 @needs_nvcc
 def test_kernels_with_the_pdl_prologue_compile_for_sm90(through_nvcc, monkeypatch):
     """MLXCEL_GRAPH_PDL=1: griddepcontrol compiles for sm_90, in a kernel family whose body returns early."""
