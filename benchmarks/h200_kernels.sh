@@ -37,6 +37,9 @@
 #   bash benchmarks/h200_kernels.sh pdl        # programmatic dependent launch (MLXCEL_GRAPH_PDL, on by default from
 #                                              # sm_90 since the twenty-second session: +5% at 1B 4-bit): the graph's
 #                                              # GPU tests with it, then 1B bf16 and 4-bit with it off and on
+#   bash benchmarks/h200_kernels.sh phases     # request_phases.py: each request's TTFT and first steps on one engine,
+#                                              # graph on then off (compare_mlx_lm's first timed run read 1.3-2.5 s of
+#                                              # TTFT in the twenty-second session, later runs 7-72 ms; not explained)
 #   bash benchmarks/h200_kernels.sh kv SHAPE.. # compare_mlx_lm per shape (default "llama-3-8b --dtype bfloat16";
 #                                              # two shapes fit a call), KV written by scatter ops
 #                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (the default)
@@ -223,6 +226,12 @@ for line in sys.stdin:
     MLXCEL_GRAPH_PDL=1 timeout 300 python -m pytest -q -p no:cacheprovider -k cuda_graph --tb=short -rf \
       tests/mlxcel_core/engine/test_graph_decode.py 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
     bash "$0" gate MLXCEL_GRAPH_PDL "llama-3.2-1b --dtype bfloat16" "llama-3.2-1b --bits 4" ;;
+  phases)
+    for graph in 1 0; do
+      echo "== MLXCEL_CUDA_GRAPH=$graph"
+      MLXCEL_CUDA_GRAPH=$graph timeout 140 python benchmarks/request_phases.py --model-shape llama-3.2-1b \
+        --dtype bfloat16 --requests 4 --mlx-between 2>&1 | grep -v "^\s*$"
+    done ;;
   kv)
     shift
     bash "$0" gate MLXCEL_KV_IN_KERNEL "${@:-llama-3-8b --dtype bfloat16}" ;;

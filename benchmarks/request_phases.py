@@ -1,0 +1,133 @@
+"""Where each request's time to first token goes, request after request on one Engine (as `mlxcel serve` keeps one).
+
+    python benchmarks/request_phases.py --model-shape llama-3.2-1b --dtype bfloat16 --prompt-tokens 512 --requests 4
+    MLXCEL_CUDA_GRAPH=0 python benchmarks/request_phases.py --model-shape llama-3.2-1b --dtype bfloat16
+
+Why: on the H200 (twenty-second session) compare_mlx_lm's first timed mlxcel run read a TTFT of 1.3-2.5 s at every
+shape, its later runs 7-72 ms, although a warm-up of the same length ran first on the same engine. This sends the same
+prompt --requests times (the prefix cache emptied before each, as compare_mlx_lm does; --mlx-between runs the prompt
+through the model op by op between requests, as compare's mlx-lm turn touches MLX) and prints, per request: TTFT, each
+of its first engine steps (what it did: prefill tokens, MLX decode, graph recordings / adoptions / replays) and the
+time spent inside the pieces most likely to stall once (kernel compiles, the graph's settle / pool check / adoption /
+recording, the runner's prefill and decode). The mlx-lm side is left out: only mlxcel's stall is in question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+
+from mlxcel_core.bench import RandomIdTokenizer, forget_cached_prefixes, random_prompt  # noqa: E402
+from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
+from mlxcel_core.engine import graph_decode  # noqa: E402
+from mlxcel_core.kernels import cubin_cache  # noqa: E402
+from mlxcel_core.models.shapes import DTYPES, build_random_model, shape_names  # noqa: E402
+from mlxcel_core.sampling import SamplingParams  # noqa: E402
+
+SPENT: dict[str, float] = defaultdict(float)  # piece -> seconds, this request
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timed_piece(owner, attr: str, label: str) -> None:
+    """Wrap owner.attr so its time and calls add up under `label` (nested pieces are counted in both)."""
+    inner = getattr(owner, attr)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            SPENT[label] += time.perf_counter() - t
+            CALLS[label] += 1
+
+    setattr(owner, attr, wrapper)
+
+
+def counters(engine: Engine) -> tuple[int, int, int, int]:
+    graph = engine.graph
+    g = (graph.recorded, graph.adopted, graph.replayed) if graph is not None else (0, 0, 0)
+    return (engine.runner.prefill_tokens, *g)
+
+
+def describe(before: tuple, after: tuple) -> str:
+    names = ("prefill", "recorded", "adopted", "replayed")
+    done = [f"{n} +{b - a}" for n, a, b in zip(names, before, after) if b != a]
+    return ", ".join(done) or "MLX decode / read"
+
+
+def one_request(engine: Engine, prompt: list[int], gen: int, show_steps: int) -> None:
+    forget_cached_prefixes(engine)
+    SPENT.clear()
+    CALLS.clear()
+    steps = []
+    first = None
+    t0 = time.perf_counter()
+    seq = engine.open(prompt, SamplingParams(max_tokens=gen + 1))
+    while engine.has_work():
+        before, t = counters(engine), time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps.append((now - t, describe(before, counters(engine))))
+        for out in outputs:
+            if out.finish_reason == "error":
+                raise RuntimeError(out.error)
+            if out.token is not None and first is None:
+                first = now
+    end = time.perf_counter()
+    engine.release(seq)
+    print(f"  TTFT {1000 * (first - t0):.1f} ms, whole request {1000 * (end - t0):.0f} ms, {len(steps)} steps")
+    for i, (dt, what) in enumerate(steps[:show_steps]):
+        print(f"    step {i + 1}: {1000 * dt:8.2f} ms  {what}")
+    for label in sorted(SPENT, key=SPENT.get, reverse=True):
+        print(f"    in {label}: {1000 * SPENT[label]:.2f} ms over {CALLS[label]} calls")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-shape", choices=shape_names(), default="tiny")
+    parser.add_argument("--bits", type=int, choices=(4, 8))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--gen-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=4, help="engine steps shown per request")
+    parser.add_argument("--mlx-between", action="store_true", help="an op-by-op forward between requests")
+    parser.add_argument("--storage", default="auto", choices=("auto", "dense", "paged"))
+    parser.add_argument("--no-clear", action="store_true", help="skip gc.collect + mx.clear_cache between requests")
+    args = parser.parse_args(argv)
+
+    model, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
+    vocab = config["vocab_size"]
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=args.storage))
+    timed_piece(cubin_cache, "compile_cubin", "cubin compile (NVRTC)")
+    timed_piece(engine.runner, "prefill", "runner.prefill")
+    timed_piece(engine.runner, "decode", "runner.decode (MLX step)")
+    if engine.graph is not None:
+        for attr in ("settle", "_check_pools", "_adopt", "_record", "_launch"):
+            timed_piece(engine.graph, attr, f"graph.{attr}")
+    print(f"{args.model_shape} {args.bits or args.dtype}, prompt {args.prompt_tokens}, {args.gen_tokens} new tokens; "
+          f"backend {'gpu' if mx.default_device() == mx.gpu else 'cpu'}; graph "
+          f"{'on' if engine.graph is not None else 'off'} ({graph_decode.ENV}), PDL {cubin_cache.pdl_enabled()}, "
+          f"KV {args.storage} ({EngineConfig(storage=args.storage).resolved_storage})")
+    prompt = random_prompt(vocab, args.prompt_tokens, 0, "compare")
+    for r in range(args.requests):
+        if not args.no_clear:
+            gc.collect()
+            mx.clear_cache()
+        if args.mlx_between and r:
+            mx.eval(model(mx.array([prompt])))
+        print(f"request {r + 1}{' (warm-up)' if r == 0 else ''}:")
+        one_request(engine, prompt, args.gen_tokens, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
