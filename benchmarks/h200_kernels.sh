@@ -227,10 +227,12 @@ for line in sys.stdin:
       tests/mlxcel_core/engine/test_graph_decode.py 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
     bash "$0" gate MLXCEL_GRAPH_PDL "llama-3.2-1b --dtype bfloat16" "llama-3.2-1b --bits 4" ;;
   phases)
-    for graph in 1 0; do
-      echo "== MLXCEL_CUDA_GRAPH=$graph"
-      MLXCEL_CUDA_GRAPH=$graph timeout 140 python benchmarks/request_phases.py --model-shape llama-3.2-1b \
-        --dtype bfloat16 --requests 4 --mlx-between 2>&1 | grep -v "^\s*$"
+    # compare_mlx_lm's order (mlx-lm between), then without mlx-lm, then the graph off
+    for run in "1 --mlx-lm-between" "1" "0 --mlx-lm-between"; do
+      set -- $run
+      echo "== MLXCEL_CUDA_GRAPH=$run"
+      MLXCEL_CUDA_GRAPH=$1 timeout 150 python benchmarks/request_phases.py --model-shape llama-3.2-1b \
+        --dtype bfloat16 --requests 4 ${2:-} 2>&1 | grep -v "^\s*$"
     done ;;
   kv)
     shift

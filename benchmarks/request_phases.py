@@ -30,6 +30,7 @@ from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine import graph_decode  # noqa: E402
 from mlxcel_core.kernels import cubin_cache  # noqa: E402
 from mlxcel_core.models.shapes import DTYPES, build_random_model, shape_names  # noqa: E402
+from mlxcel_core.paths import use_kernel_cache  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 SPENT: dict[str, float] = defaultdict(float)  # piece -> seconds, this request
@@ -63,8 +64,14 @@ def describe(before: tuple, after: tuple) -> str:
     return ", ".join(done) or "MLX decode / read"
 
 
-def one_request(engine: Engine, prompt: list[int], gen: int, show_steps: int) -> None:
+def kernel_files(directory: Path | None) -> set[str]:
+    """The files of MLX's kernel cache (its own JIT kernels and our cubins live there; None off CUDA)."""
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()} if directory else set()
+
+
+def one_request(engine: Engine, prompt: list[int], gen: int, show_steps: int, kernels: Path | None) -> None:
     forget_cached_prefixes(engine)
+    files = kernel_files(kernels)
     SPENT.clear()
     CALLS.clear()
     steps = []
@@ -88,6 +95,9 @@ def one_request(engine: Engine, prompt: list[int], gen: int, show_steps: int) ->
         print(f"    step {i + 1}: {1000 * dt:8.2f} ms  {what}")
     for label in sorted(SPENT, key=SPENT.get, reverse=True):
         print(f"    in {label}: {1000 * SPENT[label]:.2f} ms over {CALLS[label]} calls")
+    new = sorted(kernel_files(kernels) - files)  # a kernel MLX (or we) compiled during this request
+    if new:
+        print(f"    {len(new)} new kernel cache files: {', '.join(name[:90] for name in new[:12])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="engine steps shown per request")
     parser.add_argument("--mlx-between", action="store_true", help="an op-by-op forward between requests")
+    parser.add_argument("--mlx-lm-between", action="store_true",
+                        help="mlx-lm's generate_step on the same prompt and length between requests (compare_mlx_lm's "
+                             "other turn; its first run in the process comes right before request 2, as there)")
     parser.add_argument("--storage", default="auto", choices=("auto", "dense", "paged"))
     parser.add_argument("--no-clear", action="store_true", help="skip gc.collect + mx.clear_cache between requests")
     args = parser.parse_args(argv)
@@ -117,15 +130,30 @@ def main(argv: list[str] | None = None) -> int:
           f"backend {'gpu' if mx.default_device() == mx.gpu else 'cpu'}; graph "
           f"{'on' if engine.graph is not None else 'off'} ({graph_decode.ENV}), PDL {cubin_cache.pdl_enabled()}, "
           f"KV {args.storage} ({EngineConfig(storage=args.storage).resolved_storage})")
+    twin = None
+    if args.mlx_lm_between:
+        from compare_mlx_lm import mlx_lm_twin
+        from mlx_lm.generate import generate_step
+
+        twin = mlx_lm_twin(model, config)
     prompt = random_prompt(vocab, args.prompt_tokens, 0, "compare")
+    kernels = use_kernel_cache()
+    print(f"kernel cache: {kernels} ({len(kernel_files(kernels))} files)")
     for r in range(args.requests):
         if not args.no_clear:
             gc.collect()
             mx.clear_cache()
         if args.mlx_between and r:
             mx.eval(model(mx.array([prompt])))
+        if twin is not None and r:
+            t = time.perf_counter()
+            for _ in generate_step(mx.array(prompt), twin, max_tokens=args.gen_tokens + 1):
+                pass
+            print(f"mlx-lm run before request {r + 1}: {1000 * (time.perf_counter() - t):.0f} ms")
+            gc.collect()
+            mx.clear_cache()
         print(f"request {r + 1}{' (warm-up)' if r == 0 else ''}:")
-        one_request(engine, prompt, args.gen_tokens, args.steps)
+        one_request(engine, prompt, args.gen_tokens, args.steps, kernels)
     return 0
 
 
