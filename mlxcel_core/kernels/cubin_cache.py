@@ -267,8 +267,9 @@ class CachedKernel:
     `compile` (tests) stands in for `compile_cubin`."""
 
     def __init__(self, name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
-                 directory: Path | None = None, compile=None):
+                 directory: Path | None = None, compile=None, ensure_row_contiguous: bool = True):
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
+        self.ensure_row_contiguous = ensure_row_contiguous
         self.source, self.header, self.directory, self._compile = source, header, directory, compile
         self._reads = shape_reads(source, self.input_names)
         self._variants: dict = {}  # key -> (function name, cubin)
@@ -279,7 +280,8 @@ class CachedKernel:
     def _fallback(self):
         if self._mlx is None:
             self._mlx = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names,
-                                            output_names=self.output_names, source=self.source, header=self.header)
+                                            output_names=self.output_names, source=self.source, header=self.header,
+                                            ensure_row_contiguous=self.ensure_row_contiguous)
         return self._mlx
 
     def variant(self, template: list, input_dtypes: list, input_ndims: list[int], output_dtypes: list,
@@ -325,7 +327,8 @@ class CachedKernel:
                 outputs = mx.fast.precompiled_cuda_kernel(
                     name=func, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
                     output_dtypes=output_dtypes, scalars=scalars,
-                    grid=grid, threadgroup=threadgroup, init_value=init_value, ensure_row_contiguous=True)
+                    grid=grid, threadgroup=threadgroup, init_value=init_value,
+                    ensure_row_contiguous=self.ensure_row_contiguous)
                 if _recording is not None:
                     replayable = init_value is None
                     _recording.append(Launch(func if replayable else None, cubin, list(inputs), list(outputs), scalars,
@@ -340,7 +343,8 @@ class CachedKernel:
                                 **kwargs)
 
 
-def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str, header: str = ""):
+def cuda_kernel(name: str, input_names: list[str], output_names: list[str], source: str, header: str = "",
+                ensure_row_contiguous: bool = True):
     """``mx.fast.cuda_kernel`` with its compiled variants kept in the kernel cache (paths.use_kernel_cache), or MLX's
     own where the cache is off (MLXCEL_CUBIN_CACHE=0), MLX has no precompiled kernels, or there is no cache dir."""
     directory = None
@@ -355,5 +359,6 @@ def cuda_kernel(name: str, input_names: list[str], output_names: list[str], sour
             directory = None
     if directory is None:
         return mx.fast.cuda_kernel(name=name, input_names=input_names, output_names=output_names, source=source,
-                                   header=header)
-    return CachedKernel(name, input_names, output_names, source, header, directory)
+                                   header=header, ensure_row_contiguous=ensure_row_contiguous)
+    return CachedKernel(name, input_names, output_names, source, header, directory,
+                        ensure_row_contiguous=ensure_row_contiguous)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 
 import mlx.core as mx
+
+from . import cubin_cache
 
 c_void_p, c_uint, c_size_t, c_uint64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_uint64
 byref = ctypes.byref
@@ -198,20 +201,42 @@ def issue_launches(driver: Driver, launches: list, where: dict[int, int], progra
                       programmatic=programmatic and i > 0 and launch.pdl)
 
 
+ADDRESS_BATCH = 64  # arrays an address launch reads: always this many (the last one repeated), all of one dtype
+
+
+@functools.cache
+def _address_kernel(ensure_row_contiguous: bool):
+    names = [f"x{i}" for i in range(ADDRESS_BATCH)]
+    body = "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + "".join(
+        f"  out[{i}] = (unsigned long long)({name});\n" for i, name in enumerate(names)) + "}\n"
+    return cubin_cache.cuda_kernel(name=f"mlxcel_addresses_{int(ensure_row_contiguous)}", input_names=names,
+                                   output_names=["out"], source=body, ensure_row_contiguous=ensure_row_contiguous)
+
+
 def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> list[int]:
     """Each evaluated array's device address (with its offset), as MLX passes it to a kernel, written out by a kernel
-    of MLX's own, 64 arrays a launch. With `ensure_row_contiguous`, MLX copies an array it does not count as row
-    contiguous first (as our cached kernels' launches do), and that copy's address comes back."""
-    found: list[int] = []
-    for start in range(0, len(arrays), 64):
-        chunk = arrays[start:start + 64]
-        names = [f"x{i}" for i in range(len(chunk))]
-        body = "if (threadIdx.x == 0 && blockIdx.x == 0) {\n" + "".join(
-            f"  out[{i}] = (unsigned long long)({name});\n" for i, name in enumerate(names)) + "}\n"
-        kernel = mx.fast.cuda_kernel(name=f"mlxcel_addresses_{len(chunk)}_{int(ensure_row_contiguous)}",
-                                     input_names=names, output_names=["out"], source=body,
-                                     ensure_row_contiguous=ensure_row_contiguous)
-        (out,) = kernel(inputs=chunk, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(len(chunk),)],
+    of ours, 64 arrays of one dtype a launch. With `ensure_row_contiguous`, MLX copies an array it does not count as
+    row contiguous first (as our cached kernels' launches do), and that copy's address comes back.
+
+    A kernel variant per dtype, kept in the kernel cache (kernels/cubin_cache.py): launches of a varying count and mix
+    of dtypes each made MLX compile a new variant in every process (about 1.3 s each on the H200), and a request's
+    first replayed step, which asks for one token's address, was the first to need that one (its TTFT)."""
+    kernel = _address_kernel(ensure_row_contiguous)
+    by_dtype: dict = {}
+    for at, array in enumerate(arrays):
+        by_dtype.setdefault(array.dtype, []).append(at)
+    chunks = [positions[start:start + ADDRESS_BATCH] for positions in by_dtype.values()
+              for start in range(0, len(positions), ADDRESS_BATCH)]
+    outs = []
+    for chunk in chunks:
+        inputs = [arrays[at] for at in chunk]
+        inputs += inputs[-1:] * (ADDRESS_BATCH - len(inputs))
+        (out,) = kernel(inputs=inputs, grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(ADDRESS_BATCH,)],
                         output_dtypes=[mx.uint64])
-        found += out.tolist()
+        outs.append(out)
+    mx.eval(outs)
+    found = [0] * len(arrays)
+    for chunk, out in zip(chunks, outs):
+        for at, address in zip(chunk, out.tolist()):
+            found[at] = address
     return found

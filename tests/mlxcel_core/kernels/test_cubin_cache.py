@@ -91,6 +91,20 @@ def test_a_pdl_variant_is_its_own_cubin_with_the_prologue(tmp_path, machine):
     assert text.index("griddepcontrol.wait") < text.index("griddepcontrol.launch_dependents") < text.index(BODY.strip())
 
 
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_ensure_row_contiguous_reaches_the_launch_and_mlxs_fallback(tmp_path, machine, monkeypatch, contiguous):
+    launched, made = [], []
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **call: launched.append(call) or ["out"],
+                        raising=False)
+    kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path, compile=lambda text, name, arch: ELF,
+                          ensure_row_contiguous=contiguous)
+    call = dict(inputs=[mx.zeros((2, 2))], template=[("T", mx.float32), ("SCALE", 1), ("FLAG", False)],
+                grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(2, 2)], output_dtypes=[mx.float32])
+    assert kernel(**call) == ["out"] and launched[0]["ensure_row_contiguous"] is contiguous
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **spec: made.append(spec) or (lambda **_: ["mlx"]))
+    assert kernel._fallback()(**call) == ["mlx"] and made[0]["ensure_row_contiguous"] is contiguous
+
+
 def test_an_unwritable_cache_still_runs_the_kernel(tmp_path, machine):
     kernel = CachedKernel("mlxcel_t", ["x"], ["y"], BODY, directory=tmp_path / "missing",
                           compile=lambda text, name, arch: ELF)
@@ -114,7 +128,8 @@ def test_a_failed_compile_falls_back_to_mlxs_kernel(tmp_path, machine, monkeypat
     call = dict(inputs=[mx.zeros((2, 2))], template=[("T", mx.float32), ("SCALE", 1), ("FLAG", False)],
                 grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(2, 2)], output_dtypes=[mx.float32])
     assert kernel(**call) == ["mlx"] and kernel(**call) == ["mlx"]
-    assert made == [dict(name="mlxcel_t", input_names=["x"], output_names=["y"], source=BODY, header="// h")]
+    assert made == [dict(name="mlxcel_t", input_names=["x"], output_names=["y"], source=BODY, header="// h",
+                         ensure_row_contiguous=True)]
     assert len(calls) == 2 and calls[0]["template"] == call["template"] and calls[0]["init_value"] is None
     assert caplog.text.count("not kept in the kernel cache (RuntimeError: no NVRTC here)") == 1  # said once
 
@@ -150,8 +165,10 @@ def _kernel_factories():
     from mlxcel_core.kernels import greedy, hmv, qembedding, qmm, qmv
     from mlxcel_core.kv import cuda_paged_attention as cpa
 
+    from mlxcel_core.kernels import cuda_driver
+
     return [qmv._kernel, hmv._kernel, greedy._kernel, qembedding._kernel, qembedding._half_kernel, qmm._kernel,
-            cpa._kernel, cpa._combine_kernel]
+            cpa._kernel, cpa._combine_kernel, cuda_driver._address_kernel]
 
 
 @pytest.fixture
@@ -211,6 +228,11 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         rms_norm.rms_norm(mx.zeros((1, 1, 256), dtype), mx.ones((256,), dtype), 1e-5)
     rms_norm._kernels.clear()
+    from mlxcel_core.kernels.cuda_driver import addresses
+
+    for contiguous in (False, True):  # the graph's address reads: a variant a dtype, whatever the count
+        addresses([mx.zeros((2,), mx.uint32), mx.zeros((3, 2), mx.bfloat16), mx.zeros((1,), mx.uint32)], contiguous)
+    assert sum(n.startswith("mlxcel_addresses_") for n in through_nvcc) == 4
     names = {n.rsplit("_", 1)[0] for n in through_nvcc}
     assert {qmv.kernel_name("plain"), hmv._kernel().name, "mlxcel_greedy_tokens", "mlxcel_qembedding",
             "mlxcel_embedding",

@@ -1,15 +1,22 @@
-"""kernels/cuda_driver.py without a GPU: the launch-config structs as cuda.h lays them out, and which recorded
-launches `issue_launches` chains programmatically (MLXCEL_GRAPH_PDL)."""
+"""kernels/cuda_driver.py without a GPU: the launch-config structs as cuda.h lays them out, which recorded
+launches `issue_launches` chains programmatically (MLXCEL_GRAPH_PDL), and how `addresses` batches its reads (one kernel
+variant a dtype); on CUDA, the addresses themselves."""
 
 from __future__ import annotations
 
 import ctypes
 
 import mlx.core as mx
+import pytest
 
 from mlxcel_core.kernels.cubin_cache import Launch
-from mlxcel_core.kernels.cuda_driver import (PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttribute, LaunchConfig,
-                                             issue_launches, programmatic_config)
+from mlxcel_core.kernels.cuda_driver import (
+    PROGRAMMATIC_STREAM_SERIALIZATION,
+    LaunchAttribute,
+    LaunchConfig,
+    issue_launches,
+    programmatic_config,
+)
 
 
 def test_the_launch_structs_have_cuda_hs_layout():
@@ -82,3 +89,51 @@ def test_close_frees_what_the_driver_made_once_its_stream_is_idle():
     assert driver.stream is None and not driver.functions and not driver._owned
     driver.close()  # a second close does nothing
     assert len(driver.lib.calls) == 7
+
+
+# -- addresses: one kernel variant per dtype ----------------------------------------------------------------------
+class FakeAddressKernel:
+    """Stands in for the address kernel: each input's 'address' is a number given to the array object."""
+
+    def __init__(self):
+        self.launches, self.numbers = [], {}
+
+    def __call__(self, *, inputs, grid, threadgroup, output_shapes, output_dtypes):
+        self.launches.append([x.dtype for x in inputs])
+        found = [self.numbers.setdefault(id(x), 1000 + len(self.numbers)) for x in inputs]
+        return [mx.array(found, dtype=output_dtypes[0])]
+
+
+def test_addresses_come_back_in_order_from_full_launches_of_one_dtype(monkeypatch):
+    """Every launch reads exactly ADDRESS_BATCH arrays of one dtype (so its kernel variant is one per dtype, compiled
+    once, whatever the count and mix asked for), and each array's address comes back at its own position."""
+    from mlxcel_core.kernels import cuda_driver
+
+    fake = FakeAddressKernel()
+    monkeypatch.setattr(cuda_driver, "_address_kernel", lambda ensure_row_contiguous: fake)
+    kinds = [mx.bfloat16, mx.uint32, mx.float32]
+    arrays = [mx.zeros((2,), kinds[i % 3]) for i in range(150)]  # 50 of each, interleaved
+    found = cuda_driver.addresses(arrays)
+    assert found == [fake.numbers[id(a)] for a in arrays] and len(set(found)) == 150
+    assert all(len(dtypes) == cuda_driver.ADDRESS_BATCH and len(set(dtypes)) == 1 for dtypes in fake.launches)
+    assert sorted(str(dtypes[0]) for dtypes in fake.launches) == sorted(map(str, kinds))  # 50 each: one launch a dtype
+    fake.launches.clear()
+    (token,) = arrays[1:2]
+    assert cuda_driver.addresses([token]) == [found[1]]  # one array: the same variant as its dtype's full launches
+    assert fake.launches == [[mx.uint32] * cuda_driver.ADDRESS_BATCH]
+    assert cuda_driver.addresses([]) == []
+
+
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="needs CUDA")
+def test_addresses_on_the_gpu_are_where_mlx_passes_each_array():
+    from mlxcel_core.kernels.cuda_driver import addresses
+
+    base = mx.arange(100, dtype=mx.float32)
+    views = [base[10:], base[20:]]  # slices share the buffer, at their offsets
+    square = mx.arange(16, dtype=mx.float32).reshape(4, 4)
+    transposed = square.T  # not row contiguous: ensure_row_contiguous reads a copy's address instead
+    mx.eval(base, *views, square, transposed)
+    at_base, at_10, at_20, at_square, at_t = addresses([base, *views, square, transposed])
+    assert (at_10 - at_base, at_20 - at_base) == (40, 80) and at_t == at_square
+    assert addresses([transposed], ensure_row_contiguous=True)[0] != at_square
+    assert addresses([base[20:]]) == [at_20]  # one array alone: the same answer
