@@ -113,5 +113,5 @@ def forget_cached_prefixes(engine) -> None:
     pool = getattr(engine.storage, "pool", None)
     if pool is not None and getattr(pool, "enable_prefix_cache", False):
         # Not by allocating every block and releasing them: that raised the pool's high water to its whole budget,
-        # so the next request grew every layer's KV arrays to it (1.5-2.5 s of its TTFT on the H200).
+        # so every layer's KV arrays grew to the whole KV budget (a fraction of the device's memory) at the first run.
         pool.forget_cached()

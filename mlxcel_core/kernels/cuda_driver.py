@@ -218,9 +218,10 @@ def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> li
     of ours, 64 arrays of one dtype a launch. With `ensure_row_contiguous`, MLX copies an array it does not count as
     row contiguous first (as our cached kernels' launches do), and that copy's address comes back.
 
-    A kernel variant per dtype, kept in the kernel cache (kernels/cubin_cache.py): launches of a varying count and mix
-    of dtypes each made MLX compile a new variant in every process (about 1.3 s each on the H200), and a request's
-    first replayed step, which asks for one token's address, was the first to need that one (its TTFT)."""
+    A kernel variant per dtype, kept in the kernel cache (kernels/cubin_cache.py). Launches of a varying count and mix
+    of dtypes each made MLX compile a new variant (NVRTC) in every process, and a request's first replayed step after
+    another request's recording, which asks for one token's address, was the first to need its variant: the likely
+    cause of a 1.3-2.5 s stall in such a request's TTFT on the H200 (benchmarks/RESULTS.md, twenty-second session)."""
     kernel = _address_kernel(ensure_row_contiguous)
     by_dtype: dict = {}
     for at, array in enumerate(arrays):
