@@ -5,11 +5,13 @@
 
 Why: on the H200 (twenty-second session) compare_mlx_lm's first timed mlxcel run read a TTFT of 1.3-2.5 s at every
 shape, its later runs 7-72 ms, although a warm-up of the same length ran first on the same engine. This sends the same
-prompt --requests times (the prefix cache emptied before each, as compare_mlx_lm does; --mlx-between runs the prompt
-through the model op by op between requests, as compare's mlx-lm turn touches MLX) and prints, per request: TTFT, each
+prompt --requests times (the prefix cache emptied before each, as compare_mlx_lm does; --mlx-lm-between runs mlx-lm on
+it between requests, as compare's other turn) and prints, per request: TTFT, each
 of its first engine steps (what it did: prefill tokens, MLX decode, graph recordings / adoptions / replays) and the
 time spent inside the pieces most likely to stall once (kernel compiles, the graph's settle / pool check / adoption /
-recording, the runner's prefill and decode). The mlx-lm side is left out: only mlxcel's stall is in question.
+recording, the runner's prefill and decode), and the kernel cache files it added. The likely cause, an address kernel
+variant compiled in a request's first replayed step after another request's recording, is fixed in b745c9d: with it,
+request 2 should read like requests 3 and 4.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxcel_core.bench import RandomIdTokenizer, forget_cached_prefixes, random_prompt  # noqa: E402
+from compare_mlx_lm import mlx_lm_twin, mlxcel_engine  # noqa: E402
+from mlxcel_core.bench import forget_cached_prefixes, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine import graph_decode  # noqa: E402
 from mlxcel_core.kernels import cubin_cache  # noqa: E402
@@ -109,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="engine steps shown per request")
-    parser.add_argument("--mlx-between", action="store_true", help="an op-by-op forward between requests")
     parser.add_argument("--mlx-lm-between", action="store_true",
                         help="mlx-lm's generate_step on the same prompt and length between requests (compare_mlx_lm's "
                              "other turn; its first run in the process comes right before request 2, as there)")
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
     vocab = config["vocab_size"]
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=args.storage))
+    engine = mlxcel_engine(model, vocab, args.storage)  # as compare_mlx_lm makes it
     timed_piece(cubin_cache, "compile_cubin", "cubin compile (NVRTC)")
     timed_piece(engine.runner, "prefill", "runner.prefill")
     timed_piece(engine.runner, "decode", "runner.decode (MLX step)")
@@ -132,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
           f"KV {args.storage} ({EngineConfig(storage=args.storage).resolved_storage})")
     twin = None
     if args.mlx_lm_between:
-        from compare_mlx_lm import mlx_lm_twin
         from mlx_lm.generate import generate_step
 
         twin = mlx_lm_twin(model, config)
@@ -140,16 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     kernels = use_kernel_cache()
     print(f"kernel cache: {kernels} ({len(kernel_files(kernels))} files)")
     for r in range(args.requests):
-        if not args.no_clear:
-            gc.collect()
-            mx.clear_cache()
-        if args.mlx_between and r:
-            mx.eval(model(mx.array([prompt])))
         if twin is not None and r:
             t = time.perf_counter()
             for _ in generate_step(mx.array(prompt), twin, max_tokens=args.gen_tokens + 1):
                 pass
             print(f"mlx-lm run before request {r + 1}: {1000 * (time.perf_counter() - t):.0f} ms")
+        if not args.no_clear:  # as compare_mlx_lm before each run
             gc.collect()
             mx.clear_cache()
         print(f"request {r + 1}{' (warm-up)' if r == 0 else ''}:")

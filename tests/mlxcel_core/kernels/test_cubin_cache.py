@@ -162,10 +162,8 @@ def test_without_a_cache_directory_or_with_the_switch_off_it_is_mlxs_kernel(monk
 
 
 def _kernel_factories():
-    from mlxcel_core.kernels import greedy, hmv, qembedding, qmm, qmv
+    from mlxcel_core.kernels import cuda_driver, greedy, hmv, qembedding, qmm, qmv
     from mlxcel_core.kv import cuda_paged_attention as cpa
-
-    from mlxcel_core.kernels import cuda_driver
 
     return [qmv._kernel, hmv._kernel, greedy._kernel, qembedding._kernel, qembedding._half_kernel, qmm._kernel,
             cpa._kernel, cpa._combine_kernel, cuda_driver._address_kernel]
