@@ -39,8 +39,8 @@
 #                                              # GPU tests with it, then 1B bf16 and 4-bit with it off and on
 #   bash benchmarks/h200_kernels.sh phases     # request_phases.py: each request's TTFT and first steps on one engine,
 #                                              # graph on then off (compare_mlx_lm's first timed run read 1.3-2.5 s of
-#                                              # TTFT in the twenty-second session, later runs 7-72 ms; the likely
-#                                              # cause is fixed in b745c9d, not yet run on a GPU)
+#                                              # TTFT in the twenty-second session; since b745c9d request 2 reads
+#                                              # 17 ms, twenty-third session)
 #   bash benchmarks/h200_kernels.sh kv SHAPE.. # compare_mlx_lm per shape (default "llama-3-8b --dtype bfloat16";
 #                                              # two shapes fit a call), KV written by scatter ops
 #                                              # (MLXCEL_KV_IN_KERNEL=0) then by the attention kernel (the default)

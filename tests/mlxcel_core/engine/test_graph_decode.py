@@ -235,6 +235,37 @@ def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch, bits)
     assert graph.recorded == recorded and graph.replayed >= replayed + 55 and graph.adopted >= 1, counters()
 
 
+
+@cuda
+def test_a_closed_graph_gives_back_the_driver_and_a_new_engine_replays_the_same_tokens(monkeypatch):
+    """`mlxcel bench` makes an engine a test and serve a throwaway one for its warm-up: closing a graph that has
+    replayed (its CUDA graphs, buffers, events, cubins and stream) must leave the next engine's graph working."""
+    from mlxcel_core.bench import RandomIdTokenizer, random_prompt
+    from mlxcel_core.models.shapes import build_random_model
+
+    model, config = build_random_model("llama-3.2-1b", bits=4, seed=0)
+    tokenizer = RandomIdTokenizer(config["vocab_size"])
+    prompt = random_prompt(config["vocab_size"], 64, 0, "graph-close-test")
+    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "1")
+
+    def replayed_tokens():
+        engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1))
+        seq = engine.open(prompt, SamplingParams(max_tokens=40))
+        out = []
+        while engine.has_work():
+            out += [o.token for o in engine.step() if o.token is not None]
+        engine.release(seq)
+        graph = engine.graph
+        assert graph.usable and graph.replayed >= 30, graph.why_not
+        graph.close()  # explicitly, so a failure raises here instead of inside a finalizer
+        assert graph.driver is None and not graph.replays
+        return out
+
+    first = replayed_tokens()
+    for _ in range(2):
+        assert replayed_tokens() == first
+
+
 class FakeDriver:
     """The driver calls `_launch` makes, on host memory: uploads copy bytes into `device` (address -> bytes)."""
 
