@@ -10,7 +10,8 @@
 #                                              # 8B 4-bit batch of 32 (mma, the default, gave 1094 tok/s and mlx 300;
 #                                              # these two did not finish in 115 s in the sixteenth session)
 #   bash benchmarks/h200_kernels.sh coldstart SHAPE.. # the kernel cache under $MLXCEL_CACHE_DIR: a first process
-#                                              # compiles (warmup_ms), a second should not (not yet run on a GPU)
+#                                              # compiles (warmup_ms), a second should not (not run itself; `restart`
+#                                              # measured the same in the eighteenth session)
 #   bash benchmarks/h200_kernels.sh restart    # startup_phases.py in three processes on one empty cache dir, then
 #                                              # serve_coldstart.py (1B 4-bit; eighteenth session: 56 s, then 2.3 s
 #                                              # and 1.7 s a process with the cubin cache; serve ready in 2.2 s)
@@ -158,8 +159,8 @@ case "${1:-}" in
       done
     done ;;
   wide)
-    # MLXCEL_QMM_WIDE (vector loads in kernels/qmm.py; not yet run on a GPU): its tests, then end to end. The first run
-    # compiles (~70 s on a fresh machine), so it is a warm-up; timestamps show a stall
+    # MLXCEL_QMM_WIDE (vector loads in kernels/qmm.py; on by default since the seventeenth session's run): its tests,
+    # then end to end. The first run compiles (~70 s on a fresh machine), so it is a warm-up; timestamps show a stall
     timeout 280 python -m pytest -q -p no:cacheprovider tests/mlxcel_core/kernels/test_qmm.py --tb=short -rf 2>&1 \
       | grep -E "^E |FAILED|passed|failed|Fatal"
     for wide in 1 0 1 0; do

@@ -220,8 +220,9 @@ def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> li
 
     A kernel variant per dtype, kept in the kernel cache (kernels/cubin_cache.py). Launches of a varying count and mix
     of dtypes each made MLX compile a new variant (NVRTC) in every process, and a request's first replayed step after
-    another request's recording, which asks for one token's address, was the first to need its variant: the likely
-    cause of a 1.3-2.5 s stall in such a request's TTFT on the H200 (benchmarks/RESULTS.md, twenty-second session)."""
+    another request's recording, which asks for one token's address, was the first to need its variant: a 1.3-2.5 s
+    stall in such a request's TTFT on the H200, 17 ms since (benchmarks/RESULTS.md, twenty-second and twenty-third
+    sessions)."""
     kernel = _address_kernel(ensure_row_contiguous)
     by_dtype: dict = {}
     for at, array in enumerate(arrays):
