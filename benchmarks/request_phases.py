@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from compare_mlx_lm import mlx_lm_twin, mlxcel_engine  # noqa: E402
-from mlxcel_core.bench import forget_cached_prefixes, random_prompt  # noqa: E402
+from compare_mlx_lm import mlx_lm_twin  # noqa: E402
+from mlxcel_core.bench import RandomIdTokenizer, forget_cached_prefixes, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine import graph_decode  # noqa: E402
 from mlxcel_core.kernels import cubin_cache  # noqa: E402
@@ -117,11 +117,26 @@ def main(argv: list[str] | None = None) -> int:
                              "other turn; its first run in the process comes right before request 2, as there)")
     parser.add_argument("--storage", default="auto", choices=("auto", "dense", "paged"))
     parser.add_argument("--no-clear", action="store_true", help="skip gc.collect + mx.clear_cache between requests")
+    parser.add_argument("--max-batch", type=int, default=1, help="the engines' batch limit (compare_mlx_lm: 1)")
+    parser.add_argument("--serve-warmup", action="store_true",
+                        help="as `mlxcel serve` starts: its warm-up (engine_loop.warm_up) on a throwaway engine, then "
+                             "every request timed on a new one, the first included")
     args = parser.parse_args(argv)
 
     model, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
     vocab = config["vocab_size"]
-    engine = mlxcel_engine(model, vocab, args.storage)  # as compare_mlx_lm makes it
+
+    def new_engine() -> Engine:  # as compare_mlx_lm makes it, but for the batch limit
+        config = EngineConfig(max_batch_size=args.max_batch, storage=args.storage)
+        return Engine(model, RandomIdTokenizer(vocab), config)
+
+    if args.serve_warmup:
+        from mlxcel_core.server.warmup import warm_up, warmup_plan
+
+        plan = warmup_plan(EngineConfig(max_batch_size=args.max_batch))
+        print(f"serve's warm-up on a throwaway engine: {warm_up(new_engine(), plan):.2f} s ({plan.describe()})")
+        gc.collect()
+    engine = new_engine()
     timed_piece(cubin_cache, "compile_cubin", "cubin compile (NVRTC)")
     timed_piece(engine.runner, "prefill", "runner.prefill")
     timed_piece(engine.runner, "decode", "runner.decode (MLX step)")
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_clear:  # as compare_mlx_lm before each run
             gc.collect()
             mx.clear_cache()
-        print(f"request {r + 1}{' (warm-up)' if r == 0 else ''}:")
+        print(f"request {r + 1}{' (warm-up)' if r == 0 and not args.serve_warmup else ''}:")
         one_request(engine, prompt, args.gen_tokens, args.steps, kernels)
     return 0
 

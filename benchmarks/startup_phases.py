@@ -38,7 +38,7 @@ def main() -> None:
     from mlxcel_core.loading import load_model
     from mlxcel_core.paths import use_kernel_cache
     from mlxcel_core.sampling import SamplingParams
-    from mlxcel_core.server.engine_loop import WARMUP_PROMPT, WARMUP_TOKENS
+    from mlxcel_core.server.warmup import WARMUP_PROMPT, WARMUP_TOKENS
 
     t = mark("import mlxcel_core", t)
     loaded = load_model(args.model, log=lambda m: None)

@@ -57,8 +57,9 @@ DraftNgram = Annotated[int, _opt("--draft-ngram", env="MLXCEL_DRAFT_NGRAM", meta
 NumDraftTokens = Annotated[int, _opt("--num-draft-tokens", env="MLXCEL_NUM_DRAFT_TOKENS", metavar="K",
                                      help="Speculative decoding: tokens drafted per round (1-64).")]
 Warmup = Annotated[bool, _opt("--warmup/--no-warmup", env="MLXCEL_WARMUP",
-                              help="Run short requests before /health turns 200 (on a GPU, decode batches of "
-                                   "every size up to 8), so that no client waits for GPU kernels to compile.")]
+                              help="Run short requests before /health turns 200 (on a GPU: a lone reply the CUDA "
+                                   "graph records, decode batches of every size up to 8, prompts of 1 to 8 tokens), "
+                                   "so that no client waits for GPU kernels to compile.")]
 LogFormat = Annotated[str, _opt("--log-format", env="MLXCEL_LOG_FORMAT",
                                 help="Log lines on stderr as text or json (one object per line).")]
 

@@ -44,7 +44,7 @@ class ServerConfig:
     max_n: int = 4
     ctx_size: int | None = None  # cap on the model's context
     group: Any = None  # rank 0 of a tensor-parallel group (mx.distributed), else None
-    warmup: bool = True  # one short request on a throwaway engine before /health turns 200 (engine_loop.warm_up)
+    warmup: bool = True  # short requests on a throwaway engine before /health turns 200 (server/warmup.py)
 
 
 class Server:

@@ -27,6 +27,7 @@ from ..engine import Engine, EngineConfig, StepOutput
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import ServerMetrics
+from .warmup import warm_up, warmup_plan
 
 log = logging.getLogger("mlxcel.server")
 
@@ -59,49 +60,14 @@ class Job:
     first_token: float | None = None
 
 
-WARMUP_PROMPT = list(range(3, 19))  # 16 ids every vocabulary has; past the decode kernels' rows (a prefill)
-WARMUP_TOKENS = 4
-
-
-def warmup_rows(config: EngineConfig) -> int:
-    """Decode batch sizes the warm-up visits (1..this): on a GPU every size up to the batch limit and 8, because the
-    decode kernels and the compiled step are built per batch size (else a machine's first batch of each size stalls
-    every client while they compile); on CPU 1 (nothing is compiled there)."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return 1
-    from ..kernels.qmv import MAX_ROWS  # the decode kernels' rows: one compiled variant per batch size up to it
-
-    return max(1, min(config.max_batch_size, MAX_ROWS))
-
-
-def warm_up(engine: Engine, rows: int = 1) -> float:
-    """Short greedy requests through `engine`, which is then dropped: the process's first prefill and decode steps
-    compile their GPU kernels (about 60-70 s on a fresh H200; mlxcel keeps them in its kernel cache after that, when
-    this takes under a second) and trace the compiled decode step, so the first client does not wait for that.
-    With `rows` > 1 the requests join one a step (a new one's prefill is granted at once), so the decode batch runs
-    at every size from 1 to `rows`. Returns its wall time in seconds."""
-    start = time.perf_counter()
-    tokens = WARMUP_TOKENS + rows - 1  # the first request still decodes in the step where the last one first does
-    room = max(1, min(len(WARMUP_PROMPT), engine.max_context - tokens))  # (a model with a tiny context)
-    opened = 0
-    while opened < rows or engine.has_work():
-        if opened < rows:
-            engine.open(WARMUP_PROMPT[:room], SamplingParams(max_tokens=max(1, min(tokens, engine.max_context - room))))
-            opened += 1
-        for out in engine.step():
-            if out.error is not None:
-                raise RuntimeError(f"the warm-up request failed: {out.error}")
-    return time.perf_counter() - start
-
-
 class EngineLoop:
     def __init__(self, load: Callable, engine_config: EngineConfig, metrics: ServerMetrics,
                  ctx_size: int | None = None, capacity: int = 64, max_failures: int = 3,
                  on_load_failed: Callable[[BaseException], None] | None = None, group=None, warmup: bool = False):
         """`group`: this is rank 0 of a tensor-parallel group; the other ranks mirror the engine's inputs
         (distributed/mirror.py). A failed step then stops the server (a fresh Engine here could not be
-        matched on the other ranks). `warmup`: before turning ready, run one short request on a throwaway engine
-        (`warm_up`; not with `group`, whose ranks would have to mirror it)."""
+        matched on the other ranks). `warmup`: before turning ready, run the warm-up plan's short requests on a
+        throwaway engine (server/warmup.py; not with `group`, whose ranks would have to mirror it)."""
         self._load, self.engine_config, self.metrics = load, engine_config, metrics
         self.group = group
         self.warmup = warmup and group is None
@@ -203,8 +169,8 @@ class EngineLoop:
 
                 self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
             if self.warmup:  # (on an engine like the serving one, dropped after)
-                rows = warmup_rows(self.engine_config)
-                log.info("warm-up: %.1f s (decode batches of 1 to %d)", warm_up(self._new_engine(), rows), rows)
+                plan = warmup_plan(self.engine_config)
+                log.info("warm-up: %.1f s (%s)", warm_up(self._new_engine(), plan), plan.describe())
             self.engine = self._new_engine()
         except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
             self.state, self.error = "failed", exc

@@ -1,5 +1,5 @@
-"""The server's warm-up (engine_loop.warm_up): one short request on a throwaway engine before the server turns ready,
-so the first client does not wait for GPU kernels to compile; the serving engine starts clean."""
+"""The server's warm-up (server/warmup.py): short requests on a throwaway engine before the server turns ready, so
+the first client does not wait for GPU kernels to compile; the serving engine starts clean."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from mlxcel_core.bench import RandomIdTokenizer
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.models.shapes import build_random_model
 from mlxcel_core.server import engine_loop
-from mlxcel_core.server.engine_loop import WARMUP_PROMPT, WARMUP_TOKENS, EngineLoop, warmup_rows
+from mlxcel_core.server.engine_loop import EngineLoop
+from mlxcel_core.server.warmup import WARMUP_PROMPT, WARMUP_TOKENS, WarmupPlan, warmup_plan
 from mlxcel_core.server.metrics import ServerMetrics
 
 
@@ -28,9 +29,9 @@ def _start(monkeypatch, **kwargs):
     warmed = []
     real = engine_loop.warm_up
 
-    def spy(engine, rows=1):
+    def spy(engine, plan=WarmupPlan()):
         warmed.append(engine)
-        return real(engine, rows)
+        return real(engine, plan)
 
     monkeypatch.setattr(engine_loop, "warm_up", spy)
     loop = EngineLoop(_Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), **kwargs)
@@ -45,7 +46,9 @@ def test_the_warm_up_runs_on_its_own_engine_before_ready(monkeypatch, caplog):
     loop, warmed = _start(monkeypatch, warmup=True)
     try:
         assert loop.state == "ready" and len(warmed) == 1 and warmed[0] is not loop.engine
-        assert warmed[0].runner.prefill_tokens == len(WARMUP_PROMPT)  # it did prefill ...
+        plan = warmup_plan(loop.engine_config)  # (on CPU one request, on a GPU more)
+        requests = 1 + (plan.rows if plan.rows > 1 else 0)
+        assert warmed[0].runner.prefill_tokens == requests * len(WARMUP_PROMPT) + sum(plan.prompt_lengths)  # ...
         assert loop.engine.runner.prefill_tokens == 0 and loop.engine.storage.stats().get("prefix_hits", 0) == 0
         assert not loop.engine.has_work()  # ... and the serving engine starts clean
         assert "warm-up: " in caplog.text
@@ -91,7 +94,7 @@ def test_warm_up_fits_a_short_context():
 def test_a_failing_warm_up_fails_the_load(monkeypatch):
     failed = []
 
-    def broken(engine, rows=1):
+    def broken(engine, plan=WarmupPlan()):
         raise RuntimeError("the warm-up request failed: boom")
 
     monkeypatch.setattr(engine_loop, "warm_up", broken)
@@ -104,25 +107,59 @@ def test_a_failing_warm_up_fails_the_load(monkeypatch):
     assert loop.health().startswith("The engine is not running: the warm-up request failed")
 
 
-def test_on_a_gpu_the_warm_up_decodes_every_batch_size_up_to_the_limit(monkeypatch):
-    """The decode kernels and the compiled step are built per batch size: on a GPU the warm-up visits 1..min(batch
-    limit, 8) (requests join one a step), so no client's first batch of a new size waits for compiles; on CPU 1."""
+def test_the_warm_up_runs_a_lone_request_then_every_batch_size_then_each_short_prompt(monkeypatch):
+    """What a GPU builds per shape: the decode kernels and the compiled step per batch size (requests join one a step:
+    1..rows), the kernels per prompt length up to their rows (each prefilled alone and whole), and the CUDA graph of a
+    lone greedy request (one first, decoding alone)."""
     loaded = _Loaded()
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
-    sizes = []
-    decode = engine.runner.decode
+    sizes, prefills = [], []
+    decode, prefill = engine.runner.decode, engine.runner.prefill
 
-    def spying(seq_ids, tokens, before_trace=None):
+    def spying_decode(seq_ids, tokens, before_trace=None):
         sizes.append(len(seq_ids))
         return decode(seq_ids, tokens, before_trace)
 
-    engine.runner.decode = spying
-    assert engine_loop.warm_up(engine, rows=3) > 0
-    assert sizes[:3] == [1, 2, 3] and max(sizes) == 3 and not engine.has_work()
-    assert engine.runner.prefill_tokens == 3 * len(WARMUP_PROMPT)
+    def spying_prefill(*args, **kwargs):
+        before = engine.runner.prefill_tokens
+        out = prefill(*args, **kwargs)
+        prefills.append(engine.runner.prefill_tokens - before)
+        return out
 
+    engine.runner.decode, engine.runner.prefill = spying_decode, spying_prefill
+    assert engine_loop.warm_up(engine, WarmupPlan(lone_tokens=6, rows=3, prompt_lengths=(1, 2, 5))) > 0
+    # The lone request's 5 decode steps, then batches of each size up to 3 (on CPU 1, 2, 3 in order; on a GPU a new
+    # row's prefill takes its own step, so the first batch there is 2); the short prompts decode nothing.
+    assert sizes[:5] == [1] * 5 and set(sizes[5:]) <= {1, 2, 3} and {2, 3} <= set(sizes[5:])
+    assert prefills == [len(WARMUP_PROMPT)] * 4 + [1, 2, 5] and not engine.has_work()
+
+
+def test_the_plan_on_a_gpu_covers_the_split_attention_and_the_kernels_rows_and_on_cpu_one_request(monkeypatch):
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
-    assert warmup_rows(EngineConfig(max_batch_size=4)) == 1
+    assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(rows=1, prompt_lengths=())
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
-    assert warmup_rows(EngineConfig(max_batch_size=4)) == 4
-    assert warmup_rows(EngineConfig(max_batch_size=32)) == 8
+    assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(lone_tokens=2 * 64 + 1 - len(WARMUP_PROMPT),
+                                                                     rows=4, prompt_lengths=tuple(range(1, 9)))
+    assert warmup_plan(EngineConfig(max_batch_size=32)).rows == 8
+    assert warmup_plan(EngineConfig(max_batch_size=32)).describe() == \
+        "a lone reply of 113 tokens, decode batches of 1 to 8, prompts of 1 to 8 tokens"
+    assert WarmupPlan().describe() == f"a lone reply of {WARMUP_TOKENS} tokens"
+
+
+@pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="needs CUDA")
+def test_on_cuda_the_warm_up_records_and_replays_the_graph_and_prefills_each_short_prompt():
+    """The graph's recording compiles kernels of its own (the address kernels), and each short prompt length its
+    matvec variants: without them in the warm-up, a fresh H200's first request after it spent 1.3 s recording and
+    1.5 s in a 5-token prefill (benchmarks/RESULTS.md, twenty-third session)."""
+    model, config = build_random_model("llama-3.2-1b", bits=4, seed=0)
+    engine = Engine(model, RandomIdTokenizer(config["vocab_size"]), EngineConfig(max_batch_size=4))
+    plan = warmup_plan(engine.config)
+    assert plan.prompt_lengths and engine.graph is not None
+    before = engine.runner.prefill_tokens
+    splits = []
+    choose = engine.storage.choose_splits
+    engine.storage.choose_splits = lambda *args: splits.append(choose(*args)) or splits[-1]
+    engine_loop.warm_up(engine, plan)
+    assert engine.graph.recorded >= 2 and engine.graph.replayed >= 1, engine.graph.why_not
+    assert min(splits) == 1 and max(splits) > 1  # both forms of the attention kernel ran
+    assert engine.runner.prefill_tokens - before >= sum(plan.prompt_lengths) + len(WARMUP_PROMPT)

@@ -1,0 +1,90 @@
+"""The server's warm-up: short requests on a throwaway engine before /health turns 200, so that no client waits for
+what a process (or, on a fresh machine, the GPU's kernel compiler) does once: about 60-70 s on a fresh H200, well under
+a second once mlxcel's kernel cache holds the kernels.
+
+What needs it on a GPU is built per shape: the decode kernels per row count (a decode batch's sequences, or a short
+prompt's tokens: a prefill of up to 8 tokens runs the same matvec kernels), the compiled decode step per batch size,
+and the CUDA graph a lone greedy request's steps are replayed as (its recording's own small kernels)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..engine import Engine, EngineConfig
+from ..sampling import SamplingParams
+
+WARMUP_PROMPT = list(range(3, 19))  # 16 ids every vocabulary has; past the decode kernels' rows (a prefill)
+WARMUP_TOKENS = 4  # a lone greedy request: prefill, an MLX step, then one step recorded as a graph and one replayed
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    lone_tokens: int = WARMUP_TOKENS  # the lone greedy request's
+    rows: int = 1  # decode batches of 1..rows sequences
+    prompt_lengths: tuple[int, ...] = ()  # short prompts prefilled one at a time (one kernel variant a length)
+
+    def describe(self) -> str:
+        parts = [f"a lone reply of {self.lone_tokens} tokens"]
+        if self.rows > 1:
+            parts.append(f"decode batches of 1 to {self.rows}")
+        if self.prompt_lengths:
+            parts.append(f"prompts of {self.prompt_lengths[0]} to {self.prompt_lengths[-1]} tokens")
+        return ", ".join(parts)
+
+
+def warmup_plan(config: EngineConfig) -> WarmupPlan:
+    """On a GPU: a lone request long enough for the attention kernel's split form (its one-split form runs before),
+    every batch size up to the batch limit and 8, and every prompt length up to 8 (the decode kernels' rows). Else a
+    machine's first longer reply, first batch of a size, or first chat turn with a few uncached tokens, stalls every
+    client while they compile. On CPU nothing is compiled: one short request."""
+    if mx.default_device().type != mx.DeviceType.gpu:
+        return WarmupPlan()
+    from autotune.ops import MIN_CUDA_SPLIT_TOKENS  # past 2x this, the attention kernel splits the context
+
+    from ..kernels.qmv import MAX_ROWS  # the decode kernels' rows: one compiled variant per row count up to it
+
+    return WarmupPlan(lone_tokens=2 * MIN_CUDA_SPLIT_TOKENS + 1 - len(WARMUP_PROMPT),
+                      rows=max(1, min(config.max_batch_size, MAX_ROWS)), prompt_lengths=tuple(range(1, MAX_ROWS + 1)))
+
+
+def _step(engine: Engine) -> None:
+    for out in engine.step():
+        if out.error is not None:
+            raise RuntimeError(f"the warm-up request failed: {out.error}")
+
+
+def _finish(engine: Engine) -> None:
+    while engine.has_work():
+        _step(engine)
+
+
+def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan()) -> float:
+    """Run `plan` through `engine`, which is then dropped; returns its wall time in seconds.
+
+    First one greedy request alone (its steps after the second are the CUDA graph's: recorded, then replayed).
+    Then, with `plan.rows` > 1, requests that join one a step (a new one's prefill is granted at once), so the
+    decode batch runs at every size from 1 to `rows`. Then each short prompt alone; each starts with its own
+    token, so none is a cached prefix of another."""
+    start = time.perf_counter()
+    room = max(1, min(len(WARMUP_PROMPT), engine.max_context - WARMUP_TOKENS))  # (a model with a tiny context)
+
+    def open_request(prompt: list[int], tokens: int) -> None:
+        engine.open(prompt, SamplingParams(max_tokens=max(1, min(tokens, engine.max_context - len(prompt)))))
+
+    open_request(WARMUP_PROMPT[:room], plan.lone_tokens)
+    _finish(engine)
+    if plan.rows > 1:
+        tokens = WARMUP_TOKENS + plan.rows - 1  # the first still decodes in the step where the last one first does
+        prompt = WARMUP_PROMPT[-room:][::-1]  # (not the lone request's, whose blocks are cached: a whole prefill)
+        for _ in range(plan.rows):
+            open_request(prompt, tokens)
+            _step(engine)
+        _finish(engine)
+    for length in plan.prompt_lengths:
+        if length < engine.max_context:
+            open_request([WARMUP_PROMPT[(length + i) % len(WARMUP_PROMPT)] for i in range(length)], 1)
+            _finish(engine)
+    return time.perf_counter() - start
