@@ -235,7 +235,6 @@ def test_the_cuda_graph_gives_the_plain_engines_greedy_tokens(monkeypatch, bits)
     assert graph.recorded == recorded and graph.replayed >= replayed + 55 and graph.adopted >= 1, counters()
 
 
-
 @cuda
 def test_a_closed_graph_gives_back_the_driver_and_a_new_engine_replays_the_same_tokens(monkeypatch):
     """`mlxcel bench` makes an engine a test and serve a throwaway one for its warm-up: closing a graph that has
