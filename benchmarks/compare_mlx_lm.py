@@ -66,8 +66,9 @@ def timed(tokens_and_times: list[tuple[int, float]], t0: float, prompt_len: int)
 
 
 # -- mlxcel: its engine, as generate/run/serve use it ------------------------------------------------------------
-def mlxcel_engine(model, vocab: int, storage: str = "auto") -> Engine:
-    return Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, storage=storage))  # no EOS, no text
+def mlxcel_engine(model, vocab: int, storage: str = "auto", max_batch_size: int = 1) -> Engine:
+    config = EngineConfig(max_batch_size=max_batch_size, storage=storage)
+    return Engine(model, RandomIdTokenizer(vocab), config)  # no EOS, no text
 
 
 def run_mlxcel(engine: Engine, prompt: list[int], gen: int) -> Run:

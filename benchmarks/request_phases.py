@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from compare_mlx_lm import mlx_lm_twin  # noqa: E402
-from mlxcel_core.bench import RandomIdTokenizer, forget_cached_prefixes, random_prompt  # noqa: E402
+from compare_mlx_lm import mlx_lm_twin, mlxcel_engine  # noqa: E402
+from mlxcel_core.bench import forget_cached_prefixes, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine import graph_decode  # noqa: E402
 from mlxcel_core.kernels import cubin_cache  # noqa: E402
@@ -119,16 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-clear", action="store_true", help="skip gc.collect + mx.clear_cache between requests")
     parser.add_argument("--max-batch", type=int, default=1, help="the engines' batch limit (compare_mlx_lm: 1)")
     parser.add_argument("--serve-warmup", action="store_true",
-                        help="as `mlxcel serve` starts: its warm-up (engine_loop.warm_up) on a throwaway engine, then "
+                        help="as `mlxcel serve` starts: its warm-up (server/warmup.py) on a throwaway engine, then "
                              "every request timed on a new one, the first included")
     args = parser.parse_args(argv)
 
     model, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
     vocab = config["vocab_size"]
 
-    def new_engine() -> Engine:  # as compare_mlx_lm makes it, but for the batch limit
-        config = EngineConfig(max_batch_size=args.max_batch, storage=args.storage)
-        return Engine(model, RandomIdTokenizer(vocab), config)
+    def new_engine() -> Engine:  # as compare_mlx_lm makes it
+        return mlxcel_engine(model, vocab, args.storage, args.max_batch)
 
     if args.serve_warmup:
         from mlxcel_core.server.warmup import warm_up, warmup_plan
