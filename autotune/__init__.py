@@ -7,7 +7,6 @@ unset / 0 / false / off / no -> "off" (the cache is never touched), cache / read
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Literal
@@ -15,15 +14,27 @@ from typing import Literal
 Mode = Literal["off", "cache", "tune"]
 
 _MODES: dict[str, Mode] = {
-    "": "off", "0": "off", "false": "off", "off": "off", "no": "off",
-    "cache": "cache", "read": "cache", "readonly": "cache", "read-only": "cache",
-    "1": "tune", "true": "tune", "on": "tune", "yes": "tune",
+    "": "off",
+    "0": "off",
+    "false": "off",
+    "off": "off",
+    "no": "off",
+    "cache": "cache",
+    "read": "cache",
+    "readonly": "cache",
+    "read-only": "cache",
+    "1": "tune",
+    "true": "tune",
+    "on": "tune",
+    "yes": "tune",
 }
 
 
 def autotune_mode(value: str | None = None) -> Mode:
     """Parse MLXCEL_AUTOTUNE (or `value`); unknown values warn once on stderr and mean off."""
-    raw = os.environ.get("MLXCEL_AUTOTUNE", "") if value is None else value
+    from mlxcel_core import settings
+
+    raw = settings.get("MLXCEL_AUTOTUNE") if value is None else value
     mode = _MODES.get(raw.strip().lower())
     if mode is None:
         print(f"mlxcel: warning: MLXCEL_AUTOTUNE={raw!r} is not one of 0, cache, 1; autotuning is off", file=sys.stderr)

@@ -44,16 +44,19 @@ class Geometry:
     block_size: int = 32
 
     def validate(self) -> None:
-        for name, value in (("--head-dim", self.head_dim), ("--q-heads", self.q_heads),
-                            ("--kv-heads", self.kv_heads), ("--block-size", self.block_size)):
+        for name, value in (
+            ("--head-dim", self.head_dim),
+            ("--q-heads", self.q_heads),
+            ("--kv-heads", self.kv_heads),
+            ("--block-size", self.block_size),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.q_heads % self.kv_heads:
             raise ValueError(f"--q-heads ({self.q_heads}) must be a multiple of --kv-heads ({self.kv_heads})")
 
     def describe(self) -> str:
-        return (f"head_dim={self.head_dim} q_heads={self.q_heads} kv_heads={self.kv_heads} "
-                f"block_size={self.block_size}")
+        return f"head_dim={self.head_dim} q_heads={self.q_heads} kv_heads={self.kv_heads} block_size={self.block_size}"
 
 
 @dataclass(frozen=True)
@@ -69,16 +72,27 @@ class Bucket:
 
     @classmethod
     def of(cls, batch: int, context: int, geometry: Geometry) -> "Bucket":
-        return cls(pow2_ceil(batch), pow2_ceil(max(context, geometry.block_size)), geometry.q_heads,
-                   geometry.kv_heads, geometry.head_dim, geometry.block_size)
+        return cls(
+            pow2_ceil(batch),
+            pow2_ceil(max(context, geometry.block_size)),
+            geometry.q_heads,
+            geometry.kv_heads,
+            geometry.head_dim,
+            geometry.block_size,
+        )
 
     def key(self) -> str:
-        return (f"b{self.batch}xc{self.context}xhq{self.q_heads}xhkv{self.kv_heads}"
-                f"xd{self.head_dim}xbs{self.block_size}")
+        return f"b{self.batch}xc{self.context}xhq{self.q_heads}xhkv{self.kv_heads}xd{self.head_dim}xbs{self.block_size}"
 
     def as_dict(self) -> dict[str, int]:
-        return {"batch": self.batch, "context": self.context, "q_heads": self.q_heads,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "block_size": self.block_size}
+        return {
+            "batch": self.batch,
+            "context": self.context,
+            "q_heads": self.q_heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+        }
 
 
 def label(num_splits: int) -> str:
@@ -135,9 +149,9 @@ def predicted_runner() -> str:
     for dist in distributions():
         name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
         if name.startswith("mlx-cuda"):
-            from mlxcel_core.kv import cuda_paged_attention  # noqa: F401 -- needs mlx; only on CUDA installs
+            from mlxcel_core.backends.cuda.paged_attention import RUNNER_CUDA  # (needs mlx; only on CUDA installs)
 
-            return cuda_paged_attention.RUNNER_CUDA
+            return RUNNER_CUDA
     return RUNNER_OPS
 
 
@@ -148,6 +162,7 @@ def describe_runner(runner: str) -> str:
 
 
 # -- measuring (imports MLX) ------------------------------------------------------------------------
+
 
 def device_identity() -> str:
     """A short stable name of the device tactics were measured on: backend, name, arch, memory, cores."""
@@ -161,8 +176,11 @@ def device_identity() -> str:
     except Exception:
         pass
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    parts = ["gpu" if gpu else "cpu", str(info.get("device_name") or info.get("name") or "unknown"),
-             str(info.get("architecture") or "")]
+    parts = [
+        "gpu" if gpu else "cpu",
+        str(info.get("device_name") or info.get("name") or "unknown"),
+        str(info.get("architecture") or ""),
+    ]
     mem = info.get("memory_size") or info.get("total_memory")
     if isinstance(mem, (int, float)) and mem > 0:
         parts.append(f"{round(mem / 2**30)}gb")
@@ -173,9 +191,9 @@ def device_identity() -> str:
 
 
 def current_runner(head_dim: int) -> str:
-    from mlxcel_core.kv.cuda_paged_attention import runner_for
+    from mlxcel_core import backends
 
-    return runner_for(head_dim)
+    return backends.current().paged_runner(head_dim)
 
 
 def mlx_dtype(name: str):
@@ -208,22 +226,28 @@ def workload(batch: int, context: int, geometry: Geometry, dtype: str, seed: int
 
 
 def decode_step_inputs(q, k_pool, tables, context: int) -> dict:
-    """What a decode step hands the CUDA kernel besides the workload, so the tuner times the launch decode runs: the
-    step's own keys and values (written in place at each row's last position, the same values every call) unless
-    MLXCEL_KV_IN_KERNEL=0, and the combine counters unless MLXCEL_COMBINE_IN_KERNEL=0."""
+    """What a decode step hands the backend's kernel besides the workload, so the tuner times the launch decode runs:
+    the step's own keys and values (written in place at each row's last position, the same values every call) where
+    the kernel writes them, and the combine counters where it keeps them."""
     import mlx.core as mx
 
-    from mlxcel_core.kv.cuda_paged_attention import COUNTERS, combine_in_kernel, kv_written_in_kernel
+    from mlxcel_core import backends
 
+    backend = backends.current()
     inputs = {}
-    if kv_written_in_kernel():
+    if backend.kv_written_in_kernel:
         batch, (_, block_size, kv_heads, head_dim) = q.shape[0], k_pool.shape
         last = context - 1
         k_new = mx.random.uniform(-1, 1, (batch, kv_heads, head_dim), key=mx.random.key(7)).astype(k_pool.dtype)
-        inputs["new_kv"] = (k_new, -k_new, tables[:, last // block_size],
-                            mx.full((batch,), last % block_size, dtype=mx.int32))
-    if combine_in_kernel():
-        inputs["counters"] = mx.zeros((COUNTERS,), mx.int32)
+        inputs["new_kv"] = (
+            k_new,
+            -k_new,
+            tables[:, last // block_size],
+            mx.full((batch,), last % block_size, dtype=mx.int32),
+        )
+    counters = backend.combine_counters(1)[0]
+    if counters is not None:
+        inputs["counters"] = counters
     mx.eval(inputs)
     return inputs
 
@@ -245,14 +269,15 @@ def _validator(dtype: str):
     return validate
 
 
-def profile_cell(batch: int, context: int, geometry: Geometry, dtype: str, settings, runner: str | None = None,
-                 progress=None):
+def profile_cell(
+    batch: int, context: int, geometry: Geometry, dtype: str, settings, runner: str | None = None, progress=None
+):
     """Profile every candidate of the cell's bucket on a synthetic workload of exactly (batch, context).
 
     Returns (bucket, runner, default num_splits, ProfileResult)."""
     import mlx.core as mx
 
-    from mlxcel_core.kv.cuda_paged_attention import decode_attention_for
+    from mlxcel_core import backends
 
     from .profiler import Candidate, profile
 
@@ -260,7 +285,7 @@ def profile_cell(batch: int, context: int, geometry: Geometry, dtype: str, setti
     bucket = Bucket.of(batch, context, geometry)
     splits = candidates(bucket)
     default = default_splits(bucket, runner)
-    attention = decode_attention_for(runner)
+    attention = backends.current().paged_attention(runner)
     q, k_pool, v_pool, tables, lens = workload(batch, context, geometry, dtype)
     decode_inputs = decode_step_inputs(q, k_pool, tables, context) if runner.startswith("cuda-kernel") else {}
 

@@ -57,8 +57,10 @@ class ProfileSettings:
             raise ValueError(f"--min-improvement must be in [0, 1), got {self.min_improvement}")
 
     def describe(self) -> str:
-        return (f"warmup>={self.warmup} ({self.warmup_ms:g}ms) reps {self.min_reps}..{self.max_reps} "
-                f"({self.sample_ms:g}ms budget) min_improvement={self.min_improvement:.3f} (+ measured spread)")
+        return (
+            f"warmup>={self.warmup} ({self.warmup_ms:g}ms) reps {self.min_reps}..{self.max_reps} "
+            f"({self.sample_ms:g}ms budget) min_improvement={self.min_improvement:.3f} (+ measured spread)"
+        )
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,9 @@ def choose_reps(round_cost_s: float, settings: ProfileSettings) -> int:
     return max(settings.min_reps, min(settings.max_reps, reps))
 
 
-def select(default: str, order: Sequence[str], measurements: dict[str, Measurement],
-           min_improvement: float) -> tuple[str, float]:
+def select(
+    default: str, order: Sequence[str], measurements: dict[str, Measurement], min_improvement: float
+) -> tuple[str, float]:
     """(selected label, required improvement of the challenger that was judged) per the module's rules."""
     ref = measurements[default]
     lead = min(measurements.values(), key=lambda m: (m.median, order.index(m.label)))
@@ -150,11 +153,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def profile(candidates: Sequence[Candidate], default: str, settings: ProfileSettings = ProfileSettings(), *,
-            validate: Optional[Callable[[Any, Any], Optional[str]]] = None,
-            sync: Callable[[Any], None] = lambda out: None,
-            clock: Callable[[], float] = time.perf_counter,
-            progress: Optional[Callable[[str], None]] = None) -> ProfileResult:
+def profile(
+    candidates: Sequence[Candidate],
+    default: str,
+    settings: ProfileSettings = ProfileSettings(),
+    *,
+    validate: Optional[Callable[[Any, Any], Optional[str]]] = None,
+    sync: Callable[[Any], None] = lambda out: None,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Optional[Callable[[str], None]] = None,
+) -> ProfileResult:
     """Profile `candidates` (one of them labelled `default`) for one cell; see the module docstring.
 
     `validate(output, reference)` returns None when `output` is acceptable, else a one-line reason.
@@ -213,7 +221,7 @@ def profile(candidates: Sequence[Candidate], default: str, settings: ProfileSett
             alive.remove(cand)
             result.dropped.append((cand.label, _first_line(exc)))
             continue
-        later = samples[len(samples) // 2:]
+        later = samples[len(samples) // 2 :]
         costs[cand.label] = statistics.median(later)
     if default not in costs:
         return result
@@ -247,6 +255,5 @@ def profile(candidates: Sequence[Candidate], default: str, settings: ProfileSett
         result.measurements[label] = Measurement(label, samples, med, spread)
 
     # 6. choose
-    result.selected, result.required_improvement = select(
-        default, order, result.measurements, settings.min_improvement)
+    result.selected, result.required_improvement = select(default, order, result.measurements, settings.min_improvement)
     return result

@@ -14,7 +14,6 @@ per exact shape, so the per-layer cost after the first step is one dict lookup.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Optional
 
@@ -34,7 +33,9 @@ def reset() -> None:
 
 def env_splits(value: Optional[str] = None) -> Optional[int]:
     """MLXCEL_PAGED_DECODE_SPLITS as an int >= 1, or None (unset, or invalid with a warning)."""
-    raw = os.environ.get(ENV_SPLITS, "") if value is None else value
+    from mlxcel_core import settings
+
+    raw = settings.raw(ENV_SPLITS) if value is None else value
     if not raw.strip():
         return None
     try:
@@ -55,10 +56,16 @@ def entry_from_result(bucket: Bucket, runner: str, device: str, dtype: str, defa
     return Entry(
         key=Key(OP, runner, device, bucket.key(), dtype),
         tactic={"label": best.label, "params": {"num_splits": int(best.label.split("=")[1])}},
-        latency_us=best.median_us, default_tactic={"label": label(default), "params": {"num_splits": default}},
-        default_latency_us=ref.median_us, candidates=list(result.candidates), reps=result.reps,
-        spread=best.spread, default_spread=ref.spread, required_improvement=result.required_improvement,
-        bucket_fields=bucket.as_dict())
+        latency_us=best.median_us,
+        default_tactic={"label": label(default), "params": {"num_splits": default}},
+        default_latency_us=ref.median_us,
+        candidates=list(result.candidates),
+        reps=result.reps,
+        spread=best.spread,
+        default_spread=ref.spread,
+        required_improvement=result.required_improvement,
+        bucket_fields=bucket.as_dict(),
+    )
 
 
 class SplitsChooser:
@@ -70,8 +77,17 @@ class SplitsChooser:
         self.mode: Mode = autotune_mode() if mode is None and self.env is None and fixed is None else (mode or "off")
         self._memo: dict[tuple, int] = {}
 
-    def __call__(self, batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 dtype: str, runner: str) -> int:
+    def __call__(
+        self,
+        batch: int,
+        context: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: str,
+        runner: str,
+    ) -> int:
         if self.env is not None:
             return self.env
         if self.fixed is not None:
@@ -110,8 +126,10 @@ class SplitsChooser:
             return None
         n = record["tactic"]["params"].get("num_splits")
         if isinstance(n, bool) or not isinstance(n, int) or label(n) != record["tactic"]["label"]:
-            print(f"mlxcel: warning: autotune cache: bad tactic {record['tactic']!r} for {bucket.key()}; ignoring it",
-                  file=sys.stderr)
+            print(
+                f"mlxcel: warning: autotune cache: bad tactic {record['tactic']!r} for {bucket.key()}; ignoring it",
+                file=sys.stderr,
+            )
             return None
         return n
 
@@ -127,12 +145,16 @@ class SplitsChooser:
         try:
             _, _, _, result = profile_cell(bucket.batch, bucket.context, geometry, dtype, ProfileSettings(), runner)
         except Exception as exc:  # tuning must never take the engine down
-            print(f"mlxcel: warning: autotune: tuning {where} failed ({type(exc).__name__}: {exc}); "
-                  f"using the default {label(default)}", file=sys.stderr)
+            print(
+                f"mlxcel: warning: autotune: tuning {where} failed ({type(exc).__name__}: {exc}); "
+                f"using the default {label(default)}",
+                file=sys.stderr,
+            )
             return None
         if not result.usable:
-            print(f"mlxcel: warning: autotune: no usable measurement for {where}; using {label(default)}",
-                  file=sys.stderr)
+            print(
+                f"mlxcel: warning: autotune: no usable measurement for {where}; using {label(default)}", file=sys.stderr
+            )
             return None
         entry = entry_from_result(bucket, runner, device, dtype, default, result)
         try:
@@ -140,6 +162,9 @@ class SplitsChooser:
             saved = f"saved to {path}"
         except OSError as exc:
             saved = f"not saved ({exc.strerror or exc})"
-        print(f"mlxcel: autotune: {where}: {result.selected} ({entry.latency_us:.1f}us, "
-              f"{result.speedup:.3f}x vs {label(default)}); {saved}", file=sys.stderr)
+        print(
+            f"mlxcel: autotune: {where}: {result.selected} ({entry.latency_us:.1f}us, "
+            f"{result.speedup:.3f}x vs {label(default)}); {saved}",
+            file=sys.stderr,
+        )
         return entry.tactic["params"]["num_splits"]

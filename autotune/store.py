@@ -74,13 +74,24 @@ class Entry:
     def to_json(self) -> dict[str, Any]:
         mlxcel_version, mlx_version = versions()
         return {
-            "version": SCHEMA_VERSION, "op": self.key.op, "runner": self.key.runner, "device": self.key.device,
-            "bucket": self.key.bucket, "bucket_fields": self.bucket_fields, "dtype": self.key.dtype,
-            "mlxcel_version": self.mlxcel_version or mlxcel_version, "mlx_version": self.mlx_version or mlx_version,
-            "tactic": self.tactic, "latency_us": self.latency_us,
-            "default_tactic": self.default_tactic, "default_latency_us": self.default_latency_us,
-            "candidates": self.candidates, "reps": self.reps, "spread": self.spread,
-            "default_spread": self.default_spread, "required_improvement": self.required_improvement,
+            "version": SCHEMA_VERSION,
+            "op": self.key.op,
+            "runner": self.key.runner,
+            "device": self.key.device,
+            "bucket": self.key.bucket,
+            "bucket_fields": self.bucket_fields,
+            "dtype": self.key.dtype,
+            "mlxcel_version": self.mlxcel_version or mlxcel_version,
+            "mlx_version": self.mlx_version or mlx_version,
+            "tactic": self.tactic,
+            "latency_us": self.latency_us,
+            "default_tactic": self.default_tactic,
+            "default_latency_us": self.default_latency_us,
+            "candidates": self.candidates,
+            "reps": self.reps,
+            "spread": self.spread,
+            "default_spread": self.default_spread,
+            "required_improvement": self.required_improvement,
             "measured_at": self.measured_at or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
 
@@ -154,7 +165,11 @@ def _mismatch(record: dict[str, Any], key: Key, candidates: Optional[list[str]])
     if record.get("mlxcel_version") != mlxcel_version:
         return f"measured with mlxcel {record.get('mlxcel_version')}, running mlxcel {mlxcel_version}"
     tactic = record.get("tactic")
-    if not isinstance(tactic, dict) or not isinstance(tactic.get("label"), str) or not isinstance(tactic.get("params"), dict):
+    if (
+        not isinstance(tactic, dict)
+        or not isinstance(tactic.get("label"), str)
+        or not isinstance(tactic.get("params"), dict)
+    ):
         return "malformed tactic"
     if candidates is not None and tactic["label"] not in candidates:
         return f"tactic {tactic['label']} is no longer a candidate ({', '.join(candidates)})"

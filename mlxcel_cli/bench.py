@@ -41,33 +41,61 @@ def _pg(values: Optional[List[str]]) -> tuple[tuple[int, int], ...]:
 
 def bench(
     model: opt.Model = None,
-    model_shape: Annotated[Optional[str], typer.Option(
-        "--model-shape", metavar="NAME",
-        help="Benchmark a known architecture with random weights instead of a checkpoint: llama-3-8b, "
-             "llama-3.2-1b, llama-3-70b, smollm2-135m, tiny.")] = None,
-    bits: Annotated[Optional[int], typer.Option(
-        "--bits", help="With --model-shape: quantize the weights to 4 or 8 bits (group size 64).")] = None,
-    dtype: Annotated[Optional[str], typer.Option(
-        "--dtype", help="With --model-shape: bfloat16 (default), float16 or float32.")] = None,
-    n_prompt: Annotated[str, typer.Option(
-        "-p", "--n-prompt", metavar="N[,N...]", help="Prompt sizes for the pp tests; 0 = none.")] = "512",
-    n_gen: Annotated[str, typer.Option(
-        "-n", "--n-gen", metavar="N[,N...]", help="Generated tokens for the tg tests; 0 = none.")] = "128",
-    repetitions: Annotated[int, typer.Option(
-        "-r", "--repetitions", help="Timed runs per test (mean ± sample standard deviation).")] = 5,
-    n_depth: Annotated[str, typer.Option(
-        "-d", "--n-depth", metavar="N[,N...]",
-        help="Tokens already in the KV cache before each test (prefilled untimed; label ' @ dN').")] = "0",
-    batch: Annotated[str, typer.Option(
-        "-b", "--batch-size", metavar="B[,B...]",
-        help="Sequences run together in one engine; t/s is then the aggregate over all of them.")] = "1",
-    pg: Annotated[Optional[List[str]], typer.Option(
-        "--pg", metavar="P,N", help="Also run a P-token prompt followed by N generated tokens (ppP+tgN). "
-                                    "Repeatable.")] = None,
-    warmup: Annotated[bool, typer.Option(
-        "--warmup/--no-warmup", help="One untimed run of each test before the timed ones.")] = True,
-    output: Annotated[str, typer.Option(
-        "-o", "--output", help="Output format: md, json, jsonl or csv.")] = "md",
+    model_shape: Annotated[
+        Optional[str],
+        typer.Option(
+            "--model-shape",
+            metavar="NAME",
+            help="Benchmark a known architecture with random weights instead of a checkpoint: llama-3-8b, "
+            "llama-3.2-1b, llama-3-70b, smollm2-135m, tiny.",
+        ),
+    ] = None,
+    bits: Annotated[
+        Optional[int],
+        typer.Option("--bits", help="With --model-shape: quantize the weights to 4 or 8 bits (group size 64)."),
+    ] = None,
+    dtype: Annotated[
+        Optional[str], typer.Option("--dtype", help="With --model-shape: bfloat16 (default), float16 or float32.")
+    ] = None,
+    n_prompt: Annotated[
+        str, typer.Option("-p", "--n-prompt", metavar="N[,N...]", help="Prompt sizes for the pp tests; 0 = none.")
+    ] = "512",
+    n_gen: Annotated[
+        str, typer.Option("-n", "--n-gen", metavar="N[,N...]", help="Generated tokens for the tg tests; 0 = none.")
+    ] = "128",
+    repetitions: Annotated[
+        int, typer.Option("-r", "--repetitions", help="Timed runs per test (mean ± sample standard deviation).")
+    ] = 5,
+    n_depth: Annotated[
+        str,
+        typer.Option(
+            "-d",
+            "--n-depth",
+            metavar="N[,N...]",
+            help="Tokens already in the KV cache before each test (prefilled untimed; label ' @ dN').",
+        ),
+    ] = "0",
+    batch: Annotated[
+        str,
+        typer.Option(
+            "-b",
+            "--batch-size",
+            metavar="B[,B...]",
+            help="Sequences run together in one engine; t/s is then the aggregate over all of them.",
+        ),
+    ] = "1",
+    pg: Annotated[
+        Optional[List[str]],
+        typer.Option(
+            "--pg",
+            metavar="P,N",
+            help="Also run a P-token prompt followed by N generated tokens (ppP+tgN). Repeatable.",
+        ),
+    ] = None,
+    warmup: Annotated[
+        bool, typer.Option("--warmup/--no-warmup", help="One untimed run of each test before the timed ones.")
+    ] = True,
+    output: Annotated[str, typer.Option("-o", "--output", help="Output format: md, json, jsonl or csv.")] = "md",
     kv_bits: opt.KvBits = None,
     storage: opt.StorageBackend = "auto",
     prefill_chunk_size: opt.PrefillChunk = 2048,
@@ -101,13 +129,21 @@ def bench(
         )
 
         config = BenchConfig(
-            n_prompt=_int_list(n_prompt, "-p/--n-prompt", 0), n_gen=_int_list(n_gen, "-n/--n-gen", 0),
-            pg=_pg(pg), n_depth=_int_list(n_depth, "-d/--n-depth", 0), n_batch=_int_list(batch, "-b/--batch-size", 1),
-            repetitions=repetitions, warmup=warmup, seed=seed, kv_bits=kv_bits, storage=storage,
-            prefill_chunk_size=prefill_chunk_size)
+            n_prompt=_int_list(n_prompt, "-p/--n-prompt", 0),
+            n_gen=_int_list(n_gen, "-n/--n-gen", 0),
+            pg=_pg(pg),
+            n_depth=_int_list(n_depth, "-d/--n-depth", 0),
+            n_batch=_int_list(batch, "-b/--batch-size", 1),
+            repetitions=repetitions,
+            warmup=warmup,
+            seed=seed,
+            kv_bits=kv_bits,
+            storage=storage,
+            prefill_chunk_size=prefill_chunk_size,
+        )
         config.validate()
         if model_shape is not None:
-            from mlxcel_core.models.shapes import shape_config
+            from mlxcel_core.loading.shapes import shape_config
 
             shape_config(model_shape)  # unknown names fail before anything is built
 
@@ -123,8 +159,9 @@ def _bench(model, model_shape, bits, dtype, seed, config, output, log, group) ->
     from mlxcel_core.bench import bench_header, load_bench_model, plan_tests, run_bench
     from mlxcel_core.bench_output import formatter
 
-    bench_model = load_bench_model(model, model_shape, bits, dtype, seed=seed,
-                                   log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)
+    bench_model = load_bench_model(
+        model, model_shape, bits, dtype, seed=seed, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group
+    )
     header = bench_header(bench_model) + (f", tensor parallel over {group.size()} ranks" if group else "")
     fmt = formatter(output, bench_model.description, plan_tests(config))
     if output == "md":

@@ -30,12 +30,17 @@ def _print_stats(stats, verbose: bool) -> None:
         print(f"prefill: {stats.prefill_s * 1000:.1f} ms, decode: {stats.decode_s * 1000:.1f} ms", file=err)
         spec = stats.speculative
         if spec is not None:
-            print(f"speculative: {spec.rounds} rounds, {spec.proposed} draft tokens proposed, {spec.accepted} "
-                  f"accepted ({spec.acceptance_rate:.1%}), {spec.mean_accepted:.2f} accepted per round", file=err)
+            print(
+                f"speculative: {spec.rounds} rounds, {spec.proposed} draft tokens proposed, {spec.accepted} "
+                f"accepted ({spec.acceptance_rate:.1%}), {spec.mean_accepted:.2f} accepted per round",
+                file=err,
+            )
 
 
 def generate(
-    prompt: Annotated[Optional[str], typer.Option("-p", "--prompt", help="Prompt text; '-' reads stdin (so does a pipe).")] = None,
+    prompt: Annotated[
+        Optional[str], typer.Option("-p", "--prompt", help="Prompt text; '-' reads stdin (so does a pipe).")
+    ] = None,
     model: opt.Model = None,
     max_tokens: opt.MaxTokens = 256,
     temp: opt.Temp = 0.0,
@@ -66,34 +71,75 @@ def generate(
     draft_model: opt.DraftModel = None,
     draft_ngram: opt.DraftNgram = 0,
     num_draft_tokens: opt.NumDraftTokens = 5,
-    as_json: Annotated[bool, typer.Option(
-        "--json", help="Print one JSON object (text, token ids, finish_reason, usage, timings) instead of streaming.")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print one JSON object (text, token ids, finish_reason, usage, timings) instead of streaming.",
+        ),
+    ] = False,
     verbose: opt.Verbose = False,
 ) -> None:
     """Generate text for one prompt. Text streams to stdout; statistics go to stderr."""
     with reported_errors(verbose):
         text = _read_prompt(prompt)
         params = opt.sampling_params(
-            max_tokens, temp, top_k, top_p, min_p, seed, stop, logit_bias=logit_bias, suppress_token=suppress_token,
-            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
-            dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
-            dry_sequence_breaker=dry_sequence_breaker, xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
+            max_tokens,
+            temp,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            stop,
+            logit_bias=logit_bias,
+            suppress_token=suppress_token,
+            repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            dry_multiplier=dry_multiplier,
+            dry_base=dry_base,
+            dry_allowed_length=dry_allowed_length,
+            dry_penalty_last_n=dry_penalty_last_n,
+            dry_sequence_breaker=dry_sequence_breaker,
+            xtc_threshold=xtc_threshold,
+            xtc_probability=xtc_probability,
+        )
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
         engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size, speculative)
         if not text.strip():
             raise fail("prompt is empty")
         if system and no_chat_template:
             raise fail("a system prompt needs the chat template, but --no-chat-template was given")
-        group, params = join_ranks(tp_size, stdin_text=text if prompt in (None, "-") else None, params=params,
-                                   verbose=verbose)
+        group, params = join_ranks(
+            tp_size, stdin_text=text if prompt in (None, "-") else None, params=params, verbose=verbose
+        )
 
-        answer_once(text, model, params, engine_config, system, chat_template=not no_chat_template,
-                    as_json=as_json, verbose=verbose, group=group)
+        answer_once(
+            text,
+            model,
+            params,
+            engine_config,
+            system,
+            chat_template=not no_chat_template,
+            as_json=as_json,
+            verbose=verbose,
+            group=group,
+        )
 
 
-def answer_once(text: str, model: Optional[str], params, engine_config, system: Optional[str], *,
-                chat_template: bool = True, as_json: bool = False, verbose: bool = False, group=None) -> None:
+def answer_once(
+    text: str,
+    model: Optional[str],
+    params,
+    engine_config,
+    system: Optional[str],
+    *,
+    chat_template: bool = True,
+    as_json: bool = False,
+    verbose: bool = False,
+    group=None,
+) -> None:
     """Load the model, answer one prompt (streamed, or one JSON object) and print statistics on stderr.
 
     The body of `mlxcel generate`; `mlxcel run -p` calls it too, so both print exactly the same.
@@ -133,22 +179,42 @@ def _answer_once(text, model, params, engine_config, system, chat_template, as_j
         last = chunk
     stats = last.stats
     if as_json:
-        print(json.dumps({
-            "text": "".join(pieces),
-            "token_ids": tokens,
-            "finish_reason": last.finish_reason,
-            "usage": {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-                      "total_tokens": stats.prompt_tokens + stats.generated_tokens},
-            "timings": {"prefill_s": stats.prefill_s, "decode_s": stats.decode_s,
-                        "prefill_tokens_per_s": stats.prefill_tps, "decode_tokens_per_s": stats.decode_tps,
-                        "peak_memory_gb": stats.peak_memory_gb},
-            **({"speculative": {"rounds": stats.speculative.rounds, "proposed": stats.speculative.proposed,
+        print(
+            json.dumps(
+                {
+                    "text": "".join(pieces),
+                    "token_ids": tokens,
+                    "finish_reason": last.finish_reason,
+                    "usage": {
+                        "prompt_tokens": stats.prompt_tokens,
+                        "completion_tokens": stats.generated_tokens,
+                        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+                    },
+                    "timings": {
+                        "prefill_s": stats.prefill_s,
+                        "decode_s": stats.decode_s,
+                        "prefill_tokens_per_s": stats.prefill_tps,
+                        "decode_tokens_per_s": stats.decode_tps,
+                        "peak_memory_gb": stats.peak_memory_gb,
+                    },
+                    **(
+                        {
+                            "speculative": {
+                                "rounds": stats.speculative.rounds,
+                                "proposed": stats.speculative.proposed,
                                 "accepted": stats.speculative.accepted,
                                 "acceptance_rate": stats.speculative.acceptance_rate,
-                                "mean_accepted_per_round": stats.speculative.mean_accepted}}
-               if stats.speculative is not None else {}),
-            "model": loaded.source.origin,
-        }, ensure_ascii=False))
+                                "mean_accepted_per_round": stats.speculative.mean_accepted,
+                            }
+                        }
+                        if stats.speculative is not None
+                        else {}
+                    ),
+                    "model": loaded.source.origin,
+                },
+                ensure_ascii=False,
+            )
+        )
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from . import __version__
-from .errors import EXIT_INTERRUPTED, EXIT_USAGE
 from .bench import bench
+from .errors import EXIT_INTERRUPTED, EXIT_USAGE
 from .generate import generate
 from .run import run
 from .serve import serve
@@ -45,8 +45,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
-    version: Annotated[Optional[bool], typer.Option(
-        "--version", callback=_version, is_eager=True, help="Print the version and exit.")] = None,
+    version: Annotated[
+        Optional[bool], typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = None,
 ) -> None:
     """Run large language models on MLX: generate text from the terminal."""
 

@@ -6,63 +6,124 @@ from typing import Annotated, List, Optional
 
 import typer
 
-Model = Annotated[Optional[str], typer.Option(
-    "-m", "--model", metavar="MODEL",
-    help="Model directory, .gguf file or Hugging Face repo id. Default: SmolLM2-135M-Instruct.")]
+Model = Annotated[
+    Optional[str],
+    typer.Option(
+        "-m",
+        "--model",
+        metavar="MODEL",
+        help="Model directory, .gguf file or Hugging Face repo id. Default: SmolLM2-135M-Instruct.",
+    ),
+]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate (>= 1).")]
 Temp = Annotated[float, typer.Option("--temp", help="Sampling temperature; 0 = greedy (deterministic).")]
 TopK = Annotated[int, typer.Option("--top-k", help="Keep only the K most likely tokens; 0 = off.")]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1]; 1 = off.")]
 MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below MIN_P x the top probability; 0 = off.")]
 Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for reproducible sampling.")]
-Stop = Annotated[Optional[List[str]], typer.Option(
-    "--stop", help="Stop when this text appears (never printed). Repeatable.")]
-NoChatTemplate = Annotated[bool, typer.Option(
-    "--no-chat-template", help="Send the prompt as raw text instead of through the model's chat template.")]
+Stop = Annotated[
+    Optional[List[str]], typer.Option("--stop", help="Stop when this text appears (never printed). Repeatable.")
+]
+NoChatTemplate = Annotated[
+    bool,
+    typer.Option(
+        "--no-chat-template", help="Send the prompt as raw text instead of through the model's chat template."
+    ),
+]
 System = Annotated[Optional[str], typer.Option("--system", help="System prompt (needs the chat template).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="More detail on stderr; tracebacks on errors.")]
 
 
 # The rest of the sampler, in pipeline order (mlxcel_core/sampling.py): bias/suppression -> repetition ->
 # presence/frequency -> DRY -> temperature -> top-k -> top-p -> min-p -> XTC -> draw.
-LogitBias = Annotated[Optional[List[str]], typer.Option(
-    "--logit-bias", "-l", metavar="ID(+|-|=)BIAS",
-    help="Add BIAS (in [-100, 100]) to token ID's logit, e.g. 15043+1 or 15043=-5. Repeatable.")]
-SuppressToken = Annotated[Optional[List[int]], typer.Option(
-    "--suppress-token", metavar="ID", help="Never generate token ID. Repeatable.")]
-RepeatPenalty = Annotated[float, typer.Option(
-    "--repeat-penalty", "--repetition-penalty",
-    help="Divide positive (multiply negative) logits of tokens seen in the last --repeat-last-n tokens; 1 = off.")]
-RepeatLastN = Annotated[int, typer.Option(
-    "--repeat-last-n", help="Tokens (prompt included) the repeat penalty looks at; -1 = all, 0 = none.")]
-PresencePenalty = Annotated[float, typer.Option(
-    "--presence-penalty", help="Subtract this from generated tokens' logits once they occur, in [-2, 2].")]
-FrequencyPenalty = Annotated[float, typer.Option(
-    "--frequency-penalty", help="Subtract this times a generated token's count from its logit, in [-2, 2].")]
-DryMultiplier = Annotated[float, typer.Option(
-    "--dry-multiplier", help="DRY repetition penalty strength (koboldcpp/llama.cpp); 0 = off.")]
-DryBase = Annotated[float, typer.Option(
-    "--dry-base", help="DRY: the penalty grows as BASE ** (repeat length - allowed length); >= 1.")]
-DryAllowedLength = Annotated[int, typer.Option(
-    "--dry-allowed-length", help="DRY: repeats up to this many tokens are not penalized (>= 1).")]
-DryPenaltyLastN = Annotated[int, typer.Option(
-    "--dry-penalty-last-n", help="DRY: tokens scanned for repeats; -1 = the whole context, 0 = off.")]
-DrySequenceBreaker = Annotated[Optional[List[str]], typer.Option(
-    "--dry-sequence-breaker", metavar="TEXT",
-    help="DRY: repeats never extend across TEXT. Repeatable; replaces the defaults \\n : \" *; 'none' = no breakers.")]
-XtcThreshold = Annotated[float, typer.Option(
-    "--xtc-threshold", help="XTC: tokens at least this likely are 'top choices', in [0, 1].")]
-XtcProbability = Annotated[float, typer.Option(
-    "--xtc-probability", help="XTC: chance per token to drop every top choice but the least likely; 0 = off.")]
+LogitBias = Annotated[
+    Optional[List[str]],
+    typer.Option(
+        "--logit-bias",
+        "-l",
+        metavar="ID(+|-|=)BIAS",
+        help="Add BIAS (in [-100, 100]) to token ID's logit, e.g. 15043+1 or 15043=-5. Repeatable.",
+    ),
+]
+SuppressToken = Annotated[
+    Optional[List[int]], typer.Option("--suppress-token", metavar="ID", help="Never generate token ID. Repeatable.")
+]
+RepeatPenalty = Annotated[
+    float,
+    typer.Option(
+        "--repeat-penalty",
+        "--repetition-penalty",
+        help="Divide positive (multiply negative) logits of tokens seen in the last --repeat-last-n tokens; 1 = off.",
+    ),
+]
+RepeatLastN = Annotated[
+    int,
+    typer.Option("--repeat-last-n", help="Tokens (prompt included) the repeat penalty looks at; -1 = all, 0 = none."),
+]
+PresencePenalty = Annotated[
+    float,
+    typer.Option("--presence-penalty", help="Subtract this from generated tokens' logits once they occur, in [-2, 2]."),
+]
+FrequencyPenalty = Annotated[
+    float,
+    typer.Option(
+        "--frequency-penalty", help="Subtract this times a generated token's count from its logit, in [-2, 2]."
+    ),
+]
+DryMultiplier = Annotated[
+    float, typer.Option("--dry-multiplier", help="DRY repetition penalty strength (koboldcpp/llama.cpp); 0 = off.")
+]
+DryBase = Annotated[
+    float, typer.Option("--dry-base", help="DRY: the penalty grows as BASE ** (repeat length - allowed length); >= 1.")
+]
+DryAllowedLength = Annotated[
+    int, typer.Option("--dry-allowed-length", help="DRY: repeats up to this many tokens are not penalized (>= 1).")
+]
+DryPenaltyLastN = Annotated[
+    int, typer.Option("--dry-penalty-last-n", help="DRY: tokens scanned for repeats; -1 = the whole context, 0 = off.")
+]
+DrySequenceBreaker = Annotated[
+    Optional[List[str]],
+    typer.Option(
+        "--dry-sequence-breaker",
+        metavar="TEXT",
+        help="DRY: repeats never extend across TEXT. Repeatable; replaces the defaults \\n : \" *; 'none' = no breakers.",  # noqa: E501
+    ),
+]
+XtcThreshold = Annotated[
+    float, typer.Option("--xtc-threshold", help="XTC: tokens at least this likely are 'top choices', in [0, 1].")
+]
+XtcProbability = Annotated[
+    float,
+    typer.Option(
+        "--xtc-probability", help="XTC: chance per token to drop every top choice but the least likely; 0 = off."
+    ),
+]
 
 
-def sampling_params(max_tokens: int, temp: float, top_k: int, top_p: float, min_p: float, seed: Optional[int],
-                    stop: Optional[List[str]], *, logit_bias: Optional[List[str]] = None,
-                    suppress_token: Optional[List[int]] = None, repeat_penalty: float = 1.0,
-                    repeat_last_n: int = 64, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    dry_multiplier: float = 0.0, dry_base: float = 1.75, dry_allowed_length: int = 2,
-                    dry_penalty_last_n: int = -1, dry_sequence_breaker: Optional[List[str]] = None,
-                    xtc_threshold: float = 0.1, xtc_probability: float = 0.0):
+def sampling_params(
+    max_tokens: int,
+    temp: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    seed: Optional[int],
+    stop: Optional[List[str]],
+    *,
+    logit_bias: Optional[List[str]] = None,
+    suppress_token: Optional[List[int]] = None,
+    repeat_penalty: float = 1.0,
+    repeat_last_n: int = 64,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    dry_multiplier: float = 0.0,
+    dry_base: float = 1.75,
+    dry_allowed_length: int = 2,
+    dry_penalty_last_n: int = -1,
+    dry_sequence_breaker: Optional[List[str]] = None,
+    xtc_threshold: float = 0.1,
+    xtc_probability: float = 0.0,
+):
     """SamplingParams from the command line; out-of-range values raise InputError (exit 2)."""
     from mlxcel_core.processors import DEFAULT_DRY_SEQUENCE_BREAKERS
     from mlxcel_core.sampling import SamplingParams
@@ -73,14 +134,28 @@ def sampling_params(max_tokens: int, temp: float, top_k: int, top_p: float, min_
         breakers = ()
     else:  # typed on a command line: \n means a newline
         breakers = tuple(b.encode("latin-1", "backslashreplace").decode("unicode_escape") for b in dry_sequence_breaker)
-    return SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                          max_tokens=max_tokens, stop=tuple(stop or ()), logit_bias=parse_logit_bias(logit_bias),
-                          suppress_tokens=tuple(suppress_token or ()), repetition_penalty=repeat_penalty,
-                          repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-                          frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
-                          dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
-                          dry_sequence_breakers=breakers, xtc_threshold=xtc_threshold,
-                          xtc_probability=xtc_probability)
+    return SamplingParams(
+        temperature=temp,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=tuple(stop or ()),
+        logit_bias=parse_logit_bias(logit_bias),
+        suppress_tokens=tuple(suppress_token or ()),
+        repetition_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        dry_multiplier=dry_multiplier,
+        dry_base=dry_base,
+        dry_allowed_length=dry_allowed_length,
+        dry_penalty_last_n=dry_penalty_last_n,
+        dry_sequence_breakers=breakers,
+        xtc_threshold=xtc_threshold,
+        xtc_probability=xtc_probability,
+    )
 
 
 def parse_logit_bias(items: Optional[List[str]]) -> dict[int, float]:
@@ -100,22 +175,49 @@ def parse_logit_bias(items: Optional[List[str]]) -> dict[int, float]:
             raise InputError(f"--logit-bias must look like ID+BIAS, ID-BIAS or ID=BIAS, got '{item}'")
         bias[int(match.group(1))] = value
     return bias
-KvBits = Annotated[Optional[int], typer.Option(
-    "--kv-bits", help="Store the KV cache quantized to 8 or 4 bits (group size 64): less memory, slightly different numbers.")]
-StorageBackend = Annotated[str, typer.Option(
-    "--decode-storage-backend", help="KV storage: auto (paged when batching or on CUDA, else dense), dense or paged.")]
-PrefillChunk = Annotated[int, typer.Option(
-    "--prefill-chunk-size", help="Prompt tokens computed per forward pass (bounds memory on long prompts).")]
 
 
-DraftModel = Annotated[Optional[str], typer.Option(
-    "--draft-model", metavar="MODEL",
-    help="Speculative decoding with this smaller model (same tokenizer) drafting tokens the model verifies.")]
-DraftNgram = Annotated[int, typer.Option(
-    "--draft-ngram", metavar="N",
-    help="Speculative decoding by prompt lookup: draft what followed the last 1..N tokens earlier in the text; 0 = off.")]
-NumDraftTokens = Annotated[int, typer.Option(
-    "--num-draft-tokens", metavar="K", help="Speculative decoding: tokens drafted per round (1-64).")]
+KvBits = Annotated[
+    Optional[int],
+    typer.Option(
+        "--kv-bits",
+        help="Store the KV cache quantized to 8 or 4 bits (group size 64): less memory, slightly different numbers.",
+    ),
+]
+StorageBackend = Annotated[
+    str,
+    typer.Option(
+        "--decode-storage-backend",
+        help="KV storage: auto (paged when batching or on CUDA, else dense), dense or paged.",
+    ),
+]
+PrefillChunk = Annotated[
+    int,
+    typer.Option(
+        "--prefill-chunk-size", help="Prompt tokens computed per forward pass (bounds memory on long prompts)."
+    ),
+]
+
+
+DraftModel = Annotated[
+    Optional[str],
+    typer.Option(
+        "--draft-model",
+        metavar="MODEL",
+        help="Speculative decoding with this smaller model (same tokenizer) drafting tokens the model verifies.",
+    ),
+]
+DraftNgram = Annotated[
+    int,
+    typer.Option(
+        "--draft-ngram",
+        metavar="N",
+        help="Speculative decoding by prompt lookup: draft what followed the last 1..N tokens earlier in the text; 0 = off.",  # noqa: E501
+    ),
+]
+NumDraftTokens = Annotated[
+    int, typer.Option("--num-draft-tokens", metavar="K", help="Speculative decoding: tokens drafted per round (1-64).")
+]
 
 
 def speculative_config(draft_model: Optional[str], draft_ngram: int, num_draft_tokens: int):
@@ -127,8 +229,14 @@ def speculative_config(draft_model: Optional[str], draft_ngram: int, num_draft_t
     return SpeculativeConfig(num_draft_tokens=num_draft_tokens, ngram=draft_ngram, draft_model=draft_model or None)
 
 
-def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, prefill_chunk_size: int,
-                  speculative=None, prefill_batch: Optional[int] = None):
+def engine_config(
+    max_batch_size: int,
+    kv_bits: Optional[int],
+    storage: str,
+    prefill_chunk_size: int,
+    speculative=None,
+    prefill_batch: Optional[int] = None,
+):
     from mlxcel_core.engine import EngineConfig
     from mlxcel_core.errors import InputError
 
@@ -140,6 +248,11 @@ def engine_config(max_batch_size: int, kv_bits: Optional[int], storage: str, pre
         raise InputError(f"--prefill-chunk-size must be >= 1, got {prefill_chunk_size}")
     if prefill_batch is not None and prefill_batch < 1:
         raise InputError(f"--prefill-batch must be >= 1, got {prefill_batch}")
-    return EngineConfig(max_batch_size=max_batch_size, kv_bits=kv_bits, storage=storage,
-                        prefill_chunk_size=prefill_chunk_size, speculative=speculative,
-                        prefill_batch_size=prefill_batch)
+    return EngineConfig(
+        max_batch_size=max_batch_size,
+        kv_bits=kv_bits,
+        storage=storage,
+        prefill_chunk_size=prefill_chunk_size,
+        speculative=speculative,
+        prefill_batch_size=prefill_batch,
+    )

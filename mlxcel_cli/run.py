@@ -34,12 +34,21 @@ HELP = f"""commands:
 
 
 def run(
-    model_arg: Annotated[Optional[str], typer.Argument(
-        metavar="[MODEL]", show_default=False,
-        help="Model directory, .gguf file or Hugging Face repo id (same as -m). Default: SmolLM2-135M-Instruct.")] = None,
+    model_arg: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="[MODEL]",
+            show_default=False,
+            help="Model directory, .gguf file or Hugging Face repo id (same as -m). Default: SmolLM2-135M-Instruct.",
+        ),
+    ] = None,
     model: opt.Model = None,
-    prompt: Annotated[Optional[str], typer.Option(
-        "-p", "--prompt", help="Answer this one prompt exactly like `mlxcel generate` and exit ('-' reads stdin).")] = None,
+    prompt: Annotated[
+        Optional[str],
+        typer.Option(
+            "-p", "--prompt", help="Answer this one prompt exactly like `mlxcel generate` and exit ('-' reads stdin)."
+        ),
+    ] = None,
     system: opt.System = None,
     max_tokens: opt.MaxTokens = 256,
     temp: opt.Temp = 0.0,
@@ -82,19 +91,36 @@ def run(
             raise fail("give the model once: as the MODEL argument or with -m, not both")
         spec = model_arg or model
         params = opt.sampling_params(
-            max_tokens, temp, top_k, top_p, min_p, seed, stop, logit_bias=logit_bias, suppress_token=suppress_token,
-            repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, dry_multiplier=dry_multiplier, dry_base=dry_base,
-            dry_allowed_length=dry_allowed_length, dry_penalty_last_n=dry_penalty_last_n,
-            dry_sequence_breaker=dry_sequence_breaker, xtc_threshold=xtc_threshold, xtc_probability=xtc_probability)
+            max_tokens,
+            temp,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+            stop,
+            logit_bias=logit_bias,
+            suppress_token=suppress_token,
+            repeat_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            dry_multiplier=dry_multiplier,
+            dry_base=dry_base,
+            dry_allowed_length=dry_allowed_length,
+            dry_penalty_last_n=dry_penalty_last_n,
+            dry_sequence_breaker=dry_sequence_breaker,
+            xtc_threshold=xtc_threshold,
+            xtc_probability=xtc_probability,
+        )
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
         engine_config = opt.engine_config(1, kv_bits, "dense", prefill_chunk_size, speculative)
         if prompt is not None:
             text = _read_prompt(prompt)
             if not text.strip():
                 raise fail("prompt is empty")
-            group, params = join_ranks(tp_size, stdin_text=text if prompt == "-" else None, params=params,
-                                       verbose=verbose)
+            group, params = join_ranks(
+                tp_size, stdin_text=text if prompt == "-" else None, params=params, verbose=verbose
+            )
             answer_once(text, spec, params, engine_config, system, verbose=verbose, group=group)
             return
 
@@ -115,13 +141,15 @@ def _chat(spec, params, system, engine_config, verbose: bool, group) -> int:
     from mlxcel_core.loading import load_model
 
     interactive = sys.stdin.isatty()
-    ui = _Ui(color=interactive and sys.stderr.isatty() and "NO_COLOR" not in os.environ
-             and os.environ.get("TERM") != "dumb")
+    ui = _Ui(
+        color=interactive and sys.stderr.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
+    )
     with lost_peer_errors(group):
         loaded = load_model(spec, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)
         print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
-        session = ChatSession(loaded, params, system=system, engine_config=engine_config,
-                              notify=lambda m: ui.info(f"mlxcel: {m}"))
+        session = ChatSession(
+            loaded, params, system=system, engine_config=engine_config, notify=lambda m: ui.info(f"mlxcel: {m}")
+        )
         mirror = None
         if group is not None:  # the other ranks mirror this chat's engine until it stops
             from mlxcel_core.distributed.mirror import LeaderMirror
@@ -151,7 +179,7 @@ class _Ui:
 # -- the two modes -----------------------------------------------------------------------------------
 def _interactive(session, ui: _Ui, verbose: bool) -> int:
     readline = _setup_readline()
-    ui.info(f'Chat started. /help for commands, {FENCE} for multi-line input, /bye or Ctrl-D to leave.')
+    ui.info(f"Chat started. /help for commands, {FENCE} for multi-line input, /bye or Ctrl-D to leave.")
     while True:
         try:
             text, fenced = _read_message()
@@ -216,9 +244,11 @@ def _reply(session, text: str, ui: _Ui, verbose: bool, interactive: bool) -> int
     if turn.interrupted:
         ui.info("[interrupted]")
     if verbose:
-        ui.info(f"mlxcel: prompt {turn.prompt_tokens} tokens: {turn.computed_tokens} computed "
-                f"({turn.cached_tokens} cached), {turn.prefill_tps:.2f} tok/s; "
-                f"reply {turn.generated_tokens} tokens, {turn.decode_tps:.2f} tok/s")
+        ui.info(
+            f"mlxcel: prompt {turn.prompt_tokens} tokens: {turn.computed_tokens} computed "
+            f"({turn.cached_tokens} cached), {turn.prefill_tps:.2f} tok/s; "
+            f"reply {turn.generated_tokens} tokens, {turn.decode_tps:.2f} tok/s"
+        )
     return 0
 
 
@@ -262,7 +292,7 @@ def _read_message() -> tuple[str | None, bool]:
     start = line.lstrip()
     if not start.startswith(FENCE):
         return line, False
-    rest = start[len(FENCE):]
+    rest = start[len(FENCE) :]
     if rest.rstrip().endswith(FENCE):  # """one line"""
         return rest.rstrip()[: -len(FENCE)], True
     lines = [rest] if rest.strip() else []
@@ -300,17 +330,21 @@ def _command(session, line: str, ui: _Ui) -> str | None:
             session.system = arg
             ui.info("mlxcel: system prompt set")
         else:
-            ui.info(f"system prompt: {session.system}" if session.system else "no system prompt (/system TEXT sets one)")
+            ui.info(
+                f"system prompt: {session.system}" if session.system else "no system prompt (/system TEXT sets one)"
+            )
     elif name == "/set":
         if not arg:
             p = session.params
-            ui.info(f"temp {p.temperature}, top-k {p.top_k}, top-p {p.top_p}, min-p {p.min_p}, "
-                    f"max-tokens {p.max_tokens}, seed {p.seed if p.seed is not None else 'none'}, "
-                    f"repeat-penalty {p.repetition_penalty}, repeat-last-n {p.repeat_last_n}, "
-                    f"presence-penalty {p.presence_penalty}, frequency-penalty {p.frequency_penalty}, "
-                    f"dry-multiplier {p.dry_multiplier}, dry-base {p.dry_base}, "
-                    f"dry-allowed-length {p.dry_allowed_length}, dry-penalty-last-n {p.dry_penalty_last_n}, "
-                    f"xtc-threshold {p.xtc_threshold}, xtc-probability {p.xtc_probability}")
+            ui.info(
+                f"temp {p.temperature}, top-k {p.top_k}, top-p {p.top_p}, min-p {p.min_p}, "
+                f"max-tokens {p.max_tokens}, seed {p.seed if p.seed is not None else 'none'}, "
+                f"repeat-penalty {p.repetition_penalty}, repeat-last-n {p.repeat_last_n}, "
+                f"presence-penalty {p.presence_penalty}, frequency-penalty {p.frequency_penalty}, "
+                f"dry-multiplier {p.dry_multiplier}, dry-base {p.dry_base}, "
+                f"dry-allowed-length {p.dry_allowed_length}, dry-penalty-last-n {p.dry_penalty_last_n}, "
+                f"xtc-threshold {p.xtc_threshold}, xtc-probability {p.xtc_probability}"
+            )
             return None
         key, _, value = arg.partition(" ")
         if not value.strip():
@@ -327,11 +361,13 @@ def _command(session, line: str, ui: _Ui) -> str | None:
         if turn is None:
             ui.info("no reply yet")
         else:
-            ui.info(f"prompt tokens: {turn.prompt_tokens}\n"
-                    f"prefill computed tokens: {turn.computed_tokens} ({turn.cached_tokens} reused from the cache), "
-                    f"{turn.prefill_tps:.2f} tok/s\n"
-                    f"generated tokens: {turn.generated_tokens}, {turn.decode_tps:.2f} tok/s"
-                    + (" (interrupted)" if turn.interrupted else ""))
+            ui.info(
+                f"prompt tokens: {turn.prompt_tokens}\n"
+                f"prefill computed tokens: {turn.computed_tokens} ({turn.cached_tokens} reused from the cache), "
+                f"{turn.prefill_tps:.2f} tok/s\n"
+                f"generated tokens: {turn.generated_tokens}, {turn.decode_tps:.2f} tok/s"
+                + (" (interrupted)" if turn.interrupted else "")
+            )
     else:
         ui.error(f"unknown command {name}; /help lists the commands")
     return None

@@ -23,51 +23,145 @@ def _opt(*names: str, env: str, help: str, **kw):
     return typer.Option(*names, envvar=env, help=help, **kw)
 
 
-Model = Annotated[Optional[str], _opt("-m", "--model", env="MLXCEL_MODEL", metavar="MODEL",
-                                      help="Model directory, .gguf file or Hugging Face repo id. "
-                                           "Default: SmolLM2-135M-Instruct.")]
+Model = Annotated[
+    Optional[str],
+    _opt(
+        "-m",
+        "--model",
+        env="MLXCEL_MODEL",
+        metavar="MODEL",
+        help="Model directory, .gguf file or Hugging Face repo id. Default: SmolLM2-135M-Instruct.",
+    ),
+]
 Host = Annotated[str, _opt("--host", env="MLXCEL_HOST", help="Address to listen on.")]
-Port = Annotated[int, _opt("--port", env="MLXCEL_PORT", min=0, max=65535,
-                           help="Port to listen on; 0 picks a free one (printed on stderr).")]
-ApiKey = Annotated[Optional[str], _opt("--api-key", env="MLXCEL_API_KEY", show_default=False,
-                                       help="Require 'Authorization: Bearer KEY' on every route but /health.")]
-Parallel = Annotated[int, _opt("--parallel", "--n-parallel", env="MLXCEL_PARALLEL", min=1,
-                               help="Sequences decoded together in one batch.")]
-MaxBatch = Annotated[Optional[int], _opt("--max-batch-size", env="MLXCEL_MAX_BATCH_SIZE", min=1,
-                                         help="Rows per engine step (overrides --parallel). Default: --parallel.")]
-MaxQueue = Annotated[int, _opt("--max-queue-depth", env="MLXCEL_MAX_QUEUE_DEPTH", min=0,
-                               help="Sequences that may wait for a batch slot; more get 503.")]
-PrefillChunk = Annotated[int, _opt("--prefill-chunk-size", env="MLXCEL_PREFILL_CHUNK_SIZE", min=1,
-                                   help="Prompt tokens computed per forward pass.")]
-PrefillBatch = Annotated[Optional[int], _opt("--prefill-batch", env="MLXCEL_PREFILL_BATCH", metavar="N", min=1,
-                                             help="Waiting prompts prefilled together in one forward (paged KV "
-                                                  "without --kv-bits). Default: 8 on a GPU, 1 on CPU.")]
-Storage = Annotated[str, _opt("--decode-storage-backend", env="MLXCEL_DECODE_STORAGE_BACKEND",
-                              help="KV storage: auto (paged when batching or on CUDA, else dense), dense or paged.")]
-CtxSize = Annotated[int, _opt("--ctx-size", env="MLXCEL_CTX_SIZE", min=0,
-                              help="Cap the context (prompt + completion tokens); 0 = the model's.")]
+Port = Annotated[
+    int,
+    _opt(
+        "--port", env="MLXCEL_PORT", min=0, max=65535, help="Port to listen on; 0 picks a free one (printed on stderr)."
+    ),
+]
+ApiKey = Annotated[
+    Optional[str],
+    _opt(
+        "--api-key",
+        env="MLXCEL_API_KEY",
+        show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every route but /health.",
+    ),
+]
+Parallel = Annotated[
+    int,
+    _opt("--parallel", "--n-parallel", env="MLXCEL_PARALLEL", min=1, help="Sequences decoded together in one batch."),
+]
+MaxBatch = Annotated[
+    Optional[int],
+    _opt(
+        "--max-batch-size",
+        env="MLXCEL_MAX_BATCH_SIZE",
+        min=1,
+        help="Rows per engine step (overrides --parallel). Default: --parallel.",
+    ),
+]
+MaxQueue = Annotated[
+    int,
+    _opt(
+        "--max-queue-depth",
+        env="MLXCEL_MAX_QUEUE_DEPTH",
+        min=0,
+        help="Sequences that may wait for a batch slot; more get 503.",
+    ),
+]
+PrefillChunk = Annotated[
+    int,
+    _opt(
+        "--prefill-chunk-size", env="MLXCEL_PREFILL_CHUNK_SIZE", min=1, help="Prompt tokens computed per forward pass."
+    ),
+]
+PrefillBatch = Annotated[
+    Optional[int],
+    _opt(
+        "--prefill-batch",
+        env="MLXCEL_PREFILL_BATCH",
+        metavar="N",
+        min=1,
+        help="Waiting prompts prefilled together in one forward (paged KV "
+        "without --kv-bits). Default: 8 on a GPU, 1 on CPU.",
+    ),
+]
+Storage = Annotated[
+    str,
+    _opt(
+        "--decode-storage-backend",
+        env="MLXCEL_DECODE_STORAGE_BACKEND",
+        help="KV storage: auto (paged when batching or on CUDA, else dense), dense or paged.",
+    ),
+]
+CtxSize = Annotated[
+    int,
+    _opt(
+        "--ctx-size",
+        env="MLXCEL_CTX_SIZE",
+        min=0,
+        help="Cap the context (prompt + completion tokens); 0 = the model's.",
+    ),
+]
 MaxN = Annotated[int, _opt("--max-n", env="MLXCEL_MAX_N", min=1, help="Largest `n` (choices) a request may ask for.")]
-KvBits = Annotated[Optional[int], _opt("--kv-bits", env="MLXCEL_KV_BITS",
-                                       help="Store the KV cache quantized to 8 or 4 bits.")]
-DraftModel = Annotated[Optional[str], _opt("--draft-model", env="MLXCEL_DRAFT_MODEL", metavar="MODEL",
-                                          help="Speculative decoding with this smaller model (same tokenizer). "
-                                               "A request speculates while it decodes alone; batched rows decode plainly.")]
-DraftNgram = Annotated[int, _opt("--draft-ngram", env="MLXCEL_DRAFT_NGRAM", metavar="N", min=0,
-                                 help="Speculative decoding by prompt lookup (n-grams up to N); 0 = off.")]
-NumDraftTokens = Annotated[int, _opt("--num-draft-tokens", env="MLXCEL_NUM_DRAFT_TOKENS", metavar="K",
-                                     help="Speculative decoding: tokens drafted per round (1-64).")]
-Warmup = Annotated[bool, _opt("--warmup/--no-warmup", env="MLXCEL_WARMUP",
-                              help="Run short requests before /health turns 200 (on a GPU: a lone reply the CUDA "
-                                   "graph records, decode batches of every size up to 8, prompts of 1 to 8 tokens), "
-                                   "so that no client waits for GPU kernels to compile.")]
-LogFormat = Annotated[str, _opt("--log-format", env="MLXCEL_LOG_FORMAT",
-                                help="Log lines on stderr as text or json (one object per line).")]
+KvBits = Annotated[
+    Optional[int], _opt("--kv-bits", env="MLXCEL_KV_BITS", help="Store the KV cache quantized to 8 or 4 bits.")
+]
+DraftModel = Annotated[
+    Optional[str],
+    _opt(
+        "--draft-model",
+        env="MLXCEL_DRAFT_MODEL",
+        metavar="MODEL",
+        help="Speculative decoding with this smaller model (same tokenizer). "
+        "A request speculates while it decodes alone; batched rows decode plainly.",
+    ),
+]
+DraftNgram = Annotated[
+    int,
+    _opt(
+        "--draft-ngram",
+        env="MLXCEL_DRAFT_NGRAM",
+        metavar="N",
+        min=0,
+        help="Speculative decoding by prompt lookup (n-grams up to N); 0 = off.",
+    ),
+]
+NumDraftTokens = Annotated[
+    int,
+    _opt(
+        "--num-draft-tokens",
+        env="MLXCEL_NUM_DRAFT_TOKENS",
+        metavar="K",
+        help="Speculative decoding: tokens drafted per round (1-64).",
+    ),
+]
+Warmup = Annotated[
+    bool,
+    _opt(
+        "--warmup/--no-warmup",
+        env="MLXCEL_WARMUP",
+        help="Run short requests before /health turns 200 (on a GPU: a lone reply the CUDA "
+        "graph records, decode batches of every size up to 8, prompts of 1 to 8 tokens), "
+        "so that no client waits for GPU kernels to compile.",
+    ),
+]
+LogFormat = Annotated[
+    str,
+    _opt("--log-format", env="MLXCEL_LOG_FORMAT", help="Log lines on stderr as text or json (one object per line)."),
+]
 
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": self.formatTime(record), "level": record.levelname.lower(), "logger": record.name,
-                 "message": record.getMessage()}
+        entry = {
+            "time": self.formatTime(record),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -75,8 +169,11 @@ class _JsonFormatter(logging.Formatter):
 
 def _configure_logging(log_format: str, verbose: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if log_format == "json"
-                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        _JsonFormatter()
+        if log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     for name in ("mlxcel", "uvicorn", "uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler] if name in ("mlxcel", "uvicorn") else []
@@ -88,8 +185,9 @@ def _bind(host: str, port: int) -> socket.socket:
     from mlxcel_core.errors import InputError
 
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
@@ -130,8 +228,9 @@ def serve(
         if log_format not in ("text", "json"):
             raise fail(f"--log-format must be text or json, got '{log_format}'")
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
-        engine_config = opt.engine_config(max_batch_size or parallel, kv_bits, storage, prefill_chunk_size,
-                                          speculative, prefill_batch)
+        engine_config = opt.engine_config(
+            max_batch_size or parallel, kv_bits, storage, prefill_chunk_size, speculative, prefill_batch
+        )
         group, _ = join_ranks(tp_size, verbose=verbose)
         if group is not None and group.rank() > 0:  # only rank 0 serves HTTP; this rank mirrors its engine
             follow_leader(group, model, engine_config)
@@ -142,9 +241,16 @@ def serve(
 
         from mlxcel_core.server import ServerConfig, create_app
 
-        config = ServerConfig(model=model, engine=engine_config, api_key=api_key or None,
-                              max_queue_depth=max_queue_depth, max_n=max_n, ctx_size=ctx_size or None,
-                              group=group, warmup=warmup)
+        config = ServerConfig(
+            model=model,
+            engine=engine_config,
+            api_key=api_key or None,
+            max_queue_depth=max_queue_depth,
+            max_n=max_n,
+            ctx_size=ctx_size or None,
+            group=group,
+            warmup=warmup,
+        )
         failed: list[BaseException] = []
         holder: dict = {}
 
@@ -154,12 +260,16 @@ def serve(
 
         app = create_app(config, on_load_failed=on_load_failed)
         sock = _bind(host, port)
-        server = holder["server"] = uvicorn.Server(uvicorn.Config(
-            app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=30))
+        server = holder["server"] = uvicorn.Server(
+            uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=30)
+        )
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        print(f"mlxcel: listening on http://{shown}:{bound_port} (model loading in the background)",
-              file=sys.stderr, flush=True)
+        print(
+            f"mlxcel: listening on http://{shown}:{bound_port} (model loading in the background)",
+            file=sys.stderr,
+            flush=True,
+        )
         server.run(sockets=[sock])
         if failed:
             from mlxcel_core.distributed import lost_peer_errors

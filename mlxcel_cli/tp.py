@@ -12,15 +12,21 @@ from typing import Annotated, Optional
 
 import typer
 
-TpSize = Annotated[int, typer.Option(
-    "--tp-size", metavar="N",
-    help="Tensor parallelism over N ranks (mx.distributed). Without a launcher, starts N local processes (NCCL, "
-         "one GPU each, when MLX runs on CUDA; else the ring backend on 127.0.0.1); under `mlx.launch`, N must "
-         "equal the number of launched ranks.")]
+TpSize = Annotated[
+    int,
+    typer.Option(
+        "--tp-size",
+        metavar="N",
+        help="Tensor parallelism over N ranks (mx.distributed). Without a launcher, starts N local processes (NCCL, "
+        "one GPU each, when MLX runs on CUDA; else the ring backend on 127.0.0.1); under `mlx.launch`, N must "
+        "equal the number of launched ranks.",
+    ),
+]
 
 
-def join_ranks(tp_size: int, *, stdin_text: Optional[str] = None, params=None, verbose: bool = False,
-               leader_stdin: bool = False):
+def join_ranks(
+    tp_size: int, *, stdin_text: Optional[str] = None, params=None, verbose: bool = False, leader_stdin: bool = False
+):
     """(group, params) for this process: (None, params) when tp_size is 1. When not launched as a rank, run
     `tp_size` local ranks of this same command (each given `stdin_text` on stdin; with `leader_stdin`, rank 0
     reads this terminal or pipe and the others nothing) and exit with their status."""
@@ -33,8 +39,11 @@ def join_ranks(tp_size: int, *, stdin_text: Optional[str] = None, params=None, v
     from mlxcel_core.distributed import init_group, is_launched, run_local_ranks, shared_seed
 
     if not is_launched():
-        raise typer.Exit(run_local_ranks(tp_size, stdin_data=None if stdin_text is None else stdin_text.encode(),
-                                         leader_stdin=leader_stdin))
+        raise typer.Exit(
+            run_local_ranks(
+                tp_size, stdin_data=None if stdin_text is None else stdin_text.encode(), leader_stdin=leader_stdin
+            )
+        )
     group = init_group(tp_size, quiet_others=not verbose)
     if params is not None:
         params = replace(params, seed=shared_seed(group, params.seed))

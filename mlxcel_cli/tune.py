@@ -13,8 +13,10 @@ from .errors import fail, reported_errors
 
 ENABLE = "Set MLXCEL_AUTOTUNE=cache (or 1) to consume these tactics at runtime."
 HINT = f"done. {ENABLE}"
-HEADER = (f"{'batch':>7} {'context':>8} | {'default':>13} {'default_us':>11} {'selected':>13} {'best_us':>10} "
-          f"{'spread':>7} {'reps':>5} {'guard':>6} {'speedup':>8}")
+HEADER = (
+    f"{'batch':>7} {'context':>8} | {'default':>13} {'default_us':>11} {'selected':>13} {'best_us':>10} "
+    f"{'spread':>7} {'reps':>5} {'guard':>6} {'speedup':>8}"
+)
 
 
 def _int_list(text: str, option: str) -> list[int]:
@@ -42,8 +44,10 @@ def _read_model_config(model: str) -> dict:
         if isinstance(cached, str):
             path = Path(cached)
     if not path.is_file():
-        raise fail(f"-m {model}: no config.json there (give a model directory, its config.json, "
-                   "or a Hugging Face repo id that is already downloaded)")
+        raise fail(
+            f"-m {model}: no config.json there (give a model directory, its config.json, "
+            "or a Hugging Face repo id that is already downloaded)"
+        )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(config, dict):
@@ -79,37 +83,66 @@ def geometry_from_config(config: dict) -> dict[str, int]:
 
 
 def tune(
-    op: Annotated[str, typer.Option(
-        "--op", help="Op to tune. paged-decode-splits: the split-K factor of paged decode attention "
-                     "(the CUDA kernel on CUDA, the MLX-ops path elsewhere).")] = "paged-decode-splits",
-    model: Annotated[Optional[str], typer.Option(
-        "-m", "--model", metavar="MODEL",
-        help="Take the head geometry from MODEL's config.json (a model directory, its config.json, or a "
-             "Hugging Face repo id already downloaded). No weights are loaded.")] = None,
-    head_dim: Annotated[Optional[int], typer.Option(
-        "--head-dim", help="Head dimension. Default: 128, or the model's with -m.")] = None,
-    q_heads: Annotated[Optional[int], typer.Option(
-        "--q-heads", help="Query heads. Default: 32, or the model's with -m.")] = None,
-    kv_heads: Annotated[Optional[int], typer.Option(
-        "--kv-heads", help="Key/value heads. Default: 8, or the model's with -m.")] = None,
+    op: Annotated[
+        str,
+        typer.Option(
+            "--op",
+            help="Op to tune. paged-decode-splits: the split-K factor of paged decode attention "
+            "(the CUDA kernel on CUDA, the MLX-ops path elsewhere).",
+        ),
+    ] = "paged-decode-splits",
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            "-m",
+            "--model",
+            metavar="MODEL",
+            help="Take the head geometry from MODEL's config.json (a model directory, its config.json, or a "
+            "Hugging Face repo id already downloaded). No weights are loaded.",
+        ),
+    ] = None,
+    head_dim: Annotated[
+        Optional[int], typer.Option("--head-dim", help="Head dimension. Default: 128, or the model's with -m.")
+    ] = None,
+    q_heads: Annotated[
+        Optional[int], typer.Option("--q-heads", help="Query heads. Default: 32, or the model's with -m.")
+    ] = None,
+    kv_heads: Annotated[
+        Optional[int], typer.Option("--kv-heads", help="Key/value heads. Default: 8, or the model's with -m.")
+    ] = None,
     block_size: Annotated[int, typer.Option("--block-size", help="Paged KV block size in tokens.")] = 32,
-    batch_sizes: Annotated[str, typer.Option(
-        "--batch-sizes", help="Comma-separated batch sizes of the matrix.")] = "1,2,4,8",
-    context_lengths: Annotated[str, typer.Option(
-        "--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")] = "1024,4096,16384",
-    dtype: Annotated[str, typer.Option("--dtype", help="KV and query dtype: float16, bfloat16 or float32.")] = "float16",
+    batch_sizes: Annotated[
+        str, typer.Option("--batch-sizes", help="Comma-separated batch sizes of the matrix.")
+    ] = "1,2,4,8",
+    context_lengths: Annotated[
+        str, typer.Option("--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")
+    ] = "1024,4096,16384",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="KV and query dtype: float16, bfloat16 or float32.")
+    ] = "float16",
     warmup: Annotated[int, typer.Option("--warmup", help="Warmup runs per candidate, at least.")] = 3,
     warmup_ms: Annotated[float, typer.Option("--warmup-ms", help="Warmup time per candidate (ms), at least.")] = 40.0,
     min_reps: Annotated[int, typer.Option("--min-reps", help="Fewest timed reps per candidate.")] = 5,
     max_reps: Annotated[int, typer.Option("--max-reps", help="Most timed reps per candidate.")] = 1000,
-    sample_ms: Annotated[float, typer.Option(
-        "--sample-ms", help="Time budget (ms) of one cell's timed rounds; sets the rep count.")] = 250.0,
-    min_improvement: Annotated[float, typer.Option(
-        "--min-improvement", help="Keep the default unless a candidate is faster by more than this fraction "
-                                  "(and by more than both spreads together).")] = 0.02,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run", help="Print the cache dir, the method, the geometry and every cell with its candidates; "
-                          "measure and write nothing.")] = False,
+    sample_ms: Annotated[
+        float, typer.Option("--sample-ms", help="Time budget (ms) of one cell's timed rounds; sets the rep count.")
+    ] = 250.0,
+    min_improvement: Annotated[
+        float,
+        typer.Option(
+            "--min-improvement",
+            help="Keep the default unless a candidate is faster by more than this fraction "
+            "(and by more than both spreads together).",
+        ),
+    ] = 0.02,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the cache dir, the method, the geometry and every cell with its candidates; "
+            "measure and write nothing.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Tracebacks on errors.")] = False,
 ) -> None:
@@ -147,8 +180,11 @@ def tune(
             raise fail(str(exc))
         if dtype not in ("float16", "bfloat16", "float32"):
             raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
-        cells = [(b, c) for b in _int_list(batch_sizes, "--batch-sizes")
-                 for c in _int_list(context_lengths, "--context-lengths")]
+        cells = [
+            (b, c)
+            for b in _int_list(batch_sizes, "--batch-sizes")
+            for c in _int_list(context_lengths, "--context-lengths")
+        ]
         directory = autotune_dir()
 
         if dry_run:
@@ -156,13 +192,31 @@ def tune(
             rows = []
             for b, c in cells:
                 bucket = Bucket.of(b, c, geometry)
-                rows.append({"batch": b, "context": c, "bucket": bucket.key(),
-                             "default": label(default_splits(bucket, runner)),
-                             "candidates": [label(s) for s in candidates(bucket)]})
+                rows.append(
+                    {
+                        "batch": b,
+                        "context": c,
+                        "bucket": bucket.key(),
+                        "default": label(default_splits(bucket, runner)),
+                        "candidates": [label(s) for s in candidates(bucket)],
+                    }
+                )
             if as_json:
-                print(json.dumps({"dry_run": True, "cache_dir": str(directory), "op": OP, "runner": runner,
-                                  "profile": settings.__dict__, "geometry": geometry.__dict__, "dtype": dtype,
-                                  "cells": rows}, indent=2))
+                print(
+                    json.dumps(
+                        {
+                            "dry_run": True,
+                            "cache_dir": str(directory),
+                            "op": OP,
+                            "runner": runner,
+                            "profile": settings.__dict__,
+                            "geometry": geometry.__dict__,
+                            "dtype": dtype,
+                            "cells": rows,
+                        },
+                        indent=2,
+                    )
+                )
                 return
             print(f"autotune cache: {directory}")
             print(f"profile: {settings.describe()}")
@@ -202,19 +256,34 @@ def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) 
     emit(HEADER)
     console = Console(stderr=True)
     interactive = console.is_terminal and sys.stdout.isatty()
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True, redirect_stdout=interactive, redirect_stderr=False)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        redirect_stdout=interactive,
+        redirect_stderr=False,
+    )
     with progress:
         task = progress.add_task("tune", total=len(cells))
         for b, c in cells:
+
             def phase(name: str, b=b, c=c) -> None:
                 progress.update(task, description=f"batch {b} context {c}: {name}")
 
             phase("workload")
             bucket, _, default, result = profile_cell(b, c, geometry, dtype, settings, runner, progress=phase)
             progress.advance(task)
-            cell = {"batch": b, "context": c, "bucket": bucket.key(), "default": label(default),
-                    "candidates": result.candidates, "dropped": [{"tactic": t, "reason": r} for t, r in result.dropped]}
+            cell = {
+                "batch": b,
+                "context": c,
+                "bucket": bucket.key(),
+                "default": label(default),
+                "candidates": result.candidates,
+                "dropped": [{"tactic": t, "reason": r} for t, r in result.dropped],
+            }
             if not result.usable:
                 emit(f"{b:>7} {c:>8} | skipped (no usable measurement)")
                 cell["selected"] = None
@@ -222,19 +291,44 @@ def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) 
                 entry = entry_from_result(bucket, runner, device, dtype, default, result)
                 path = store.save(entry)
                 best, ref = result.best, result.default_measurement
-                cell.update({"selected": result.selected, "default_us": ref.median_us, "best_us": best.median_us,
-                             "spread": best.spread, "default_spread": ref.spread, "reps": result.reps,
-                             "guard": result.required_improvement, "speedup": result.speedup, "cache_file": str(path)})
-                emit(f"{b:>7} {c:>8} | {label(default):>13} {ref.median_us:>11.1f} {result.selected:>13} "
-                     f"{best.median_us:>10.1f} {best.spread * 100:>6.1f}% {result.reps:>5} "
-                     f"{result.required_improvement * 100:>5.1f}% {result.speedup:>7.3f}x")
+                cell.update(
+                    {
+                        "selected": result.selected,
+                        "default_us": ref.median_us,
+                        "best_us": best.median_us,
+                        "spread": best.spread,
+                        "default_spread": ref.spread,
+                        "reps": result.reps,
+                        "guard": result.required_improvement,
+                        "speedup": result.speedup,
+                        "cache_file": str(path),
+                    }
+                )
+                emit(
+                    f"{b:>7} {c:>8} | {label(default):>13} {ref.median_us:>11.1f} {result.selected:>13} "
+                    f"{best.median_us:>10.1f} {best.spread * 100:>6.1f}% {result.reps:>5} "
+                    f"{result.required_improvement * 100:>5.1f}% {result.speedup:>7.3f}x"
+                )
             for tactic, reason in result.dropped:
                 emit(f"{'':>16}   dropped {tactic}: {reason}")
             if out is not None:
                 out.append(cell)
     if as_json:
-        print(json.dumps({"dry_run": False, "cache_dir": str(directory), "op": OP, "runner": runner, "device": device,
-                          "profile": settings.__dict__, "geometry": geometry.__dict__, "dtype": dtype,
-                          "cells": out}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "dry_run": False,
+                    "cache_dir": str(directory),
+                    "op": OP,
+                    "runner": runner,
+                    "device": device,
+                    "profile": settings.__dict__,
+                    "geometry": geometry.__dict__,
+                    "dtype": dtype,
+                    "cells": out,
+                },
+                indent=2,
+            )
+        )
     else:
         print(HINT)

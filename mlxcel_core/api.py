@@ -50,7 +50,9 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def prepare_prompt(tokenizer: Tokenizer, prompt: str, system: str | None = None, chat_template: bool = True) -> list[int]:
+def prepare_prompt(
+    tokenizer: Tokenizer, prompt: str, system: str | None = None, chat_template: bool = True
+) -> list[int]:
     """Token ids for a user prompt: through the model's chat template when it has one and it is wanted."""
     if not prompt.strip():
         raise InputError("prompt is empty")
@@ -63,9 +65,13 @@ def prepare_prompt(tokenizer: Tokenizer, prompt: str, system: str | None = None,
     return tokenizer.encode(prompt)
 
 
-def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams,
-                    engine_config: EngineConfig | None = None, draft: LoadedModel | None = None
-                    ) -> Iterator[GenerationChunk]:
+def stream_generate(
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    engine_config: EngineConfig | None = None,
+    draft: LoadedModel | None = None,
+) -> Iterator[GenerationChunk]:
     """Yield text as it is generated; the last chunk has the finish reason and statistics.
 
     `draft`: the loaded draft model when `engine_config.speculative` names one (else the engine loads it)."""
@@ -85,7 +91,7 @@ def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: Sampling
                     prefill_s=seq.timings.prefill_s,
                     decode_s=seq.timings.decode_s,
                     peak_memory_gb=mx.get_peak_memory() / 1e9,
-                    speculative=seq.spec if engine.speculator is not None else None,
+                    speculative=seq.spec if engine.config.speculative is not None else None,
                 )
                 if out.finish_reason == "error":
                     raise RuntimeFailure(f"generation failed: {out.error}")
@@ -94,8 +100,15 @@ def stream_generate(loaded: LoadedModel, prompt_ids: list[int], params: Sampling
         engine.close(seq_id)
 
 
-def generate(loaded: LoadedModel, prompt: str, params: SamplingParams | None = None, *, system: str | None = None,
-             chat_template: bool = True, engine_config: EngineConfig | None = None) -> GenerationResult:
+def generate(
+    loaded: LoadedModel,
+    prompt: str,
+    params: SamplingParams | None = None,
+    *,
+    system: str | None = None,
+    chat_template: bool = True,
+    engine_config: EngineConfig | None = None,
+) -> GenerationResult:
     """Generate a whole completion for a text prompt."""
     params = params or SamplingParams()
     prompt_ids = prepare_prompt(loaded.tokenizer, prompt, system, chat_template)

@@ -32,10 +32,35 @@ from .errors import InputError, RuntimeFailure
 STORAGE_BACKENDS = ("auto", "dense", "paged")
 
 # Machine-readable fields, in order (llama-bench's names where one applies).
-FIELDS = ("mlxcel_version", "mlx_version", "backend", "device", "model_filename", "model_type", "model_size",
-          "model_n_params", "n_batch", "n_prompt", "n_gen", "n_depth", "kv_bits", "storage", "test", "test_time",
-          "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "ttft_ms", "peak_memory_gb", "prefill_computed",
-          "graph_steps", "warmup_ms", "samples_ns", "samples_ts")
+FIELDS = (
+    "mlxcel_version",
+    "mlx_version",
+    "backend",
+    "device",
+    "model_filename",
+    "model_type",
+    "model_size",
+    "model_n_params",
+    "n_batch",
+    "n_prompt",
+    "n_gen",
+    "n_depth",
+    "kv_bits",
+    "storage",
+    "test",
+    "test_time",
+    "avg_ns",
+    "stddev_ns",
+    "avg_ts",
+    "stddev_ts",
+    "ttft_ms",
+    "peak_memory_gb",
+    "prefill_computed",
+    "graph_steps",
+    "warmup_ms",
+    "samples_ns",
+    "samples_ts",
+)
 
 
 # -- what to run ------------------------------------------------------------------------------------
@@ -147,7 +172,7 @@ class BenchResult:
     storage: str = "auto"
     # wall time of the warm-up run (None without one): a process's first test includes compiling its GPU kernels
     warmup_ms: float | None = None
-    # decode steps replayed as one CUDA graph in the timed runs (engine/graph_decode.py); None: the engine has none
+    # decode steps replayed as one recorded graph in the timed runs (Engine.stats); None: the engine has no replayer
     graph_steps: int | None = None
     mlxcel_version: str = __version__
     mlx_version: str = ""
@@ -176,15 +201,32 @@ class BenchResult:
     def to_dict(self) -> dict[str, Any]:
         t = self.test
         values = {
-            "mlxcel_version": self.mlxcel_version, "mlx_version": self.mlx_version, "backend": self.backend,
-            "device": self.device, "model_filename": self.model_filename, "model_type": self.model,
-            "model_size": self.model_size, "model_n_params": self.model_n_params, "n_batch": t.n_batch,
-            "n_prompt": t.n_prompt, "n_gen": t.n_gen, "n_depth": t.n_depth, "kv_bits": self.kv_bits,
-            "storage": self.storage, "test": t.label, "test_time": self.test_time,
-            "avg_ns": int(round(self.avg_ns)), "stddev_ns": int(round(self.stddev_ns)),
-            "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts, "ttft_ms": self.ttft_ms,
-            "peak_memory_gb": self.peak_memory_gb, "prefill_computed": self.prefill_computed,
-            "graph_steps": self.graph_steps, "warmup_ms": self.warmup_ms, "samples_ns": list(self.samples_ns),
+            "mlxcel_version": self.mlxcel_version,
+            "mlx_version": self.mlx_version,
+            "backend": self.backend,
+            "device": self.device,
+            "model_filename": self.model_filename,
+            "model_type": self.model,
+            "model_size": self.model_size,
+            "model_n_params": self.model_n_params,
+            "n_batch": t.n_batch,
+            "n_prompt": t.n_prompt,
+            "n_gen": t.n_gen,
+            "n_depth": t.n_depth,
+            "kv_bits": self.kv_bits,
+            "storage": self.storage,
+            "test": t.label,
+            "test_time": self.test_time,
+            "avg_ns": int(round(self.avg_ns)),
+            "stddev_ns": int(round(self.stddev_ns)),
+            "avg_ts": self.avg_ts,
+            "stddev_ts": self.stddev_ts,
+            "ttft_ms": self.ttft_ms,
+            "peak_memory_gb": self.peak_memory_gb,
+            "prefill_computed": self.prefill_computed,
+            "graph_steps": self.graph_steps,
+            "warmup_ms": self.warmup_ms,
+            "samples_ns": list(self.samples_ns),
             "samples_ts": self.samples_ts,
         }
         return {k: values[k] for k in FIELDS}
@@ -202,8 +244,11 @@ def environment() -> dict[str, str]:
         kind = "cuda" if cuda else "metal" if metal else "gpu"
     else:
         kind = "cpu"
-    words = f"{device}" + (f", cuda available: {cuda}" if cuda is not None else "") + \
-        (f", metal available: {metal}" if metal is not None else "")
+    words = (
+        f"{device}"
+        + (f", cuda available: {cuda}" if cuda is not None else "")
+        + (f", metal available: {metal}" if metal is not None else "")
+    )
     return {"mlxcel_version": __version__, "mlx_version": mx.__version__, "backend": f"mlx-{kind}", "device": words}
 
 
@@ -230,14 +275,20 @@ class RandomIdTokenizer:
         return ""
 
 
-def load_bench_model(model: str | None = None, shape: str | None = None, bits: int | None = None,
-                     dtype: str | None = None, seed: int = 0, log: Callable[[str], None] = lambda m: None,
-                     group=None) -> BenchModel:
+def load_bench_model(
+    model: str | None = None,
+    shape: str | None = None,
+    bits: int | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = lambda m: None,
+    group=None,
+) -> BenchModel:
     """A checkpoint (`model`, as for generate; None = the default model) or a random-weight `shape`.
 
     `group` (size > 1): this rank's tensor-parallel shard (a shape is drawn layer by layer with the same seed on every
     rank, each layer sliced before the next; parameter counts and sizes are then this rank's)."""
-    from .models.shapes import (
+    from .loading.shapes import (
         build_random_model,
         check_shape_options,
         count_parameters,
@@ -254,8 +305,11 @@ def load_bench_model(model: str | None = None, shape: str | None = None, bits: i
         loaded = load_model(model, log=log, group=group)
         n_params, size = count_parameters(loaded.model)
         config = loaded.config
-        vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") \
+        vocab = (
+            config.get("vocab_size")
+            or (config.get("text_config") or {}).get("vocab_size")
             or loaded.tokenizer.vocab_size
+        )
         description = f"{config.get('model_type', 'model')} {human_count(n_params)} {_weights_kind(loaded.model)}"
         return BenchModel(loaded.model, int(vocab), description, loaded.source.origin, n_params, size)
     dtype = dtype or "bfloat16"
@@ -285,15 +339,18 @@ def human_count(n: int) -> str:
 
 
 def bench_header(bench_model: BenchModel, env: dict[str, str] | None = None) -> str:
+    from . import backends
     from .engine.compiled_decode import describe_decode_steps
-    from .kernels import describe_decode_batches, describe_decode_kernels
 
     env = env or environment()
-    steps = describe_decode_steps()
-    return (f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
-            f"model: {bench_model.description}, {human_count(bench_model.n_params)} params, "
-            f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename}); decode steps {steps}; "
-            f"{describe_decode_kernels()}; {describe_decode_batches()}")
+    backend = backends.current()
+    return (
+        f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
+        f"model: {bench_model.description}, {human_count(bench_model.n_params)} params, "
+        f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename}); "
+        f"decode steps {describe_decode_steps()}; {backend.describe()}; "
+        f"waiting prompts prefilled together: up to {backend.prefill_batch()}"
+    )
 
 
 # -- timing (the engine runs themselves: bench_runs.py) -----------------------------------------------------
@@ -310,8 +367,14 @@ class Sample:
     prefill_computed: int
 
 
-def measure_test(engine, test: BenchTest, prompts: list[list[int]], prefixes: list[list[int]] | None,
-                 clock: Callable[[], float] = time.perf_counter, chunk: int = 2048) -> Sample:
+def measure_test(
+    engine,
+    test: BenchTest,
+    prompts: list[list[int]],
+    prefixes: list[list[int]] | None,
+    clock: Callable[[], float] = time.perf_counter,
+    chunk: int = 2048,
+) -> Sample:
     """One repetition of one test on `engine` (depth prefix prefilled first, untimed)."""
     forget_cached_prefixes(engine)
     conversations = prefill_context(engine, prefixes) if prefixes else None
@@ -327,8 +390,10 @@ def measure_test(engine, test: BenchTest, prompts: list[list[int]], prefixes: li
         run = run_requests(engine, full, test.n_gen + 1 + margin, conversations, steady_tokens=test.n_gen, clock=clock)
         seconds = run.end - run.window_start
         if run.window_tokens != test.n_gen * test.n_batch:
-            raise RuntimeFailure(f"{test.label}: only {run.window_tokens} of {test.n_gen * test.n_batch} tokens "
-                                 "were decoded with the whole batch running (is the model's context too short?)")
+            raise RuntimeFailure(
+                f"{test.label}: only {run.window_tokens} of {test.n_gen * test.n_batch} tokens "
+                "were decoded with the whole batch running (is the model's context too short?)"
+            )
     return Sample(seconds, statistics.fmean(run.ttft), run.prefill_computed)
 
 
@@ -338,24 +403,38 @@ def engine_for(bench_model: BenchModel, test: BenchTest, config: BenchConfig):
 
     prompt_len = test.n_depth + test.test_tokens
     per_row = prompt_len + test.n_gen + 1 + _tg_margin(prompt_len, test.n_batch, config.prefill_chunk_size) + 64
-    cfg = EngineConfig(max_batch_size=test.n_batch, kv_bits=config.kv_bits, storage=config.storage,
-                       prefill_chunk_size=config.prefill_chunk_size, kv_budget_tokens=test.n_batch * per_row)
+    cfg = EngineConfig(
+        max_batch_size=test.n_batch,
+        kv_bits=config.kv_bits,
+        storage=config.storage,
+        prefill_chunk_size=config.prefill_chunk_size,
+        kv_budget_tokens=test.n_batch * per_row,
+    )
     return Engine(bench_model.model, RandomIdTokenizer(bench_model.vocab_size), cfg)
 
 
-def bench_prompts(bench_model: BenchModel, test: BenchTest, seed: int) -> tuple[list[list[int]], list[list[int]] | None]:
+def bench_prompts(
+    bench_model: BenchModel, test: BenchTest, seed: int
+) -> tuple[list[list[int]], list[list[int]] | None]:
     """(the test's own prompt per row, the depth prefix per row or None); rows differ, repetitions do not."""
     v = bench_model.vocab_size
-    prompts = [random_prompt(v, test.test_tokens, seed, "prompt", row, test.test_tokens)
-               for row in range(test.n_batch)]
-    prefixes = [random_prompt(v, test.n_depth, seed, "depth", row, test.n_depth)
-                for row in range(test.n_batch)] if test.n_depth else None
+    prompts = [random_prompt(v, test.test_tokens, seed, "prompt", row, test.test_tokens) for row in range(test.n_batch)]
+    prefixes = (
+        [random_prompt(v, test.n_depth, seed, "depth", row, test.n_depth) for row in range(test.n_batch)]
+        if test.n_depth
+        else None
+    )
     return prompts, prefixes
 
 
-def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[[BenchResult], None] | None = None,
-              log: Callable[[str], None] = lambda m: None, clock: Callable[[], float] = time.perf_counter,
-              env: dict[str, str] | None = None) -> list[BenchResult]:
+def run_bench(
+    bench_model: BenchModel,
+    config: BenchConfig,
+    on_result: Callable[[BenchResult], None] | None = None,
+    log: Callable[[str], None] = lambda m: None,
+    clock: Callable[[], float] = time.perf_counter,
+    env: dict[str, str] | None = None,
+) -> list[BenchResult]:
     """Run every planned test: warm-up (unless disabled), then `repetitions` timed runs each."""
     import gc
 
@@ -367,8 +446,9 @@ def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[
     for test in plan_tests(config):
         context = test.n_depth + test.test_tokens + test.n_gen + 1
         if context > bench_model.model.max_context_length:
-            raise InputError(f"{test.label} needs {context} positions; the model's context is "
-                             f"{bench_model.model.max_context_length}")
+            raise InputError(
+                f"{test.label} needs {context} positions; the model's context is {bench_model.model.max_context_length}"
+            )
         gc.collect()
         mx.clear_cache()
         mx.reset_peak_memory()
@@ -381,24 +461,38 @@ def run_bench(bench_model: BenchModel, config: BenchConfig, on_result: Callable[
             measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
             warmup_ms = (clock() - start) * 1000
             log(f"{test.label} (b={test.n_batch}): warm-up took {warmup_ms:.1f} ms")
-        graph = engine.graph
-        replayed_before = graph.replayed if graph is not None else 0
+        replayed_before = engine.stats().graph_replayed
         samples = []
         for rep in range(config.repetitions):
             sample = measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
-            log(f"{test.label} (b={test.n_batch}): run {rep + 1}/{config.repetitions}: {sample.seconds * 1000:.1f} ms, "
-                f"{test.credited_tokens / sample.seconds:.2f} t/s, prefill computed {sample.prefill_computed}")
+            log(
+                f"{test.label} (b={test.n_batch}): run {rep + 1}/{config.repetitions}: {sample.seconds * 1000:.1f} ms, "
+                f"{test.credited_tokens / sample.seconds:.2f} t/s, prefill computed {sample.prefill_computed}"
+            )
             samples.append(sample)
         result = BenchResult(
-            test=test, model=bench_model.description, model_filename=bench_model.filename,
-            model_size=bench_model.size_bytes, model_n_params=bench_model.n_params, backend=env["backend"],
-            device=env["device"], samples_ns=[int(round(s.seconds * 1e9)) for s in samples],
-            ttft_ms=statistics.fmean(s.ttft_s for s in samples) * 1000, peak_memory_gb=mx.get_peak_memory() / 1e9,
-            prefill_computed=max(s.prefill_computed for s in samples), kv_bits=config.kv_bits,
-            storage=engine.config.resolved_storage, mlx_version=env["mlx_version"], warmup_ms=warmup_ms,
-            graph_steps=None if graph is None else graph.replayed - replayed_before)
-        if graph is not None and not graph.usable:
-            log(f"{test.label} (b={test.n_batch}): no decode step was replayed as a CUDA graph: {graph.why_not}")
+            test=test,
+            model=bench_model.description,
+            model_filename=bench_model.filename,
+            model_size=bench_model.size_bytes,
+            model_n_params=bench_model.n_params,
+            backend=env["backend"],
+            device=env["device"],
+            samples_ns=[int(round(s.seconds * 1e9)) for s in samples],
+            ttft_ms=statistics.fmean(s.ttft_s for s in samples) * 1000,
+            peak_memory_gb=mx.get_peak_memory() / 1e9,
+            prefill_computed=max(s.prefill_computed for s in samples),
+            kv_bits=config.kv_bits,
+            storage=engine.config.resolved_storage,
+            mlx_version=env["mlx_version"],
+            warmup_ms=warmup_ms,
+            graph_steps=None if replayed_before is None else engine.stats().graph_replayed - replayed_before,
+        )
+        if engine.stats().graph_not_replaying:
+            log(
+                f"{test.label} (b={test.n_batch}): no decode step was replayed as a recorded graph: "
+                f"{engine.stats().graph_not_replaying}"
+            )
         del engine
         results.append(result)
         if on_result is not None:

@@ -12,6 +12,7 @@ from .errors import InputError
 
 OUTPUT_FORMATS = ("md", "json", "jsonl", "csv")
 
+
 # -- output -------------------------------------------------------------------------------------------------
 class Formatter:
     """Streams results: `begin()`, then `row(result)` as each test finishes, then `end()` (strings to print)."""
@@ -33,8 +34,12 @@ class MarkdownFormatter(Formatter):
         columns = [("model", max(30, len(model)), "<"), ("size", 10, ">"), ("params", 10, ">"), ("backend", 10, "<")]
         if show_batch:
             columns.append(("b", 3, ">"))
-        columns += [("test", max(15, *(len(label) for label in labels)) if labels else 15, ">"), ("t/s", 20, ">"),
-                    ("TTFT ms", 10, ">"), ("peak GB", 8, ">")]
+        columns += [
+            ("test", max(15, *(len(label) for label in labels)) if labels else 15, ">"),
+            ("t/s", 20, ">"),
+            ("TTFT ms", 10, ">"),
+            ("peak GB", 8, ">"),
+        ]
         self.columns = columns
 
     def _line(self, cells: Sequence[str]) -> str:
@@ -88,8 +93,12 @@ class CsvFormatter(Formatter):
 
     def row(self, r: BenchResult) -> str:
         values = r.to_dict()
-        return self._csv([json.dumps(values[k]) if isinstance(values[k], list) else
-                          "" if values[k] is None else values[k] for k in FIELDS])
+        return self._csv(
+            [
+                json.dumps(values[k]) if isinstance(values[k], list) else "" if values[k] is None else values[k]
+                for k in FIELDS
+            ]
+        )
 
 
 def formatter(name: str, model_description: str = "", tests: Sequence[BenchTest] = ()) -> Formatter:
@@ -109,4 +118,3 @@ def render(results: Sequence[BenchResult], name: str) -> str:
     tests = [r.test for r in results]
     fmt = formatter(name, results[0].model if results else "", tests)
     return fmt.begin() + "".join(fmt.row(r) for r in results) + fmt.end()
-

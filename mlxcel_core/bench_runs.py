@@ -27,7 +27,7 @@ class RunTiming:
     end: float  # all rows finished, or the end of the steady-decode window
     window_start: float | None = None  # every row has its first token (steady mode)
     window_tokens: int = 0  # tokens read after window_start (steady mode)
-    prefill_computed: int = 0  # engine.runner.prefill_tokens counted during the run
+    prefill_computed: int = 0  # prompt tokens the engine computed during the run (Engine.stats)
 
     @property
     def ttft(self) -> list[float]:
@@ -38,8 +38,14 @@ class RunTiming:
         return max(self.first_token)
 
 
-def run_requests(engine, prompts: list[list[int]], max_tokens: int, conversations=None, steady_tokens: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> RunTiming:
+def run_requests(
+    engine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    conversations=None,
+    steady_tokens: int | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> RunTiming:
     """Submit every prompt at once, greedy, and step the engine; time what the host sees.
 
     With `steady_tokens` = n, the run is timed until every row has its first token and then n more decode
@@ -50,7 +56,7 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: int, conversation
 
     params = SamplingParams(max_tokens=max_tokens)
     conversations = conversations or [None] * len(prompts)
-    before = engine.runner.prefill_tokens
+    before = engine.stats().prefill_tokens
     submitted = clock()
     seq_ids = [engine.open(p, params, c) for p, c in zip(prompts, conversations)]
     row_of = {s: i for i, s in enumerate(seq_ids)}
@@ -77,13 +83,17 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: int, conversation
                     done.add(row)
             if window_start is None and len(first) == len(prompts) and target is not None:
                 window_start = now
-            if target is not None and window_start is not None and (window_tokens >= target or len(done) == len(prompts)):
+            if (
+                target is not None
+                and window_start is not None
+                and (window_tokens >= target or len(done) == len(prompts))
+            ):
                 end = now
                 break
             if len(done) == len(prompts):
                 end = now
                 break
-        computed = engine.runner.prefill_tokens - before
+        computed = engine.stats().prefill_tokens - before
     finally:
         for seq in seq_ids:  # steady mode: stop the rows; a failure: leave the engine clean
             engine.close(seq)

@@ -42,8 +42,15 @@ class KVCache:
         """Each row's position for the next token."""
         return self.columns if self.left_padding is None else self.columns - self.left_padding
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-               window: int | None = None, softcap: float | None = None) -> mx.array:
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> mx.array:
         mask = causal_mask(queries.shape[2], self.columns + keys.shape[2], self.left_padding, window)
         keys, values = self.update_and_fetch(keys, values)
         return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
@@ -56,14 +63,17 @@ class KVCache:
             self._grow(batch, heads, dim, start + length, keys.dtype)
         self.columns += length
         if self.kv_bits is None:
-            self.keys[..., start:self.columns, :] = keys
-            self.values[..., start:self.columns, :] = values
+            self.keys[..., start : self.columns, :] = keys
+            self.values[..., start : self.columns, :] = values
             return self.keys[..., : self.columns, :], self.values[..., : self.columns, :]
-        for packed, scales, biases, new in ((self.keys, *self._scales[:2], keys), (self.values, *self._scales[2:], values)):
+        for packed, scales, biases, new in (
+            (self.keys, *self._scales[:2], keys),
+            (self.values, *self._scales[2:], values),
+        ):
             q, s, b = mx.quantize(new, group_size=kv_group_size(dim), bits=self.kv_bits)
-            packed[..., start:self.columns, :] = q
-            scales[..., start:self.columns, :] = s
-            biases[..., start:self.columns, :] = b
+            packed[..., start : self.columns, :] = q
+            scales[..., start : self.columns, :] = s
+            biases[..., start : self.columns, :] = b
         return self._dequantized(keys.dtype)
 
     def reserve(self, length: int) -> None:
@@ -158,8 +168,10 @@ class KVCache:
         width = max(mine, theirs)
         pad_mine = _padding(self.left_padding, self.keys.shape[0]) + (width - mine)
         pad_theirs = _padding(other.left_padding, other.keys.shape[0]) + (width - theirs)
-        merged = [mx.concatenate([_left_pad(a, width - mine), _left_pad(b, width - theirs)], axis=0)
-                  for a, b in zip(self.state, other.state)]
+        merged = [
+            mx.concatenate([_left_pad(a, width - mine), _left_pad(b, width - theirs)], axis=0)
+            for a, b in zip(self.state, other.state)
+        ]
         self._set_arrays(merged)
         self.columns = width
         padding = mx.concatenate([pad_mine, pad_theirs])

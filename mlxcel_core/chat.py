@@ -92,13 +92,22 @@ class TurnStats:
 
 
 class ChatSession:
-    def __init__(self, loaded, params: SamplingParams | None = None, *, system: str | None = None,
-                 engine_config: EngineConfig | None = None, notify: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        loaded,
+        params: SamplingParams | None = None,
+        *,
+        system: str | None = None,
+        engine_config: EngineConfig | None = None,
+        notify: Callable[[str], None] | None = None,
+    ):
         """`loaded`: a LoadedModel (anything with `.model` and `.tokenizer`). `notify` receives one-line notices."""
         self.tokenizer = loaded.tokenizer
         if not self.tokenizer.chat_template:
-            raise InputError("this model has no chat template, which chat needs "
-                             "(for raw text use `mlxcel generate --no-chat-template`)")
+            raise InputError(
+                "this model has no chat template, which chat needs "
+                "(for raw text use `mlxcel generate --no-chat-template`)"
+            )
         self.engine = Engine(loaded.model, loaded.tokenizer, chat_engine_config(engine_config))
         self.params = params or SamplingParams()
         self.notify = notify or (lambda message: None)
@@ -180,8 +189,10 @@ class ChatSession:
         if dropped:
             kept = "; the system prompt is kept" if self._system else ""
             turns = dropped // 2
-            self.notify(f"context full ({self.max_context} tokens): dropped the oldest {turns} "
-                        f"turn{'s' if turns != 1 else ''}{kept}")
+            self.notify(
+                f"context full ({self.max_context} tokens): dropped the oldest {turns} "
+                f"turn{'s' if turns != 1 else ''}{kept}"
+            )
         seq_id = self.engine.open(prompt_ids, self.params, self.conversation)
         reply = {"role": "assistant", "content": ""}
         self._messages = messages + [reply]
@@ -212,11 +223,16 @@ class ChatSession:
             if seq.finish_reason == "cancelled":
                 reply["interrupted"] = True
             self.last_turn = TurnStats(
-                prompt_tokens=len(prompt_ids), cached_tokens=seq.cached_tokens,
+                prompt_tokens=len(prompt_ids),
+                cached_tokens=seq.cached_tokens,
                 generated_tokens=len(seq.output_ids),
                 prefill_s=seq.timings.prefill_s if seq.timings.first_token else 0.0,
-                decode_s=seq.timings.decode_s if seq.timings.first_token else 0.0, finish_reason=seq.finish_reason,
-                dropped_messages=dropped, prompt_ids=prompt_ids, reply_ids=list(seq.output_ids))
+                decode_s=seq.timings.decode_s if seq.timings.first_token else 0.0,
+                finish_reason=seq.finish_reason,
+                dropped_messages=dropped,
+                prompt_ids=prompt_ids,
+                reply_ids=list(seq.output_ids),
+            )
         if error is not None:
             self._messages = messages[:-1]  # the failed turn never happened (its KV state is matched away)
             raise RuntimeFailure(f"generation failed: {error}")
@@ -238,9 +254,10 @@ class ChatSession:
             n = len(self._render(messages))
             if n + self.params.max_tokens <= self.max_context or len(messages) - first < 3:
                 break
-            del messages[first:first + 2]
+            del messages[first : first + 2]
             dropped += 2
         if n >= self.max_context:
-            raise InputError(f"the message does not fit: the prompt has {n} tokens and the model's context "
-                             f"is {self.max_context}")
+            raise InputError(
+                f"the message does not fit: the prompt has {n} tokens and the model's context is {self.max_context}"
+            )
         return messages, dropped

@@ -32,6 +32,8 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     from jinja2 import TemplateError
 
     try:
-        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens)
+        return _compile(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens
+        )
     except TemplateError as exc:
         raise InputError(f"chat template failed to render: {exc}") from exc

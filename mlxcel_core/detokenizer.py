@@ -23,20 +23,20 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append a token; return the newly completed text (maybe empty)."""
         self.tokens.append(token)
-        prefix_text = self._decode(self.tokens[self._prefix:self._read])
-        full_text = self._decode(self.tokens[self._prefix:])
+        prefix_text = self._decode(self.tokens[self._prefix : self._read])
+        full_text = self._decode(self.tokens[self._prefix :])
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT):
-            new = full_text[len(prefix_text):]
+            new = full_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self.tokens)
             return new
         return ""
 
     def flush(self) -> str:
         """Text still held back at the end of generation (e.g. a dangling partial character)."""
-        prefix_text = self._decode(self.tokens[self._prefix:self._read])
-        full_text = self._decode(self.tokens[self._prefix:])
+        prefix_text = self._decode(self.tokens[self._prefix : self._read])
+        full_text = self._decode(self.tokens[self._prefix :])
         self._prefix = self._read = len(self.tokens)
-        return full_text[len(prefix_text):]
+        return full_text[len(prefix_text) :]
 
 
 class StopMatcher:

@@ -5,9 +5,11 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("MLXCEL_CACHE_DIR")
+    from . import settings
+
+    env = settings.get("MLXCEL_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        return Path(env)
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("mlxcel"))
@@ -27,8 +29,8 @@ def driver_cache_dir() -> Path:
 
 def keep_driver_cache() -> None:
     """Unless CUDA_CACHE_PATH is set, point the CUDA driver's JIT cache (the PTX it compiles for this GPU: MLX's own
-    shipped kernels) beside the kernel cache, instead of ~/.nv, which a fresh container loses. On the H200 an empty
-    one added 7 s to a process's start (benchmarks/RESULTS.md, eighteenth session). The driver reads the variable when
+    shipped kernels) beside the kernel cache, instead of ~/.nv, which a fresh container loses: an empty one adds
+    seconds to a process's start. The driver reads the variable when
     CUDA initializes, so mlxcel_core sets it on import, before mlx (the directory is made by use_kernel_cache)."""
     if not os.environ.get(DRIVER_CACHE_ENV):
         os.environ[DRIVER_CACHE_ENV] = str(driver_cache_dir())
@@ -52,8 +54,12 @@ def use_kernel_cache() -> Path | None:
         return None
     info = mx.device_info()
     device = f"{info.get('architecture', '')}-{info.get('device_name', '')}"
-    path = cache_dir() / "kernels" / f"mlx-{mx.__version__}" / "".join(
-        c if c.isalnum() or c in "._-" else "_" for c in device)
+    path = (
+        cache_dir()
+        / "kernels"
+        / f"mlx-{mx.__version__}"
+        / "".join(c if c.isalnum() or c in "._-" else "_" for c in device)
+    )
     try:
         path.mkdir(parents=True, exist_ok=True)
         if os.environ.get(DRIVER_CACHE_ENV) == str(driver_cache_dir()):

@@ -27,7 +27,7 @@ LogitsProcessor = Callable[[list[int], mx.array], mx.array]
 NEG_INF = float("-inf")
 
 # llama.cpp's defaults and limits for DRY sequence breakers (common/common.h, llama-sampling.cpp)
-DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 DRY_MAX_BREAKER_CHARS = 40
 DRY_MAX_BREAKER_TAIL_TOKENS = 20
 _FLOAT_MAX_LOG = 88.7228391  # log(float32 max): DRY's exponent is clamped so base ** exponent stays finite
@@ -62,7 +62,7 @@ def penalty_window(tokens: Sequence[int], last_n: int) -> Sequence[int]:
     """The last `last_n` tokens (llama.cpp's convention: -1 = all of them, 0 = none)."""
     if last_n < 0:
         return tokens
-    return tokens[len(tokens) - last_n:] if last_n else ()
+    return tokens[len(tokens) - last_n :] if last_n else ()
 
 
 def apply_repetition_penalty(logits: mx.array, tokens: Sequence[int], penalty: float, last_n: int = 64) -> mx.array:
@@ -92,8 +92,9 @@ def apply_presence_frequency(logits: mx.array, generated: Sequence[int], presenc
 
 
 # -- 4. DRY ("Don't Repeat Yourself", koboldcpp / llama.cpp) ---------------------------------------------------
-def dry_penalties(tokens: Sequence[int], multiplier: float, base: float, allowed_length: int, last_n: int,
-                  breakers: DryBreakers) -> dict[int, float]:
+def dry_penalties(
+    tokens: Sequence[int], multiplier: float, base: float, allowed_length: int, last_n: int, breakers: DryBreakers
+) -> dict[int, float]:
     """token -> how much DRY subtracts from its logit, following llama.cpp's `llama_sampler_dry_apply`.
 
     A token that would extend a repeat of the context's last `n` tokens (n >= allowed_length: the same n
@@ -127,12 +128,19 @@ def dry_penalties(tokens: Sequence[int], multiplier: float, base: float, allowed
         exponent = length - allowed_length
         if max_exponent > 0:
             exponent = min(exponent, max_exponent)
-        penalties[token] = multiplier * base ** exponent
+        penalties[token] = multiplier * base**exponent
     return penalties
 
 
-def apply_dry(logits: mx.array, tokens: Sequence[int], multiplier: float, base: float, allowed_length: int,
-              last_n: int, breakers: DryBreakers) -> mx.array:
+def apply_dry(
+    logits: mx.array,
+    tokens: Sequence[int],
+    multiplier: float,
+    base: float,
+    allowed_length: int,
+    last_n: int,
+    breakers: DryBreakers,
+) -> mx.array:
     logits = logits.astype(mx.float32)
     penalties = dry_penalties(tokens, multiplier, base, allowed_length, last_n, breakers)
     if penalties:
@@ -172,8 +180,9 @@ def _z_function(s: list[int]) -> list[int]:
     return z
 
 
-def dry_sequence_breakers(vocab: Sequence[str], encode: Callable[[str], list[int]],
-                          breakers: Iterable[str]) -> dict[int, list[tuple[int, ...]]]:
+def dry_sequence_breakers(
+    vocab: Sequence[str], encode: Callable[[str], list[int]], breakers: Iterable[str]
+) -> dict[int, list[tuple[int, ...]]]:
     """Breaker strings -> head token -> tails, as llama.cpp's `get_overlapping_token_sequences`.
 
     `vocab[i]` is token i's text. A token containing a whole breaker is a head with an empty tail; a token
@@ -219,9 +228,16 @@ def repetition_penalty(penalty: float, window: int | None = None) -> LogitsProce
     return lambda tokens, logits: apply_repetition_penalty(logits, tokens, penalty, -1 if window is None else window)
 
 
-def make_logits_processors(*, vocab_size: int, prompt_len: int, logit_bias_map: dict | None = None,
-                           presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0,
-                           repetition_window: int | None = None) -> tuple[LogitsProcessor, ...]:
+def make_logits_processors(
+    *,
+    vocab_size: int,
+    prompt_len: int,
+    logit_bias_map: dict | None = None,
+    presence: float = 0.0,
+    frequency: float = 0.0,
+    repetition: float = 1.0,
+    repetition_window: int | None = None,
+) -> tuple[LogitsProcessor, ...]:
     """Validated processors for one request, in the pipeline's order: bias, repetition, presence/frequency."""
     processors: list[LogitsProcessor] = []
     if logit_bias_map:

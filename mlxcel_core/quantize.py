@@ -15,13 +15,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from .models.base import is_quantizable
 from mlx.utils import tree_flatten
 
 from .errors import InputError
 from .loading import load_model
 from .loading.hf import read_config
+from .models.base import is_quantizable
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -35,8 +34,16 @@ def quantizable(module: nn.Module, group_size: int) -> bool:
 
 
 def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 64) -> nn.Module:
-    """Quantize `model` in place (affine, with biases) and return it."""
+    """Quantize `model` in place (affine, with biases) and return it, prepared by the backend as load_model prepares
+    a quantized checkpoint. The backend's preparation of the unquantized model is undone first: fused projections
+    would keep serving decode inputs with the unquantized weights, and the quantized layers need the backend's own
+    preparation (on CUDA: layers MLX's quantized_matmul computes wrong are routed around)."""
+    from . import backends
+
+    backend = backends.current()
+    backend.unprepare_model(model)
     nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda _, m: quantizable(m, group_size))
+    backend.prepare_model(model)
     return model
 
 

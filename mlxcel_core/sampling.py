@@ -78,24 +78,49 @@ class SamplingParams:
         if self.logit_bias:
             object.__setattr__(self, "logit_bias", proc.validated_logit_bias(self.logit_bias))
         object.__setattr__(self, "suppress_tokens", tuple(self.suppress_tokens))
-        _check(all(_is_int(t) and t >= 0 for t in self.suppress_tokens), "suppress-tokens",
-               "token ids (integers >= 0)", list(self.suppress_tokens))
-        _check(0 < self.repetition_penalty < math.inf, "repeat-penalty", "a finite number > 0 (1 = off)",
-               self.repetition_penalty)
-        _check(_is_int(self.repeat_last_n) and self.repeat_last_n >= -1, "repeat-last-n",
-               "an integer >= -1 (-1 = all tokens, 0 = off)", self.repeat_last_n)
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.suppress_tokens),
+            "suppress-tokens",
+            "token ids (integers >= 0)",
+            list(self.suppress_tokens),
+        )
+        _check(
+            0 < self.repetition_penalty < math.inf,
+            "repeat-penalty",
+            "a finite number > 0 (1 = off)",
+            self.repetition_penalty,
+        )
+        _check(
+            _is_int(self.repeat_last_n) and self.repeat_last_n >= -1,
+            "repeat-last-n",
+            "an integer >= -1 (-1 = all tokens, 0 = off)",
+            self.repeat_last_n,
+        )
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence-penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency-penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(0 <= self.dry_multiplier < math.inf, "dry-multiplier", "a finite number >= 0 (0 = off)",
-               self.dry_multiplier)
+        _check(
+            0 <= self.dry_multiplier < math.inf, "dry-multiplier", "a finite number >= 0 (0 = off)", self.dry_multiplier
+        )
         _check(1 <= self.dry_base < math.inf, "dry-base", "a finite number >= 1", self.dry_base)
-        _check(_is_int(self.dry_allowed_length) and self.dry_allowed_length >= 1, "dry-allowed-length",
-               "an integer >= 1", self.dry_allowed_length)
-        _check(_is_int(self.dry_penalty_last_n) and self.dry_penalty_last_n >= -1, "dry-penalty-last-n",
-               "an integer >= -1 (-1 = the whole context, 0 = off)", self.dry_penalty_last_n)
+        _check(
+            _is_int(self.dry_allowed_length) and self.dry_allowed_length >= 1,
+            "dry-allowed-length",
+            "an integer >= 1",
+            self.dry_allowed_length,
+        )
+        _check(
+            _is_int(self.dry_penalty_last_n) and self.dry_penalty_last_n >= -1,
+            "dry-penalty-last-n",
+            "an integer >= -1 (-1 = the whole context, 0 = off)",
+            self.dry_penalty_last_n,
+        )
         object.__setattr__(self, "dry_sequence_breakers", tuple(self.dry_sequence_breakers))
-        _check(all(isinstance(b, str) and b for b in self.dry_sequence_breakers), "dry-sequence-breakers",
-               "non-empty strings", list(self.dry_sequence_breakers))
+        _check(
+            all(isinstance(b, str) and b for b in self.dry_sequence_breakers),
+            "dry-sequence-breakers",
+            "non-empty strings",
+            list(self.dry_sequence_breakers),
+        )
         _check(0.0 <= self.xtc_threshold <= 1.0, "xtc-threshold", "in [0, 1]", self.xtc_threshold)
         _check(0.0 <= self.xtc_probability <= 1.0, "xtc-probability", "in [0, 1]", self.xtc_probability)
 
@@ -106,8 +131,13 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """A stage reads the tokens so far, so the previous token must be known before this one is drawn."""
-        return bool(self.logits_processors or self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.dry_multiplier)
+        return bool(
+            self.logits_processors
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.dry_multiplier
+        )
 
     @property
     def adjusts_logits(self) -> bool:
@@ -231,11 +261,19 @@ class RowSampler:
         if p.repetition_penalty != 1.0:
             logits = proc.apply_repetition_penalty(logits, tokens, p.repetition_penalty, p.repeat_last_n)
         if p.presence_penalty or p.frequency_penalty:
-            logits = proc.apply_presence_frequency(logits, tokens[self.prompt_len:], p.presence_penalty,
-                                                   p.frequency_penalty)
+            logits = proc.apply_presence_frequency(
+                logits, tokens[self.prompt_len :], p.presence_penalty, p.frequency_penalty
+            )
         if p.dry_multiplier:
-            logits = proc.apply_dry(logits, tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
-                                    p.dry_penalty_last_n, self.dry_breakers)
+            logits = proc.apply_dry(
+                logits,
+                tokens,
+                p.dry_multiplier,
+                p.dry_base,
+                p.dry_allowed_length,
+                p.dry_penalty_last_n,
+                self.dry_breakers,
+            )
         return logits
 
     def draw(self, logits: mx.array) -> mx.array:

@@ -36,8 +36,13 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = render_chat(self.chat_template, messages, add_generation_prompt,
-                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        text = render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
         # The template writes BOS itself when the model wants one.
         return self.encode(text, add_special_tokens=False)
 

@@ -19,71 +19,15 @@ sys.path.insert(0, str(ROOT))
 
 from mlxcel_cli import __version__  # noqa: E402
 from mlxcel_cli.main import app  # noqa: E402
+from mlxcel_core import settings  # noqa: E402
 
-ENVIRONMENT = [
-    ("MLXCEL_CACHE_DIR", "Directory for mlxcel's files: downloaded and converted models (models/), autotuning "
-                         "results (autotune/) and compiled CUDA kernels (kernels/). Default: the platform's user cache directory for \"mlxcel\" "
-                         "(for example ~/.cache/mlxcel on Linux, ~/Library/Caches/mlxcel on macOS)."),
-    ("HF_HUB_OFFLINE", "Set to 1 to never download from the Hugging Face Hub; "
-                       "models must already be local or in the Hugging Face cache."),
-    ("MLXCEL_COMPILE", "1: run each decode step as one compiled MLX graph (paged KV storage, and dense storage except "
-                       "on CUDA); 0: build it op by op. Default: compiled when MLX runs on a GPU, op by op on CPU."),
-    ("MLXCEL_FUSE", "1: compute a decode step's q/k/v and gate/up projections as one matmul each and, with the "
-                    "4-bit kernel, each residual add inside its o_proj/down_proj launch; 0: one launch per layer "
-                    "and op. Default: fused when MLX runs on a GPU."),
-    ("MLXCEL_FUSE_NORM", "0: do not take each layer's RMSNorm into its fused q/k/v and gate/up kernel launches. "
-                         "Default: taken there wherever those kernels run (4-bit, or 16-bit where MLXCEL_HMV "
-                         "applies; CUDA only)."),
-    ("MLXCEL_FUSE_ROPE", "0: do not apply RoPE to q and k inside the fused q/k/v launch. Default: applied there "
-                         "wherever that kernel runs (plain non-traditional RoPE, no q/k norms)."),
-    ("MLXCEL_HMV", "1: bf16/fp16 layers' decode matvecs (with their fused projections and residual adds) run mlxcel's "
-                   "16-bit CUDA kernel; 0: MLX's. Default: the kernel for models up to 4096 wide, the widest "
-                   "measured on an H200; CUDA only."),
-    ("MLXCEL_KV_IN_KERNEL", "0: a decode step's keys and values go into the paged KV pools by scatter ops before "
-                            "attention. Default: the CUDA paged-attention kernel writes them itself, in place (CUDA "
-                            "only; elsewhere the scatter ops always run)."),
-    ("MLXCEL_COMBINE_IN_KERNEL", "0: a paged decode step's attention splits are combined by a second kernel launch. "
-                                 "Default: the last of the split kernel's blocks for each head group combines them, one "
-                                 "launch a layer (CUDA only)."),
-    ("MLX_PTX_CACHE_DIR", "MLX's own setting: where it keeps the CUDA kernels it compiles. Unless it is set, mlxcel "
-                          "sets it to $MLXCEL_CACHE_DIR/kernels/mlx-VERSION/GPU, which outlives /tmp (MLX's default)."),
-    ("CUDA_CACHE_PATH", "The CUDA driver's own setting: where it keeps the PTX it compiles for the GPU. Unless it is "
-                        "set, mlxcel sets it to $MLXCEL_CACHE_DIR/kernels/cuda-driver (the driver's default, ~/.nv, is "
-                        "lost with a fresh container)."),
-    ("MLXCEL_CUBIN_CACHE", "0: mlxcel's CUDA kernels are compiled in every process (as mx.fast.cuda_kernel does). "
-                           "Default: each is compiled once and kept as a cubin in the kernel cache directory above. "
-                           "MLX hashes a kept cubin at each launch, so a small model's decode steps are slower from "
-                           "cubins (13-28% at 1B on an H200); 0 trades that for a compile at the first request."),
-    ("MLX_ENABLE_TF32", "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
-                        "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
-                        "unaffected)."),
-    ("MLXCEL_QMV", "1: 4-bit layers' decode matvecs run mlxcel's CUDA kernel; 0: MLX's quantized_matmul. "
-                   "Default: 1 (CUDA only; elsewhere always MLX's), for decode batches of up to 8 sequences "
-                   "(MLXCEL_QMV_MAX_ROWS=1..8 lowers that)."),
-    ("MLXCEL_QMM_BATCH", "mma, mlx, matrix or chunks: how a 4-bit decode batch of more than 8 sequences is "
-                         "computed on CUDA. mma (default): mlxcel's tensor-core kernel, 32 rows a launch; mlx: MLX's "
-                         "quantized_matmul as the batch comes (MLX 0.32 reads the weights once per sequence); matrix: "
-                         "MLX's, on the batch as one matrix; chunks: mlxcel's matvec kernel, 8 rows a launch."),
-    ("MLXCEL_QMM_WIDE", "0: the tensor-core kernel loads its weights and inputs in 16-bit pieces instead of vectors "
-                        "(default: vectors, 1.3x faster at an 8B 4-bit batch of 32 on the H200)."),
-    ("MLXCEL_HMV_MAX_ROWS", "1..8: decode batches of up to this many sequences run the 16-bit kernel (MLXCEL_HMV), "
-                            "larger ones MLX's matmul. Default by the model's width: 8 up to 2048 wide, else 2."),
-    ("MLXCEL_PREFILL_BATCH", "N: up to N waiting prompts are prefilled whole in one forward (left-padded; paged KV "
-                             "without --kv-bits) instead of one a step. Default: 8 on a GPU (a batch's time to first "
-                             "token fell 1.5-5x on the H200), 1 on CPU (where it rose)."),
-    ("MLXCEL_CUDA_GRAPH", "0: replay no decode step as a CUDA graph. Default on CUDA: while one greedy request decodes "
-     "alone, its decode steps after the first are recorded once and replayed as one CUDA graph of mlxcel's kernels, "
-     "with no MLX work a token; other steps run through MLX as before. Recordings are kept for later requests."),
-    ("MLXCEL_GRAPH_PDL", "0: no programmatic dependent launch (default on sm_90 and newer GPUs: mlxcel's CUDA kernels "
-     "wait for the previous kernel themselves, and a replayed decode graph lets each kernel start while the previous "
-     "one finishes; 5% faster 1B 4-bit decode on the H200). 1 forces it."),
-    ("MLXCEL_LAUNCH_THREAD", "1 (experimental, off by default: no clear win on the H200): hand each compiled paged "
-                             "decode step to MLX on a launcher thread while the next one is built; tokens are read "
-                             "two steps later instead of one."),
+ENVIRONMENT = [(s.name, s.help) for s in settings.SETTINGS] + list(settings.FOREIGN)
+EXIT_STATUS = [
+    ("0", "Success."),
+    ("1", "Runtime failure (model load, generation or backend error)."),
+    ("2", "Usage or input error (bad option or value, no or empty prompt, model missing, unsupported or corrupt)."),
+    ("130", "Interrupted (Ctrl-C)."),
 ]
-EXIT_STATUS = [("0", "Success."), ("1", "Runtime failure (model load, generation or backend error)."),
-               ("2", "Usage or input error (bad option or value, no or empty prompt, model missing, unsupported or corrupt)."),
-               ("130", "Interrupted (Ctrl-C).")]
 
 
 def esc(text: str) -> str:
@@ -138,23 +82,37 @@ def section(title: str, *lines: str) -> list[str]:
 def render(path: list[str], cmd, ctx) -> str:
     name = " ".join(path)
     summary = (cmd.get_short_help_str(limit=200) or name).rstrip(".")
-    synopsis = " ".join(f"\\fI{esc(p)}\\fR" if p.isupper() or p.startswith("[") else esc(p)
-                        for p in cmd.collect_usage_pieces(ctx))
-    out = [f'.TH {esc("-".join(path).upper())} 1 "" "mlxcel {esc(__version__)}" "User Commands"',
-           *section("NAME", f"{esc('-'.join(path))} \\- {esc(summary)}"),
-           *section("SYNOPSIS", f"\\fB{esc(name)}\\fR {synopsis}"),
-           *section("DESCRIPTION", "\n.PP\n".join(paragraphs(cmd.help) or [esc(summary) + "."]))]
+    synopsis = " ".join(
+        f"\\fI{esc(p)}\\fR" if p.isupper() or p.startswith("[") else esc(p) for p in cmd.collect_usage_pieces(ctx)
+    )
+    out = [
+        f'.TH {esc("-".join(path).upper())} 1 "" "mlxcel {esc(__version__)}" "User Commands"',
+        *section("NAME", f"{esc('-'.join(path))} \\- {esc(summary)}"),
+        *section("SYNOPSIS", f"\\fB{esc(name)}\\fR {synopsis}"),
+        *section("DESCRIPTION", "\n.PP\n".join(paragraphs(cmd.help) or [esc(summary) + "."])),
+    ]
     params = [p for p in cmd.get_params(ctx) if not getattr(p, "hidden", False)]
     arguments = [p for p in params if p.param_type_name == "argument"]
     if arguments:
-        out += section("ARGUMENTS", *(f".TP\n\\fI{esc(p.make_metavar(ctx))}\\fR\n"
-                                      + "\n.IP\n".join(paragraphs(getattr(p, "help", None)) or [""])
-                                      for p in arguments))
+        out += section(
+            "ARGUMENTS",
+            *(
+                f".TP\n\\fI{esc(p.make_metavar(ctx))}\\fR\n"
+                + "\n.IP\n".join(paragraphs(getattr(p, "help", None)) or [""])
+                for p in arguments
+            ),
+        )
     out += section("OPTIONS", *(option_entry(p, ctx) for p in params if p.param_type_name == "option"))
     subcommands = {n: c for n, c in sorted(getattr(cmd, "commands", {}).items()) if not c.hidden}
     if subcommands:
-        out += section("COMMANDS", *(f".TP\n\\fB{esc(n)}\\fR\n{esc(c.get_short_help_str(limit=200))}\n"
-                                     f"See \\fB{esc('-'.join([*path, n]))}\\fR(1)." for n, c in subcommands.items()))
+        out += section(
+            "COMMANDS",
+            *(
+                f".TP\n\\fB{esc(n)}\\fR\n{esc(c.get_short_help_str(limit=200))}\n"
+                f"See \\fB{esc('-'.join([*path, n]))}\\fR(1)."
+                for n, c in subcommands.items()
+            ),
+        )
     if len(path) == 1:
         out += section("ENVIRONMENT", *(f".TP\n.B {var}\n{esc(text)}" for var, text in ENVIRONMENT))
     out += section("EXIT STATUS", *(f".TP\n.B {code}\n{esc(text)}" for code, text in EXIT_STATUS))
@@ -186,8 +144,11 @@ def main(argv: list[str]) -> int:
         return 2
     check, pages = bool(argv), render_pages()
     on_disk = {p.name: p.read_text() for p in MAN_DIR.glob("mlxcel*.1")}
-    changes = [(("stale" if check else "updated") if n in on_disk else ("missing" if check else "created"), n)
-               for n in sorted(pages) if on_disk.get(n) != pages[n]]
+    changes = [
+        (("stale" if check else "updated") if n in on_disk else ("missing" if check else "created"), n)
+        for n in sorted(pages)
+        if on_disk.get(n) != pages[n]
+    ]
     changes += [("obsolete" if check else "removed", n) for n in sorted(on_disk.keys() - pages.keys())]
     report = "".join(f"{what}: man/{name}\n" for what, name in changes)
     if check:

@@ -16,7 +16,6 @@ from tiny_models import save_tiny_llama  # noqa: E402  (imports mlx)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
@@ -26,8 +25,9 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 def tiny_q4(tmp_path_factory) -> Path:
     """A tiny random Llama quantized to 4 bits (group 64) by quantize_checkpoint (its source written by MLX, not
     transformers: see save_tiny_mlx_llama). For the 4-bit kernel's tests (kernels/test_qmv*.py)."""
-    from mlxcel_core.quantize import quantize_checkpoint
     from tiny_models import save_tiny_mlx_llama
+
+    from mlxcel_core.quantize import quantize_checkpoint
 
     root = tmp_path_factory.mktemp("qmv")
     return quantize_checkpoint(save_tiny_mlx_llama(root / "src"), root / "q4", bits=4, group_size=64)

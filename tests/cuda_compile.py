@@ -11,7 +11,9 @@ import subprocess
 import mlx.core as mx
 import pytest
 
-from mlxcel_core.kernels.cubin_cache import CUDA_TYPES  # MLX's dtype_to_cuda_type, as the cubin cache writes it
+from mlxcel_core.backends.cuda.kernels.cubin_cache import (
+    CUDA_TYPES,  # MLX's dtype_to_cuda_type, as the cubin cache writes it
+)
 
 STAND_IN_HEADER = """
 #include <cuda_bf16.h>
@@ -36,19 +38,42 @@ needs_nvcc = pytest.mark.skipif(nvcc() is None, reason="needs nvcc (compile chec
 def kernel_file(name: str, params: list[str], template: dict, source: str, header: str = "") -> str:
     """A translation unit as build_kernel writes it: parameters ("const T* x", ...), the template's constants, the
     body. Template values that are dtypes become `using` aliases, the rest constexpr ints (bools as ints)."""
-    consts = [f"  using {k} = {CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {int(v)};"
-              for k, v in template.items()]
-    return (STAND_IN_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            f"__global__ void custom_kernel_{name}(\n" + ",\n".join(params) + ") {\n"
-            + "\n".join(consts) + "\n\n" + source + "\n}\n\n} // namespace mlx::core::cu\n")
+    consts = [
+        f"  using {k} = {CUDA_TYPES[v]};" if isinstance(v, mx.Dtype) else f"  constexpr int {k} = {int(v)};"
+        for k, v in template.items()
+    ]
+    return (
+        STAND_IN_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        f"__global__ void custom_kernel_{name}(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + "\n".join(consts)
+        + "\n\n"
+        + source
+        + "\n}\n\n} // namespace mlx::core::cu\n"
+    )
 
 
 def compile_sm90(tmp_path, text: str) -> str:
     """nvcc -Xptxas -v of `text`; fails the test unless it compiles without spills; returns ptxas' report."""
     src = tmp_path / "kernel.cu"
     src.write_text(text)
-    run = subprocess.run([nvcc(), "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
-                          str(tmp_path / "kernel.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            nvcc(),
+            "-std=c++17",
+            "-arch=sm_90",
+            "-cubin",
+            "-Xptxas",
+            "-v",
+            "-o",
+            str(tmp_path / "kernel.cubin"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     assert "0 bytes spill stores" in run.stderr, run.stderr[-2000:]
     return run.stderr

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxcel_core.engine.graph_decode import GraphDecoder, _Replay
+from mlxcel_core.backends.cuda.graph_decode import GraphDecoder, _Replay
+from mlxcel_core.backends.cuda.kernels.greedy import greedy_tokens
 from mlxcel_core.engine.step_inputs import packed_ints
-from mlxcel_core.kernels.greedy import greedy_tokens
 
 
 class StandInDecoder(GraphDecoder):

@@ -42,9 +42,10 @@ def reference(path: Path, prompt: list[int], steps: int):
     ids = torch.tensor([prompt])
     with torch.no_grad():
         ref_logits = model(ids).logits[0].float().numpy()
-        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return ref_logits, out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return ref_logits, out[0, len(prompt) :].tolist()
 
 
 def ours(path: Path, prompt: list[int], steps: int):
@@ -52,27 +53,38 @@ def ours(path: Path, prompt: list[int], steps: int):
     last_only forward (with a cache) must give the last position's logits.
 
     The tokens are generated three times, with decode steps built op by op, compiled (engine/compiled_decode.py,
-    the default on a GPU), and compiled with the fused q/k/v and gate/up projections (kernels/fused_projections.py,
-    also a GPU default), and must be the same."""
+    the default on a GPU), and compiled with the fused q/k/v and gate/up projections
+    (backends/cuda/kernels/fused_projections.py, what the CUDA backend prepares), and must be the same."""
     from mlxcel_core.api import stream_generate
-    from mlxcel_core.engine import EngineConfig
-    from mlxcel_core.kernels.fused_projections import fuse_projections, unfuse_projections
-    from mlxcel_core.sampling import SamplingParams
-
+    from mlxcel_core.backends.cuda.kernels.fused_projections import fuse_projections, unfuse_projections
     from mlxcel_core.cache import make_cache
+    from mlxcel_core.engine import EngineConfig
+    from mlxcel_core.sampling import SamplingParams
 
     loaded = load_quiet(path)
     forward = logits(loaded.model, prompt)
     # A prompt's last chunk as the engine runs it: the last layer past its attention on the last position only.
     last = loaded.model(mx.array([prompt]), make_cache(len(loaded.model.layers)), last_only=True)
-    np.testing.assert_allclose(np.array(last[0, -1].astype(mx.float32)), forward[-1], atol=1e-4, rtol=0,
-                               err_msg="last_only logits differ from the full forward's last position")
+    np.testing.assert_allclose(
+        np.array(last[0, -1].astype(mx.float32)),
+        forward[-1],
+        atol=1e-4,
+        rtol=0,
+        err_msg="last_only logits differ from the full forward's last position",
+    )
     loaded.tokenizer.eos_token_ids = set()  # random weights: compare all `steps` tokens
 
     def generate(compiled: bool) -> list[int]:
-        return [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=steps),
-                                                 EngineConfig(max_batch_size=1, compile_decode=compiled))
-                if c.token is not None]
+        return [
+            c.token
+            for c in stream_generate(
+                loaded,
+                prompt,
+                SamplingParams(max_tokens=steps),
+                EngineConfig(max_batch_size=1, compile_decode=compiled),
+            )
+            if c.token is not None
+        ]
 
     eager, compiled = generate(False), generate(True)
     assert eager == compiled, "compiled decode steps gave other tokens than op-by-op ones"
@@ -123,8 +135,9 @@ def dequantized_logits(src: Path, quantized_model) -> np.ndarray:
             continue
         if name.endswith(".weight") and f"{base}.scales" in flat:
             layer = dict(quantized_model.named_modules())[base]
-            value = mx.dequantize(value, flat[f"{base}.scales"], flat[f"{base}.biases"],
-                                  group_size=layer.group_size, bits=layer.bits)
+            value = mx.dequantize(
+                value, flat[f"{base}.scales"], flat[f"{base}.biases"], group_size=layer.group_size, bits=layer.bits
+            )
         weights[name] = value
     model = load_quiet(src).model
     model.load_weights(list(weights.items()), strict=True)

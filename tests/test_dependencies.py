@@ -40,8 +40,10 @@ def _normalize(name: str) -> str:
 
 
 def test_third_party_imports_are_declared_dependencies():
-    declared = {_normalize(re.split(r"[\[<>=!;~ ]", spec, maxsplit=1)[0])
-                for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    declared = {
+        _normalize(re.split(r"[\[<>=!;~ ]", spec, maxsplit=1)[0])
+        for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
     distributions = packages_distributions()
     missing = []
     for module, where in sorted(_imported_top_level_modules().items()):

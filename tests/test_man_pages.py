@@ -64,7 +64,8 @@ def test_every_option_is_documented(page_name, cmd):
         for spelling in [*param.opts, *param.secondary_opts]:
             # whole-word match so that e.g. -n is not found inside --no-chat-template
             assert re.search(rf"(?<![\w-]){re.escape(spelling)}(?![\w-])", options), (
-                f"option {spelling} is not documented in man/{page_name}; {FIX}")
+                f"option {spelling} is not documented in man/{page_name}; {FIX}"
+            )
 
 
 def test_pages_are_up_to_date():

@@ -47,8 +47,9 @@ def save_tiny_checkpoint(path: Path, config_cls, model_cls, **config) -> Path:
     model = model_cls(config_cls(**config)).eval()
     model.save_pretrained(path, safe_serialization=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML})
+    )
     return path
 
 
@@ -57,9 +58,17 @@ def save_tiny_llama(path: Path, **overrides) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     params = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=512, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False,
-        eos_token_id=2, bos_token_id=None,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=None,
     )
     return save_tiny_checkpoint(path, LlamaConfig, LlamaForCausalLM, **{**params, **overrides})
 
@@ -73,7 +82,7 @@ def save_tiny_mlx_llama(path: Path) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxcel_core.models.shapes import build_random_model
+    from mlxcel_core.loading.shapes import build_random_model
 
     model, config = build_random_model("tiny", dtype="float32", seed=0)
     path.mkdir(parents=True, exist_ok=True)
@@ -81,8 +90,9 @@ def save_tiny_mlx_llama(path: Path) -> Path:
     (path / "config.json").write_text(json.dumps(config))
     tok = build_tokenizer()
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML})
+    )
     return path
 
 

@@ -9,5 +9,12 @@ shard.py   shard a built model in place: column-parallel q/k/v/gate/up, row-para
 from .group import init_group, is_launched, lost_peer_errors, run_local_ranks, shared_seed
 from .shard import check_shardable, shard_model
 
-__all__ = ["init_group", "is_launched", "lost_peer_errors", "run_local_ranks", "shared_seed",
-           "check_shardable", "shard_model"]
+__all__ = [
+    "init_group",
+    "is_launched",
+    "lost_peer_errors",
+    "run_local_ranks",
+    "shared_seed",
+    "check_shardable",
+    "shard_model",
+]

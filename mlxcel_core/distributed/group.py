@@ -24,10 +24,10 @@ import time
 from contextlib import contextmanager
 from typing import Sequence
 
+from .. import settings
 from ..errors import InputError, RuntimeFailure
 
 JOIN_TIMEOUT_ENV = "MLXCEL_TP_JOIN_TIMEOUT"
-DEFAULT_JOIN_TIMEOUT = 60.0
 _LAUNCH_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 
@@ -51,7 +51,7 @@ os.kill(pid, signal.SIGKILL)
 
 
 def _backend() -> str:
-    explicit = os.environ.get("MLXCEL_TP_BACKEND")
+    explicit = settings.get("MLXCEL_TP_BACKEND")
     if explicit:
         return explicit
     if "MLX_IBV_DEVICES" in os.environ:
@@ -75,16 +75,23 @@ def init_group(tp_size: int, *, quiet_others: bool = True):
     import mlx.core as mx
 
     if not is_launched():
-        raise InputError(f"--tp-size {tp_size}: this process was not started as a rank "
-                         "(run it under `mlx.launch`, or let mlxcel start the ranks on this host)")
-    timeout = float(os.environ.get(JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT))
+        raise InputError(
+            f"--tp-size {tp_size}: this process was not started as a rank "
+            "(run it under `mlx.launch`, or let mlxcel start the ranks on this host)"
+        )
+    timeout = settings.get(JOIN_TIMEOUT_ENV)
     rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
-    message = (f"mlxcel: error: rank {rank}: the other ranks did not join within {timeout:g} s "
-               f"({JOIN_TIMEOUT_ENV}); check the hosts, the ports and that every rank was started\n")
+    message = (
+        f"mlxcel: error: rank {rank}: the other ranks did not join within {timeout:g} s "
+        f"({JOIN_TIMEOUT_ENV}); check the hosts, the ports and that every rank was started\n"
+    )
     # mx.distributed.init keeps the GIL while it connects, so no Python thread or signal handler can stop it:
     # a separate watchdog process reports and kills this one if joining takes longer than `timeout`.
-    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
     try:
         group = mx.distributed.init(strict=True, backend=_backend())
     except RuntimeError as exc:
@@ -120,7 +127,7 @@ class _ErrorsOnly(io.TextIOBase):
         *lines, self.buffer_text = self.buffer_text.split("\n")
         for line in lines:
             if line.startswith("mlxcel: error: "):
-                self.target.write(f"mlxcel: error: rank {self.rank}: {line[len('mlxcel: error: '):]}\n")
+                self.target.write(f"mlxcel: error: rank {self.rank}: {line[len('mlxcel: error: ') :]}\n")
                 self.target.flush()
         return len(text)
 
@@ -149,8 +156,10 @@ def lost_peer_errors(group):
         marker = next((m for m in _BACKEND_MARKERS if m in message), None)
         if group is None or marker is None:
             raise
-        raise RuntimeFailure(f"rank {group.rank()}: lost the connection to another rank "
-                             f"({message[message.index(marker):]}); did it exit or crash?") from exc
+        raise RuntimeFailure(
+            f"rank {group.rank()}: lost the connection to another rank "
+            f"({message[message.index(marker) :]}); did it exit or crash?"
+        ) from exc
 
 
 _BACKEND_MARKERS = ("[ring]", "[nccl]", "[mpi]", "[jaccl]")
@@ -172,7 +181,7 @@ def _free_ports(n: int) -> list[int]:
 def local_backend() -> str:
     """The backend for ranks started on this host: MLXCEL_TP_BACKEND, else NCCL when MLX runs on CUDA (one GPU
     per rank), else the ring over 127.0.0.1."""
-    explicit = os.environ.get("MLXCEL_TP_BACKEND")
+    explicit = settings.get("MLXCEL_TP_BACKEND")
     if explicit:
         if explicit not in ("ring", "nccl"):
             raise InputError(f"MLXCEL_TP_BACKEND must be ring or nccl for ranks started on this host, got '{explicit}'")
@@ -189,15 +198,31 @@ def _rank_environments(tp_size: int, backend: str, hostfile: str | None) -> list
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(r) for r in range(tp_size)]
     if len(gpus) < tp_size:
-        raise InputError(f"--tp-size {tp_size} with NCCL needs {tp_size} GPUs, but CUDA_VISIBLE_DEVICES lists "
-                         f"{len(gpus)}")
+        raise InputError(
+            f"--tp-size {tp_size} with NCCL needs {tp_size} GPUs, but CUDA_VISIBLE_DEVICES lists {len(gpus)}"
+        )
     port = _free_ports(1)[0]
-    return [{"MLX_RANK": str(r), "MLX_WORLD_SIZE": str(tp_size), "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(port),
-             "CUDA_VISIBLE_DEVICES": gpus[r], "MLXCEL_TP_BACKEND": "nccl"} for r in range(tp_size)]
+    return [
+        {
+            "MLX_RANK": str(r),
+            "MLX_WORLD_SIZE": str(tp_size),
+            "NCCL_HOST_IP": "127.0.0.1",
+            "NCCL_PORT": str(port),
+            "CUDA_VISIBLE_DEVICES": gpus[r],
+            "MLXCEL_TP_BACKEND": "nccl",
+        }
+        for r in range(tp_size)
+    ]
 
 
-def run_local_ranks(tp_size: int, argv: Sequence[str] | None = None, stdin_data: bytes | None = None,
-                    grace_s: float = 10.0, leader_stdin: bool = False, command: Sequence[str] | None = None) -> int:
+def run_local_ranks(
+    tp_size: int,
+    argv: Sequence[str] | None = None,
+    stdin_data: bytes | None = None,
+    grace_s: float = 10.0,
+    leader_stdin: bool = False,
+    command: Sequence[str] | None = None,
+) -> int:
     """Run `argv` (default: this command) as `tp_size` ranks on this host (NCCL on CUDA, else the ring backend
     over 127.0.0.1; see local_backend).
 
@@ -225,16 +250,20 @@ def run_local_ranks(tp_size: int, argv: Sequence[str] | None = None, stdin_data:
             os.unlink(hostfile)
 
 
-def _supervise(command, envs: list[dict[str, str]], stdin_data: bytes | None, grace_s: float,
-               leader_stdin: bool) -> int:
+def _supervise(
+    command, envs: list[dict[str, str]], stdin_data: bytes | None, grace_s: float, leader_stdin: bool
+) -> int:
     procs = []
     for rank, extra in enumerate(envs):
         if leader_stdin:
             stdin = None if rank == 0 else subprocess.DEVNULL
         else:
             stdin = subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL
-        procs.append(subprocess.Popen(command, env={**os.environ, **extra}, stdin=stdin,
-                                      stdout=None if rank == 0 else subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                command, env={**os.environ, **extra}, stdin=stdin, stdout=None if rank == 0 else subprocess.DEVNULL
+            )
+        )
         if stdin == subprocess.PIPE:
             try:
                 procs[-1].stdin.write(stdin_data)
@@ -245,8 +274,10 @@ def _supervise(command, envs: list[dict[str, str]], stdin_data: bytes | None, gr
     # of the foreground process group directly, and each decides (a chat interrupts its reply); a SIGINT
     # sent to this process alone (a script, a test) is passed on to rank 0.
     forward = lambda signum, frame: procs[0].send_signal(signum)  # noqa: E731
-    previous = (signal.signal(signal.SIGTERM, forward),
-                signal.signal(signal.SIGINT, signal.SIG_IGN if _terminal_foreground() else forward))
+    previous = (
+        signal.signal(signal.SIGTERM, forward),
+        signal.signal(signal.SIGINT, signal.SIG_IGN if _terminal_foreground() else forward),
+    )
     try:
         return _wait_ranks(procs, grace_s)
     finally:

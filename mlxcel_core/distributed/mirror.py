@@ -109,8 +109,9 @@ def follow(engine, group) -> None:
                 conversation = None if key is None else conversations.setdefault(key, Conversation())
                 mine = engine.open(prompt_ids, params, conversation)
                 if mine != seq_id:
-                    raise RuntimeFailure(f"rank {group.rank()} is out of step with rank 0 "
-                                         f"(sequence {mine}, rank 0 has {seq_id})")
+                    raise RuntimeFailure(
+                        f"rank {group.rank()} is out of step with rank 0 (sequence {mine}, rank 0 has {seq_id})"
+                    )
             elif kind == "close":
                 engine.close(record[1])
             elif kind == "forget":

@@ -2,9 +2,8 @@
 
 When a peer of the ring backend (MLX 0.32) dies, the backend prints RING_FAILURE on stderr and fails its pending
 tasks. The collective then normally raises, and `lost_peer_errors` reports it. One case never returns: the failure
-lands while `mx.async_eval` is queueing the next decode step. test_rank_that_dies_makes_the_other_fail_quickly hung
-there in 1 of 9 full CI runs and in 1 of 4 runs beside two busy processes on the 2-core VM (fifteenth session;
-faulthandler: engine.py -> launcher.py's `mx.async_eval`, after RING_FAILURE). Python cannot interrupt that call.
+lands while `mx.async_eval` is queueing the next decode step (test_rank_that_dies_makes_the_other_fail_quickly hangs
+there now and then without this module). Python cannot interrupt that call.
 
 So a ring rank's fd 2, unless it is a terminal, goes through a pipe, which a thread copies to the real stderr. Once
 RING_FAILURE has passed through it, a process still alive GRACE_S seconds later writes the usual lost-peer line and
@@ -41,17 +40,22 @@ class RingFailureWatch:
         while chunk := os.read(read_end, 65536):
             view = memoryview(chunk)
             while view:
-                view = view[os.write(self._stderr, view):]
+                view = view[os.write(self._stderr, view) :]
             if self._timer is None and RING_FAILURE in tail + chunk:
                 self._timer = threading.Timer(self.grace, self._give_up)
                 self._timer.daemon = True
                 self._timer.start()
-            tail = chunk[-len(RING_FAILURE):]
+            tail = chunk[-len(RING_FAILURE) :]
         os.close(read_end)
 
     def _give_up(self) -> None:
-        os.write(self._stderr, (f"mlxcel: error: rank {self.rank}: lost the connection to another rank "
-                                f"({RING_FAILURE.decode()}); did it exit or crash?\n").encode())
+        os.write(
+            self._stderr,
+            (
+                f"mlxcel: error: rank {self.rank}: lost the connection to another rank "
+                f"({RING_FAILURE.decode()}); did it exit or crash?\n"
+            ).encode(),
+        )
         os._exit(1)
 
     def close(self) -> None:

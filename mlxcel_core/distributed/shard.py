@@ -37,8 +37,16 @@ class RowParallelQuantizedLinear(nn.QuantizedLinear):
     group: mx.distributed.Group
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = mx.quantized_matmul(x, self["weight"], scales=self["scales"], biases=self.get("biases"), transpose=True,
-                                group_size=self.group_size, bits=self.bits, mode=self.mode)
+        y = mx.quantized_matmul(
+            x,
+            self["weight"],
+            scales=self["scales"],
+            biases=self.get("biases"),
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
         y = mx.distributed.all_sum(y, group=self.group)
         return y + self["bias"] if "bias" in self else y
 
@@ -49,7 +57,9 @@ class ShardedMoeBlock(SparseMoeBlock):
     group: mx.distributed.Group
 
     def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
-        y = mx.distributed.all_sum(super().__call__(x, norm=norm), group=self.group)  # the residual is added once, after
+        y = mx.distributed.all_sum(
+            super().__call__(x, norm=norm), group=self.group
+        )  # the residual is added once, after
         return y if residual is None else residual + y
 
 
@@ -60,17 +70,21 @@ def check_shardable(model: nn.Module, size: int) -> None:
         raise UnsupportedModelError(f"tensor parallelism does not support {model_type} models yet")
     for layer in model.layers:
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
-            raise UnsupportedModelError(f"tensor parallelism does not support {model_type} models yet "
-                                        "(supported: Llama, Mistral, Qwen2, Qwen3, Mixtral)")
+            raise UnsupportedModelError(
+                f"tensor parallelism does not support {model_type} models yet "
+                "(supported: Llama, Mistral, Qwen2, Qwen3, Mixtral)"
+            )
         mlp = layer[layer.mlp_name]
         if type(mlp) not in (GatedMLP, SparseMoeBlock):
-            raise UnsupportedModelError(f"tensor parallelism does not support the {type(mlp).__name__} "
-                                        f"feed-forward block of {model_type} yet")
+            raise UnsupportedModelError(
+                f"tensor parallelism does not support the {type(mlp).__name__} feed-forward block of {model_type} yet"
+            )
         attn = layer.self_attn
         if attn.n_heads % size or attn.n_kv_heads % size:
             raise UnsupportedModelError(
                 f"--tp-size {size} must divide the attention heads evenly: this {model_type} model has "
-                f"{attn.n_heads} query heads and {attn.n_kv_heads} KV heads")
+                f"{attn.n_heads} query heads and {attn.n_kv_heads} KV heads"
+            )
 
 
 def shard_model(model: nn.Module, weights: dict[str, mx.array], group: mx.distributed.Group) -> dict[str, mx.array]:
@@ -145,8 +159,10 @@ def _slice(a: mx.array, axis: int, rank: int, size: int, path: str) -> mx.array:
     axis %= a.ndim
     n = a.shape[axis]
     if n % size:
-        raise UnsupportedModelError(f"--tp-size {size} does not divide {path} ({n} along axis {axis}; "
-                                    "a quantized layer needs whole quantization groups per rank)")
+        raise UnsupportedModelError(
+            f"--tp-size {size} does not divide {path} ({n} along axis {axis}; "
+            "a quantized layer needs whole quantization groups per rank)"
+        )
     step = n // size
     index = (slice(None),) * axis + (slice(rank * step, (rank + 1) * step),)
     part = a[index]

@@ -16,61 +16,40 @@ Paged storage (engine/paged.py) already passes positions, slots and block tables
 its own kernel, so its decode views run inside the compiled step as they are; the storage pads block
 tables to a power-of-two width so one trace serves many steps.
 
-On by default only where MLX runs on a GPU (compile_enabled; MLXCEL_COMPILE=1 forces it, =0 turns it off).
+On by default where the backend says so (a GPU: compile_enabled; EngineConfig.compile_decode decides otherwise).
 Not compiled: quantized KV caches (kv_bits; their dequantization reads only the used columns), and dense
-caches when MLX runs on CUDA (see CompiledDecoder.supports). Measured on the H200 (benchmarks/RESULTS.md),
-engine decode at batch 8 on paged storage: Llama-3.2-1B shape 1.24x, 8B 4-bit shape unchanged; dense on CUDA
-was 0.86x on the 8B 4-bit shape, hence not compiled there.
+caches where attention with an array mask leaves MLX's fused kernel (CUDA: see CompiledDecoder.supports), which
+costs more than compiling saves.
 """
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Sequence
 
 import mlx.core as mx
 
+from .. import backends
 from ..cache import KVCache
-from ..kv.cuda_paged_attention import cuda_kernel_available
 from ..models.base import CausalLM, scaled_dot_product_attention
-from .launcher import ENV as LAUNCH_ENV, launch_thread_requested
 from .paged import DecodeView, PagedStorage
-
-ENV = "MLXCEL_COMPILE"  # "1": compile decode steps, "0": build them op by op; unset: EngineConfig decides
-DENSE_MASK_IS_SLOW = cuda_kernel_available  # MLX runs on CUDA (see CompiledDecoder.supports)
 
 
 def compile_enabled(requested: bool | None = None) -> bool:
-    """Whether an engine compiles its decode steps: MLXCEL_COMPILE=1/0 decides; else `requested`
-    (EngineConfig.compile_decode); None: only when MLX runs on a GPU. On CPU it gained nothing on real models
-    (compute-bound) and a machine's first run JIT-compiles the fused kernels (~10 s for SmolLM2)."""
-    env = os.environ.get(ENV, "").strip()
-    if env in ("0", "1"):
-        return env == "1"
-    if requested is not None:
-        return requested
-    return mx.default_device().type == mx.DeviceType.gpu
+    """Whether an engine compiles its decode steps: `requested` (EngineConfig.compile_decode), else the backend's
+    default (on a GPU)."""
+    return requested if requested is not None else backends.current().compile_by_default()
+
+
+def dense_mask_is_slow() -> bool:
+    """Whether dense decode steps stay op by op (see CompiledDecoder.supports)."""
+    return backends.current().dense_mask_is_slow()
 
 
 def describe_decode_steps() -> str:
     """For benchmark headers: how this process's engines build decode steps by default."""
-    from ..kv.cuda_paged_attention import cuda_kernel_available
-    from .graph_decode import ENV as GRAPH_ENV
-    from .graph_decode import asked_for as graph_asked_for
-    from .graph_decode import enabled as graph_enabled
-
-    graph = ""
-    if graph_enabled() and cuda_kernel_available():
-        graph = f", a lone greedy row's steps replayed as one CUDA graph ({GRAPH_ENV}=0 turns it off)"
-    elif graph_asked_for():
-        graph = f" ({GRAPH_ENV}=1 applies on CUDA only)"
-    if compile_enabled():
-        threaded = launch_thread_requested()
-        launcher = f", paged steps handed to MLX on a launcher thread ({LAUNCH_ENV}=1)" if threaded else ""
-        return "compiled where supported" + launcher + graph
-    env = os.environ.get(ENV, "").strip()
-    return (f"op by op ({ENV}={env})" if env == "0" else f"op by op (the default on CPU; {ENV}=1 compiles)") + graph
+    graph = ", a lone greedy row's steps replayed as one recorded graph" if backends.current().name == "cuda" else ""
+    return ("compiled where supported" if compile_enabled() else "op by op (the default on CPU)") + graph
 
 
 class StepKV:
@@ -86,8 +65,15 @@ class StepKV:
         """Each row's position: its column minus its left padding, as cache.KVCache.offset."""
         return self.column - self.left_padding
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-               window: int | None = None, softcap: float | None = None) -> mx.array:
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> mx.array:
         if keys.shape[2] != 1:
             raise ValueError("StepKV holds one new token per row")
         self.keys = mx.slice_update(self.keys, keys, self.column, axes=(2,))
@@ -96,8 +82,7 @@ class StepKV:
         visible = mx.logical_and(columns <= self.column, columns[None] >= self.left_padding[:, None])
         if window is not None:  # as causal_mask: a query sees keys with q - k < window
             visible = mx.logical_and(visible, columns > self.column - window)
-        return scaled_dot_product_attention(queries, self.keys, self.values, scale, visible[:, None, None, :],
-                                            softcap)
+        return scaled_dot_product_attention(queries, self.keys, self.values, scale, visible[:, None, None, :], softcap)
 
 
 class StepTraces:
@@ -114,28 +99,38 @@ class StepTraces:
         self.paged = mx.compile(self._paged_forward)
         self.storage: PagedStorage | None = None  # the storage a paged trace runs against (set before each call)
         self.traced = 0  # how often a step function's Python body ran, i.e. traces made
-        self.paged_shapes: set[tuple] = set()  # the paged inputs' shapes and dtypes traced so far (replays)
 
     @property
     def model(self) -> CausalLM:
         return self._model()
 
-    def _dense_forward(self, tokens: mx.array, column: mx.array, left_padding: mx.array,
-                       keys: list[mx.array], values: list[mx.array]):
+    def _dense_forward(
+        self, tokens: mx.array, column: mx.array, left_padding: mx.array, keys: list[mx.array], values: list[mx.array]
+    ):
         self.traced += 1
         caches = [StepKV(k, v, column, left_padding) for k, v in zip(keys, values)]
         logits = self.model(tokens[:, None], caches)[:, -1, :]
         return logits, [c.keys for c in caches], [c.values for c in caches]
 
-    def _paged_forward(self, tokens: mx.array, slot_blocks: mx.array, slot_offsets: mx.array, block_tables: mx.array,
-                       positions: mx.array, context_lens: mx.array, pools: list[list[mx.array]]):
+    def _paged_forward(
+        self,
+        tokens: mx.array,
+        slot_blocks: mx.array,
+        slot_offsets: mx.array,
+        block_tables: mx.array,
+        positions: mx.array,
+        context_lens: mx.array,
+        pools: list[list[mx.array]],
+    ):
         self.traced += 1
         storage = self.storage
         kept, storage.pools = storage.pools, [list(p) for p in pools]  # the views write into these
         kept_writes, storage.written_in_place = storage.written_in_place, []  # the trace's are tracers: dropped
         try:
-            views = [DecodeView(storage, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
-                     for layer in range(len(pools))]
+            views = [
+                DecodeView(storage, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
+                for layer in range(len(pools))
+            ]
             logits = self.model(tokens[:, None], views)[:, -1, :]
             return logits, storage.pools
         finally:
@@ -177,47 +172,38 @@ class CompiledDecoder:
             return storage.kv_bits is None and all(p is not None for p in storage.pools)
         # Dense steps attend through a mask, and with an array mask MLX's CUDA attention leaves its fused
         # decode kernel: on the H200 that cost more than compiling saved on an 8B 4-bit model (0.86x).
-        return not DENSE_MASK_IS_SLOW() and all(
-            isinstance(c, KVCache) and c.kv_bits is None and c.columns > 0 for c in caches)
+        return not dense_mask_is_slow() and all(
+            isinstance(c, KVCache) and c.kv_bits is None and c.columns > 0 for c in caches
+        )
 
-    def decode(self, tokens: mx.array, caches: Sequence[KVCache] | Sequence[DecodeView],
-               before_trace=None) -> mx.array:
-        """`tokens` [B] -> logits [B, V]; every row's cache gains its token. `before_trace`: called first when
-        this call will trace (run the model's Python, which may evaluate) rather than replay a paged trace."""
-        logits = self._decode_paged(tokens, caches, before_trace) if isinstance(caches[0], DecodeView) else \
-            self._decode_dense(tokens, caches, before_trace)
+    def decode(self, tokens: mx.array, caches: Sequence[KVCache] | Sequence[DecodeView]) -> mx.array:
+        """`tokens` [B] -> logits [B, V]; every row's cache gains its token."""
+        logits = (
+            self._decode_paged(tokens, caches)
+            if isinstance(caches[0], DecodeView)
+            else self._decode_dense(tokens, caches)
+        )
         self.steps += 1
         return logits
 
-    def _decode_dense(self, tokens: mx.array, caches: Sequence[KVCache], before_trace=None) -> mx.array:
-        if before_trace is not None:  # (replays are not told apart here: threaded engines decode paged only)
-            before_trace()
+    def _decode_dense(self, tokens: mx.array, caches: Sequence[KVCache]) -> mx.array:
         for cache in caches:
             cache.reserve(1)
         first = caches[0]
         rows = first.keys.shape[0]
         padding = mx.zeros((rows,), mx.int32) if first.left_padding is None else first.left_padding.astype(mx.int32)
-        logits, keys, values = self.traces.dense(tokens, mx.array([first.columns], mx.int32), padding,
-                                                 [c.keys for c in caches], [c.values for c in caches])
+        logits, keys, values = self.traces.dense(
+            tokens, mx.array([first.columns], mx.int32), padding, [c.keys for c in caches], [c.values for c in caches]
+        )
         for cache, k, v in zip(caches, keys, values):
             cache.keys, cache.values = k, v  # the old buffers are only the graph's now: MLX updates them in place
             cache.columns += 1
         return logits
 
-    def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView], before_trace=None) -> mx.array:
+    def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView]) -> mx.array:
         view = views[0]
         self.traces.storage = view.storage
         inputs = (tokens, *view.slots, view.block_tables, view.offset, view.context_lens)
-        if before_trace is not None:
-            # What mx.compile keys its traces on: the inputs' shapes and dtypes (the pools grow by doubling), and
-            # the stream the step is built on (a threaded engine's is its launcher's). Recorded for these calls only
-            # (tens of microseconds at 1B that an inline step need not spend): a shape first seen elsewhere just
-            # waits once more.
-            shapes = (str(mx.default_stream(mx.default_device())),
-                      *((a.shape, a.dtype) for a in (*inputs, *(p for layer in view.storage.pools for p in layer))))
-            if shapes not in self.traces.paged_shapes:
-                before_trace()
-                self.traces.paged_shapes.add(shapes)
         logits, pools = self.traces.paged(*inputs, view.storage.pools)
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
         view.storage.pools_version += 1

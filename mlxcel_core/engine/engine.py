@@ -1,43 +1,40 @@
 """Engine: the one decode loop behind generate, run and serve. A single sequence is a batch of one.
 
-Each `step()`: ask the scheduler for a plan (plain data), run it through the model runner (decode all
-rows in one forward, plus one prefill chunk or several whole prompts in one forward), sample every row
-with its own sampler, then read the *previous* step's tokens on the host while the device computes this one (lookahead
-pipelining; two steps back where a launcher thread hands steps to MLX, launcher.py), and apply stops.
+Each `step()` reads top to bottom: the scheduler's batch becomes a plan (plain data: which rows decode, which
+prompts prefill, whether a row speculates or replays the backend's recorded decode step); the plan runs (one
+forward for every decoding row, plus one prefill chunk or several whole prompts in one forward), every row is
+sampled by its own sampler, the step is submitted to the device, and the *previous* step's tokens are read on the
+host while the device computes this one (lookahead pipelining), stops applied.
 A failing row ends with finish_reason "error"; the others go on.
 With a drafter configured, a sequence that decodes alone runs a speculative round instead of its
 decode (speculative.py: draft, verify in one forward, trim); while batching, rows decode plainly.
+What differs by backend (the greedy readout, the decode-step replayer) comes from backends.current().
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import mlx.core as mx
 
+from .. import backends
+from ..backends.base import readout_of
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..distributed.group import is_launched
 from ..errors import InputError
-from ..kernels import cubin_cache
-from ..kernels.greedy import greedy_tokens, readout_of
-from ..kv.cuda_paged_attention import cuda_kernel_available
 from ..models.base import CausalLM
 from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from .compiled_decode import compile_enabled
-from .graph_decode import GraphDecoder
-from .graph_decode import enabled as graph_enabled
-from .launcher import launch_thread_requested, make_launcher, settle
 from .runner import ModelRunner
-from .scheduler import BatchScheduler, SchedulerConfig
+from .scheduler import BatchScheduler, ScheduledBatch, SchedulerConfig
 from .speculative import Speculator, make_drafter, verify
 from .storage import Conversation, DenseStorage, KVStorage
-from .types import EngineConfig, FinishReason, Sequence, StepOutput
+from .types import EngineConfig, EngineStats, FinishReason, Sequence, StepOutput
 
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees so the first word keeps its space
 
@@ -51,7 +48,18 @@ class _Sampled:
     logprobs: mx.array | None = None  # the row's log-softmax [V] when the request asked for logprobs
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.token, self.readout, self.logprobs) if a is not None]
+        return [a for a in (self.token, self.readout, self.logprobs) if isinstance(a, mx.array)]
+
+
+@dataclass
+class StepPlan:
+    """What one step runs, decided before any of it is built."""
+
+    batch: ScheduledBatch  # the scheduler's rows: decoding, prefilling, cancelled
+    sync: bool  # every submitted step was read first (sampling processors or a drafter need every token so far)
+    speculate: bool = False  # the lone decoding row runs a speculative round instead of its decode
+    graph_row: int | None = None  # the lone decoding row whose step the backend's recorded graph replays
+    produced: dict[int, _Sampled] = field(default_factory=dict)  # each sampled row's token, filled as it runs
 
 
 def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
@@ -62,10 +70,16 @@ def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) 
         from .paged import PagedStorage
 
         budget = config.kv_budget_for(model.max_context_length)
-        return PagedStorage(len(model.layers), block_size=config.block_size, kv_budget_tokens=budget,
-                            kv_bits=config.kv_bits, prefix_cache=config.prefix_cache,
-                            num_splits=config.num_splits,
-                            max_batch_size=config.max_batch_size, pad_block_tables=compiled)
+        return PagedStorage(
+            len(model.layers),
+            block_size=config.block_size,
+            kv_budget_tokens=budget,
+            kv_bits=config.kv_bits,
+            prefix_cache=config.prefix_cache,
+            num_splits=config.num_splits,
+            max_batch_size=config.max_batch_size,
+            pad_block_tables=compiled,
+        )
     return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
 
 
@@ -84,8 +98,14 @@ class EngineMirror(Protocol):
     """Sees every input of an Engine (distributed/mirror.py's LeaderMirror sends them to the other ranks)."""
 
     def prepare(self, params: SamplingParams) -> SamplingParams: ...
-    def opened(self, seq_id: int, prompt_ids: list[int], params: SamplingParams,
-               conversation: Conversation | None, max_context: int) -> None: ...
+    def opened(
+        self,
+        seq_id: int,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        conversation: Conversation | None,
+        max_context: int,
+    ) -> None: ...
     def closed(self, seq_id: int) -> None: ...
     def before_step(self) -> None: ...
 
@@ -94,33 +114,23 @@ class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, draft=None):
         """`draft`: the draft model (LoadedModel) when config.speculative names one and it is already loaded."""
         self.config = config or EngineConfig()
+        self.backend = backends.current()
         self.tokenizer = tokenizer
         self.max_context = model.max_context_length
         compiled = compile_enabled(self.config.compile_decode)
         self.storage = make_storage(model, self.config, compiled)
         self.runner = ModelRunner(model, self.storage, compiled)
-        self.scheduler = BatchScheduler(SchedulerConfig(
-            max_batch_size=self.config.max_batch_size, prefill_chunk_size=self.config.prefill_chunk_size,
-            prefill_grant_interval=self.config.prefill_grant_interval,
-            kv_budget_tokens=self.config.kv_budget_for(self.max_context),
-            prefill_batch_size=self._prefill_batch()), on_admit=self._admit)
-        self.lookahead = self.config.lookahead and os.environ.get("MLXCEL_LOOKAHEAD", "1") != "0"
-        # MLXCEL_LAUNCH_THREAD=1: steady decode steps are submitted on a launcher thread while this one builds
-        # the next (launcher.py); only where nothing else evaluates on this thread between steps, and not in a
-        # tensor-parallel rank (its collectives have not been run from a second thread).
-        self._threaded = (launch_thread_requested() and self.lookahead and compiled and not is_launched()
-                          and self.config.resolved_storage == "paged" and self.config.speculative is None)
-        self.launcher = make_launcher(self._threaded)
-        if self._threaded:
-            settle(model)
-        # a lone greedy row's decode steps replayed as one CUDA graph (graph_decode.py; MLXCEL_CUDA_GRAPH=0: off)
-        self.graph: GraphDecoder | None = None
-        if (graph_enabled() and cuda_kernel_available() and cubin_cache.enabled() and not self._threaded
-                and self.config.resolved_storage == "paged" and self.config.kv_bits is None
-                and self.config.speculative is None and not is_launched()):
-            self.graph = GraphDecoder(model, self.storage, open_rows=lambda seq_id: seq_id in self._latest)
-            self.storage.pad_block_tables = True  # one recording serves until the table's width doubles
-        self._steady_rows: tuple[int, ...] | None = None  # the last step's rows when it only decoded them
+        self.scheduler = BatchScheduler(
+            SchedulerConfig(
+                max_batch_size=self.config.max_batch_size,
+                prefill_chunk_size=self.config.prefill_chunk_size,
+                prefill_grant_interval=self.config.prefill_grant_interval,
+                kv_budget_tokens=self.config.kv_budget_for(self.max_context),
+                prefill_batch_size=self._prefill_batch(),
+            ),
+            on_admit=self._admit,
+        )
+        self.graph = self._make_graph(model)
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
@@ -150,7 +160,9 @@ class Engine:
         if self.mirror is not None:
             params = self.mirror.prepare(params)
         seq = Sequence(
-            seq_id=next(self._ids), prompt_ids=list(prompt_ids), params=params,
+            seq_id=next(self._ids),
+            prompt_ids=list(prompt_ids),
+            params=params,
             max_tokens=min(params.max_tokens, room),
             sampler=RowSampler(params, len(prompt_ids), self._breakers(params)),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
@@ -181,86 +193,107 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._unread)
 
-    def step(self) -> list[StepOutput]:
-        with self.launcher.stream():
-            return self._step()
+    def stats(self) -> EngineStats:
+        """What the server's metrics and the benchmarks report, without reaching into the engine's parts."""
+        return EngineStats(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            prefill_tokens=self.runner.prefill_tokens,
+            storage=self.storage.stats(),
+            speculative=self.speculator.stats if self.speculator is not None else None,
+            graph_replayed=self.graph.replayed if self.graph is not None else None,
+            graph_not_replaying=self.graph.why_not if self.graph is not None and not self.graph.usable else None,
+        )
 
-    def _step(self) -> list[StepOutput]:
+    def step(self) -> list[StepOutput]:
+        """Plan a step, run it, submit it, and read what is due."""
         if self.mirror is not None:
             self.mirror.before_step()
         if self.graph is not None and self.scheduler.num_waiting:
             self.graph.settle()  # admitting a sequence sets up its storage
-        # A sequence decoding alone speculates (speculative.py); drafting needs every token so far on the host.
         speculate = self.speculator is not None and sum(1 for _ in self._live()) == 1
-        sync = not self.lookahead or speculate or any(s.params.needs_history for s in self._live())
-        outputs = []
-        if sync:  # processors must see every token so far
-            self.launcher.wait()
-            outputs = self._commit(keep=0)
-        batch = self.scheduler.schedule()
-        graph_row = self._graph_row(batch, sync or speculate)
-        if self.graph is not None and graph_row is None:
+        sync = not self.config.lookahead or speculate or any(s.params.needs_history for s in self._live())
+        outputs = self._commit(keep=0) if sync else []
+        plan = self._plan(self.scheduler.schedule(), sync, speculate)
+        if self.graph is not None and plan.graph_row is None:
             self.graph.settle()  # MLX runs this step: the replayed steps before it first
-        # Overlap (threaded launcher): the same rows decode again and nothing else, so building this step
-        # evaluates nothing on this thread (a first decode traces, a prefill chunk evaluates its caches).
-        rows = tuple(batch.decode)
-        decode_only = bool(rows) and batch.prefill is None and not batch.cancelled and not sync
-        overlap = self._threaded and decode_only and rows == self._steady_rows and self.mirror is None
-        self._steady_rows = rows if decode_only else None
-        if not overlap:
-            self.launcher.wait()
-        for seq_id in batch.cancelled:
-            outputs.append(self._end(self._sequences[seq_id], "cancelled", token=None))
-        produced: dict[int, _Sampled] = {}
-        speculated = self._speculate(self._sequences[batch.decode[0]]) if speculate and batch.decode else None
-        if speculated is not None:
-            outputs += speculated
-        elif graph_row is not None:
-            outputs += self._graph_decode(graph_row, produced)
-        elif batch.decode:
-            tokens = mx.concatenate([self._latest[s] for s in batch.decode])  # one row: the array itself
-            before_trace = self.launcher.wait if overlap else None  # a trace must not run beside a launch
-            outputs += self._run(batch.decode, produced,
-                                 lambda: self.runner.decode(batch.decode, tokens, before_trace))
-        if batch.together:  # whole prompts in one forward
-            works = batch.prefills
-            now = time.perf_counter()
-            for work in works:
-                self._sequences[work.seq_id].timings.prefill_start = now
-            seq_ids = tuple(work.seq_id for work in works)
-            run = lambda: self.runner.prefill_together(seq_ids, [self._sequences[s].prompt_ids for s in seq_ids])
-            outputs += self._run(seq_ids, produced, run)
-        elif batch.prefill is not None:
-            work = batch.prefill
-            seq = self._sequences[work.seq_id]
-            seq.timings.prefill_start = seq.timings.prefill_start or time.perf_counter()
-            run = lambda: self.runner.prefill(work.seq_id, seq.prompt_ids[work.start:work.end], work.start, work.last)
-            outputs += self._run((work.seq_id,), produced, run, sample=work.last)
-        # The host reads this step's rows as one vector (-1: NaN logits), built and scheduled now with the step:
-        # made later in _commit it would queue behind the next step's forward and wait for it (no overlap).
-        readouts = [s.readout for s in produced.values()]
-        readout = (readouts[0] if len(readouts) == 1 else mx.concatenate(readouts)) if produced else None
-        arrays = [a for sampled in produced.values() for a in sampled.arrays()] + ([readout] if produced else [])
-        arrays = [a for a in arrays if isinstance(a, mx.array)]  # a replayed step's readout is the host's
-        if overlap:
-            self.launcher.wait()  # the previous step is encoded: this thread may read
-            outputs += self._commit(keep=1)  # the step before it (the device holds the previous one)
-        if self._threaded:  # the launcher submits the steps that wrote pools in place, in order, with this one
-            arrays += self.storage.take_in_place_writes()
-        self.launcher.submit(arrays)
-        self._latest.update({s: sampled.token for s, sampled in produced.items()})
-        if produced:
-            self._unread.append((produced, readout))
-        if sync or not overlap:  # read everything but this step (all of it when sync)
-            self.launcher.wait()
-            outputs += self._commit(keep=0 if sync or not produced else 1)
+        outputs += [self._end(self._sequences[s], "cancelled", token=None) for s in plan.batch.cancelled]
+        outputs += self._decode(plan)
+        outputs += self._prefill(plan)
+        self._submit(plan.produced)
+        # Read everything but this step (all of it when sync): the device computes it while the host reads.
+        outputs += self._commit(keep=0 if sync or not plan.produced else 1)
         return outputs
 
+    # -- a step, in order -------------------------------------------------------------------------
+    def _plan(self, batch: ScheduledBatch, sync: bool, speculate: bool) -> StepPlan:
+        plan = StepPlan(batch, sync, speculate=speculate and bool(batch.decode))
+        if not (sync or speculate):
+            plan.graph_row = self._graph_row(batch)
+        return plan
+
+    def _decode(self, plan: StepPlan) -> list[StepOutput]:
+        """The decoding rows' step: a speculative round, a replayed graph, or one forward for all of them."""
+        decode = plan.batch.decode
+        if plan.speculate:
+            speculated = self._speculate(self._sequences[decode[0]])
+            if speculated is not None:
+                return speculated
+        if plan.graph_row is not None:
+            return self._graph_decode(plan.graph_row, plan.produced)
+        if not decode:
+            return []
+        tokens = mx.concatenate([self._latest[s] for s in decode])  # one row: the array itself
+        return self._run(decode, plan.produced, lambda: self.runner.decode(decode, tokens))
+
+    def _prefill(self, plan: StepPlan) -> list[StepOutput]:
+        """Whole prompts in one forward, or one chunk of one prompt (sampled when it ends the prompt)."""
+        batch = plan.batch
+        if batch.together:
+            now = time.perf_counter()
+            for work in batch.prefills:
+                self._sequences[work.seq_id].timings.prefill_start = now
+            seq_ids = tuple(work.seq_id for work in batch.prefills)
+            run = lambda: self.runner.prefill_together(seq_ids, [self._sequences[s].prompt_ids for s in seq_ids])
+            return self._run(seq_ids, plan.produced, run)
+        if batch.prefill is None:
+            return []
+        work = batch.prefill
+        seq = self._sequences[work.seq_id]
+        seq.timings.prefill_start = seq.timings.prefill_start or time.perf_counter()
+        run = lambda: self.runner.prefill(work.seq_id, seq.prompt_ids[work.start : work.end], work.start, work.last)
+        return self._run((work.seq_id,), plan.produced, run, sample=work.last)
+
+    def _submit(self, produced: dict[int, _Sampled]) -> None:
+        """Hand the step to the device. The host reads its rows as one vector (-1: NaN logits), built and submitted
+        now with the step: made later in _commit it would queue behind the next step's forward and wait for it."""
+        if not produced:
+            return
+        readouts = [s.readout for s in produced.values()]
+        readout = readouts[0] if len(readouts) == 1 else mx.concatenate(readouts)
+        arrays = [a for sampled in produced.values() for a in sampled.arrays()]
+        mx.async_eval(arrays + ([readout] if isinstance(readout, mx.array) else []))  # (a replay's is the host's)
+        self._latest.update({s: sampled.token for s, sampled in produced.items()})
+        self._unread.append((produced, readout))
+
     # -- internals ----------------------------------------------------------------------------
+    def _make_graph(self, model: CausalLM):
+        """The backend's replayer of a lone greedy row's decode steps (one recorded graph), where it has one and the
+        engine's steps can be replayed: paged unquantized KV, no drafter, not a tensor-parallel rank."""
+        config = self.config
+        if not config.decode_graph or config.resolved_storage != "paged" or config.kv_bits is not None:
+            return None
+        if config.speculative is not None or is_launched():
+            return None
+        graph = self.backend.graph_decoder(model, self.storage, lambda seq_id: seq_id in self._latest)
+        if graph is not None:
+            self.storage.pad_block_tables = True  # one recording serves until the table's width doubles
+        return graph
+
     def _prefill_batch(self) -> int:
-        """Whole prompts a prefill forward may take. A tensor-parallel rank ignores MLXCEL_PREFILL_BATCH and the GPU
-        default: every rank must plan the same forwards (distributed/mirror.py), and a rank on another host may not
-        share this one's environment or backend (EngineConfig.prefill_batch_size, the same on every rank, applies)."""
+        """Whole prompts a prefill forward may take. A tensor-parallel rank ignores the backend's default: every rank
+        must plan the same forwards (distributed/mirror.py), and a rank on another host may not share this one's
+        backend (EngineConfig.prefill_batch_size, the same on every rank, applies)."""
         if is_launched() and self.config.prefill_batch_size is None:
             return 1
         return self.config.resolved_prefill_batch
@@ -282,10 +315,12 @@ class Engine:
         if key not in self._dry_breakers:
             if self._token_texts is None:
                 backend = self.tokenizer.backend
-                self._token_texts = backend.decode_batch([[i] for i in range(self.tokenizer.vocab_size)],
-                                                         skip_special_tokens=False)
+                self._token_texts = backend.decode_batch(
+                    [[i] for i in range(self.tokenizer.vocab_size)], skip_special_tokens=False
+                )
             self._dry_breakers[key] = dry_sequence_breakers(
-                self._token_texts, lambda text: self.tokenizer.encode(text, add_special_tokens=False), key)
+                self._token_texts, lambda text: self.tokenizer.encode(text, add_special_tokens=False), key
+            )
         return self._dry_breakers[key]
 
     def _admit(self, seq_id: int) -> int:
@@ -306,8 +341,8 @@ class Engine:
         if all(s.params.plain_greedy and s.params.logprobs is None for s in seqs):
             # The whole batch's tokens and readout at once, each row a slice (a lone row's whole-array slice is no op:
             # each op in a step's graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
-            tokens, readout = greedy_tokens(logits)  # one launch on CUDA (kernels/greedy.py)
-            produced.update({s.seq_id: _Sampled(tokens[i:i + 1], readout[i:i + 1]) for i, s in enumerate(seqs)})
+            tokens, readout = self.backend.greedy_tokens(logits)
+            produced.update({s.seq_id: _Sampled(tokens[i : i + 1], readout[i : i + 1]) for i, s in enumerate(seqs)})
             return outputs
         for i, seq in enumerate(seqs):
             try:
@@ -349,11 +384,18 @@ class Engine:
                 break
         return outputs
 
-    def _graph_row(self, batch, sync: bool) -> int | None:
-        """The row whose decode step this is, where it can be a replayed CUDA graph: one plain-greedy row decoding
+    def _graph_row(self, batch: ScheduledBatch) -> int | None:
+        """The row whose decode step this is, where it can be a replayed graph: one plain-greedy row decoding
         alone, nothing else in the step."""
-        if (self.graph is None or not self.graph.usable or sync or self.mirror is not None or len(batch.decode) != 1
-                or batch.prefill is not None or batch.together or batch.cancelled):
+        if (
+            self.graph is None
+            or not self.graph.usable
+            or self.mirror is not None
+            or len(batch.decode) != 1
+            or batch.prefill is not None
+            or batch.together
+            or batch.cancelled
+        ):
             return None
         seq_id = batch.decode[0]
         params = self._sequences[seq_id].params
@@ -405,8 +447,9 @@ class Engine:
             return self._end(seq, "length", token, text=text + self._flush(seq))
         return StepOutput(seq.seq_id, token, text)
 
-    def _end(self, seq: Sequence, reason: FinishReason, token: int | None, error: str | None = None,
-             text: str = "") -> StepOutput:
+    def _end(
+        self, seq: Sequence, reason: FinishReason, token: int | None, error: str | None = None, text: str = ""
+    ) -> StepOutput:
         seq.finish_reason, seq.error = reason, error
         self._conversations.pop(seq.seq_id, None)  # never admitted: nothing to keep
         seq.timings.finished = time.perf_counter()

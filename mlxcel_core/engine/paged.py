@@ -5,12 +5,12 @@ writes its tokens' slots and attends over the sequence gathered back from its bl
 step writes one slot per row and runs `paged_decode_attention` over the block tables.
 Prompts that start with blocks another request already computed reuse them (prefix cache).
 
-Where decode attention runs on the CUDA kernel, the kernel itself writes the step's keys and values into the pools,
-in place (kv/cuda_paged_attention.py, `new_kv`): MLX sees the pools only as the launch's inputs, so nothing in the
-graph orders a later pool update after that write. The storage does: before it hands out the views of the next
-prefill, extension or decode step (the only code that updates pools), it submits the steps that wrote in place
-(`mx.async_eval`), and graphs submitted to one stream run in order. A later decode step's own reads follow from
-its tokens, which come from the earlier step's logits.
+Where the backend's decode attention kernel writes the step's keys and values into the pools itself, in place
+(Backend.kv_written_in_kernel; backends/cuda/paged_attention.py, `new_kv`): MLX sees the pools only as the launch's
+inputs, so nothing in the graph orders a later pool update after that write. The storage does: before it hands out
+the views of the next prefill, extension or decode step (the only code that updates pools), it submits the steps that
+wrote in place (`mx.async_eval`), and graphs submitted to one stream run in order. A later decode step's own reads
+follow from its tokens, which come from the earlier step's logits.
 
 With `kv_bits`, each pool is stored quantized (packed values + scales + biases per slot, grouped
 along the head dimension) and dequantized after gathering a step's blocks.
@@ -22,11 +22,10 @@ import mlx.core as mx
 
 from autotune.runtime import SplitsChooser
 
+from .. import backends
 from ..cache import kv_group_size
 from ..kv.block_pool import BlockPool, BlockTable
-from ..kv.cuda_paged_attention import (COUNTERS, RUNNER_OPS, combine_in_kernel, cuda_kernel_available,
-                                       cuda_paged_decode_attention, kv_written_in_kernel, runner_for)
-from ..kv.paged_attention import paged_decode_attention
+from ..kv.paged_attention import RUNNER_OPS
 from ..models.base import causal_mask, scaled_dot_product_attention
 from .step_inputs import int_views
 
@@ -35,15 +34,25 @@ MIN_POOL_BLOCKS = 64  # the pools' first allocation (blocks); they grow by doubl
 
 
 class PagedStorage:
-    def __init__(self, num_layers: int, block_size: int = 32, kv_budget_tokens: int | None = None,
-                 kv_bits: int | None = None, prefix_cache: bool = True, num_splits: int | None = None,
-                 max_batch_size: int = 1, pad_block_tables: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        block_size: int = 32,
+        kv_budget_tokens: int | None = None,
+        kv_bits: int | None = None,
+        prefix_cache: bool = True,
+        num_splits: int | None = None,
+        max_batch_size: int = 1,
+        pad_block_tables: bool = False,
+    ):
         self.kv_bits = kv_bits
         # Decode block tables padded to a power-of-two width: compiled decode steps trace once per shape.
         self.pad_block_tables = pad_block_tables
         budget = kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
         # One spare block per row: partial last blocks and the lookahead step's extra token.
-        self.pool = BlockPool(-(-budget // block_size) + max_batch_size + 1, block_size, enable_prefix_cache=prefix_cache)
+        self.pool = BlockPool(
+            -(-budget // block_size) + max_batch_size + 1, block_size, enable_prefix_cache=prefix_cache
+        )
         self.num_splits = num_splits  # None: per shape, MLXCEL_PAGED_DECODE_SPLITS > autotune cache > heuristic
         self.choose_splits = SplitsChooser(fixed=num_splits)
         # Per layer: [keys, values] or, quantized, [k packed, k scales, k biases, v packed, v scales, v biases].
@@ -59,15 +68,10 @@ class PagedStorage:
         self.lengths: dict[int, int] = {}  # tokens written per sequence
         self.prompts: dict[int, list[int]] = {}
         self.written_in_place: list[mx.array] = []  # arrays of the steps whose kernels wrote the pools in place
-        # Per layer on CUDA: the decode kernel's combine counters (zeros it leaves as it found them), made here,
-        # outside any compiled trace, so a trace captures the same array for every step; evaluated in one call (made
-        # with each layer's pools at the first prefill, their evals were one host sync a layer in its TTFT). None
-        # where the kernel does not run or MLXCEL_COMBINE_IN_KERNEL=0 (asked once, here, as MLXCEL_KV_IN_KERNEL is).
-        self.kv_in_kernel = kv_written_in_kernel()
-        self.combine_counters: list[mx.array | None] = [None] * num_layers
-        if cuda_kernel_available() and kv_bits is None and combine_in_kernel():
-            self.combine_counters = [mx.zeros((COUNTERS,), mx.int32) for _ in range(num_layers)]
-            mx.eval(self.combine_counters)
+        # Per layer, where the backend's kernel combines its splits in one launch: its counters (unquantized pools).
+        backend = backends.current()
+        self.kv_in_kernel = backend.kv_written_in_kernel
+        self.combine_counters = backend.combine_counters(num_layers) if kv_bits is None else [None] * num_layers
 
     # -- KVStorage ----------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], conversation=None) -> int:
@@ -84,9 +88,11 @@ class PagedStorage:
         self.lengths[seq_id] = start + length
         self._reserve()
         slot_blocks, slot_offsets, blocks = int_views(
-            *self._block_offsets([table.slot(p) for p in range(start, start + length)]), table.blocks)
-        return [_PrefillView(self, layer, (slot_blocks, slot_offsets), blocks, start)
-                for layer in range(len(self.pools))]
+            *self._block_offsets([table.slot(p) for p in range(start, start + length)]), table.blocks
+        )
+        return [
+            _PrefillView(self, layer, (slot_blocks, slot_offsets), blocks, start) for layer in range(len(self.pools))
+        ]
 
     def prefill_together_caches(self, seq_ids, lengths: list[int]) -> list["_TogetherPrefillView"]:
         """Per-layer caches for whole prompts of several sequences in one forward, left-padded to the longest
@@ -104,11 +110,12 @@ class PagedStorage:
             keep += range(row * longest + longest - length, (row + 1) * longest)  # the row's real columns
         self._reserve()
         padding = [longest - length for length in lengths]
-        slot_blocks, slot_offsets, keep, offsets = int_views(*self._block_offsets(slots), keep,
-                                                             [-p for p in padding])
+        slot_blocks, slot_offsets, keep, offsets = int_views(*self._block_offsets(slots), keep, [-p for p in padding])
         pad = None if not any(padding) else mx.array(padding)
-        return [_TogetherPrefillView(self, layer, (slot_blocks, slot_offsets), keep, offsets, pad)
-                for layer in range(len(self.pools))]
+        return [
+            _TogetherPrefillView(self, layer, (slot_blocks, slot_offsets), keep, offsets, pad)
+            for layer in range(len(self.pools))
+        ]
 
     def finish_prefill(self, seq_id: int) -> None:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
@@ -120,8 +127,10 @@ class PagedStorage:
         """Per-layer caches of a decode step whose rows `decode_inputs` advanced (`parts`: what it returned)."""
         self.submit_in_place_writes()
         slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(*parts)
-        return [DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
-                for layer in range(len(self.pools))]
+        return [
+            DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
+            for layer in range(len(self.pools))
+        ]
 
     def decode_inputs(self, seq_ids) -> tuple:
         """Advance each row one position: the step's ints (slot blocks, slot offsets, block tables, positions,
@@ -137,8 +146,12 @@ class PagedStorage:
         width = max(len(t) for t in tables)
         if self.pad_block_tables:
             width = 1 << (width - 1).bit_length()
-        return (*self._block_offsets([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)]),
-                [t + [0] * (width - len(t)) for t in tables], positions, [p + 1 for p in positions])
+        return (
+            *self._block_offsets([self.tables[s].slot(p) for s, p in zip(seq_ids, positions)]),
+            [t + [0] * (width - len(t)) for t in tables],
+            positions,
+            [p + 1 for p in positions],
+        )
 
     def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
         """Several new tokens of one decoding sequence (speculative verification): a prompt chunk's view."""
@@ -159,9 +172,14 @@ class PagedStorage:
 
     def stats(self) -> dict[str, int]:
         s = self.pool.stats
-        return {"blocks_total": self.pool.num_blocks, "blocks_free": self.pool.num_available(),
-                "prefix_hits": s.hits, "prefix_queries": s.queries, "cached_tokens": s.cached_tokens,
-                "evictions": s.evictions}
+        return {
+            "blocks_total": self.pool.num_blocks,
+            "blocks_free": self.pool.num_available(),
+            "prefix_hits": s.hits,
+            "prefix_queries": s.queries,
+            "cached_tokens": s.cached_tokens,
+            "evictions": s.evictions,
+        }
 
     # -- pools -----------------------------------------------------------------------------------
     def take_in_place_writes(self) -> list[mx.array]:
@@ -216,19 +234,30 @@ class PagedStorage:
             self.pools[layer] = [mx.zeros(size + p.shape[1:], p.dtype) for p in parts]
             self.pools_version += 1
         elif self.pools[layer][0].shape[0] < self.pool_rows:  # higher blocks came into use: grow (zeros, as new)
-            self.pools[layer] = [mx.concatenate([pool, mx.zeros((self.pool_rows - pool.shape[0], *pool.shape[1:]),
-                                                               pool.dtype)]) for pool in self.pools[layer]]
+            self.pools[layer] = [
+                mx.concatenate([pool, mx.zeros((self.pool_rows - pool.shape[0], *pool.shape[1:]), pool.dtype)])
+                for pool in self.pools[layer]
+            ]
             self.pools_version += 1
         return self.pools[layer]
 
     def decode_attention(self, queries: mx.array, pools: list[mx.array], block_tables: mx.array):
-        """(attention function, num_splits) for a decode step: the CUDA kernel where it runs, else the ops path."""
+        """(attention function, num_splits, whether it is a kernel of the backend's) for a decode step."""
         batch, q_heads, _, head_dim = queries.shape
-        runner = runner_for(head_dim)
+        backend = backends.current()
+        runner = backend.paged_runner(head_dim)
         bs = self.pool.block_size
-        splits = self.choose_splits(batch, block_tables.shape[1] * bs, q_heads, pools[0].shape[2], head_dim, bs,
-                                    str(pools[0].dtype).rsplit(".", 1)[-1], runner)
-        return (paged_decode_attention if runner == RUNNER_OPS else cuda_paged_decode_attention), splits
+        splits = self.choose_splits(
+            batch,
+            block_tables.shape[1] * bs,
+            q_heads,
+            pools[0].shape[2],
+            head_dim,
+            bs,
+            str(pools[0].dtype).rsplit(".", 1)[-1],
+            runner,
+        )
+        return backend.paged_attention(runner), splits, runner != RUNNER_OPS
 
     def gather(self, pools: list[mx.array], block_tables: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Rows' blocks as dense [B, Hkv, T, D] keys and values (T = blocks per row x block size)."""
@@ -236,15 +265,16 @@ class PagedStorage:
         dense = [p[block_tables].reshape(batch, width * self.pool.block_size, *p.shape[2:]) for p in pools]
         if self.kv_bits is not None:
             group = dense[0].shape[-1] * 32 // self.kv_bits // dense[1].shape[-1]
-            dense = [mx.dequantize(*dense[i:i + 3], group_size=group, bits=self.kv_bits) for i in (0, 3)]
+            dense = [mx.dequantize(*dense[i : i + 3], group_size=group, bits=self.kv_bits) for i in (0, 3)]
         return tuple(d.transpose(0, 2, 1, 3).astype(dtype) for d in dense)
 
 
 class _PrefillView:
     """LayerCache for a chunk of one sequence's prompt (batch of one)."""
 
-    def __init__(self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], blocks: mx.array,
-                 start: int):
+    def __init__(
+        self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], blocks: mx.array, start: int
+    ):
         self.storage, self.layer, self.slots, self.blocks, self.offset = storage, layer, slots, blocks, start
 
     @property
@@ -259,13 +289,15 @@ class _PrefillView:
         if self.offset == 0 and self.storage.kv_bits is None:
             # The sequence's first chunk: the blocks now hold exactly these keys/values, so attend over them
             # as they are instead of gathering them back (on the GPU the gather cost ~0.3 ms per layer of TTFT).
-            return scaled_dot_product_attention(queries, keys, values, scale,
-                                                causal_mask(queried, length, None, window), softcap)
+            return scaled_dot_product_attention(
+                queries, keys, values, scale, causal_mask(queried, length, None, window), softcap
+            )
         total = self.offset + length
         all_keys, all_values = self.storage.gather(pools, self.blocks[None], queries.dtype)
         mask = causal_mask(queried, total, None, window)
-        return scaled_dot_product_attention(queries, all_keys[:, :, :total], all_values[:, :, :total], scale,
-                                            mask, softcap)
+        return scaled_dot_product_attention(
+            queries, all_keys[:, :, :total], all_values[:, :, :total], scale, mask, softcap
+        )
 
 
 class _TogetherPrefillView:
@@ -273,8 +305,15 @@ class _TogetherPrefillView:
     columns before its padding[r] are padding, hidden from attention and never stored; the others are the prompt's
     positions 0.. (offset -padding[r]: RoPE's positions)."""
 
-    def __init__(self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], keep: mx.array,
-                 offsets: mx.array, padding: mx.array | None):
+    def __init__(
+        self,
+        storage: PagedStorage,
+        layer: int,
+        slots: tuple[mx.array, mx.array],
+        keep: mx.array,
+        offsets: mx.array,
+        padding: mx.array | None,
+    ):
         self.storage, self.layer, self.slots, self.keep = storage, layer, slots, keep
         self._offsets, self.padding = offsets, padding
 
@@ -297,8 +336,9 @@ class _TogetherPrefillView:
 class DecodeView:
     """LayerCache for one decode step over several rows, each with its own position and blocks."""
 
-    def __init__(self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], block_tables, positions,
-                 context_lens):
+    def __init__(
+        self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], block_tables, positions, context_lens
+    ):
         self.storage, self.layer = storage, layer
         self.slots = slots  # (blocks [B], offsets [B]): each row's KV slot (PagedStorage.write)
         self.block_tables, self.offset = block_tables, positions
@@ -316,18 +356,34 @@ class DecodeView:
         storage = self.storage
         if window is None and softcap is None and storage.kv_bits is None:
             pools = storage.layer_pools(self.layer, [keys, values])
-            attention, num_splits = storage.decode_attention(queries, pools, self.block_tables)
+            attention, num_splits, on_kernel = storage.decode_attention(queries, pools, self.block_tables)
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
-            on_kernel = attention is cuda_paged_decode_attention
             kernel_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
             if on_kernel and storage.kv_in_kernel:
-                out = attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
-                                scale=scale, new_kv=(keys, values, *self.slots), **kernel_args)
+                out = attention(
+                    queries,
+                    pools[0],
+                    pools[1],
+                    self.block_tables,
+                    context_lens,
+                    num_splits=num_splits,
+                    scale=scale,
+                    new_kv=(keys, values, *self.slots),
+                    **kernel_args,
+                )
                 storage.written_in_place.append(out)
                 return out
             pools = storage.write(self.layer, self.slots, keys, values)
-            return attention(queries, pools[0], pools[1], self.block_tables, context_lens, num_splits=num_splits,
-                             scale=scale, **kernel_args)
+            return attention(
+                queries,
+                pools[0],
+                pools[1],
+                self.block_tables,
+                context_lens,
+                num_splits=num_splits,
+                scale=scale,
+                **kernel_args,
+            )
         pools = storage.write(self.layer, self.slots, keys, values)
         # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
         all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)

@@ -54,18 +54,18 @@ class ModelRunner:
         caches = self.storage.extend_caches(seq_id, len(tokens))
         return self.model(mx.array([tokens]), caches)[0]
 
-    def decode(self, seq_ids: tuple[int, ...], tokens: mx.array, before_trace=None) -> mx.array:
-        """One step for every row: `tokens` [B] -> logits [B, V]. `before_trace`: called first unless the step
-        replays a compiled trace (a trace or an op-by-op forward runs the model's Python, which may evaluate)."""
+    def decode(self, seq_ids: tuple[int, ...], tokens: mx.array) -> mx.array:
+        """One step for every row: `tokens` [B] -> logits [B, V]."""
         caches = self.storage.decode_caches(seq_ids)
         if self.compiled is not None and self.compiled.supports(caches):
             try:
-                return self.compiled.decode(tokens, caches, before_trace)
+                return self.compiled.decode(tokens, caches)
             except Exception as exc:  # noqa: BLE001 - the model cannot be traced: decode op by op from now on
                 # Nothing was committed: a failed call leaves the caches as they were (grown at most).
-                log.warning("mlxcel: compiled decode steps are not possible for this model (%s: %s); "
-                            "decoding op by op", type(exc).__name__, exc)
+                log.warning(
+                    "mlxcel: compiled decode steps are not possible for this model (%s: %s); decoding op by op",
+                    type(exc).__name__,
+                    exc,
+                )
                 self.compiled = None
-        if before_trace is not None:
-            before_trace()
         return self.model(tokens[:, None], caches)[:, -1, :]

@@ -30,10 +30,10 @@ class SchedulerConfig:
     prefill_batch_size: int = 1  # whole prompts one prefill forward may take
 
     def __post_init__(self):
-        if min(self.max_batch_size, self.prefill_chunk_size, self.prefill_grant_interval,
-               self.prefill_batch_size) < 1:
-            raise InputError("max_batch_size, prefill_chunk_size, prefill_grant_interval and prefill_batch_size "
-                             "must be >= 1")
+        if min(self.max_batch_size, self.prefill_chunk_size, self.prefill_grant_interval, self.prefill_batch_size) < 1:
+            raise InputError(
+                "max_batch_size, prefill_chunk_size, prefill_grant_interval and prefill_batch_size must be >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -92,8 +92,10 @@ class BatchScheduler:
         request = _Request(seq_id, prompt_len, max_tokens)
         budget = self.config.kv_budget_tokens
         if budget is not None and request.reservation > budget:
-            raise InputError(f"request needs {request.reservation} KV tokens (prompt {prompt_len} + max_tokens "
-                             f"{max_tokens}) but the KV budget holds {budget}")
+            raise InputError(
+                f"request needs {request.reservation} KV tokens (prompt {prompt_len} + max_tokens "
+                f"{max_tokens}) but the KV budget holds {budget}"
+            )
         self._waiting.append(request)
 
     def cancel(self, seq_id: int) -> None:
@@ -128,8 +130,9 @@ class BatchScheduler:
     def schedule(self) -> ScheduledBatch:
         cancelled = self._drop_cancelled()
         admitted = self._admit()
-        decode = tuple(r.seq_id for r in self._active.values()
-                       if r.computed == r.prompt_len and 0 < r.produced < r.max_tokens)
+        decode = tuple(
+            r.seq_id for r in self._active.values() if r.computed == r.prompt_len and 0 < r.produced < r.max_tokens
+        )
         prefill = self._next_prefill(bool(decode))
         together = self._prefill_together(prefill) if prefill is not None else ()
         for seq_id in decode:
@@ -167,8 +170,11 @@ class BatchScheduler:
         request = next((r for r in self._active.values() if r.computed < r.prompt_len), None)
         if request is None:
             return None
-        granted = (not decoding or not request.started
-                   or self._decode_steps_since_prefill >= self.config.prefill_grant_interval)
+        granted = (
+            not decoding
+            or not request.started
+            or self._decode_steps_since_prefill >= self.config.prefill_grant_interval
+        )
         if not granted:
             return None
         start = request.computed

@@ -105,7 +105,7 @@ class DraftModelDrafter:
         state = self._states.get(seq_id)
         if state is None:
             state = self._states[seq_id] = _DraftState(make_cache(len(self.model.layers)))
-        pending = tokens[state.length:]
+        pending = tokens[state.length :]
         body, last = pending[:-1], pending[-1:]
         for start in range(0, len(body), self.prefill_chunk_size):
             self.model(mx.array([body[start : start + self.prefill_chunk_size]]), state.caches)
@@ -139,8 +139,10 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, draft_name: str) ->
     else:
         token = next(t for t in sorted(target, key=target.get) if draft.get(t) != target[t])
         detail = f"token {token!r} is id {target[token]} in the target but {draft.get(token)} in the draft"
-    raise InputError(f"draft model {draft_name} has a different vocabulary ({detail}); speculative decoding "
-                     f"needs a draft model with the same tokenizer as the target")
+    raise InputError(
+        f"draft model {draft_name} has a different vocabulary ({detail}); speculative decoding "
+        f"needs a draft model with the same tokenizer as the target"
+    )
 
 
 def make_drafter(config: SpeculativeConfig, target_tokenizer, prefill_chunk_size: int, draft=None) -> Drafter:
@@ -165,8 +167,9 @@ def verify(sampler: RowSampler, logits: mx.array, proposals: list[int], history:
     """Accept draft tokens while the row's sampler draws them from the target's logits [k + 1, V]."""
     rows = logits
     if sampler.params.adjusts_logits:  # every stage sees the history the token would really have
-        rows = mx.concatenate([sampler.process(logits[i : i + 1], history + proposals[:i])
-                               for i in range(len(proposals) + 1)])
+        rows = mx.concatenate(
+            [sampler.process(logits[i : i + 1], history + proposals[:i]) for i in range(len(proposals) + 1)]
+        )
     drawn, keys = sampler.draw_many(rows)
     nan = mx.isnan(rows).any(axis=-1)
     mx.eval(drawn, nan)

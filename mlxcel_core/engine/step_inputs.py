@@ -1,9 +1,9 @@
 """A step's integer inputs (positions, slots, context lengths, block tables) as views of ONE host-built array.
 
-Why: a kernel reading an array of <= 8 bytes (a batch-1 step's position, slot or context length) stalls on CUDA
-(cuda_small_arrays.py; on the H200 the paged-decode kernel took 25-30 us a call with them, 11 us (1B) and 21 us (8B)
-at the same split count with this module, benchmarks/RESULTS.md). One packed array of at least MIN_INTS ints is one
-allocation outside MLX's small-block pool, written once per step; its slices and reshapes are views, not copies.
+Why: one host-to-device array a step instead of five, and none of them tiny: a kernel reading an array of <= 8
+bytes (a batch-1 step's position, slot or context length) stalls on CUDA (backends/cuda/small_arrays.py). One packed
+array of at least MIN_INTS ints is one allocation outside MLX's small-block pool, written once per step; its slices
+and reshapes are views, not copies. The backend places it (Backend.own_step_inputs).
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..cuda_small_arrays import MIN_ELEMENTS
-from ..kv.cuda_paged_attention import cuda_kernel_available
+from .. import backends
 
-MIN_INTS = MIN_ELEMENTS  # 16 bytes: more than the allocator's 8-byte small blocks
+MIN_INTS = 4  # 16 bytes: more than MLX's CUDA allocator's 8-byte small blocks
 
 
 def packed_ints(*parts: Sequence[int] | Sequence[Sequence[int]]) -> tuple[list[int], list[tuple]]:
@@ -38,9 +37,5 @@ def int_views(*parts: Sequence[int] | Sequence[Sequence[int]]) -> list[mx.array]
     """Each part (a list of ints, or a list of equal-length int lists) as an int32 array of that shape; all of them
     views of one array made from the host's values (`packed_ints`)."""
     flat, spans = packed_ints(*parts)
-    packed = mx.array(flat, dtype=mx.int32)
-    if cuda_kernel_available():
-        # One copy made by the GPU, so every layer's kernels read memory the GPU wrote. Reading the host-written
-        # array itself, rope ran 1.1-1.6x and the KV scatter 1.1-1.2x slower per call on the H200.
-        packed = packed + 0
-    return [packed[start:start + n].reshape(shape) for start, n, shape in spans]
+    packed = backends.current().own_step_inputs(mx.array(flat, dtype=mx.int32))
+    return [packed[start : start + n].reshape(shape) for start, n, shape in spans]

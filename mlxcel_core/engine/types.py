@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -14,31 +12,6 @@ from ..sampling import RowSampler, SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 StorageKind = Literal["auto", "dense", "paged"]
-
-
-# On the H200 prefilling up to 8 waiting prompts in one forward cut a batch's mean time to first token 1.5-5x with
-# the same decode speed (benchmarks/RESULTS.md, seventeenth session); on the 2-core CPU, compute-bound, it raised it
-# (22 s vs 16 s at a batch of 8): every prompt waits for the whole forward.
-GPU_PREFILL_BATCH = 8
-
-
-def default_prefill_batch() -> int:
-    import mlx.core as mx
-
-    return GPU_PREFILL_BATCH if mx.default_device().type == mx.DeviceType.gpu else 1
-
-
-def prefill_batch_setting() -> int:
-    """MLXCEL_PREFILL_BATCH (at least 1), else default_prefill_batch(): what an engine without its own value takes.
-    A value that is not a whole number is reported (a warning) and the default used."""
-    value = os.environ.get("MLXCEL_PREFILL_BATCH", "").strip()
-    if value:
-        try:
-            return max(1, int(value))
-        except ValueError:
-            logging.getLogger("mlxcel.engine").warning(
-                "mlxcel: MLXCEL_PREFILL_BATCH=%r is not a whole number; ignored", value)
-    return default_prefill_batch()
 
 
 @dataclass(frozen=True)
@@ -93,36 +66,41 @@ class EngineConfig:
     block_size: int = 32
     kv_budget_tokens: int | None = None  # None: as much as memory allows
     prefix_cache: bool = True  # paged storage only
-    lookahead: bool = True  # submit step n+1 before reading step n (MLXCEL_LOOKAHEAD=0 turns it off)
-    # decode steps as one compiled graph (engine/compiled_decode.py); None: on a GPU only. MLXCEL_COMPILE=0/1 overrides.
+    lookahead: bool = True  # submit step n+1 before reading step n
+    # decode steps as one compiled graph (engine/compiled_decode.py); None: the backend's default (on a GPU)
     compile_decode: bool | None = None
+    # a lone greedy row's decode steps replayed as one recorded graph, where the backend has one (CUDA)
+    decode_graph: bool = True
     # split-K factor of paged decode attention; None: chosen per shape (MLXCEL_PAGED_DECODE_SPLITS >
     # autotune cache per MLXCEL_AUTOTUNE > heuristic), as `mlxcel tune` measures it
     num_splits: int | None = None
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # whole prompts one prefill forward may take (paged storage, unquantized KV; else one at a time); None: the
-    # MLXCEL_PREFILL_BATCH environment variable's, else GPU_PREFILL_BATCH on a GPU and 1 on CPU
+    # backend's default (several on a GPU, 1 on CPU)
     prefill_batch_size: int | None = None
 
     @property
     def resolved_prefill_batch(self) -> int:
         if self.resolved_storage != "paged" or self.kv_bits is not None:  # (a quantized pool's prefill reads back)
             return 1
-        return self.prefill_batch_size if self.prefill_batch_size is not None else prefill_batch_setting()
+        if self.prefill_batch_size is not None:
+            return self.prefill_batch_size
+        from .. import backends
+
+        return backends.current().prefill_batch()
 
     @property
     def resolved_storage(self) -> str:
         """auto: paged when batching; at batch 1 paged too where decode steps compile on CUDA (a dense step cannot
-        compile there without leaving MLX's fused attention, see compiled_decode.py: on the H200 paged + compiled
-        decoded at 1.16-1.41x mlx-lm on 4-bit shapes, dense op by op at 0.92-0.94x), else dense."""
+        compile there without leaving MLX's fused attention, see compiled_decode.py), else dense."""
         if self.storage != "auto":
             return self.storage
         if self.max_batch_size > 1:
             return "paged"
-        from .compiled_decode import DENSE_MASK_IS_SLOW, compile_enabled
+        from .compiled_decode import compile_enabled, dense_mask_is_slow
 
         paged_compiles = self.kv_bits is None and self.speculative is None and compile_enabled(self.compile_decode)
-        return "paged" if paged_compiles and DENSE_MASK_IS_SLOW() else "dense"
+        return "paged" if paged_compiles and dense_mask_is_slow() else "dense"
 
     def kv_budget_for(self, max_context: int) -> int | None:
         """KV tokens the engine admits: the explicit budget; else, paged (always a finite pool), the whole context
@@ -134,6 +112,19 @@ class EngineConfig:
         from .paged import DEFAULT_KV_BUDGET_TOKENS
 
         return DEFAULT_KV_BUDGET_TOKENS
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Engine.stats(): what the server's metrics and the benchmarks read."""
+
+    running: int  # sequences admitted and not finished
+    waiting: int  # sequences queued for admission
+    prefill_tokens: int  # prompt tokens computed so far (prefix-cache hits are not)
+    storage: dict[str, int]  # the KV storage's own counters (PagedStorage.stats, DenseStorage.stats)
+    speculative: SpecStats | None  # engine totals, with a drafter
+    graph_replayed: int | None  # decode steps replayed as a recorded graph; None: the engine has no replayer
+    graph_not_replaying: str | None = None  # why the engine's replayer stopped replaying, if it did
 
 
 @dataclass

@@ -134,7 +134,7 @@ class BlockPool:
         matched: list[int] = []
         parent = ROOT_HASH
         for i in range(max(len(token_ids) - 1, 0) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             block = self._block_of.get(parent)
             if block is None:
                 break
@@ -167,7 +167,7 @@ class BlockPool:
                 continue
             if self.refcount(block) == 0:
                 raise ValueError(f"block {block} is not held; cache blocks before releasing them")
-            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             if parent not in self._block_of:
                 self._block_of[parent] = block
                 self._hash_of[block] = parent

@@ -13,6 +13,8 @@ import math
 
 import mlx.core as mx
 
+RUNNER_OPS = "mlx-ops"  # the runner name of this implementation (autotune keys its results on runner names)
+
 
 def _check_int(name: str, a: mx.array) -> None:
     if not mx.issubdtype(a.dtype, mx.integer):
@@ -47,8 +49,9 @@ def check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_sp
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
 
 
-def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1,
-                           scale: float | None = None) -> mx.array:
+def paged_decode_attention(
+    q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1, scale: float | None = None
+) -> mx.array:
     """One decode step of attention for B rows. q: [B, Hq, D] (or [B, Hq, 1, D], the model's layout at one token);
     pools: [num_blocks, block_size, Hkv, D]; block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens,
     current one included). Returns q's shape and dtype. A row with context_len 0 yields zeros."""
@@ -56,7 +59,7 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens, num_sp
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
-    scale = D ** -0.5 if scale is None else scale
+    scale = D**-0.5 if scale is None else scale
     S = num_splits
 
     # Gather each row's blocks into a dense token axis: [B, T, Hkv, D].

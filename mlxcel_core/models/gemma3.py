@@ -63,6 +63,7 @@ class Model(GemmaCausalLM):
         ropes = {}
         for layer_type in (SLIDING, FULL):
             params = args.rope_for(layer_type)
-            ropes[layer_type] = initialize_rope(args.head_dim, rope_base(None, params), False,
-                                                rope_scaling_config(None, params))
+            ropes[layer_type] = initialize_rope(
+                args.head_dim, rope_base(None, params), False, rope_scaling_config(None, params)
+            )
         super().__init__(args, ropes, qk_norm=True, attn_softcap=None)

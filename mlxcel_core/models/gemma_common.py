@@ -33,8 +33,14 @@ _RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_DROPPED = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-            "vision_model.", "model.vision_model.")
+_DROPPED = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "vision_model.",
+    "model.vision_model.",
+)
 
 
 @dataclass
@@ -70,15 +76,20 @@ class GemmaArgs(BaseModelArgs):
     def __post_init__(self):
         if self.hidden_activation is not None and self.hidden_activation not in GELU_TANH:
             raise UnsupportedModelError(
-                f"hidden_activation '{self.hidden_activation}' is not supported for {self.model_type}")
+                f"hidden_activation '{self.hidden_activation}' is not supported for {self.model_type}"
+            )
         if self.use_bidirectional_attention:
-            raise UnsupportedModelError(f"{self.model_type} with bidirectional attention is an encoder, not a causal LM")
+            raise UnsupportedModelError(
+                f"{self.model_type} with bidirectional attention is an encoder, not a causal LM"
+            )
         if self.layer_types is None:
             self.layer_types = self.default_layer_types()
         self.layer_types = list(self.layer_types)[: self.num_hidden_layers]
         unknown = sorted(set(self.layer_types) - {SLIDING, FULL})
         if unknown or len(self.layer_types) != self.num_hidden_layers:
-            raise UnsupportedModelError(f"{self.model_type} layer_types {unknown or self.layer_types} are not supported")
+            raise UnsupportedModelError(
+                f"{self.model_type} layer_types {unknown or self.layer_types} are not supported"
+            )
 
 
 class RMSNorm(nn.Module):
@@ -96,8 +107,15 @@ class RMSNorm(nn.Module):
 def gemma_attention(args: GemmaArgs, layer_type: str, rope: RoPE, qk_norm: bool, softcap: float | None) -> Attention:
     """Scaled by `query_pre_attn_scalar`; sliding layers see the last `sliding_window` keys (the cache masks)."""
     window = args.sliding_window if layer_type == SLIDING else None
-    return Attention(args, rope, bias=args.attention_bias, window=window, softcap=softcap,
-                     scale=float(args.query_pre_attn_scalar) ** -0.5, qk_norm=RMSNorm if qk_norm else None)
+    return Attention(
+        args,
+        rope,
+        bias=args.attention_bias,
+        window=window,
+        softcap=softcap,
+        scale=float(args.query_pre_attn_scalar) ** -0.5,
+        qk_norm=RMSNorm if qk_norm else None,
+    )
 
 
 class DecoderLayer(nn.Module):
@@ -122,8 +140,10 @@ class GemmaCausalLM(TransformerLM):
     """`ropes` by layer type; `qk_norm` (Gemma 3) and `attn_softcap` (Gemma 2) as gemma_attention takes them."""
 
     def __init__(self, args: GemmaArgs, ropes: dict[str, RoPE], qk_norm: bool, attn_softcap: float | None):
-        layers = [DecoderLayer(args, gemma_attention(args, layer_type, ropes[layer_type], qk_norm, attn_softcap))
-                  for layer_type in args.layer_types]
+        layers = [
+            DecoderLayer(args, gemma_attention(args, layer_type, ropes[layer_type], qk_norm, attn_softcap))
+            for layer_type in args.layer_types
+        ]
         super().__init__(args, layers, norm=RMSNorm, embed_scale=args.hidden_size**0.5)
         self.final_logit_softcapping = args.final_logit_softcapping
 
@@ -139,7 +159,7 @@ class GemmaCausalLM(TransformerLM):
         for name, value in weights.items():
             for old, new in _RENAMES:
                 if name.startswith(old):
-                    name = new + name[len(old):]
+                    name = new + name[len(old) :]
                     break
             if not name.startswith(_DROPPED):
                 out[name] = value

@@ -28,7 +28,10 @@ def make_attention(args) -> Attention:
 
 class Model(TransformerLM):
     def __init__(self, args: ModelArgs):
-        layers = [DecoderLayer(args, make_attention(args),
-                               GatedMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias))
-                  for _ in range(args.num_hidden_layers)]
+        layers = [
+            DecoderLayer(
+                args, make_attention(args), GatedMLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+            )
+            for _ in range(args.num_hidden_layers)
+        ]
         super().__init__(args, layers)

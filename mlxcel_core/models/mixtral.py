@@ -33,19 +33,32 @@ class ModelArgs(TransformerArgs):
 
 class Model(TransformerLM):
     def __init__(self, args: ModelArgs):
-        layers = [DecoderLayer(args, make_attention(args),
-                               SparseMoeBlock(args.hidden_size, args.intermediate_size, args.num_local_experts,
-                                              args.num_experts_per_tok, norm_topk_prob=True),
-                               mlp_name="block_sparse_moe")
-                  for _ in range(args.num_hidden_layers)]
+        layers = [
+            DecoderLayer(
+                args,
+                make_attention(args),
+                SparseMoeBlock(
+                    args.hidden_size,
+                    args.intermediate_size,
+                    args.num_local_experts,
+                    args.num_experts_per_tok,
+                    norm_topk_prob=True,
+                ),
+                mlp_name="block_sparse_moe",
+            )
+            for _ in range(args.num_hidden_layers)
+        ]
         super().__init__(args, layers)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)
         # transformers' in-memory names (`mlp.gate`, fused `mlp.experts.*`) -> the checkpoint's `block_sparse_moe`
-        weights = {k.replace(".mlp.", ".block_sparse_moe.") if k.startswith("model.layers.") else k: v
-                   for k, v in weights.items()}
+        weights = {
+            k.replace(".mlp.", ".block_sparse_moe.") if k.startswith("model.layers.") else k: v
+            for k, v in weights.items()
+        }
         for i in range(self.args.num_hidden_layers):
-            weights = stack_experts(weights, f"model.layers.{i}.block_sparse_moe", self.args.num_local_experts,
-                                    scheme="mixtral")
+            weights = stack_experts(
+                weights, f"model.layers.{i}.block_sparse_moe", self.args.num_local_experts, scheme="mixtral"
+            )
         return weights

@@ -47,8 +47,16 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """SwitchLinear with packed weights + per-group scales/biases (affine), applied with `mx.gather_qmm`."""
 
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
-                 group_size: int | None = None, bits: int | None = None, mode: str = "affine"):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        num_experts: int,
+        bias: bool = False,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+    ):
         super().__init__()
         self.group_size = group_size or 64
         self.bits = bits or 4
@@ -67,16 +75,26 @@ class QuantizedSwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        x = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                          sorted_indices=sorted_indices)
+        x = mx.gather_qmm(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=indices,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            sorted_indices=sorted_indices,
+        )
         if "bias" in self:
             x = x + mx.expand_dims(self.bias[indices], -2)
         return x
 
     @classmethod
-    def from_switch_linear(cls, layer: SwitchLinear, group_size: int | None, bits: int | None,
-                           mode: str = "affine") -> "QuantizedSwitchLinear":
+    def from_switch_linear(
+        cls, layer: SwitchLinear, group_size: int | None, bits: int | None, mode: str = "affine"
+    ) -> "QuantizedSwitchLinear":
         num_experts, output_dims, input_dims = layer.weight.shape
         ql = cls(input_dims, output_dims, num_experts, "bias" in layer, group_size, bits, mode)
         ql.weight, ql.scales, *biases = mx.quantize(layer.weight, ql.group_size, ql.bits, mode=mode)
@@ -117,8 +135,7 @@ class SwitchGLU(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router (linear -> softmax in fp32 -> top-k, optionally renormalized) over a bank of SwiGLU experts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -145,8 +162,9 @@ EXPERT_NAMES = {
 }
 
 
-def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
-                  scheme: str = "qwen") -> dict[str, mx.array]:
+def stack_experts(
+    weights: dict[str, mx.array], prefix: str, num_experts: int, scheme: str = "qwen"
+) -> dict[str, mx.array]:
     """Rewrite `{prefix}.experts.*` into `{prefix}.switch_mlp.{gate,up,down}_proj.weight` ([E, out, in]).
 
     Accepts per-expert tensors (`{prefix}.experts.{i}.{name}.weight`, what transformers 5 still saves) and

@@ -68,9 +68,14 @@ class MLP(nn.Module):
 class Model(TransformerLM):
     def __init__(self, args: ModelArgs):
         def attention() -> FusedAttention:
-            rope = initialize_rope(args.rotary_dims, args.rope_base, False, args.rope_scaling,
-                                   max_position_embeddings=args.max_position_embeddings,
-                                   original_max_position_embeddings=args.original_max_position_embeddings)
+            rope = initialize_rope(
+                args.rotary_dims,
+                args.rope_base,
+                False,
+                args.rope_scaling,
+                max_position_embeddings=args.max_position_embeddings,
+                original_max_position_embeddings=args.original_max_position_embeddings,
+            )
             return FusedAttention(args, rope, window=args.sliding_window)
 
         super().__init__(args, [DecoderLayer(args, attention(), MLP(args)) for _ in range(args.num_hidden_layers)])

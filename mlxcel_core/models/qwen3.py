@@ -31,8 +31,10 @@ class Model(TransformerLM):
     """Qwen3-MoE subclasses this, overriding `make_mlp` and `sanitize`."""
 
     def __init__(self, args):
-        layers = [DecoderLayer(args, make_attention(args, args.windows[i]), self.make_mlp(args, i))
-                  for i in range(args.num_hidden_layers)]
+        layers = [
+            DecoderLayer(args, make_attention(args, args.windows[i]), self.make_mlp(args, i))
+            for i in range(args.num_hidden_layers)
+        ]
         super().__init__(args, layers)
 
     @staticmethod

@@ -43,16 +43,24 @@ class ModelArgs(TransformerArgs):
         self.windows = [window] * self.num_hidden_layers
 
     def is_sparse(self, layer_idx: int) -> bool:
-        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
 
 class Model(qwen3.Model):
     @staticmethod
     def make_mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
         if args.is_sparse(layer_idx):
-            return SparseMoeBlock(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                  args.num_experts_per_tok, args.norm_topk_prob)
+            return SparseMoeBlock(
+                args.hidden_size,
+                args.moe_intermediate_size,
+                args.num_experts,
+                args.num_experts_per_tok,
+                args.norm_topk_prob,
+            )
         return GatedMLP(args.hidden_size, args.intermediate_size)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

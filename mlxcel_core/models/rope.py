@@ -19,15 +19,12 @@ of a padded row by its padding).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
-from ..cuda_small_arrays import MIN_ELEMENTS
 from ..errors import UnsupportedModelError
 
 SUPPORTED = ("default", "linear", "llama3", "yarn", "longrope", "su")
@@ -111,7 +108,9 @@ def longrope_parameters(dims: int, base: float, scaling: dict[str, Any], long: b
     return inv_freq, float(attention_factor)
 
 
-def rope_frequencies(dims: int, base: float, scaling: dict | None, seq_len: int | None = None) -> tuple[mx.array, float]:
+def rope_frequencies(
+    dims: int, base: float, scaling: dict | None, seq_len: int | None = None
+) -> tuple[mx.array, float]:
     """(inv_freq, attention_factor) as transformers' ROPE_INIT_FUNCTIONS[rope_type](config, seq_len=seq_len).
 
     `scaling` is the output of `standardize_scaling`; None means the default RoPE.
@@ -132,8 +131,15 @@ def rope_frequencies(dims: int, base: float, scaling: dict | None, seq_len: int 
 
 
 class RoPE(nn.Module):
-    def __init__(self, dims: int, base: float, traditional: bool = False, scale: float = 1.0,
-                 inv_freq: mx.array | None = None, mscale: float = 1.0):
+    def __init__(
+        self,
+        dims: int,
+        base: float,
+        traditional: bool = False,
+        scale: float = 1.0,
+        inv_freq: mx.array | None = None,
+        mscale: float = 1.0,
+    ):
         super().__init__()
         self.dims = dims
         self.base = None if inv_freq is not None else base
@@ -145,86 +151,17 @@ class RoPE(nn.Module):
 
     def _rope(self, x: mx.array, offset, periods: mx.array | None) -> mx.array:
         base = self.base if periods is None else None
-        out = mx.fast.rope(x, self.dims, traditional=self.traditional, base=base, scale=self.scale,
-                           offset=offset, freqs=periods)
+        out = mx.fast.rope(
+            x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset, freqs=periods
+        )
         if self.mscale == 1.0:
             return out
         if self.dims == x.shape[-1]:
             return out * self.mscale
-        return mx.concatenate([out[..., : self.dims] * self.mscale, out[..., self.dims:]], axis=-1)
+        return mx.concatenate([out[..., : self.dims] * self.mscale, out[..., self.dims :]], axis=-1)
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         return self._rope(x, offset, self._periods)
-
-
-def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
-    """The float32 inverse frequencies [head_dim / 2] with which a kernel can apply `rope` itself
-    (kernels/fused_projections.py, MLXCEL_FUSE_ROPE), or None for a RoPE it cannot: only the plain class
-    (not LongRoPE), non-traditional, over the whole head, without an attention factor. Made once per module."""
-    if type(rope) is not RoPE or rope.traditional or rope.dims != head_dim or rope.mscale != 1.0:
-        return None
-    cached = getattr(rope, "_fold_inv_freq", None)
-    if cached is None:
-        if rope._periods is not None:
-            # contiguous: MLX did not count this result as row contiguous and copied it before each launch that
-            # read it in op-by-op steps (benchmarks/graph_replay.py); a replayed graph reads it where it is
-            cached = mx.contiguous((1.0 / rope._periods).astype(mx.float32))
-        else:
-            exponents = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
-            cached = mx.array((rope.base ** -exponents).astype(np.float32))
-        # Evaluated now (allowed inside a compile trace: it depends on no input), so a compiled decode step holds it as
-        # a constant; left lazy, every step recomputed it, one launch per layer.
-        mx.eval(cached)
-        rope._fold_inv_freq = cached
-    return cached
-
-
-_last_positions: tuple | None = None  # (offset array, (batch, length, scale), positions): fold_positions' memo
-
-
-@functools.lru_cache(maxsize=64)
-def _ramp(n: int) -> mx.array:
-    """0, 1, ..., n - 1 as float32, evaluated once: a compiled decode step holds it as a constant instead of running
-    an arange each step (as fold_frequencies does for the frequencies)."""
-    ramp = mx.arange(n, dtype=mx.float32)
-    mx.eval(ramp)
-    return ramp
-
-
-def last_positions(offset: mx.array) -> tuple[mx.array, float] | None:
-    """(positions, scale) that `fold_positions` last made from `offset` (this very array), or None."""
-    if _last_positions is not None and _last_positions[0] is offset:
-        return _last_positions[2], _last_positions[1][2]
-    return None
-
-
-def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float) -> mx.array:
-    """Each row's RoPE position times `scale` (what mx.fast.rope multiplies the frequencies by), float32
-    [batch * length]: offset is the cache's (an int, or an array of one or `batch` entries).
-
-    Every layer of a decode step passes the same offset array (its cache views share it), so the result for the last
-    array seen is kept and returned again: one computation a step, not one a layer (each is ops in the step's graph
-    and a launch). The memo holds the array itself, so an identity match is the same array, never a reused id."""
-    global _last_positions
-    key = (batch, length, scale)
-    if not isinstance(offset, int) and _last_positions is not None:
-        last, last_key, positions = _last_positions
-        if last is offset and last_key == key:
-            return positions
-    start = mx.array(offset, dtype=mx.float32) if isinstance(offset, int) else offset.astype(mx.float32)
-    # Padded to MIN_ELEMENTS values: a one-token step's positions would otherwise be a 4-8 byte array, which a kernel
-    # reading it stalls on (cuda_small_arrays.py); the positions handed out are a view of the padded array, no copy.
-    if length == 1:  # a decode step: [rows, batch], row 0 is every row's position
-        rows = -(-MIN_ELEMENTS // batch)
-        start = mx.broadcast_to(start.reshape(1, -1), (1, batch))
-        positions = ((start + _ramp(rows)[:, None]) * scale)[0]
-    else:  # [batch, rows], the first `length` columns (all of them unless batch is 1 and length < MIN_ELEMENTS)
-        rows = max(length, -(-MIN_ELEMENTS // batch))
-        start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
-        positions = ((start + _ramp(rows)[None]) * scale)[:, :length].reshape(-1)
-    if not isinstance(offset, int):
-        _last_positions = (offset, key, positions)
-    return positions
 
 
 class LongRoPE(RoPE):
@@ -263,8 +200,11 @@ def rope_base(rope_theta: float | None, rope_parameters: dict | None, default: f
     return float(rope_theta) if rope_theta is not None else default
 
 
-def standardize_scaling(scaling: dict | None, max_position_embeddings: int | None = None,
-                        original_max_position_embeddings: int | None = None) -> dict | None:
+def standardize_scaling(
+    scaling: dict | None,
+    max_position_embeddings: int | None = None,
+    original_max_position_embeddings: int | None = None,
+) -> dict | None:
     """Resolve aliases and fill the context lengths the way transformers' standardize_rope_params does.
 
     A top-level `original_max_position_embeddings` (Phi-3 writes one) wins over the one in the dict; else
@@ -277,17 +217,23 @@ def standardize_scaling(scaling: dict | None, max_position_embeddings: int | Non
     if max_position_embeddings is not None:
         out["max_position_embeddings"] = max_position_embeddings
     if kind in ("llama3", "yarn", "longrope"):
-        original = original_max_position_embeddings or out.get("original_max_position_embeddings") \
-            or max_position_embeddings
+        original = (
+            original_max_position_embeddings or out.get("original_max_position_embeddings") or max_position_embeddings
+        )
         if original is None and kind != "llama3":
             raise UnsupportedModelError(f"rope scaling '{kind}' needs original_max_position_embeddings")
         out["original_max_position_embeddings"] = original
     return out
 
 
-def initialize_rope(dims: int, base: float, traditional: bool, scaling: dict | None,
-                    max_position_embeddings: int | None = None,
-                    original_max_position_embeddings: int | None = None) -> RoPE:
+def initialize_rope(
+    dims: int,
+    base: float,
+    traditional: bool,
+    scaling: dict | None,
+    max_position_embeddings: int | None = None,
+    original_max_position_embeddings: int | None = None,
+) -> RoPE:
     """`dims` is the rotary dimension (head_dim * partial_rotary_factor)."""
     scaling = standardize_scaling(scaling, max_position_embeddings, original_max_position_embeddings)
     if scaling is None:

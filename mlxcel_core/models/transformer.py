@@ -20,10 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..kernels.rms_norm import final_norm
 from .activations import swiglu
 from .base import BaseModelArgs, LayerCache, attention, cache_offset, normed
-from .rope import RoPE, fold_frequencies, fold_positions, rope_base, rope_scaling_config
+from .rope import RoPE, rope_base, rope_scaling_config
 
 
 @dataclass
@@ -64,8 +63,8 @@ class TransformerArgs(BaseModelArgs):
 
 @runtime_checkable
 class AddsResidual(Protocol):
-    """A projection that adds a residual to its output itself (kernels/fast_linear.py's FastQuantizedLinear and
-    FastLinear: a decode step's o_proj or down_proj and the residual add in one kernel launch)."""
+    """A projection that adds a residual to its output itself (a backend's layer that takes a decode step's o_proj or
+    down_proj and the residual add into one kernel launch)."""
 
     def add_to(self, x: mx.array, residual: mx.array) -> mx.array: ...
 
@@ -112,16 +111,23 @@ class Attention(nn.Module):
     What families vary is an argument: projection biases (`o_bias` defaults to `bias`), per-head q/k norms
     (`qk_norm`, a norm class, applied before RoPE), the scale (default head_dim**-0.5), a sliding `window`,
     attention-logit `softcap`. A fused checkpoint layout (Phi-3) overrides `init_projections` and `project`.
-    `fused_qkv` (kernels/fused_projections.py) computes q, k and v of a decode step as one matmul. `residual`:
-    return residual + the block's output (add_projection); `norm`: the block's input is norm(x) (the pre-norm, which
-    the fused projection may take into its launch).
+    `residual`: return residual + the block's output (add_projection); `norm`: the block's input is norm(x) (the
+    pre-norm, handed down so that an override of `project` or `project_rotated` may apply it inside its own
+    computation).
     """
 
-    fused_qkv = None  # a FusedProjection once fuse_projections has run
-
-    def __init__(self, args, rope: RoPE, *, bias: bool = False, o_bias: bool | None = None,
-                 window: int | None = None, scale: float | None = None, softcap: float | None = None,
-                 qk_norm: type[nn.Module] | None = None):
+    def __init__(
+        self,
+        args,
+        rope: RoPE,
+        *,
+        bias: bool = False,
+        o_bias: bool | None = None,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+        qk_norm: type[nn.Module] | None = None,
+    ):
         super().__init__()
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
@@ -144,37 +150,31 @@ class Attention(nn.Module):
 
     def project(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """Queries, keys, values [B, L, heads * head_dim] of x, or of norm(x)."""
-        if self.fused_qkv is not None and self.fused_qkv.takes(x):
-            return tuple(self.fused_qkv.split(x, norm))
         x = normed(x, norm)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def _project_roped(self, x: mx.array, norm: nn.Module | None, offset) -> list[mx.array] | None:
-        """q, k, v [B, heads, L, head_dim] with q and k rotated by the fused projection's launch (MLXCEL_FUSE_ROPE),
-        or None."""
-        fused = self.fused_qkv
-        if fused is None or not fused.fold_rope or self.qk_norm or not fused.takes(x):
-            return None
-        inv_freq = fold_frequencies(self.rope, self.head_dim)
-        if inv_freq is None:
-            return None
-        B, L, _ = x.shape
-        return fused.split_roped(x, norm, fold_positions(offset, B, L, self.rope.scale), inv_freq, self.head_dim)
+    def project_rotated(
+        self, x: mx.array, norm: nn.Module | None, offset: int | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys, values [B, heads, L, head_dim] of x (of norm(x)), q and k normed per head (`qk_norm`) and
+        rotated for positions from `offset` on: everything of the block before the attention itself."""
+        q, k, v = self.project(x, norm)
+        q, k, v = (heads_first(t, n) for t, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rope(q, offset), self.rope(k, offset), v
 
-    def __call__(self, x: mx.array, cache: LayerCache | None, residual: mx.array | None = None,
-                 norm: nn.Module | None = None, last_only: bool = False) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        cache: LayerCache | None,
+        residual: mx.array | None = None,
+        norm: nn.Module | None = None,
+        last_only: bool = False,
+    ) -> mx.array:
         """`last_only`: keys and values of every position go to the cache, but the output (and the residual) is the
         last position's only ([B, 1, hidden]): the last layer of a prompt whose LM head reads one position."""
-        offset = cache_offset(cache)
-        roped = self._project_roped(x, norm, offset)
-        if roped is not None:
-            q, k, v = roped
-        else:
-            q, k, v = self.project(x, norm)
-            q, k, v = (heads_first(t, n) for t, n in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads)))
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rope(q, offset), self.rope(k, offset)
+        q, k, v = self.project_rotated(x, norm, cache_offset(cache))
         if last_only:  # one query, at the last position: the caches' masks align queries with the last keys
             q = q[:, :, -1:, :]
             residual = None if residual is None else residual[:, -1:, :]
@@ -184,32 +184,37 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)); act is the fused SwiGLU (SiLU families) or GeGLU (Gemma).
-    `fused_gate_up` (kernels/fused_projections.py) computes act(gate(x)) * up(x) of a decode step in one matmul.
-    `residual`: return residual + the block's output (add_projection); `norm`: the block's input is norm(x)."""
+    `residual`: return residual + the block's output (add_projection); `norm`: the block's input is norm(x) (handed
+    down so that an override of `project_gated` may apply it inside its own computation)."""
 
-    fused_gate_up = None  # a FusedProjection once fuse_projections has run
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 activation: Callable[[mx.array, mx.array], mx.array] = swiglu):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        activation: Callable[[mx.array, mx.array], mx.array] = swiglu,
+    ):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.activation = activation
 
-    def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
-        if self.fused_gate_up is not None and self.fused_gate_up.takes(x):
-            return add_projection(self.down_proj, self.fused_gate_up.gated(x, self.activation, norm), residual)
+    def project_gated(self, x: mx.array, norm: nn.Module | None = None) -> mx.array:
+        """act(gate(x)) * up(x) (of norm(x)): the down projection's input."""
         x = normed(x, norm)
-        return add_projection(self.down_proj, self.activation(self.gate_proj(x), self.up_proj(x)), residual)
+        return self.activation(self.gate_proj(x), self.up_proj(x))
+
+    def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
+        return add_projection(self.down_proj, self.project_gated(x, norm), residual)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual layer: h = x + attn(norm(x)); out = h + mlp(norm(h)), with RMSNorm.
 
     `mlp_name` is the feed-forward block's checkpoint name (Mixtral's is `block_sparse_moe`). Both blocks take the
-    residual (`residual=`) and add it themselves, and their input's norm (`norm=`) and apply it themselves, so fused
-    projections can take the norm and the add into their launches."""
+    residual (`residual=`) and add it themselves, and their input's norm (`norm=`) and apply it themselves, so a
+    block's implementation may compute the norm and the add together with its projections."""
 
     def __init__(self, args, self_attn: nn.Module, mlp: nn.Module, mlp_name: str = "mlp"):
         super().__init__()
@@ -228,8 +233,9 @@ class DecoderLayer(nn.Module):
 class TransformerModel(nn.Module):
     """embed -> layers -> final norm (the checkpoint's `model.`); Gemma scales the embeddings."""
 
-    def __init__(self, args, layers: list[nn.Module], norm: type[nn.Module] = nn.RMSNorm,
-                 embed_scale: float | None = None):
+    def __init__(
+        self, args, layers: list[nn.Module], norm: type[nn.Module] = nn.RMSNorm, embed_scale: float | None = None
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = layers
@@ -247,7 +253,7 @@ class TransformerModel(nn.Module):
         last = len(self.layers) - 1
         for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, layer_cache, last_only=True) if last_only and i == last else layer(h, layer_cache)
-        return final_norm(self.norm, h)  # a kernel of ours while a step is recorded for a CUDA graph
+        return self.norm(h)
 
 
 class TransformerLM(nn.Module):

@@ -60,9 +60,18 @@ class Server:
 
             def load():
                 return load_model(config.model, log=lambda m: log.info("%s", m), group=config.group)
+
         capacity = config.engine.max_batch_size + config.max_queue_depth
-        self.engine = EngineLoop(load, config.engine, self.metrics, config.ctx_size, capacity,
-                                 on_load_failed=on_load_failed, group=config.group, warmup=config.warmup)
+        self.engine = EngineLoop(
+            load,
+            config.engine,
+            self.metrics,
+            config.ctx_size,
+            capacity,
+            on_load_failed=on_load_failed,
+            group=config.group,
+            warmup=config.warmup,
+        )
         self.model_id = config.model or DEFAULT_MODEL_NAME
         self.created = int(time.time())
         self._formatter = None
@@ -138,21 +147,37 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
     return ids
 
 
-def sampling_params(body, *, seed: int | None, max_tokens: int, logprobs: int | None, prompt_len: int) -> SamplingParams:
+def sampling_params(
+    body, *, seed: int | None, max_tokens: int, logprobs: int | None, prompt_len: int
+) -> SamplingParams:
     """A request's SamplingParams (built on the engine thread: a request's logits processors may hold MLX arrays).
 
     `prompt_len` is unused by the built-in stages (the engine knows the prompt) but lets tests wrap this.
     """
     breakers = body.dry_sequence_breakers
     return SamplingParams(
-        temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p, seed=seed,
-        max_tokens=max_tokens, stop=tuple(body.stop), logprobs=logprobs, logit_bias=body.logit_bias or None,
-        suppress_tokens=tuple(body.suppress_tokens or ()), repetition_penalty=body.penalty(),
-        repeat_last_n=body.repeat_last_n, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, dry_multiplier=body.dry_multiplier, dry_base=body.dry_base,
-        dry_allowed_length=body.dry_allowed_length, dry_penalty_last_n=body.dry_penalty_last_n,
+        temperature=body.temperature,
+        top_k=max(body.top_k, 0),
+        top_p=body.top_p,
+        min_p=body.min_p,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=tuple(body.stop),
+        logprobs=logprobs,
+        logit_bias=body.logit_bias or None,
+        suppress_tokens=tuple(body.suppress_tokens or ()),
+        repetition_penalty=body.penalty(),
+        repeat_last_n=body.repeat_last_n,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        dry_multiplier=body.dry_multiplier,
+        dry_base=body.dry_base,
+        dry_allowed_length=body.dry_allowed_length,
+        dry_penalty_last_n=body.dry_penalty_last_n,
         dry_sequence_breakers=DEFAULT_DRY_SEQUENCE_BREAKERS if breakers is None else tuple(breakers),
-        xtc_threshold=body.xtc_threshold, xtc_probability=body.xtc_probability)
+        xtc_threshold=body.xtc_threshold,
+        xtc_probability=body.xtc_probability,
+    )
 
 
 # -- routes -----------------------------------------------------------------------------------------
@@ -168,8 +193,17 @@ async def completions(request: Request) -> Response:
         ids = loaded.tokenizer.encode(prompt)
     else:
         ids = check_token_ids(prompt, server.vocab_size, "prompt")
-    return await generate(request, server, body, ids, chat=False, limit=body.max_tokens, limit_param="max_tokens",
-                          prompt_param="prompt", logprobs=body.logprobs)
+    return await generate(
+        request,
+        server,
+        body,
+        ids,
+        chat=False,
+        limit=body.max_tokens,
+        limit_param="max_tokens",
+        prompt_param="prompt",
+        logprobs=body.logprobs,
+    )
 
 
 async def chat_completions(request: Request) -> Response:
@@ -185,23 +219,52 @@ async def chat_completions(request: Request) -> Response:
     except Exception as exc:  # noqa: BLE001 - a template rejecting the conversation is the client's input
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await generate(request, server, body, ids, chat=True, limit=body.completion_limit,
-                          limit_param=body.limit_param, prompt_param="messages", logprobs=logprobs)
+    return await generate(
+        request,
+        server,
+        body,
+        ids,
+        chat=True,
+        limit=body.completion_limit,
+        limit_param=body.limit_param,
+        prompt_param="messages",
+        logprobs=logprobs,
+    )
 
 
-async def generate(request: Request, server: Server, body, prompt_ids: list[int], *, chat: bool, limit: int | None,
-                   limit_param: str, prompt_param: str, logprobs: int | None) -> Response:
+async def generate(
+    request: Request,
+    server: Server,
+    body,
+    prompt_ids: list[int],
+    *,
+    chat: bool,
+    limit: int | None,
+    limit_param: str,
+    prompt_param: str,
+    logprobs: int | None,
+) -> Response:
     ctx, n_prompt = server.engine.max_context, len(prompt_ids)
     if n_prompt >= ctx:
-        raise context_exceeded(f"The prompt has {n_prompt} tokens but the context holds {ctx} "
-                               f"(prompt and completion together). Please shorten the prompt.", prompt_param, n_prompt, ctx)
+        raise context_exceeded(
+            f"The prompt has {n_prompt} tokens but the context holds {ctx} "
+            f"(prompt and completion together). Please shorten the prompt.",
+            prompt_param,
+            n_prompt,
+            ctx,
+        )
     room = ctx - n_prompt
     if limit is None:
         max_tokens = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
     elif limit > room:
-        raise context_exceeded(f"This model's maximum context length is {ctx} tokens. However, you requested "
-                               f"{n_prompt + limit} tokens ({n_prompt} in the prompt, {limit} for the completion). "
-                               f"Please reduce the prompt or {limit_param}.", limit_param, n_prompt, ctx)
+        raise context_exceeded(
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{n_prompt + limit} tokens ({n_prompt} in the prompt, {limit} for the completion). "
+            f"Please reduce the prompt or {limit_param}.",
+            limit_param,
+            n_prompt,
+            ctx,
+        )
     else:
         max_tokens = limit
     if body.n > server.config.max_n:
@@ -283,6 +346,7 @@ class EventStream(Response):
     async def __call__(self, scope, receive, send) -> None:
         try:
             async with anyio.create_task_group() as group:
+
                 async def stream():
                     try:
                         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -309,8 +373,20 @@ async def models(request: Request) -> Response:
     server: Server = request.app.state.server
     server.authorize(request)
     meta = {"n_ctx": server.engine.max_context} if server.engine.ready else {}
-    return JSONResponse({"object": "list", "data": [
-        {"id": server.model_id, "object": "model", "created": server.created, "owned_by": "mlxcel", "meta": meta}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_id,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "mlxcel",
+                    "meta": meta,
+                }
+            ],
+        }
+    )
 
 
 async def health(request: Request) -> Response:
@@ -375,7 +451,10 @@ def create_app(config: ServerConfig, load=None, on_load_failed=None) -> Starlett
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: api_error, HTTPException: http_error, Exception: server_error})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+    )
     app.state.server = server
     return app

@@ -61,9 +61,18 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, load: Callable, engine_config: EngineConfig, metrics: ServerMetrics,
-                 ctx_size: int | None = None, capacity: int = 64, max_failures: int = 3,
-                 on_load_failed: Callable[[BaseException], None] | None = None, group=None, warmup: bool = False):
+    def __init__(
+        self,
+        load: Callable,
+        engine_config: EngineConfig,
+        metrics: ServerMetrics,
+        ctx_size: int | None = None,
+        capacity: int = 64,
+        max_failures: int = 3,
+        on_load_failed: Callable[[BaseException], None] | None = None,
+        group=None,
+        warmup: bool = False,
+    ):
         """`group`: this is rank 0 of a tensor-parallel group; the other ranks mirror the engine's inputs
         (distributed/mirror.py). A failed step then stops the server (a fresh Engine here could not be
         matched on the other ranks). `warmup`: before turning ready, run the warm-up plan's short requests on a
@@ -122,7 +131,7 @@ class EngineLoop:
 
     @property
     def queue_depth(self) -> int:
-        return max(0, self._in_flight - (self.engine.scheduler.num_running if self.engine else 0))
+        return max(0, self._in_flight - (self.engine.stats().running if self.engine else 0))
 
     def submit(self, jobs: list[Job]) -> None:
         """Queue jobs for the engine; 503 when the engine is down or the queue is full."""
@@ -132,8 +141,11 @@ class EngineLoop:
                 raise APIError(503, reason)
             if self._in_flight + len(jobs) > self.capacity:
                 self.metrics.rejected.inc()
-                raise APIError(503, f"The server is busy: {self._in_flight} sequences running or queued "
-                                    f"(limit {self.capacity}). Retry later.")
+                raise APIError(
+                    503,
+                    f"The server is busy: {self._in_flight} sequences running or queued "
+                    f"(limit {self.capacity}). Retry later.",
+                )
             self._in_flight += len(jobs)
             for job in jobs:
                 self._inbox.put(("submit", job))
@@ -179,8 +191,12 @@ class EngineLoop:
                 self._on_load_failed(exc)
             return
         self.state = "ready"
-        log.info("model ready: context %d tokens, batch %d, %s KV storage", self.max_context,
-                 self.engine_config.max_batch_size, self.engine_config.resolved_storage)
+        log.info(
+            "model ready: context %d tokens, batch %d, %s KV storage",
+            self.max_context,
+            self.engine_config.max_batch_size,
+            self.engine_config.resolved_storage,
+        )
         try:
             self._serve()
         finally:
@@ -285,9 +301,17 @@ class EngineLoop:
                 self.metrics.decode_tps.observe(tps)
             self.metrics.requests.labels(out.finish_reason).inc()
             ttft_ms = (job.first_token - job.submitted) * 1000 if job.first_token else float("nan")
-            log.info("seq %d: %s, prompt %d tokens (%d cached), completion %d tokens, ttft %.1f ms, %.1f tok/s%s",
-                     out.seq_id, out.finish_reason, usage.prompt_tokens, usage.cached_tokens,
-                     usage.completion_tokens, ttft_ms, tps, f" ({out.error})" if out.error else "")
+            log.info(
+                "seq %d: %s, prompt %d tokens (%d cached), completion %d tokens, ttft %.1f ms, %.1f tok/s%s",
+                out.seq_id,
+                out.finish_reason,
+                usage.prompt_tokens,
+                usage.cached_tokens,
+                usage.completion_tokens,
+                ttft_ms,
+                tps,
+                f" ({out.error})" if out.error else "",
+            )
             self.engine.release(out.seq_id)
             del self._jobs[out.seq_id]
             self._finished(job)
@@ -296,11 +320,15 @@ class EngineLoop:
             self.metrics.tokens_predicted.inc(produced)
 
     def _publish(self) -> None:
-        engine = self.engine
-        stats = engine.storage.stats() if self.engine_config.resolved_storage == "paged" else {}
-        self.metrics.record_step(running=engine.scheduler.num_running, waiting=self.queue_depth,
-                                 prefill_tokens=engine.runner.prefill_tokens, storage_stats=stats,
-                                 speculative=engine.speculator.stats if engine.speculator is not None else None)
+        stats = self.engine.stats()
+        storage = stats.storage if self.engine_config.resolved_storage == "paged" else {}
+        self.metrics.record_step(
+            running=stats.running,
+            waiting=self.queue_depth,
+            prefill_tokens=stats.prefill_tokens,
+            storage_stats=storage,
+            speculative=stats.speculative,
+        )
 
     def _fail_all(self, message: str) -> None:
         """End every job (live or still in the inbox) with an error."""

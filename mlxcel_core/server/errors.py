@@ -12,23 +12,36 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
-         501: "not_supported_error", 503: "unavailable_error"}
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None,
-                 **extra: Any):
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None, **extra: Any):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type or TYPES.get(status, "server_error")
         self.extra = extra
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status,
-                          **self.extra}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+                **self.extra,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

@@ -20,43 +20,48 @@ class ServerMetrics:
     def __init__(self):
         disable_created_metrics()  # no *_created series: smaller, cheaper scrapes
         r = self.registry = CollectorRegistry(auto_describe=False)
-        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)",
-                                     registry=r)
+        self.prompt_tokens = Counter(
+            "llamacpp:prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)", registry=r
+        )
         self.tokens_predicted = Counter("llamacpp:tokens_predicted", "Tokens generated", registry=r)
-        self.requests_processing = Gauge("llamacpp:requests_processing", "Sequences in the running batch",
-                                         registry=r)
-        self.requests_deferred = Gauge("llamacpp:requests_deferred", "Sequences waiting for a batch slot",
-                                       registry=r)
+        self.requests_processing = Gauge("llamacpp:requests_processing", "Sequences in the running batch", registry=r)
+        self.requests_deferred = Gauge("llamacpp:requests_deferred", "Sequences waiting for a batch slot", registry=r)
         self.queue_depth = Gauge("mlxcel_queue_depth", "Sequences waiting for a batch slot", registry=r)
         self.batch_size = Gauge("mlxcel_batch_size", "Rows in the batch at the last engine step", registry=r)
         self.kv_blocks_used = Gauge("mlxcel_kv_blocks_used", "Paged KV blocks held by sequences", registry=r)
         self.kv_blocks_free = Gauge("mlxcel_kv_blocks_free", "Paged KV blocks free or reclaimable", registry=r)
-        self.prefix_hits = Counter("mlxcel_prefix_cache_hits", "Requests that reused prefix-cached KV blocks",
-                                   registry=r)
-        self.requests = Counter("mlxcel_requests", "Finished sequences by finish reason", ["finish_reason"],
-                                registry=r)
-        self.rejected = Counter("mlxcel_requests_rejected", "Requests refused because the queue was full",
-                                registry=r)
-        self.ttft = Histogram("mlxcel_request_ttft_seconds", "Time from request to first token", registry=r,
-                              buckets=TTFT_BUCKETS)
-        self.decode_tps = Histogram("mlxcel_request_decode_tokens_per_second",
-                                    "Decode speed of each finished sequence", registry=r, buckets=TPS_BUCKETS)
+        self.prefix_hits = Counter(
+            "mlxcel_prefix_cache_hits", "Requests that reused prefix-cached KV blocks", registry=r
+        )
+        self.requests = Counter("mlxcel_requests", "Finished sequences by finish reason", ["finish_reason"], registry=r)
+        self.rejected = Counter("mlxcel_requests_rejected", "Requests refused because the queue was full", registry=r)
+        self.ttft = Histogram(
+            "mlxcel_request_ttft_seconds", "Time from request to first token", registry=r, buckets=TTFT_BUCKETS
+        )
+        self.decode_tps = Histogram(
+            "mlxcel_request_decode_tokens_per_second",
+            "Decode speed of each finished sequence",
+            registry=r,
+            buckets=TPS_BUCKETS,
+        )
         self.spec_rounds = Counter("mlxcel_spec_rounds", "Speculative decoding rounds (verify forwards)", registry=r)
-        self.spec_proposed = Counter("mlxcel_spec_draft_tokens", "Draft tokens proposed for verification",
-                                     registry=r)
-        self.spec_accepted = Counter("mlxcel_spec_accepted_tokens", "Draft tokens accepted by the target model",
-                                     registry=r)
+        self.spec_proposed = Counter("mlxcel_spec_draft_tokens", "Draft tokens proposed for verification", registry=r)
+        self.spec_accepted = Counter(
+            "mlxcel_spec_accepted_tokens", "Draft tokens accepted by the target model", registry=r
+        )
         self._seen_prefill = 0
         self._seen_hits = 0
         self._seen_spec = (0, 0, 0)
 
-    def record_step(self, *, running: int, waiting: int, prefill_tokens: int, storage_stats: dict,
-                    speculative=None) -> None:
+    def record_step(
+        self, *, running: int, waiting: int, prefill_tokens: int, storage_stats: dict, speculative=None
+    ) -> None:
         """Called by the engine thread after each step with the engine's cumulative counters."""
         if speculative is not None:
             now = (speculative.rounds, speculative.proposed, speculative.accepted)
-            for counter, new, seen in zip((self.spec_rounds, self.spec_proposed, self.spec_accepted), now,
-                                          self._seen_spec):
+            for counter, new, seen in zip(
+                (self.spec_rounds, self.spec_proposed, self.spec_accepted), now, self._seen_spec
+            ):
                 if new > seen:
                     counter.inc(new - seen)
             self._seen_spec = now

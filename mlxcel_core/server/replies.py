@@ -107,21 +107,26 @@ class Reply:
             return None
         entries = [e for e in entries if e[0] not in self.eos]  # the end-of-sequence token is not text
         if self.chat:
+
             def item(token, logprob):
                 raw, text = self.fmt.get(token)
                 return {"token": text, "logprob": _lp(logprob), "bytes": list(raw)}
 
-            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]}
-                                for t, lp, top in entries]}
+            return {
+                "content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]} for t, lp, top in entries]
+            }
         tokens, offsets = [], []
         for token, _, _ in entries:
             raw, text = self.fmt.get(token)
             tokens.append(text)
             offsets.append(self._offsets[index])
             self._offsets[index] += len(self._decoders[index].decode(raw))
-        return {"tokens": tokens, "token_logprobs": [_lp(lp) for _, lp, _ in entries],
-                "top_logprobs": [{self.fmt.get(a)[1]: _lp(alp) for a, alp in top} for _, _, top in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_lp(lp) for _, lp, _ in entries],
+            "top_logprobs": [{self.fmt.get(a)[1]: _lp(alp) for a, alp in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
 
     @staticmethod
     def _error(out) -> APIError:
@@ -133,8 +138,12 @@ class Reply:
     def usage(usages) -> dict:
         prompt = usages[0].prompt_tokens  # the prompt is shared by every choice
         completion = sum(u.completion_tokens for u in usages)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": min(u.cached_tokens for u in usages)}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": min(u.cached_tokens for u in usages)},
+        }
 
     def _body(self, choices: list[dict]) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -166,16 +175,21 @@ class Reply:
         for i, c in enumerate(choices):
             text = "".join(c.text)
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            shaped.append({"index": i, **body, "logprobs": self._logprobs(i, c.entries),
-                           "finish_reason": c.finish_reason})
+            shaped.append(
+                {"index": i, **body, "logprobs": self._logprobs(i, c.entries), "finish_reason": c.finish_reason}
+            )
         return {**self._body(shaped), "usage": self.usage([c.usage for c in choices])}
 
     async def stream(self, events):
         usages = [None] * self.n
         left = self.n
         if self.chat:
-            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None} for i in range(self.n)])
+            yield self._chunk(
+                [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(self.n)
+                ]
+            )
         while left:
             event = await events.get()
             out, i = event.output, event.index
@@ -188,14 +202,22 @@ class Reply:
             has_logprobs = bool(logprobs and (logprobs.get("content") or logprobs.get("tokens")))
             if self.chat:
                 if out.text or has_logprobs:
-                    yield self._chunk([{"index": i, "delta": {"content": out.text}, "logprobs": logprobs,
-                                        "finish_reason": None}])
+                    yield self._chunk(
+                        [{"index": i, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None}]
+                    )
                 if final:
-                    yield self._chunk([{"index": i, "delta": {}, "logprobs": None,
-                                        "finish_reason": out.finish_reason}])
+                    yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
             elif out.text or has_logprobs or final:
-                yield self._chunk([{"index": i, "text": out.text, "logprobs": logprobs,
-                                    "finish_reason": out.finish_reason if final else None}])
+                yield self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "text": out.text,
+                            "logprobs": logprobs,
+                            "finish_reason": out.finish_reason if final else None,
+                        }
+                    ]
+                )
             if final:
                 usages[i] = event.usage
                 left -= 1

@@ -63,9 +63,15 @@ class SamplingFields(_Body):
 
     def penalty(self) -> float:
         """repeat_penalty or its alias repetition_penalty (400 when both are given and differ)."""
-        if None not in (self.repeat_penalty, self.repetition_penalty) and self.repeat_penalty != self.repetition_penalty:
-            raise bad_request("repeat_penalty and repetition_penalty are the same setting; give one "
-                              f"(got {self.repeat_penalty} and {self.repetition_penalty}).", "repeat_penalty")
+        if (
+            None not in (self.repeat_penalty, self.repetition_penalty)
+            and self.repeat_penalty != self.repetition_penalty
+        ):
+            raise bad_request(
+                "repeat_penalty and repetition_penalty are the same setting; give one "
+                f"(got {self.repeat_penalty} and {self.repetition_penalty}).",
+                "repeat_penalty",
+            )
         value = self.repeat_penalty if self.repeat_penalty is not None else self.repetition_penalty
         return 1.0 if value is None else value
 
@@ -94,8 +100,10 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
-                raise bad_request("Batched prompts are not supported: send one prompt per request "
-                                  "(use `n` for several completions).", "prompt")
+                raise bad_request(
+                    "Batched prompts are not supported: send one prompt per request (use `n` for several completions).",
+                    "prompt",
+                )
             prompt = prompt[0]
         if (isinstance(prompt, str) and not prompt) or (isinstance(prompt, list) and not prompt):
             raise bad_request("The prompt is empty.", "prompt")
@@ -115,8 +123,10 @@ class ChatMessage(BaseModel):
         pieces = []
         for j, part in enumerate(self.content):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"Only text content parts are supported (got type {part.get('type')!r}).",
-                                  f"messages[{index}].content[{j}]")
+                raise bad_request(
+                    f"Only text content parts are supported (got type {part.get('type')!r}).",
+                    f"messages[{index}].content[{j}]",
+                )
             pieces.append(part["text"])
         return "".join(pieces)
 
@@ -135,7 +145,7 @@ class ChatCompletionRequest(SamplingFields):
         if self.tools:
             raise bad_request("Tools are not supported by this server.", "tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request("Only response_format {\"type\": \"text\"} is supported.", "response_format")
+            raise bad_request('Only response_format {"type": "text"} is supported.', "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         out = []

@@ -44,10 +44,14 @@ def warmup_plan(config: EngineConfig) -> WarmupPlan:
         return WarmupPlan()
     from autotune.ops import MIN_CUDA_SPLIT_TOKENS  # past 2x this, the attention kernel splits the context
 
-    from ..kernels.qmv import MAX_ROWS  # the decode kernels' rows: one compiled variant per row count up to it
+    from .. import backends
 
-    return WarmupPlan(lone_tokens=2 * MIN_CUDA_SPLIT_TOKENS + 1 - len(WARMUP_PROMPT),
-                      rows=max(1, min(config.max_batch_size, MAX_ROWS)), prompt_lengths=tuple(range(1, MAX_ROWS + 1)))
+    rows = backends.current().warmup_rows()  # the decode kernels' rows: one compiled variant per row count up to it
+    return WarmupPlan(
+        lone_tokens=2 * MIN_CUDA_SPLIT_TOKENS + 1 - len(WARMUP_PROMPT),
+        rows=max(1, min(config.max_batch_size, rows)),
+        prompt_lengths=tuple(range(1, rows + 1)),
+    )
 
 
 def _step(engine: Engine) -> None:

@@ -3,10 +3,18 @@ import pytest
 from autotune import autotune_dir, autotune_mode
 
 
-@pytest.mark.parametrize("value, mode", [
-    ("", "off"), ("0", "off"), ("OFF", "off"), ("cache", "cache"), ("read-only", "cache"),
-    ("1", "tune"), ("yes", "tune"),
-])
+@pytest.mark.parametrize(
+    "value, mode",
+    [
+        ("", "off"),
+        ("0", "off"),
+        ("OFF", "off"),
+        ("cache", "cache"),
+        ("read-only", "cache"),
+        ("1", "tune"),
+        ("yes", "tune"),
+    ],
+)
 def test_modes(value, mode):
     assert autotune_mode(value) == mode
 

@@ -6,8 +6,7 @@ import itertools
 
 import pytest
 
-from autotune.profiler import (
-    Candidate, Measurement, ProfileSettings, choose_reps, median_and_spread, profile, select)
+from autotune.profiler import Candidate, Measurement, ProfileSettings, choose_reps, median_and_spread, profile, select
 
 
 class FakeClock:
@@ -42,8 +41,13 @@ def same_output(out, ref):
     return None if out == ref else f"output {out!r} != {ref!r}"
 
 
-def run(ops, default, settings=ProfileSettings(warmup=3, warmup_ms=0, min_reps=5, max_reps=1000, sample_ms=50),
-        clock=None, **kwargs):
+def run(
+    ops,
+    default,
+    settings=ProfileSettings(warmup=3, warmup_ms=0, min_reps=5, max_reps=1000, sample_ms=50),
+    clock=None,
+    **kwargs,
+):
     cands = [Candidate(op.label, op) for op in ops]
     return profile(cands, default, settings, validate=same_output, clock=clock or ops[0].clock, **kwargs)
 
@@ -102,7 +106,7 @@ def test_sync_after_every_run_and_round_robin_rotation():
     result = run(ops, "a", settings, sync=lambda out: synced.append(out), progress=phases.append)
     assert phases == ["validate", "warmup", "sample"]
     assert len(synced) == sum(op.calls for op in ops)
-    rounds = [log[-12:][i:i + 3] for i in range(0, 12, 3)]
+    rounds = [log[-12:][i : i + 3] for i in range(0, 12, 3)]
     assert rounds == [list("abc"), list("bca"), list("cab"), list("abc")]  # each round has every candidate once
     assert result.reps == 4
 
@@ -149,27 +153,41 @@ def test_default_tied_with_the_leader_stays():
 def test_tied_winners_prefer_the_one_nearest_the_default():
     clock = FakeClock()
     jitter = [1.0, 1.01, 0.99]
-    ops = [FakeOp(clock, "s1", 1.00 * MS), FakeOp(clock, "s2", [c * 0.80 * MS for c in jitter]),
-           FakeOp(clock, "s4", [c * 0.79 * MS for c in jitter]), FakeOp(clock, "s8", [c * 0.70 * MS for c in jitter])]
+    ops = [
+        FakeOp(clock, "s1", 1.00 * MS),
+        FakeOp(clock, "s2", [c * 0.80 * MS for c in jitter]),
+        FakeOp(clock, "s4", [c * 0.79 * MS for c in jitter]),
+        FakeOp(clock, "s8", [c * 0.70 * MS for c in jitter]),
+    ]
     result = run(ops, "s1")
     assert result.selected == "s8"  # clearly fastest: not tied with the others
     clock = FakeClock()
-    ops = [FakeOp(clock, "s1", 1.00 * MS), FakeOp(clock, "s2", [c * 0.80 * MS for c in jitter]),
-           FakeOp(clock, "s4", [c * 0.79 * MS for c in jitter]), FakeOp(clock, "s8", [c * 0.795 * MS for c in jitter])]
+    ops = [
+        FakeOp(clock, "s1", 1.00 * MS),
+        FakeOp(clock, "s2", [c * 0.80 * MS for c in jitter]),
+        FakeOp(clock, "s4", [c * 0.79 * MS for c in jitter]),
+        FakeOp(clock, "s8", [c * 0.795 * MS for c in jitter]),
+    ]
     result = run(ops, "s1")
     assert result.selected == "s2"  # s2, s4, s8 statistically tied; s2 is nearest the default
 
 
 def test_equal_distance_tie_goes_to_the_earlier_candidate():
-    ms = {"a": Measurement("a", [], 0.80, 0.01), "b": Measurement("b", [], 1.0, 0.0),
-          "c": Measurement("c", [], 0.79, 0.01)}
+    ms = {
+        "a": Measurement("a", [], 0.80, 0.01),
+        "b": Measurement("b", [], 1.0, 0.0),
+        "c": Measurement("c", [], 0.79, 0.01),
+    }
     assert select("b", ["a", "b", "c"], ms, 0.02)[0] == "a"
 
 
 def test_wrong_candidate_is_dropped_and_reported():
     clock = FakeClock()
-    ops = [FakeOp(clock, "s1", 1.0 * MS, output="ok"), FakeOp(clock, "s2", 0.5 * MS, output="garbage"),
-           FakeOp(clock, "s4", 0.9 * MS, output="ok")]
+    ops = [
+        FakeOp(clock, "s1", 1.0 * MS, output="ok"),
+        FakeOp(clock, "s2", 0.5 * MS, output="garbage"),
+        FakeOp(clock, "s4", 0.9 * MS, output="ok"),
+    ]
     result = run(ops, "s1")
     assert result.dropped == [("s2", "output 'garbage' != 'ok'")]
     assert "s2" not in result.measurements
@@ -179,8 +197,12 @@ def test_wrong_candidate_is_dropped_and_reported():
 
 def test_erroring_candidates_are_dropped_at_any_phase():
     clock = FakeClock()
-    ops = [FakeOp(clock, "s1", 1.0 * MS), FakeOp(clock, "s2", 0.5 * MS, fail_at=1),
-           FakeOp(clock, "s4", 0.5 * MS, fail_at=3), FakeOp(clock, "s8", 0.5 * MS, fail_at=20)]
+    ops = [
+        FakeOp(clock, "s1", 1.0 * MS),
+        FakeOp(clock, "s2", 0.5 * MS, fail_at=1),
+        FakeOp(clock, "s4", 0.5 * MS, fail_at=3),
+        FakeOp(clock, "s8", 0.5 * MS, fail_at=20),
+    ]
     result = run(ops, "s1")
     dropped = dict(result.dropped)
     assert set(dropped) == {"s2", "s4", "s8"}  # at validation, warmup and sampling

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from tiny_models import save_tiny_llama
 
 import autotune.ops as ops
 import autotune.profiler as profiler
@@ -13,7 +14,6 @@ from autotune import runtime
 from autotune.ops import OP, Bucket, Geometry, candidates, default_splits, label
 from autotune.runtime import SplitsChooser, env_splits
 from autotune.store import Entry, Key, Store
-from tiny_models import save_tiny_llama
 
 GEO = Geometry(head_dim=32, q_heads=4, kv_heads=2, block_size=8)
 SHAPE = dict(batch=3, context=50, q_heads=4, kv_heads=2, head_dim=32, block_size=8, dtype="float32", runner="mlx-ops")
@@ -32,10 +32,20 @@ def clean(monkeypatch, tmp_path):
 
 def store_tactic(bucket: Bucket, splits: int, runner="mlx-ops", dtype="float32") -> None:
     labels = [label(s) for s in candidates(bucket)]
-    Store().save(Entry(key=Key(OP, runner, ops.device_identity(), bucket.key(), dtype),
-                       tactic={"label": label(splits), "params": {"num_splits": splits}}, latency_us=1.0,
-                       default_tactic={"label": "num_splits=1", "params": {"num_splits": 1}}, default_latency_us=2.0,
-                       candidates=labels, reps=5, spread=0.0, default_spread=0.0, required_improvement=0.02))
+    Store().save(
+        Entry(
+            key=Key(OP, runner, ops.device_identity(), bucket.key(), dtype),
+            tactic={"label": label(splits), "params": {"num_splits": splits}},
+            latency_us=1.0,
+            default_tactic={"label": "num_splits=1", "params": {"num_splits": 1}},
+            default_latency_us=2.0,
+            candidates=labels,
+            reps=5,
+            spread=0.0,
+            default_spread=0.0,
+            required_improvement=0.02,
+        )
+    )
 
 
 def count_loads(monkeypatch) -> list:
@@ -121,8 +131,9 @@ def test_unknown_mode_warns_and_is_off(monkeypatch, capsys):
 
 def test_tune_mode_profiles_a_miss_once_stores_it_and_logs(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("MLXCEL_AUTOTUNE", "1")
-    monkeypatch.setattr(profiler, "ProfileSettings", functools.partial(profiler.ProfileSettings, warmup_ms=1,
-                                                                           sample_ms=10))
+    monkeypatch.setattr(
+        profiler, "ProfileSettings", functools.partial(profiler.ProfileSettings, warmup_ms=1, sample_ms=10)
+    )
     calls = []
     real = ops.profile_cell
     monkeypatch.setattr(ops, "profile_cell", lambda *a, **k: calls.append(a) or real(*a, **k))
@@ -163,6 +174,7 @@ def test_env_beats_fixed_and_cache(monkeypatch):
 
 # -- the engine ---------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from mlxcel_core.loading import load_model
@@ -174,24 +186,31 @@ def tiny(tmp_path_factory):
 
 def run_engine(tiny, monkeypatch):
     """Decode 2 rows on paged storage (block 8); returns the num_splits each paged_decode_attention call got."""
-    from mlxcel_core.engine import Engine, EngineConfig, paged
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
+    from mlxcel_core.engine import Engine, EngineConfig
     from mlxcel_core.sampling import SamplingParams
 
     seen = []
-    real = paged.paged_decode_attention
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs["num_splits"])
-        return real(*args, **kwargs)
+    class Spying(Backend):
+        def paged_attention(self, runner):
+            real = super().paged_attention(runner)
 
-    monkeypatch.setattr(paged, "paged_decode_attention", spy)
+            def spy(*args, **kwargs):
+                seen.append(kwargs["num_splits"])
+                return real(*args, **kwargs)
+
+            return spy
+
+    previous = backends.use(Spying())
     engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_batch_size=2, storage="paged", block_size=8))
     for prompt in (list(range(5, 17)), list(range(20, 30))):  # > one block: at least 2 split candidates
         engine.open(prompt, SamplingParams(max_tokens=6))
     while engine.has_work():
         for out in engine.step():
             assert out.error is None, out.error
-    monkeypatch.setattr(paged, "paged_decode_attention", real)
+    backends.use(previous)
     return seen
 
 
@@ -200,8 +219,9 @@ def engine_buckets(tiny, monkeypatch):
     monkeypatch.setenv("MLXCEL_AUTOTUNE", "cache")
     asked = []
     real = SplitsChooser._lookup
-    monkeypatch.setattr(SplitsChooser, "_lookup",
-                        staticmethod(lambda b, r, d, t: asked.append((b, r, t)) or real(b, r, d, t)))
+    monkeypatch.setattr(
+        SplitsChooser, "_lookup", staticmethod(lambda b, r, d, t: asked.append((b, r, t)) or real(b, r, d, t))
+    )
     seen = run_engine(tiny, monkeypatch)
     monkeypatch.setattr(SplitsChooser, "_lookup", staticmethod(real))
     runtime.reset()
@@ -245,9 +265,14 @@ def test_engine_tokens_do_not_depend_on_the_tactic(tiny, monkeypatch):
 
 def test_the_tuner_times_the_inputs_decode_gives_the_kernel(monkeypatch):
     """The step's own keys and values at each row's last slot, and the combine counters, as decode passes them
-    (each off with its env switch)."""
+    on the CUDA backend; the portable backend passes neither."""
     import mlx.core as mx
 
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
+    from mlxcel_core.backends.cuda import CudaBackend
+
+    monkeypatch.setattr(backends, "_current", CudaBackend())  # (monkeypatch restores this process's own)
     geometry = Geometry(q_heads=8, kv_heads=2, head_dim=64, block_size=16)
     q, k_pool, _, tables, _ = ops.workload(3, 40, geometry, "float32")
     inputs = ops.decode_step_inputs(q, k_pool, tables, 40)
@@ -255,6 +280,5 @@ def test_the_tuner_times_the_inputs_decode_gives_the_kernel(monkeypatch):
     assert k.shape == v.shape == (3, 2, 64) and k.dtype == k_pool.dtype
     assert blocks.tolist() == tables[:, 39 // 16].tolist() and offsets.tolist() == [39 % 16] * 3
     assert inputs["counters"].dtype == mx.int32 and not mx.any(inputs["counters"]).item()
-    monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", "0")
-    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", "0")
+    monkeypatch.setattr(backends, "_current", Backend())
     assert ops.decode_step_inputs(q, k_pool, tables, 40) == {}

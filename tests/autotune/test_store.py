@@ -15,10 +15,19 @@ CANDIDATES = [f"num_splits={s}" for s in (1, 2, 4, 8, 16, 32)]
 
 
 def entry(splits: int = 16, key: Key = KEY) -> Entry:
-    return Entry(key=key, tactic={"label": f"num_splits={splits}", "params": {"num_splits": splits}},
-                 latency_us=100.0, default_tactic={"label": "num_splits=8", "params": {"num_splits": 8}},
-                 default_latency_us=122.0, candidates=CANDIDATES, reps=40, spread=0.01, default_spread=0.012,
-                 required_improvement=0.022, bucket_fields={"batch": 8, "context": 16384})
+    return Entry(
+        key=key,
+        tactic={"label": f"num_splits={splits}", "params": {"num_splits": splits}},
+        latency_us=100.0,
+        default_tactic={"label": "num_splits=8", "params": {"num_splits": 8}},
+        default_latency_us=122.0,
+        candidates=CANDIDATES,
+        reps=40,
+        spread=0.01,
+        default_spread=0.012,
+        required_improvement=0.022,
+        bucket_fields={"batch": 8, "context": 16384},
+    )
 
 
 @pytest.fixture
@@ -43,10 +52,24 @@ def test_round_trip_and_file_layout(store):
     assert record["tactic"] == {"label": "num_splits=16", "params": {"num_splits": 16}}
     assert record["version"] == SCHEMA_VERSION
     assert {k: record[k] for k in ("op", "runner", "device", "bucket", "dtype")} == {
-        "op": KEY.op, "runner": KEY.runner, "device": KEY.device, "bucket": KEY.bucket, "dtype": KEY.dtype}
+        "op": KEY.op,
+        "runner": KEY.runner,
+        "device": KEY.device,
+        "bucket": KEY.bucket,
+        "dtype": KEY.dtype,
+    }
     assert (record["mlxcel_version"], record["mlx_version"]) == (mlxcel_version, mlx_version)
-    for field in ("latency_us", "default_latency_us", "candidates", "reps", "spread", "default_spread",
-                  "required_improvement", "measured_at", "default_tactic"):
+    for field in (
+        "latency_us",
+        "default_latency_us",
+        "candidates",
+        "reps",
+        "spread",
+        "default_spread",
+        "required_improvement",
+        "measured_at",
+        "default_tactic",
+    ):
         assert field in record
     assert record["measured_at"].endswith("+00:00")
     assert list(store.directory.iterdir()) == [path]  # no temp file left behind
@@ -113,17 +136,20 @@ def rewrite(store, **changes):
     path.write_text(json.dumps(record))
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"version": SCHEMA_VERSION + 1}, "schema version"),
-    ({"version": "1"}, "schema version"),
-    ({"device": "gpu-somewhere-else"}, "device"),
-    ({"bucket": "b1xc1024xhq32xhkv8xd128xbs32"}, "bucket"),
-    ({"runner": "cuda-kernel-00000000"}, "runner"),
-    ({"dtype": "bfloat16"}, "dtype"),
-    ({"mlx_version": "0.0.1"}, "mlx 0.0.1"),
-    ({"mlxcel_version": "0.0.0"}, "mlxcel 0.0.0"),
-    ({"tactic": "num_splits=16"}, "malformed tactic"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"version": SCHEMA_VERSION + 1}, "schema version"),
+        ({"version": "1"}, "schema version"),
+        ({"device": "gpu-somewhere-else"}, "device"),
+        ({"bucket": "b1xc1024xhq32xhkv8xd128xbs32"}, "bucket"),
+        ({"runner": "cuda-kernel-00000000"}, "runner"),
+        ({"dtype": "bfloat16"}, "dtype"),
+        ({"mlx_version": "0.0.1"}, "mlx 0.0.1"),
+        ({"mlxcel_version": "0.0.0"}, "mlxcel 0.0.0"),
+        ({"tactic": "num_splits=16"}, "malformed tactic"),
+    ],
+)
 def test_foreign_or_mismatched_record_is_a_miss_with_a_warning(store, capsys, changes, words):
     rewrite(store, **changes)
     assert store.load(KEY, CANDIDATES) is None

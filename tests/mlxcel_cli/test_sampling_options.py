@@ -48,8 +48,9 @@ def test_out_of_range_is_one_line_and_exit_2(tiny_llama_dir, capsys, command, ar
 
 
 def generated(capsys, model_dir, *args) -> list[int]:
-    code, out, err = run_cli(capsys, "generate", "-m", str(model_dir), "-p", "The capital", "-n", "8",
-                             "--no-chat-template", "--json", *args)
+    code, out, err = run_cli(
+        capsys, "generate", "-m", str(model_dir), "-p", "The capital", "-n", "8", "--no-chat-template", "--json", *args
+    )
     assert code == 0, err
     return json.loads(out)["token_ids"]
 
@@ -60,8 +61,20 @@ def test_knobs_reach_the_sampler(tiny_llama_dir, capsys):
     assert generated(capsys, tiny_llama_dir, "--suppress-token", str(first))[0] != first
     assert set(generated(capsys, tiny_llama_dir, "--logit-bias", "42+100")) == {42}
     assert set(generated(capsys, tiny_llama_dir, "-l", "42=100", "--suppress-token", "42")) != {42}
-    penalized = generated(capsys, tiny_llama_dir, "--repeat-penalty", "3", "--repeat-last-n", "-1",
-                          "--dry-multiplier", "3", "--dry-allowed-length", "1", "--dry-sequence-breaker", "none")
+    penalized = generated(
+        capsys,
+        tiny_llama_dir,
+        "--repeat-penalty",
+        "3",
+        "--repeat-last-n",
+        "-1",
+        "--dry-multiplier",
+        "3",
+        "--dry-allowed-length",
+        "1",
+        "--dry-sequence-breaker",
+        "none",
+    )
     assert penalized != plain
     # XTC at temperature 0 is skipped: greedy stays greedy
     assert generated(capsys, tiny_llama_dir, "--xtc-probability", "1", "--xtc-threshold", "0") == plain
@@ -72,7 +85,7 @@ def test_dry_sequence_breaker_escapes():
 
     p = sampling_params(5, 0.0, 0, 1.0, 0.0, None, None, dry_sequence_breaker=["\\n", "é:", "\\t"])
     assert p.dry_sequence_breakers == ("\n", "é:", "\t")
-    assert sampling_params(5, 0.0, 0, 1.0, 0.0, None, None).dry_sequence_breakers == ("\n", ":", "\"", "*")
+    assert sampling_params(5, 0.0, 0, 1.0, 0.0, None, None).dry_sequence_breakers == ("\n", ":", '"', "*")
     assert sampling_params(5, 0.0, 0, 1.0, 0.0, None, None, dry_sequence_breaker=["none"]).dry_sequence_breakers == ()
 
 
@@ -80,11 +93,18 @@ def test_run_set_names_every_knob(tiny_llama_dir):
     from mlxcel_core.loading import load_model
 
     chat = ChatSession(load_model(str(tiny_llama_dir), log=lambda m: None))
-    values = {"repeat-penalty": ("1.3", "repetition_penalty", 1.3), "repeat-last-n": ("-1", "repeat_last_n", -1),
-              "presence-penalty": ("0.5", "presence_penalty", 0.5), "frequency-penalty": ("1", "frequency_penalty", 1.0),
-              "dry-multiplier": ("0.8", "dry_multiplier", 0.8), "dry-base": ("2", "dry_base", 2.0),
-              "dry-allowed-length": ("3", "dry_allowed_length", 3), "dry-penalty-last-n": ("128", "dry_penalty_last_n", 128),
-              "xtc-threshold": ("0.2", "xtc_threshold", 0.2), "xtc-probability": ("0.5", "xtc_probability", 0.5)}
+    values = {
+        "repeat-penalty": ("1.3", "repetition_penalty", 1.3),
+        "repeat-last-n": ("-1", "repeat_last_n", -1),
+        "presence-penalty": ("0.5", "presence_penalty", 0.5),
+        "frequency-penalty": ("1", "frequency_penalty", 1.0),
+        "dry-multiplier": ("0.8", "dry_multiplier", 0.8),
+        "dry-base": ("2", "dry_base", 2.0),
+        "dry-allowed-length": ("3", "dry_allowed_length", 3),
+        "dry-penalty-last-n": ("128", "dry_penalty_last_n", 128),
+        "xtc-threshold": ("0.2", "xtc_threshold", 0.2),
+        "xtc-probability": ("0.5", "xtc_probability", 0.5),
+    }
     for name, (text, field, value) in values.items():
         assert getattr(chat.set(name, text), field) == value
     with pytest.raises(InputError, match="xtc-probability must be in"):

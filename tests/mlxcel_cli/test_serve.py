@@ -23,9 +23,13 @@ class ServeProcess:
     def __init__(self, tmp_path, *args, env=None):
         self.log = tmp_path / "serve.log"
         self.handle = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlxcel_cli.main", "serve", *args],
-                                     stdout=self.handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxcel_cli.main", "serve", *args],
+            stdout=self.handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
         self.url = None
 
     def output(self) -> str:
@@ -95,7 +99,7 @@ def test_serve_end_to_end_with_env_vars_api_key_and_json_logs(tiny_llama_dir, se
     lines = server.output().splitlines()
     start = next(i for i, line in enumerate(lines) if LISTENING.search(line))
     assert lines[-1] == "mlxcel: interrupted"
-    records = [json.loads(line) for line in lines[start + 1:-1] if line.strip()]
+    records = [json.loads(line) for line in lines[start + 1 : -1] if line.strip()]
     assert {"time", "level", "logger", "message"} <= set(records[0])
     assert any("model ready" in r["message"] for r in records)
     served = [r["message"] for r in records if r["logger"] == "mlxcel.server"]
@@ -150,32 +154,45 @@ def test_a_busy_port_exits_2(tiny_llama_dir, serve_process):
 def test_help_lists_every_flag_with_its_env_var(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag, env in [("--model", "MLXCEL_MODEL"), ("--host", "MLXCEL_HOST"), ("--port", "MLXCEL_PORT"),
-                      ("--api-key", "MLXCEL_API_KEY"), ("--parallel", "MLXCEL_PARALLEL"),
-                      ("--n-parallel", None), ("--max-batch-size", "MLXCEL_MAX_BATCH_SIZE"),
-                      ("--max-queue-depth", "MLXCEL_MAX_QUEUE_DEPTH"),
-                      ("--prefill-chunk-size", "MLXCEL_PREFILL_CHUNK_SIZE"),
-                      ("--prefill-batch", "MLXCEL_PREFILL_BATCH"),
-                      ("--decode-storage-backend", "MLXCEL_DECODE_STORAGE_BACKEND"), ("--ctx-size", "MLXCEL_CTX_SIZE"),
-                      ("--max-n", "MLXCEL_MAX_N"), ("--kv-bits", "MLXCEL_KV_BITS"),
-                      ("--log-format", "MLXCEL_LOG_FORMAT"), ("--draft-model", "MLXCEL_DRAFT_MODEL"),
-                      ("--draft-ngram", "MLXCEL_DRAFT_NGRAM"), ("--num-draft-tokens", "MLXCEL_NUM_DRAFT_TOKENS"),
-                      ("--no-warmup", "MLXCEL_WARMUP")]:
+    for flag, env in [
+        ("--model", "MLXCEL_MODEL"),
+        ("--host", "MLXCEL_HOST"),
+        ("--port", "MLXCEL_PORT"),
+        ("--api-key", "MLXCEL_API_KEY"),
+        ("--parallel", "MLXCEL_PARALLEL"),
+        ("--n-parallel", None),
+        ("--max-batch-size", "MLXCEL_MAX_BATCH_SIZE"),
+        ("--max-queue-depth", "MLXCEL_MAX_QUEUE_DEPTH"),
+        ("--prefill-chunk-size", "MLXCEL_PREFILL_CHUNK_SIZE"),
+        ("--prefill-batch", "MLXCEL_PREFILL_BATCH"),
+        ("--decode-storage-backend", "MLXCEL_DECODE_STORAGE_BACKEND"),
+        ("--ctx-size", "MLXCEL_CTX_SIZE"),
+        ("--max-n", "MLXCEL_MAX_N"),
+        ("--kv-bits", "MLXCEL_KV_BITS"),
+        ("--log-format", "MLXCEL_LOG_FORMAT"),
+        ("--draft-model", "MLXCEL_DRAFT_MODEL"),
+        ("--draft-ngram", "MLXCEL_DRAFT_NGRAM"),
+        ("--num-draft-tokens", "MLXCEL_NUM_DRAFT_TOKENS"),
+        ("--no-warmup", "MLXCEL_WARMUP"),
+    ]:
         assert flag in out
         if env:
             assert env in re.sub(r"\s+", "", out), env
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--log-format", "xml"], "--log-format must be text or json"),
-    (["--kv-bits", "3"], "--kv-bits must be 4 or 8"),
-    (["--decode-storage-backend", "disk"], "--decode-storage-backend must be"),
-    (["--port", "70000"], "70000"),
-    (["--max-batch-size", "0"], "--max-batch-size"),
-    (["--prefill-batch", "0"], "--prefill-batch"),
-    (["--draft-ngram", "2", "--num-draft-tokens", "0"], "num-draft-tokens must be"),
-    (["--draft-ngram", "2", "--draft-model", "x"], "not both"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--log-format", "xml"], "--log-format must be text or json"),
+        (["--kv-bits", "3"], "--kv-bits must be 4 or 8"),
+        (["--decode-storage-backend", "disk"], "--decode-storage-backend must be"),
+        (["--port", "70000"], "70000"),
+        (["--max-batch-size", "0"], "--max-batch-size"),
+        (["--prefill-batch", "0"], "--prefill-batch"),
+        (["--draft-ngram", "2", "--num-draft-tokens", "0"], "num-draft-tokens must be"),
+        (["--draft-ngram", "2", "--draft-model", "x"], "not both"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     assert main(["serve", *args]) == 2
     err = capsys.readouterr().err
@@ -206,16 +223,19 @@ def _served_config(monkeypatch, args, env: dict):
     return seen[0]
 
 
-@pytest.mark.parametrize("args,env,want", [([], None, None), (["--prefill-batch", "3"], None, 3),
-                                           ([], "5", 5), (["--prefill-batch", "2"], "5", 2)])
+@pytest.mark.parametrize(
+    "args,env,want",
+    [([], None, None), (["--prefill-batch", "3"], None, 3), ([], "5", 5), (["--prefill-batch", "2"], "5", 2)],
+)
 def test_prefill_batch_reaches_the_engine(monkeypatch, args, env, want):
     """--prefill-batch / MLXCEL_PREFILL_BATCH: the engine's prefill_batch_size (None: the backend's default)."""
     config = _served_config(monkeypatch, args, {"MLXCEL_PREFILL_BATCH": env})
     assert config.engine.prefill_batch_size == want and config.engine.max_batch_size == 8
 
 
-@pytest.mark.parametrize("args,env,want", [([], None, True), (["--no-warmup"], None, False), ([], "0", False),
-                                           (["--warmup"], "0", True)])
+@pytest.mark.parametrize(
+    "args,env,want", [([], None, True), (["--no-warmup"], None, False), ([], "0", False), (["--warmup"], "0", True)]
+)
 def test_warmup_reaches_the_server(monkeypatch, args, env, want):
     """On by default (the first client should not wait for kernel compiles); --no-warmup / MLXCEL_WARMUP=0."""
     assert _served_config(monkeypatch, args, {"MLXCEL_WARMUP": env}).warmup is want

@@ -34,9 +34,14 @@ def llama(tmp_path_factory):
 
 
 def _run_piped(llama, *extra):
-    return subprocess.run([sys.executable, "-m", "mlxcel_cli.main", "run", "-m", str(llama), "-n", "12", *NO_EOS,
-                           *extra], input="Hello there\n/set temp 0.8\n/set seed 5\nTell me more\n", cwd=str(ROOT),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", "run", "-m", str(llama), "-n", "12", *NO_EOS, *extra],
+        input="Hello there\n/set temp 0.8\n/set seed 5\nTell me more\n",
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
 
 
 def test_run_tp2_chat_replies_equal_single_process(llama):
@@ -52,10 +57,16 @@ def test_run_tp2_ctrl_c_interrupts_the_reply_on_every_rank(tmp_path):
     endless = save_tiny_llama(tmp_path / "endless", eos_token_id=None, max_position_embeddings=65536)
     config = json.loads((endless / "tokenizer_config.json").read_text())
     (endless / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
-    child = pexpect.spawn(sys.executable, ["-m", "mlxcel_cli.main", "run", str(endless), "-n", "60000", "-v",
-                                           "--tp-size", "2"],
-                          cwd=str(ROOT), env={**os.environ, "TERM": "xterm-256color"}, encoding="utf-8",
-                          codec_errors="replace", timeout=TIMEOUT, dimensions=(40, 200))
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "mlxcel_cli.main", "run", str(endless), "-n", "60000", "-v", "--tp-size", "2"],
+        cwd=str(ROOT),
+        env={**os.environ, "TERM": "xterm-256color"},
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=TIMEOUT,
+        dimensions=(40, 200),
+    )
     try:
         child.expect_exact(">>> ")
         child.sendline("Hello world")
@@ -80,9 +91,25 @@ class _Server:
     def __init__(self, llama, tmp_path, *args):
         self.path = tmp_path / f"serve-{len(args)}.log"
         self.log = open(self.path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlxcel_cli.main", "serve", "-m", str(llama), "--port",
-                                      "0", "--parallel", "4", *args], cwd=str(ROOT), stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlxcel_cli.main",
+                "serve",
+                "-m",
+                str(llama),
+                "--port",
+                "0",
+                "--parallel",
+                "4",
+                *args,
+            ],
+            cwd=str(ROOT),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + TIMEOUT
         while not (match := LISTENING.search(self.output())):
             assert time.monotonic() < deadline and self.proc.poll() is None, self.output()
@@ -100,8 +127,12 @@ class _Server:
         results = {}
 
         def ask(i, prompt):
-            body = {"prompt": prompt, "max_tokens": 10 + 3 * i, "temperature": 0,
-                    "logit_bias": {"0": -100, "1": -100, "2": -100}}
+            body = {
+                "prompt": prompt,
+                "max_tokens": 10 + 3 * i,
+                "temperature": 0,
+                "logit_bias": {"0": -100, "1": -100, "2": -100},
+            }
             reply = httpx.post(f"{self.url}/v1/completions", json=body, timeout=TIMEOUT)
             results[i] = (reply.status_code, reply.json()["choices"][0]["text"])
 

@@ -38,8 +38,22 @@ dry run: 12 cells, nothing measured or written. Set MLXCEL_AUTOTUNE=cache (or 1)
 """
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--batch-sizes", "1", "--context-lengths", "64", "--head-dim", "32", "--q-heads", "4", "--kv-heads", "2",
-        "--sample-ms", "20", "--warmup-ms", "5"]
+TINY = [
+    "--batch-sizes",
+    "1",
+    "--context-lengths",
+    "64",
+    "--head-dim",
+    "32",
+    "--q-heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--sample-ms",
+    "20",
+    "--warmup-ms",
+    "5",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -69,22 +83,42 @@ def test_dry_run_golden_output_writes_nothing_and_is_fast(capsys, cache):
 
 
 def test_dry_run_imports_no_mlx(cache):
-    code = ("import sys; from mlxcel_cli.main import main; rc = main(['tune', '--dry-run']); "
-            "assert rc == 0; assert 'mlx.core' not in sys.modules, 'dry run imported mlx'")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env={**os.environ, "MLXCEL_CACHE_DIR": str(cache)})
+    code = (
+        "import sys; from mlxcel_cli.main import main; rc = main(['tune', '--dry-run']); "
+        "assert rc == 0; assert 'mlx.core' not in sys.modules, 'dry run imported mlx'"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "MLXCEL_CACHE_DIR": str(cache)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "dry run: 12 cells" in proc.stdout
 
 
 def test_dry_run_json(capsys, cache):
-    code, out, _ = cli(capsys, "tune", "--dry-run", "--json", "--batch-sizes", "2", "--context-lengths", "100,3000",
-                       "--block-size", "16")
+    code, out, _ = cli(
+        capsys,
+        "tune",
+        "--dry-run",
+        "--json",
+        "--batch-sizes",
+        "2",
+        "--context-lengths",
+        "100,3000",
+        "--block-size",
+        "16",
+    )
     doc = json.loads(out)
     assert code == 0 and doc["dry_run"] is True and doc["cache_dir"] == str(cache / "autotune")
     assert doc["geometry"] == {"head_dim": 128, "q_heads": 32, "kv_heads": 8, "block_size": 16}
     assert [(c["batch"], c["context"], c["bucket"]) for c in doc["cells"]] == [
-        (2, 100, "b2xc128xhq32xhkv8xd128xbs16"), (2, 3000, "b2xc4096xhq32xhkv8xd128xbs16")]
+        (2, 100, "b2xc128xhq32xhkv8xd128xbs16"),
+        (2, 3000, "b2xc4096xhq32xhkv8xd128xbs16"),
+    ]
     assert doc["cells"][0]["candidates"] == [f"num_splits={s}" for s in (1, 2, 4, 8)]
     assert doc["cells"][1]["default"] == "num_splits=2"
 
@@ -95,20 +129,38 @@ def write_config(path, config):
     return path
 
 
-@pytest.mark.parametrize("config, geometry", [
-    ({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}, "head_dim=128 q_heads=32 kv_heads=8"),
-    ({"hidden_size": 2048, "num_attention_heads": 16}, "head_dim=128 q_heads=16 kv_heads=16"),  # kv falls back
-    ({"hidden_size": 2560, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
-     "head_dim=256 q_heads=8 kv_heads=4"),
-    ({"model_type": "gemma3", "text_config": {"hidden_size": 1152, "num_attention_heads": 4,
-                                              "num_key_value_heads": 1, "head_dim": 256}},
-     "head_dim=256 q_heads=4 kv_heads=1"),
-])
+@pytest.mark.parametrize(
+    "config, geometry",
+    [
+        (
+            {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8},
+            "head_dim=128 q_heads=32 kv_heads=8",
+        ),
+        ({"hidden_size": 2048, "num_attention_heads": 16}, "head_dim=128 q_heads=16 kv_heads=16"),  # kv falls back
+        (
+            {"hidden_size": 2560, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+            "head_dim=256 q_heads=8 kv_heads=4",
+        ),
+        (
+            {
+                "model_type": "gemma3",
+                "text_config": {
+                    "hidden_size": 1152,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 1,
+                    "head_dim": 256,
+                },
+            },
+            "head_dim=256 q_heads=4 kv_heads=1",
+        ),
+    ],
+)
 def test_model_config_geometry(capsys, tmp_path, config, geometry):
     model = write_config(tmp_path / "m", config)
     for spec in (model, model / "config.json"):
-        code, out, err = cli(capsys, "tune", "--dry-run", "-m", str(spec), "--batch-sizes", "1",
-                             "--context-lengths", "1024")
+        code, out, err = cli(
+            capsys, "tune", "--dry-run", "-m", str(spec), "--batch-sizes", "1", "--context-lengths", "1024"
+        )
         assert code == 0, err
         assert f"paged-decode-splits: {geometry} block_size=32 dtype=float16" in out
 
@@ -119,20 +171,23 @@ def test_explicit_flags_override_the_model(capsys, tmp_path):
     assert code == 0 and "head_dim=128 q_heads=32 kv_heads=4" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--op", "qmm-tile"], "--op must be paged-decode-splits"),
-    (["--batch-sizes", "1,x"], "--batch-sizes must be a comma-separated list of positive integers"),
-    (["--context-lengths", "0"], "--context-lengths must be"),
-    (["--q-heads", "6"], "--q-heads (6) must be a multiple of --kv-heads (8)"),
-    (["--head-dim", "0"], "--head-dim must be a positive integer"),
-    (["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
-    (["--min-reps", "0"], "--min-reps must be >= 1"),
-    (["--min-reps", "9", "--max-reps", "3"], "--max-reps (3) must be >= --min-reps (9)"),
-    (["--sample-ms", "0"], "--sample-ms must be > 0"),
-    (["--min-improvement", "1"], "--min-improvement must be in [0, 1)"),
-    (["--warmup", "abc"], "Invalid value for '--warmup'"),
-    (["-m", "/no/such/model"], "no config.json there"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--op", "qmm-tile"], "--op must be paged-decode-splits"),
+        (["--batch-sizes", "1,x"], "--batch-sizes must be a comma-separated list of positive integers"),
+        (["--context-lengths", "0"], "--context-lengths must be"),
+        (["--q-heads", "6"], "--q-heads (6) must be a multiple of --kv-heads (8)"),
+        (["--head-dim", "0"], "--head-dim must be a positive integer"),
+        (["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
+        (["--min-reps", "0"], "--min-reps must be >= 1"),
+        (["--min-reps", "9", "--max-reps", "3"], "--max-reps (3) must be >= --min-reps (9)"),
+        (["--sample-ms", "0"], "--sample-ms must be > 0"),
+        (["--min-improvement", "1"], "--min-improvement must be in [0, 1)"),
+        (["--warmup", "abc"], "Invalid value for '--warmup'"),
+        (["-m", "/no/such/model"], "no config.json there"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, cache, args, message):
     code, out, err = cli(capsys, "tune", "--dry-run", *args)
     assert code == 2 and out == ""
@@ -155,8 +210,19 @@ def test_real_run_on_cpu_writes_the_cache_the_engine_reads(capsys, cache, monkey
     lines = out.splitlines()
     assert lines[0] == f"autotune cache: {cache / 'autotune'}"
     assert lines[2].startswith("runner: mlx-ops") and "device: cpu-" in lines[2]
-    assert lines[4].split() == ["batch", "context", "|", "default", "default_us", "selected", "best_us", "spread",
-                                "reps", "guard", "speedup"]
+    assert lines[4].split() == [
+        "batch",
+        "context",
+        "|",
+        "default",
+        "default_us",
+        "selected",
+        "best_us",
+        "spread",
+        "reps",
+        "guard",
+        "speedup",
+    ]
     row = lines[5].split()
     assert row[:4] == ["1", "64", "|", "num_splits=1"] and row[5].startswith("num_splits=")
     assert row[7].endswith("%") and int(row[8]) >= 5 and row[9].endswith("%") and row[10].endswith("x")

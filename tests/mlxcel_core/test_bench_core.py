@@ -1,4 +1,4 @@
-"""mlxcel_core.bench and models.shapes: statistics, labels, aggregate batch t/s, depth reuse, random shapes."""
+"""mlxcel_core.bench and loading.shapes: statistics, labels, aggregate batch t/s, depth reuse, random shapes."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from mlxcel_core.bench import (
 )
 from mlxcel_core.bench_output import render
 from mlxcel_core.errors import InputError
-from mlxcel_core.kv.cuda_paged_attention import cuda_kernel_available
-from mlxcel_core.models.shapes import (
+from mlxcel_core.loading.shapes import (
     SHAPES,
     build_random_model,
     count_parameters,
@@ -51,8 +50,19 @@ def tiny():
 
 
 def result(test: BenchTest, samples_ns: list[int]) -> BenchResult:
-    return BenchResult(test=test, model="m", model_filename="m", model_size=1, model_n_params=1, backend="mlx-cpu",
-                       device="cpu", samples_ns=samples_ns, ttft_ms=1.0, peak_memory_gb=0.1, prefill_computed=0)
+    return BenchResult(
+        test=test,
+        model="m",
+        model_filename="m",
+        model_size=1,
+        model_n_params=1,
+        backend="mlx-cpu",
+        device="cpu",
+        samples_ns=samples_ns,
+        ttft_ms=1.0,
+        peak_memory_gb=0.1,
+        prefill_computed=0,
+    )
 
 
 # -- statistics on injected timings ----------------------------------------------------------------
@@ -81,14 +91,30 @@ def test_one_sample_has_zero_deviation_and_pp_tg_counts_both():
 
 def test_labels_and_plan_follow_llama_bench():
     assert [t.label for t in plan_tests(BenchConfig(pg=((512, 128),), n_depth=(0, 4096)))] == [
-        "pp512", "tg128", "pp512+tg128", "pp512 @ d4096", "tg128 @ d4096", "pp512+tg128 @ d4096"]
+        "pp512",
+        "tg128",
+        "pp512+tg128",
+        "pp512 @ d4096",
+        "tg128 @ d4096",
+        "pp512+tg128 @ d4096",
+    ]
     assert [t.label for t in plan_tests(BenchConfig(n_prompt=(0,), n_gen=(16, 32)))] == ["tg16", "tg32"]
     assert [t.n_batch for t in plan_tests(BenchConfig(n_batch=(1, 8)))] == [1, 1, 8, 8]
 
 
-@pytest.mark.parametrize("bad", [dict(n_prompt=(-1,)), dict(n_batch=()), dict(n_batch=(0,)), dict(repetitions=0),
-                                 dict(n_prompt=(0,), n_gen=(0,)), dict(kv_bits=3), dict(storage="x"),
-                                 dict(pg=((0, 4),))])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(n_prompt=(-1,)),
+        dict(n_batch=()),
+        dict(n_batch=(0,)),
+        dict(repetitions=0),
+        dict(n_prompt=(0,), n_gen=(0,)),
+        dict(kv_bits=3),
+        dict(storage="x"),
+        dict(pg=((0, 4),)),
+    ],
+)
 def test_bad_configs_are_input_errors(bad):
     with pytest.raises(InputError):
         BenchConfig(**bad).validate()
@@ -188,8 +214,15 @@ def llama_params(c: dict) -> int:
     return v * h * (1 if c["tie_word_embeddings"] else 2) + layers * per_layer + h
 
 
-@pytest.mark.parametrize("name,expected", [("llama-3-8b", 8_030_261_248), ("llama-3.2-1b", 1_235_814_400),
-                                           ("llama-3-70b", 70_553_706_496), ("smollm2-135m", 134_515_008)])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("llama-3-8b", 8_030_261_248),
+        ("llama-3.2-1b", 1_235_814_400),
+        ("llama-3-70b", 70_553_706_496),
+        ("smollm2-135m", 134_515_008),
+    ],
+)
 def test_shapes_have_the_published_parameter_counts(name, expected):
     assert llama_params(shape_config(name)) == expected
 
@@ -222,82 +255,45 @@ def test_unknown_shape_and_bad_options():
         load_bench_model(shape="tiny", bits=3)
 
 
-def test_header_names_the_batch_modes(monkeypatch):
-    """With the kernels on: the 4-bit batch mode and its loads, the 16-bit kernel's rows, the prompts prefilled
-    together, as the environment sets them."""
-    from mlxcel_core import kernels
+def test_header_names_the_decode_steps_and_the_backend(monkeypatch):
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
     from mlxcel_core.bench import BenchModel, bench_header
-    from mlxcel_core.kernels import fast_linear, qmm
 
     model = BenchModel(model=None, vocab_size=320, description="tiny", filename="x", n_params=1000, size_bytes=2**20)
-    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "3")
-    monkeypatch.setattr(kernels, "enabled", lambda: True)
-    monkeypatch.setattr(kernels, "half_kernel_state", lambda: "on")
+    monkeypatch.setattr(backends, "_current", Backend())
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     assert bench_header(model).endswith(
-        "; 4-bit decode batches of 9+ rows: mma (wide loads, MLXCEL_QMM_WIDE) (MLXCEL_QMM_BATCH), 16-bit kernel rows "
-        "up to 8 in models up to 2048 wide, else 2 (MLXCEL_HMV_MAX_ROWS), waiting prompts prefilled together: up to 3 "
-        "(MLXCEL_PREFILL_BATCH)")
-    monkeypatch.setattr(fast_linear, "HALF_MAX_ROWS", 4)
-    monkeypatch.setattr(qmm, "WIDE", False)
-    assert bench_header(model).endswith("mma (narrow loads, MLXCEL_QMM_WIDE) (MLXCEL_QMM_BATCH), 16-bit kernel rows "
-                                        "up to 4 (MLXCEL_HMV_MAX_ROWS), waiting prompts prefilled together: up to 3 "
-                                        "(MLXCEL_PREFILL_BATCH)")
-    monkeypatch.setattr(fast_linear, "BATCH_MODE", "matrix")
-    assert "; 4-bit decode batches of 9+ rows: matrix (MLXCEL_QMM_BATCH), " in bench_header(model)
-
-
-def test_header_names_the_decode_step_mode_and_kernels(monkeypatch):
-    from mlxcel_core.bench import BenchModel, bench_header
-    from mlxcel_core.engine.types import default_prefill_batch
-
-    model = BenchModel(model=None, vocab_size=320, description="tiny", filename="x", n_params=1000, size_bytes=2**20)
-    monkeypatch.setenv("MLXCEL_COMPILE", "1")
-    assert "; decode steps compiled where supported; " in bench_header(model)
-    monkeypatch.setenv("MLXCEL_COMPILE", "0")
-    assert "; decode steps op by op (MLXCEL_COMPILE=0); " in bench_header(model)
-    monkeypatch.delenv("MLXCEL_COMPILE")  # the default: compiled on a GPU only
-    expected = "compiled where supported" if mx.default_device().type == mx.DeviceType.gpu else \
-        "op by op (the default on CPU; MLXCEL_COMPILE=1 compiles)"
-    on_cuda = ", a lone greedy row's steps replayed as one CUDA graph (MLXCEL_CUDA_GRAPH=0 turns it off)"
-    graph = on_cuda if cuda_kernel_available() else ""  # the default: on where CUDA is
-    assert f"; decode steps {expected}{graph}; " in bench_header(model)
-    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "1")
-    graph = on_cuda if cuda_kernel_available() else " (MLXCEL_CUDA_GRAPH=1 applies on CUDA only)"
-    assert f"; decode steps {expected}{graph}; " in bench_header(model)
-    monkeypatch.setenv("MLXCEL_CUDA_GRAPH", "0")
-    assert f"; decode steps {expected}; " in bench_header(model)
-    monkeypatch.delenv("MLXCEL_CUDA_GRAPH")
-    monkeypatch.setenv("MLXCEL_FUSE", "1")
-    monkeypatch.setenv("MLXCEL_QMV", "0")
-    monkeypatch.setenv("MLXCEL_FUSE_NORM", "1")
-    monkeypatch.setenv("MLXCEL_FUSE_ROPE", "0")
-    monkeypatch.setenv("MLXCEL_HMV", "0")
-    monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", "0")
-    kv = "paged KV written by scatter ops (" + (
-        "MLXCEL_KV_IN_KERNEL=0), attention splits combined in the kernel (MLXCEL_COMBINE_IN_KERNEL)"
-        if cuda_kernel_available() else "MLXCEL_KV_IN_KERNEL applies on CUDA only)")
-    # (with both matvec kernels off, an asked-for fold cannot happen: no launch to fold into)
+        "; decode steps op by op (the default on CPU); MLX ops (the portable "
+        "backend); waiting prompts prefilled together: up to 1"
+    )
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     assert bench_header(model).endswith(
-        "fused q/k/v, gate/up and residual adds on (MLXCEL_FUSE), norms folded off (MLXCEL_FUSE_NORM on, but no fused "
-        "projection on a CUDA matvec kernel to fold into), rope folded off (MLXCEL_FUSE_ROPE), 4-bit matvec kernel off "
-        "(MLXCEL_QMV), 16-bit matvec kernel off (MLXCEL_HMV), " + kv + "; waiting prompts prefilled together: up to "
-        f"{default_prefill_batch()} (MLXCEL_PREFILL_BATCH)")  # (with both kernels off, no batch modes to name)
-    if cuda_kernel_available():  # a kernel to fold into
-        monkeypatch.setenv("MLXCEL_QMV", "1")
-        assert "norms folded on (MLXCEL_FUSE_NORM), rope folded off (MLXCEL_FUSE_ROPE)" in bench_header(model)
-    monkeypatch.delenv("MLXCEL_KV_IN_KERNEL")
-    in_kernel = "by the attention kernel (MLXCEL_KV_IN_KERNEL)" if cuda_kernel_available() else "by scatter ops"
-    assert f"paged KV written {in_kernel}" in bench_header(model)
-    monkeypatch.setenv("MLXCEL_FUSE", "0")
-    assert "fused q/k/v, gate/up and residual adds off (MLXCEL_FUSE)" in bench_header(model)
+        "; decode steps compiled where supported; MLX ops (the portable backend); "
+        "waiting prompts prefilled together: up to 8"
+    )
+
+    class WithKernels(Backend):
+        name = "cuda"
+
+        def describe(self):
+            return "our kernels"
+
+    monkeypatch.setattr(backends, "_current", WithKernels())
+    assert bench_header(model).endswith(
+        "; decode steps compiled where supported, a lone greedy row's steps replayed "
+        "as one recorded graph; our kernels; waiting prompts prefilled together: up "
+        "to 8"
+    )
 
 
 # -- the CUDA graph's share of the timed steps ----------------------------------------------------------------
 def test_graph_steps_count_the_timed_runs_replayed_steps(tiny, monkeypatch):
     """graph_steps: the decode steps of the timed runs the engine's graph replayed (a stand-in graph here, MLX in place
     of the driver); the warm-up records, so every timed decode step is a replay. None where the engine has no graph."""
-    import mlxcel_core.bench as bench
     from graph_stand_in import attach_stand_in
+
+    import mlxcel_core.bench as bench
 
     config = BenchConfig(n_prompt=(0,), n_gen=(6,), repetitions=2, storage="paged")
     (plain,) = run_bench(tiny, config)

@@ -29,9 +29,12 @@ def word_only(tokenizer):
     The random tiny model otherwise emits partial UTF-8 bytes, which no tokenizer gives back token for
     token from the text; real models' replies do round-trip, and that is what KV reuse relies on.
     """
-    keep = [i for i in range(tokenizer.vocab_size)
-            if re.fullmatch(r" [A-Za-z]+", tokenizer.decode([i]))
-            and tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]]
+    keep = [
+        i
+        for i in range(tokenizer.vocab_size)
+        if re.fullmatch(r" [A-Za-z]+", tokenizer.decode([i]))
+        and tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]
+    ]
     assert len(keep) >= 5
     mask = mx.full((tokenizer.vocab_size,), float("-inf"))
     mask[mx.array(keep)] = 0.0
@@ -67,7 +70,7 @@ def test_second_turn_prefills_only_the_new_tokens(loaded, kv_bits):
     history = turn1.prompt_ids + turn1.reply_ids
     # The re-rendered history is token for token what turn 1 had in its cache ...
     assert turn2.prompt_ids[: len(history)] == history
-    new = turn2.prompt_ids[len(history):]  # "<|im_end|>\n<|im_start|>user\n" + message + generation prompt
+    new = turn2.prompt_ids[len(history) :]  # "<|im_end|>\n<|im_start|>user\n" + message + generation prompt
     assert loaded.tokenizer.decode(new) == "\nuser\nThe capital of Italy\nassistant\n"  # specials are skipped
     # ... so turn 2 computes exactly the new tokens plus the last reply token (sampled at the token limit,
     # never fed back).
@@ -146,9 +149,14 @@ def test_clear_system_and_settings(loaded):
     assert chat.set("temp", "0.7").temperature == 0.7
     assert chat.set("top_k", "5").top_k == 5
     assert chat.set("seed", "none").seed is None
-    for name, value, message in [("temp", "-1", "temperature must be"), ("top-p", "0", "top-p must be"),
-                                 ("top-k", "1.5", "top-k must be an integer"), ("max-tokens", "0", "max-tokens must be"),
-                                 ("min-p", "x", "min-p must be a number"), ("colour", "1", "unknown setting")]:
+    for name, value, message in [
+        ("temp", "-1", "temperature must be"),
+        ("top-p", "0", "top-p must be"),
+        ("top-k", "1.5", "top-k must be an integer"),
+        ("max-tokens", "0", "max-tokens must be"),
+        ("min-p", "x", "min-p must be a number"),
+        ("colour", "1", "unknown setting"),
+    ]:
         with pytest.raises(InputError, match=message):
             chat.set(name, value)
     assert chat.params.temperature == 0.7  # a rejected value changes nothing

@@ -23,7 +23,8 @@ def bpe():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(CORPUS * 4, trainer)
     assert tok.get_vocab_size() == 300
     return tok
@@ -33,12 +34,15 @@ def stream(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], st
     return [detok.add(i) for i in ids], detok.flush()
 
 
-@pytest.mark.parametrize("text", [
-    "héllo wörld 日本語 🙂!",
-    "zebra 🦓 ÿ 中文 🙂🙂 x",          # characters unseen in training: one byte per token
-    "über café naïve 日本語🙂end",
-    "plain ascii only",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "héllo wörld 日本語 🙂!",
+        "zebra 🦓 ÿ 中文 🙂🙂 x",  # characters unseen in training: one byte per token
+        "über café naïve 日本語🙂end",
+        "plain ascii only",
+    ],
+)
 def test_bpe_stream_equals_full_decode_without_replacement_chars(bpe, text):
     ids = bpe.encode(text).ids
     pieces, tail = stream(IncrementalDetokenizer(bpe.decode), ids)
@@ -117,6 +121,7 @@ def test_sentencepiece_style_needs_prompt_context_for_leading_space():
 
 # ---------------------------------------------------------------- StopMatcher
 
+
 def feed_all(matcher: StopMatcher, chunks: list[str]) -> list[tuple[str, bool]]:
     return [matcher.feed(c) for c in chunks]
 
@@ -152,14 +157,17 @@ def test_self_overlapping_stop_prefix():
 def test_longest_held_prefix_over_several_stops():
     m = StopMatcher(("abcd", "cx"))
     assert m.feed("zabc") == ("z", False)  # "abc" (prefix of abcd) beats "c" (prefix of cx)
-    assert m.feed("x") == ("ab", True)      # "cx" completes at position 2
+    assert m.feed("x") == ("ab", True)  # "cx" completes at position 2
 
 
-@pytest.mark.parametrize("chunks, expected", [
-    (["hello world"], [("hel", True)]),                    # "lo" (pos 3) before "world" (pos 6)
-    (["xab", "cd"], [("x", False), ("", True)]),           # "abc" (pos 0) before "cd" (pos 2)
-    (["say wo", "rld lo"], [("say ", False), ("", True)]),
-])
+@pytest.mark.parametrize(
+    "chunks, expected",
+    [
+        (["hello world"], [("hel", True)]),  # "lo" (pos 3) before "world" (pos 6)
+        (["xab", "cd"], [("x", False), ("", True)]),  # "abc" (pos 0) before "cd" (pos 2)
+        (["say wo", "rld lo"], [("say ", False), ("", True)]),
+    ],
+)
 def test_several_stops_earliest_match_wins(chunks, expected):
     m = StopMatcher(("world", "lo", "abc", "cd"))
     assert feed_all(m, chunks) == expected

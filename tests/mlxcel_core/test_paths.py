@@ -50,9 +50,10 @@ def test_nothing_set_without_cuda(cuda, monkeypatch):
 
 
 def test_model_loading_sets_it_first(cuda, monkeypatch):
-    from mlxcel_core.loading import load_model
-    from mlxcel_core.models.shapes import build_random_model
     from tiny_models import save_tiny_llama
+
+    from mlxcel_core.loading import load_model
+    from mlxcel_core.loading.shapes import build_random_model
 
     build_random_model("tiny")
     assert os.environ[paths.PTX_CACHE_ENV].startswith(str(cuda / "kernels"))

@@ -30,9 +30,12 @@ def logits(model):
 def in_memory(src, bits, group_size):
     """The reference: our fp32 model quantized in memory with mlx's own predicate-free call."""
     model = quiet(src).model
-    nn.quantize(model, group_size=group_size, bits=bits,
-                class_predicate=lambda _, m: isinstance(m, (nn.Linear, nn.Embedding))
-                and m.weight.shape[-1] % group_size == 0)
+    nn.quantize(
+        model,
+        group_size=group_size,
+        bits=bits,
+        class_predicate=lambda _, m: isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group_size == 0,
+    )
     return model
 
 

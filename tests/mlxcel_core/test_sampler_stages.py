@@ -41,6 +41,7 @@ def np32(a) -> np.ndarray:
 
 # ---------------------------------------------------------------- 1. logit bias, suppression
 
+
 def test_logit_bias_adds_to_the_listed_tokens_only():
     logits = mx.array([[0.0, 1.0, 2.0, 3.0], [4.0, -1.0, 0.5, 0.0]])
     out = apply_logit_bias(logits, {1: 2.5, 3: -1.0})
@@ -55,25 +56,30 @@ def test_suppression_sets_minus_infinity():
 
 # ---------------------------------------------------------------- 2. repetition penalty
 
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative():
     logits = mx.array([[2.0, -2.0, 4.0, 1.0, -1.0]])
     out = apply_repetition_penalty(logits, [0, 1, 1, 4], penalty=2.0, last_n=-1)
     np.testing.assert_array_equal(np32(out), [[1.0, -4.0, 4.0, 1.0, -2.0]])  # each seen token once, not per count
 
 
-@pytest.mark.parametrize("last_n, expected", [
-    (2, [2.0, -2.0, 4.0, 0.5, -2.0]),   # the window is the last two tokens: 3 and 4
-    (3, [2.0, -4.0, 4.0, 0.5, -2.0]),
-    (0, [2.0, -2.0, 4.0, 1.0, -1.0]),   # 0: no token is looked at
-    (-1, [1.0, -4.0, 4.0, 0.5, -2.0]),  # -1: every token
-    (99, [1.0, -4.0, 4.0, 0.5, -2.0]),
-])
+@pytest.mark.parametrize(
+    "last_n, expected",
+    [
+        (2, [2.0, -2.0, 4.0, 0.5, -2.0]),  # the window is the last two tokens: 3 and 4
+        (3, [2.0, -4.0, 4.0, 0.5, -2.0]),
+        (0, [2.0, -2.0, 4.0, 1.0, -1.0]),  # 0: no token is looked at
+        (-1, [1.0, -4.0, 4.0, 0.5, -2.0]),  # -1: every token
+        (99, [1.0, -4.0, 4.0, 0.5, -2.0]),
+    ],
+)
 def test_repetition_penalty_window(last_n, expected):
     logits = mx.array([[2.0, -2.0, 4.0, 1.0, -1.0]])
     np.testing.assert_array_equal(np32(apply_repetition_penalty(logits, [0, 1, 3, 4], 2.0, last_n)), [expected])
 
 
 # ---------------------------------------------------------------- 3. presence / frequency
+
 
 def test_presence_and_frequency_penalties_count_occurrences():
     logits = mx.zeros((1, 4))
@@ -150,22 +156,26 @@ def test_dry_sequence_breakers_tokenized_like_llama_cpp():
     assert heads == {
         0: [(1, 2)],  # "a" ends with "a": "bc" must follow
         3: [(1, 2)],  # "xa" too
-        4: [(2,)],    # "ab": then "c"
-        5: [()],      # "abc!" contains the whole breaker
-        6: [()],      # "\n"
-        7: [()],      # "q\nr"
+        4: [(2,)],  # "ab": then "c"
+        5: [()],  # "abc!" contains the whole breaker
+        6: [()],  # "\n"
+        7: [()],  # "q\nr"
     }
 
 
 # ---------------------------------------------------------------- 9. XTC
 
-@pytest.mark.parametrize("threshold, keep", [
-    (0.25, [0, 1, 1, 1]),   # 0.4 and 0.3 qualify: the top one goes, the least likely (0.3) stays
-    (0.15, [0, 0, 1, 1]),   # 0.4, 0.3, 0.2 qualify: keep only 0.2
-    (0.35, [1, 1, 1, 1]),   # one token qualifies: nothing happens
-    (0.5, [1, 1, 1, 1]),
-    (0.0, [0, 0, 0, 1]),    # everything qualifies: only the least likely is left
-])
+
+@pytest.mark.parametrize(
+    "threshold, keep",
+    [
+        (0.25, [0, 1, 1, 1]),  # 0.4 and 0.3 qualify: the top one goes, the least likely (0.3) stays
+        (0.15, [0, 0, 1, 1]),  # 0.4, 0.3, 0.2 qualify: keep only 0.2
+        (0.35, [1, 1, 1, 1]),  # one token qualifies: nothing happens
+        (0.5, [1, 1, 1, 1]),
+        (0.0, [0, 0, 0, 1]),  # everything qualifies: only the least likely is left
+    ],
+)
 def test_xtc_drops_top_choices_but_the_least_likely(threshold, keep):
     logits = logp([0.4, 0.3, 0.2, 0.1])
     expected = np.where(np.array(keep, bool), np32(logits)[0], -INF)
@@ -195,6 +205,7 @@ def test_xtc_with_sampling_never_draws_the_top_choice():
 
 
 # ---------------------------------------------------------------- the order of the stages
+
 
 def test_bias_comes_before_the_repetition_penalty():
     # token 0: logit 1, bias -2 -> -1, then the penalty multiplies the negative logit: -2.
@@ -235,27 +246,51 @@ def test_min_p_comes_before_xtc():
 
 # ---------------------------------------------------------------- validation
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(repetition_penalty=0.0), "repeat-penalty"), (dict(repetition_penalty=-1.0), "repeat-penalty"),
-    (dict(repetition_penalty=float("inf")), "repeat-penalty"), (dict(repeat_last_n=-2), "repeat-last-n"),
-    (dict(presence_penalty=2.5), "presence-penalty"), (dict(frequency_penalty=-3.0), "frequency-penalty"),
-    (dict(dry_multiplier=-0.1), "dry-multiplier"), (dict(dry_multiplier=float("nan")), "dry-multiplier"),
-    (dict(dry_base=0.9), "dry-base"), (dict(dry_allowed_length=0), "dry-allowed-length"),
-    (dict(dry_allowed_length=1.5), "dry-allowed-length"), (dict(dry_penalty_last_n=-2), "dry-penalty-last-n"),
-    (dict(dry_sequence_breakers=("",)), "dry-sequence-breakers"), (dict(xtc_threshold=1.5), "xtc-threshold"),
-    (dict(xtc_probability=-0.5), "xtc-probability"), (dict(xtc_probability=1.01), "xtc-probability"),
-    (dict(suppress_tokens=(-1,)), "suppress-tokens"), (dict(logit_bias={1: 101}), "logit_bias"),
-    (dict(logit_bias={"x": 1}), "logit_bias"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(repetition_penalty=0.0), "repeat-penalty"),
+        (dict(repetition_penalty=-1.0), "repeat-penalty"),
+        (dict(repetition_penalty=float("inf")), "repeat-penalty"),
+        (dict(repeat_last_n=-2), "repeat-last-n"),
+        (dict(presence_penalty=2.5), "presence-penalty"),
+        (dict(frequency_penalty=-3.0), "frequency-penalty"),
+        (dict(dry_multiplier=-0.1), "dry-multiplier"),
+        (dict(dry_multiplier=float("nan")), "dry-multiplier"),
+        (dict(dry_base=0.9), "dry-base"),
+        (dict(dry_allowed_length=0), "dry-allowed-length"),
+        (dict(dry_allowed_length=1.5), "dry-allowed-length"),
+        (dict(dry_penalty_last_n=-2), "dry-penalty-last-n"),
+        (dict(dry_sequence_breakers=("",)), "dry-sequence-breakers"),
+        (dict(xtc_threshold=1.5), "xtc-threshold"),
+        (dict(xtc_probability=-0.5), "xtc-probability"),
+        (dict(xtc_probability=1.01), "xtc-probability"),
+        (dict(suppress_tokens=(-1,)), "suppress-tokens"),
+        (dict(logit_bias={1: 101}), "logit_bias"),
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+    ],
+)
 def test_out_of_range_knobs_are_rejected_by_name(kwargs, name):
     with pytest.raises(InputError, match=name):
         SamplingParams(**kwargs)
 
 
 def test_boundaries_are_accepted():
-    SamplingParams(repetition_penalty=1e-3, repeat_last_n=-1, presence_penalty=-2, frequency_penalty=2,
-                   dry_multiplier=0.0, dry_base=1.0, dry_allowed_length=1, dry_penalty_last_n=-1,
-                   dry_sequence_breakers=(), xtc_threshold=0.0, xtc_probability=1.0, logit_bias={"3": -100})
+    SamplingParams(
+        repetition_penalty=1e-3,
+        repeat_last_n=-1,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        dry_multiplier=0.0,
+        dry_base=1.0,
+        dry_allowed_length=1,
+        dry_penalty_last_n=-1,
+        dry_sequence_breakers=(),
+        xtc_threshold=0.0,
+        xtc_probability=1.0,
+        logit_bias={"3": -100},
+    )
 
 
 # ---------------------------------------------------------------- chi-square: temperature + top-p

@@ -41,6 +41,7 @@ def assert_kept(result: mx.array, logits: mx.array, keep):
 
 # ---------------------------------------------------------------- temperature
 
+
 def test_temperature_divides_every_logit():
     logits = mx.array([[2.0, -1.0, 0.5], [-4.0, 8.0, 0.0]])
     np.testing.assert_array_equal(np32(apply_temperature(logits, 0.5)), [[4.0, -2.0, 1.0], [-8.0, 16.0, 0.0]])
@@ -48,6 +49,7 @@ def test_temperature_divides_every_logit():
 
 
 # ---------------------------------------------------------------- top-k
+
 
 def test_top_k_1d_keeps_k_largest():
     logits = mx.array([3.0, 1.0, 4.0, 1.5, 5.0, 9.0, 2.0, 6.0])
@@ -81,14 +83,17 @@ def test_top_p_softmax_of_fixture_is_exact():
     assert np32(mx.softmax(logp(TOP_P_PROBS), axis=-1)).tolist() == [TOP_P_PROBS]
 
 
-@pytest.mark.parametrize("p, keep", [
-    (0.3, [0, 1, 0, 0, 0]),
-    (0.5, [0, 1, 0, 0, 0]),    # token 1 alone reaches exactly 0.5: nothing else needed
-    (0.51, [0, 1, 0, 0, 1]),
-    (0.75, [0, 1, 0, 0, 1]),   # 0.5 + 0.25 reaches exactly 0.75: token 4 kept, token 2 dropped
-    (0.76, [0, 1, 1, 0, 1]),
-    (0.875, [0, 1, 1, 0, 1]),  # exactly reached by token 2; the 0.0625 pair is dropped
-])
+@pytest.mark.parametrize(
+    "p, keep",
+    [
+        (0.3, [0, 1, 0, 0, 0]),
+        (0.5, [0, 1, 0, 0, 0]),  # token 1 alone reaches exactly 0.5: nothing else needed
+        (0.51, [0, 1, 0, 0, 1]),
+        (0.75, [0, 1, 0, 0, 1]),  # 0.5 + 0.25 reaches exactly 0.75: token 4 kept, token 2 dropped
+        (0.76, [0, 1, 1, 0, 1]),
+        (0.875, [0, 1, 1, 0, 1]),  # exactly reached by token 2; the 0.0625 pair is dropped
+    ],
+)
 def test_top_p_boundary_keeps_the_token_that_reaches_p(p, keep):
     logits = logp(TOP_P_PROBS)
     assert_kept(apply_top_p(logits, p), logits, [keep])
@@ -105,6 +110,7 @@ def test_top_p_one_is_noop():
 
 
 # ---------------------------------------------------------------- min-p
+
 
 def test_min_p_is_relative_to_top_token():
     # Row 0: top 0.5 -> threshold 0.15 keeps 0.2 (although 0.2 < min_p) and drops 0.05.
@@ -125,6 +131,7 @@ def test_min_p_zero_noop_and_one_keeps_only_max():
 
 # ---------------------------------------------------------------- filtered_logits order
 
+
 def reverse_order(logits, p: SamplingParams):
     x = apply_min_p(logits.astype(mx.float32), p.min_p)
     x = apply_top_p(x, p.top_p)
@@ -132,20 +139,28 @@ def reverse_order(logits, p: SamplingParams):
     return apply_temperature(x, p.temperature)
 
 
-@pytest.mark.parametrize("logits, params, expected", [
-    # temperature before top-p: at T=0.1 token 0 has ~all the mass, so top-p 0.7 keeps it alone
-    # (at T=1 the probabilities are .665/.245/.090 and top-p would keep tokens 0 and 1).
-    ([2.0, 1.0, 0.0], SamplingParams(temperature=0.1, top_p=0.7), [20.0, -INF, -INF]),
-    # top-k before top-p: after top-2 the probabilities renormalise to .533/.467, so top-p 0.5 keeps
-    # token 0 only (over all three tokens, .4/.35/.25, top-p 0.5 would keep tokens 0 and 1).
-    ([math.log(0.4), math.log(0.35), math.log(0.25)], SamplingParams(temperature=1.0, top_k=2, top_p=0.5),
-     [math.log(0.4), -INF, -INF]),
-    # top-p before min-p: top-p 0.8 over .4/.35/.15/.1 keeps 3 tokens, then min-p 0.3 (threshold .12)
-    # drops only the last one (min-p first would renormalise to .444/.389/.167 and top-p would drop .167).
-    ([math.log(0.4), math.log(0.35), math.log(0.15), math.log(0.1)],
-     SamplingParams(temperature=1.0, top_p=0.8, min_p=0.3),
-     [math.log(0.4), math.log(0.35), math.log(0.15), -INF]),
-])
+@pytest.mark.parametrize(
+    "logits, params, expected",
+    [
+        # temperature before top-p: at T=0.1 token 0 has ~all the mass, so top-p 0.7 keeps it alone
+        # (at T=1 the probabilities are .665/.245/.090 and top-p would keep tokens 0 and 1).
+        ([2.0, 1.0, 0.0], SamplingParams(temperature=0.1, top_p=0.7), [20.0, -INF, -INF]),
+        # top-k before top-p: after top-2 the probabilities renormalise to .533/.467, so top-p 0.5 keeps
+        # token 0 only (over all three tokens, .4/.35/.25, top-p 0.5 would keep tokens 0 and 1).
+        (
+            [math.log(0.4), math.log(0.35), math.log(0.25)],
+            SamplingParams(temperature=1.0, top_k=2, top_p=0.5),
+            [math.log(0.4), -INF, -INF],
+        ),
+        # top-p before min-p: top-p 0.8 over .4/.35/.15/.1 keeps 3 tokens, then min-p 0.3 (threshold .12)
+        # drops only the last one (min-p first would renormalise to .444/.389/.167 and top-p would drop .167).
+        (
+            [math.log(0.4), math.log(0.35), math.log(0.15), math.log(0.1)],
+            SamplingParams(temperature=1.0, top_p=0.8, min_p=0.3),
+            [math.log(0.4), math.log(0.35), math.log(0.15), -INF],
+        ),
+    ],
+)
 def test_filtered_logits_order_matters(logits, params, expected):
     logits = mx.array([logits], dtype=mx.float32)
     got = np32(filtered_logits(logits, params))
@@ -164,11 +179,26 @@ def test_filtered_logits_returns_float32():
 
 # ---------------------------------------------------------------- SamplingParams validation
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=-0.01), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_k=2.5), dict(top_k=-1), dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.0001),
-    dict(min_p=-0.1), dict(min_p=1.5), dict(max_tokens=0), dict(max_tokens=-3),
-    dict(stop=("",)), dict(stop=("ok", "")),
-])
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-0.01),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_k=2.5),
+        dict(top_k=-1),
+        dict(top_p=0.0),
+        dict(top_p=-0.5),
+        dict(top_p=1.0001),
+        dict(min_p=-0.1),
+        dict(min_p=1.5),
+        dict(max_tokens=0),
+        dict(max_tokens=-3),
+        dict(stop=("",)),
+        dict(stop=("ok", "")),
+    ],
+)
 def test_sampling_params_rejects(kwargs):
     with pytest.raises(InputError):
         SamplingParams(**kwargs)
@@ -181,6 +211,7 @@ def test_sampling_params_accepts_boundaries():
 
 
 # ---------------------------------------------------------------- RowSampler
+
 
 def draws(sampler, logits, n):
     return [sampler(logits).item() for _ in range(n)]

@@ -34,11 +34,12 @@ def reference(smollm2_gguf):
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32, **kwargs).eval()
     out = {}
     for prompt in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False)
-        out[prompt] = (ids, gen[0, len(ids):].tolist())
+        out[prompt] = (ids, gen[0, len(ids) :].tolist())
     return out
 
 

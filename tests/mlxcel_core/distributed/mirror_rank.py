@@ -16,8 +16,11 @@ from mlxcel_core.sampling import SamplingParams
 model_dir, tp, storage = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 group = init_group(tp) if tp > 1 else None
 loaded = load_model(model_dir, log=lambda m: None, group=group)
-engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=3, storage=storage, prefill_chunk_size=8,
-                                                          prefill_grant_interval=2))
+engine = Engine(
+    loaded.model,
+    loaded.tokenizer,
+    EngineConfig(max_batch_size=3, storage=storage, prefill_chunk_size=8, prefill_grant_interval=2),
+)
 if group is not None and group.rank() > 0:
     follow(engine, group)
     sys.exit(0)

@@ -32,9 +32,16 @@ def _ranks(llama, tmp_path, tp, storage):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(tp)]))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hostfile), "MLXCEL_TP_BACKEND": "ring"}
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(llama), str(tp), storage], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**env, "MLX_RANK": str(r)} if tp > 1 else env)
-             for r in range(tp)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(llama), str(tp), storage],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**env, "MLX_RANK": str(r)} if tp > 1 else env,
+        )
+        for r in range(tp)
+    ]
     try:
         return [p.communicate(timeout=120) + (p.returncode,) for p in procs]
     finally:
@@ -130,10 +137,13 @@ def test_local_ranks_use_one_gpu_each_with_nccl(monkeypatch):
 def test_random_shape_shards_are_slices_of_the_single_process_model(bits, monkeypatch):
     import mlx.core as mx
 
-    from mlxcel_core.models import shapes
+    from mlxcel_core.loading import shapes
 
-    monkeypatch.setitem(shapes.SHAPES, "tiny-4h", {**shapes.SHAPES["tiny"], "hidden_size": 128,
-                                                  "num_attention_heads": 4, "num_key_value_heads": 2})
+    monkeypatch.setitem(
+        shapes.SHAPES,
+        "tiny-4h",
+        {**shapes.SHAPES["tiny"], "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2},
+    )
     full, _ = shapes.build_random_model("tiny-4h", bits=bits, dtype="float32", seed=3)
     part, _ = shapes.build_random_model("tiny-4h", bits=bits, dtype="float32", seed=3, group=FakeGroup(1, 2))
     fa, pa = full.layers[1].self_attn, part.layers[1].self_attn
@@ -143,7 +153,7 @@ def test_random_shape_shards_are_slices_of_the_single_process_model(bits, monkey
     cols = fa.o_proj.weight.shape[1] // 2
     assert mx.array_equal(pa.o_proj.weight, fa.o_proj.weight[:, cols:])
     if bits:
-        assert mx.array_equal(pa.o_proj.scales, fa.o_proj.scales[:, fa.o_proj.scales.shape[1] // 2:])
+        assert mx.array_equal(pa.o_proj.scales, fa.o_proj.scales[:, fa.o_proj.scales.shape[1] // 2 :])
     assert mx.array_equal(part.lm_head.weight, full.lm_head.weight)
 
 
@@ -153,10 +163,20 @@ def test_a_rank_keeps_only_its_share_of_memory(monkeypatch):
 
     import mlx.core as mx
 
-    from mlxcel_core.models import shapes
+    from mlxcel_core.loading import shapes
 
-    monkeypatch.setitem(shapes.SHAPES, "wide", {**shapes.SHAPES["tiny"], "hidden_size": 256, "intermediate_size": 1024,
-                                               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64})
+    monkeypatch.setitem(
+        shapes.SHAPES,
+        "wide",
+        {
+            **shapes.SHAPES["tiny"],
+            "hidden_size": 256,
+            "intermediate_size": 1024,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 64,
+        },
+    )
 
     def resident(group):
         gc.collect()

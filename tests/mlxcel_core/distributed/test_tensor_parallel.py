@@ -21,13 +21,29 @@ from tiny_models import FakeGroup, save_tiny_llama
 
 TIMEOUT = 120
 # EOS and the other special tokens suppressed: random weights must still produce all N tokens.
-GEN = ["--json", "--no-chat-template", "-n", "24", "--suppress-token", "0", "--suppress-token", "1",
-       "--suppress-token", "2"]
+GEN = [
+    "--json",
+    "--no-chat-template",
+    "-n",
+    "24",
+    "--suppress-token",
+    "0",
+    "--suppress-token",
+    "1",
+    "--suppress-token",
+    "2",
+]
 
 
 def mlxcel(*args, env=None, timeout=TIMEOUT):
-    return subprocess.run([sys.executable, "-m", "mlxcel_cli.main", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", *args],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def tokens(*args):
@@ -55,27 +71,57 @@ def test_llama_tp2_greedy_equals_single_process(llama):
 def test_qwen3_tp2_greedy_equals_single_process(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    path = save_tiny_checkpoint(tmp_path, Qwen3Config, Qwen3ForCausalLM, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                tie_word_embeddings=True, initializer_range=0.1)
+    path = save_tiny_checkpoint(
+        tmp_path,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
     assert_tp_matches(path)
 
 
 def test_mixtral_tp2_experts_sharded_greedy_equals_single_process(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    path = save_tiny_checkpoint(tmp_path, MixtralConfig, MixtralForCausalLM, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1)
+    path = save_tiny_checkpoint(
+        tmp_path,
+        MixtralConfig,
+        MixtralForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.1,
+    )
     assert_tp_matches(path)
 
 
 def test_prompt_from_stdin_reaches_every_rank(llama):
     args = ["generate", "-m", str(llama), *GEN]
-    single = subprocess.run([sys.executable, "-m", "mlxcel_cli.main", *args], input="Hello world",
-                            capture_output=True, text=True, timeout=TIMEOUT)
-    parallel = subprocess.run([sys.executable, "-m", "mlxcel_cli.main", *args, "--tp-size", "2"],
-                              input="Hello world", capture_output=True, text=True, timeout=TIMEOUT)
+    single = subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", *args],
+        input="Hello world",
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    parallel = subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", *args, "--tp-size", "2"],
+        input="Hello world",
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert parallel.returncode == 0, parallel.stderr
     assert json.loads(parallel.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
 
@@ -105,6 +151,7 @@ def test_bad_tp_size_is_a_usage_error(llama):
 def test_each_rank_holds_only_its_slices(llama):
     """In process (no collective runs): rank 1 of 2 keeps its half of q/k/v/gate/up rows, o/down columns."""
     import mlx.core as mx
+
     from mlxcel_core.distributed.shard import RowParallelLinear
     from mlxcel_core.loading import load_model
 
@@ -137,12 +184,32 @@ def _hostfile(tmp_path, n=2):
 
 def test_rank_that_dies_makes_the_other_fail_quickly(llama, tmp_path):
     hostfile = _hostfile(tmp_path)
-    cmd = [sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", str(llama), "-p", "Hello", "-n", "400",
-           "--tp-size", "2", "--no-chat-template"]
-    rank0 = subprocess.Popen(cmd, env=_rank_env(0, hostfile), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
-    rank1 = subprocess.Popen(cmd, env=_rank_env(1, hostfile), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlxcel_cli.main",
+        "generate",
+        "-m",
+        str(llama),
+        "-p",
+        "Hello",
+        "-n",
+        "400",
+        "--tp-size",
+        "2",
+        "--no-chat-template",
+    ]
+    rank0 = subprocess.Popen(
+        cmd,
+        env=_rank_env(0, hostfile),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    rank1 = subprocess.Popen(
+        cmd, env=_rank_env(1, hostfile), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         lines = []
         reader = threading.Thread(target=lambda: lines.extend(rank0.stderr), daemon=True)
@@ -170,9 +237,14 @@ def test_rank_that_dies_makes_the_other_fail_quickly(llama, tmp_path):
 def test_rank_that_never_joins_makes_the_other_fail_within_the_timeout(llama, tmp_path):
     hostfile = _hostfile(tmp_path)
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", str(llama), "-p", "Hello",
-                             "--tp-size", "2"], env=_rank_env(0, hostfile, MLXCEL_TP_JOIN_TIMEOUT="3"),
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", str(llama), "-p", "Hello", "--tp-size", "2"],
+        env=_rank_env(0, hostfile, MLXCEL_TP_JOIN_TIMEOUT="3"),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0  # killed by the join watchdog (SIGKILL: the connect loop holds the GIL)
     assert time.monotonic() - start < 30
     assert "the other ranks did not join within 3 s" in result.stderr
@@ -180,9 +252,17 @@ def test_rank_that_never_joins_makes_the_other_fail_within_the_timeout(llama, tm
 
 def test_launch_count_must_match_tp_size(llama, tmp_path):
     hostfile = _hostfile(tmp_path)
-    procs = [subprocess.Popen([sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", str(llama), "-p", "Hi",
-                               "--tp-size", "3"], env=_rank_env(r, hostfile), stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", str(llama), "-p", "Hi", "--tp-size", "3"],
+            env=_rank_env(r, hostfile),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         outs = [p.communicate(timeout=60) for p in procs]
     finally:
@@ -211,8 +291,9 @@ def test_smollm2_gguf_tp3_greedy_equals_single_process(smollm2_gguf):
 
 
 def test_bench_tp2_reports_rows_from_rank0_only(llama):
-    result = mlxcel("bench", "-m", str(llama), "-p", "16", "-n", "8", "-r", "1", "--no-warmup", "-o", "jsonl",
-                    "--tp-size", "2")
+    result = mlxcel(
+        "bench", "-m", str(llama), "-p", "16", "-n", "8", "-r", "1", "--no-warmup", "-o", "jsonl", "--tp-size", "2"
+    )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     assert len(rows) == 2  # pp16 and tg8, printed once

@@ -5,11 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from engine_drive import drive
 from tiny_models import save_tiny_llama
+
+from mlxcel_core import backends
+from mlxcel_core.backends.base import GPU_PREFILL_BATCH
 from mlxcel_core.engine import Engine, EngineConfig
-from mlxcel_core.engine.types import GPU_PREFILL_BATCH, default_prefill_batch
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
 
@@ -44,8 +45,9 @@ def reference(loaded):
 @pytest.mark.parametrize("storage", ["dense", "paged"])
 @pytest.mark.parametrize("chunk", [2048, 8])
 def test_batched_equals_one_at_a_time(loaded, reference, storage, chunk):
-    config = EngineConfig(max_batch_size=8, storage=storage, prefill_chunk_size=chunk, block_size=8,
-                          prefill_grant_interval=2)
+    config = EngineConfig(
+        max_batch_size=8, storage=storage, prefill_chunk_size=chunk, block_size=8, prefill_grant_interval=2
+    )
     engine = Engine(loaded.model, loaded.tokenizer, config)
     params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
     assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == reference
@@ -105,8 +107,11 @@ def test_a_failing_row_ends_with_error_and_the_rest_finish(loaded, reference):
 
 
 def test_cancel_frees_paged_blocks(loaded):
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged", block_size=8,
-                                                                 prefix_cache=False))
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(max_batch_size=2, storage="paged", block_size=8, prefix_cache=False),
+    )
     seq = engine.open(PROMPTS[7], SamplingParams(max_tokens=50))
     engine.step()
     engine.step()
@@ -143,8 +148,10 @@ def test_quantized_kv_logits_stay_close_and_agreement_is_reported(loaded, capsys
         q_tokens = _greedy(loaded, prompt, 32, bits)
         agree.append(next((i for i, (a, b) in enumerate(zip(reference, q_tokens)) if a != b), 32))
     with capsys.disabled():
-        print(f"\n{bits}-bit KV: max-abs logit error {worst:.4f}; greedy tokens equal to full precision "
-              f"before the first difference: {agree} (of 32)")
+        print(
+            f"\n{bits}-bit KV: max-abs logit error {worst:.4f}; greedy tokens equal to full precision "
+            f"before the first difference: {agree} (of 32)"
+        )
     assert worst <= tolerance
 
 
@@ -168,8 +175,9 @@ def test_quantized_kv_round_trip_error_is_within_one_step():
 def test_quantized_kv_batched_paged_equals_solo_dense(loaded, bits):
     """Both storages quantize each token the same way, so batching and paging change nothing."""
     solo_q = solo(loaded, EngineConfig(max_batch_size=1, kv_bits=bits))
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=8, storage="paged", kv_bits=bits,
-                                                                 block_size=8))
+    engine = Engine(
+        loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=8, storage="paged", kv_bits=bits, block_size=8)
+    )
     params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
     assert drive(engine, PROMPTS, ARRIVAL_STEP, params) == solo_q
 
@@ -182,7 +190,7 @@ def test_quantized_kv_is_refused_up_front_for_heads_it_cannot_group(tiny_llama_d
         Engine(lm.model, lm.tokenizer, EngineConfig(kv_bits=8))
 
 
-# -- whole prompts prefilled together (EngineConfig.prefill_batch_size, MLXCEL_PREFILL_BATCH) ----------------------
+# -- whole prompts prefilled together (EngineConfig.prefill_batch_size, the backend default) ----------------------
 def _count_together(engine) -> list[int]:
     """Wrap the runner's prefill_together: the number of prompts of each call."""
     calls, real = [], engine.runner.prefill_together
@@ -199,8 +207,11 @@ def _count_together(engine) -> list[int]:
 @pytest.mark.parametrize("together", [2, 8])
 def test_prompts_prefilled_together_equal_one_at_a_time(loaded, reference, arrivals, together):
     """Prompts of 1 to 64 tokens, left-padded into one forward: every sequence's greedy tokens are its solo run's."""
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=8, storage="paged", block_size=8,
-                                                                 prefill_batch_size=together))
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(max_batch_size=8, storage="paged", block_size=8, prefill_batch_size=together),
+    )
     calls = _count_together(engine)
     params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
     assert drive(engine, PROMPTS, arrivals, params) == reference
@@ -210,8 +221,11 @@ def test_prompts_prefilled_together_equal_one_at_a_time(loaded, reference, arriv
 
 def test_prompts_together_logits_match_solo_prefill(loaded):
     """The first token's logits of each padded row against its prompt prefilled alone (float32 model)."""
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=8,
-                                                                 prefix_cache=False))
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(max_batch_size=4, storage="paged", block_size=8, prefix_cache=False),
+    )
     prompts = [PROMPTS[i] for i in (0, 1, 2, 3)]  # 5, 17, 1 and 40 tokens
     seq_ids = tuple(range(4))
     for seq_id, prompt in zip(seq_ids, prompts):
@@ -229,10 +243,20 @@ def test_prompts_together_respect_the_budget_and_the_prefix_cache(loaded):
     cache is prefilled on its own; tokens as one at a time."""
     shared = PROMPTS[7][:48]
     prompts = [shared + [5, 6], shared + [9], PROMPTS[0], PROMPTS[2]]
-    solo_runs = [drive(Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=1)), [p], [0],
-                       [SamplingParams(max_tokens=6)])[0] for p in prompts]
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=16,
-                                                                 prefill_batch_size=4, prefill_chunk_size=64))
+    solo_runs = [
+        drive(
+            Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=1)),
+            [p],
+            [0],
+            [SamplingParams(max_tokens=6)],
+        )[0]
+        for p in prompts
+    ]
+    engine = Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(max_batch_size=4, storage="paged", block_size=16, prefill_batch_size=4, prefill_chunk_size=64),
+    )
     calls = _count_together(engine)
     drive(engine, [prompts[0]], [0], [SamplingParams(max_tokens=6)])  # its blocks go to the prefix cache
     assert calls == []  # alone
@@ -242,36 +266,27 @@ def test_prompts_together_respect_the_budget_and_the_prefix_cache(loaded):
     assert calls == [2] and engine.storage.stats()["prefix_hits"] == 2
 
 
-def test_prefill_batch_setting(monkeypatch, caplog):
-    monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
-    default = default_prefill_batch()  # 8 on a GPU, 1 on CPU (the next test)
+def test_prefill_batch_setting():
+    default = backends.current().prefill_batch()  # 8 on a GPU, 1 on CPU (the next test)
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == default
-    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "8")
-    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 8
     assert EngineConfig(max_batch_size=8, prefill_batch_size=3).resolved_prefill_batch == 3
     assert EngineConfig(max_batch_size=8, storage="dense").resolved_prefill_batch == 1  # paged only
     assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1  # unquantized pools only
-    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "lots")
-    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == default  # this backend's default
-    assert "MLXCEL_PREFILL_BATCH='lots' is not a whole number; ignored" in caplog.text
 
 
 def test_prefill_batch_default_follows_the_backend(monkeypatch):
-    """8 on a GPU (it cut batch TTFT there), 1 on CPU (it raised it there)."""
-    monkeypatch.delenv("MLXCEL_PREFILL_BATCH", raising=False)
+    """8 on a GPU (one pass of the weights for several prompts), 1 on CPU (compute-bound: each prompt would wait)."""
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     assert EngineConfig(max_batch_size=8).resolved_prefill_batch == GPU_PREFILL_BATCH == 8
     assert EngineConfig(max_batch_size=8, kv_bits=8).resolved_prefill_batch == 1
-    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "1")
-    assert EngineConfig(max_batch_size=8).resolved_prefill_batch == 1
 
 
-def test_a_tensor_parallel_rank_ignores_the_environment_setting(loaded, monkeypatch):
-    """Every rank must plan the same forwards; a rank on another host may not share the leader's environment."""
-    monkeypatch.setenv("MLXCEL_PREFILL_BATCH", "8")
-    config = EngineConfig(max_batch_size=8, storage="paged")
+def test_a_tensor_parallel_rank_ignores_the_backend_default(loaded, monkeypatch):
+    """Every rank must plan the same forwards; a rank on another host may not share the leader's backend."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))  # a default of 8
+    config = EngineConfig(max_batch_size=8, storage="paged", compile_decode=False)
     assert Engine(loaded.model, loaded.tokenizer, config).scheduler.config.prefill_batch_size == 8
     monkeypatch.setenv("MLX_RANK", "0")
     assert Engine(loaded.model, loaded.tokenizer, config).scheduler.config.prefill_batch_size == 1

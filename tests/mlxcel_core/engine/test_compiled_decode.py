@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from parity import save_tiny_checkpoint
 from tiny_models import save_tiny_llama
+
 from mlxcel_core.cache import KVCache
 from mlxcel_core.engine import Engine, EngineConfig, compiled_decode
 from mlxcel_core.engine.compiled_decode import StepKV, forget_traces, step_traces
@@ -38,11 +38,29 @@ def gemma2(tmp_path_factory):
     """Sliding-window layers (window 8, shorter than the prompts) and attention-logit soft-capping."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    return _load(save_tiny_checkpoint(
-        tmp_path_factory.mktemp("gemma2"), Gemma2Config, Gemma2ForCausalLM, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        initializer_range=0.3, sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=10.0,
-        attn_implementation="eager", eos_token_id=2, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False))
+    return _load(
+        save_tiny_checkpoint(
+            tmp_path_factory.mktemp("gemma2"),
+            Gemma2Config,
+            Gemma2ForCausalLM,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            initializer_range=0.3,
+            sliding_window=8,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=10.0,
+            attn_implementation="eager",
+            eos_token_id=2,
+            bos_token_id=None,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def run(loaded, config: EngineConfig, prompts=PROMPTS, arrivals=ARRIVALS, max_tokens=MAX_TOKENS):
@@ -62,8 +80,8 @@ def run(loaded, config: EngineConfig, prompts=PROMPTS, arrivals=ARRIVALS, max_to
 
 
 def compiles(storage: str) -> bool:
-    """Dense decode steps stay op by op on CUDA by design (compiled_decode.DENSE_MASK_IS_SLOW)."""
-    return storage == "paged" or not compiled_decode.DENSE_MASK_IS_SLOW()
+    """Dense decode steps stay op by op on CUDA by design (compiled_decode.dense_mask_is_slow)."""
+    return storage == "paged" or not compiled_decode.dense_mask_is_slow()
 
 
 def compiled_and_eager(loaded, **config):
@@ -101,25 +119,22 @@ def test_quantized_kv_is_not_compiled(llama):
 
 
 def test_dense_steps_are_not_compiled_where_the_mask_is_slow(llama, monkeypatch):
-    """On CUDA (DENSE_MASK_IS_SLOW) dense caches decode op by op; paged decode views still run compiled."""
-    monkeypatch.setattr(compiled_decode, "DENSE_MASK_IS_SLOW", lambda: True)
+    """On CUDA (dense_mask_is_slow) dense caches decode op by op; paged decode views still run compiled."""
+    monkeypatch.setattr(compiled_decode, "dense_mask_is_slow", lambda: True)
     _, _, dense_steps = compiled_and_eager(llama, max_batch_size=1, storage="dense")
     _, _, paged_steps = compiled_and_eager(llama, max_batch_size=1, storage="paged", block_size=8)
     assert dense_steps == 0 and paged_steps > 0
 
 
-def test_env_turns_compiling_off_and_on(llama, monkeypatch):
-    monkeypatch.setenv(compiled_decode.ENV, "0")
-    _, engine = run(llama, EngineConfig(compile_decode=True), PROMPTS[:1], [0], [3])
-    assert engine.runner.compiled is None
-    monkeypatch.setenv(compiled_decode.ENV, "1")
+def test_config_turns_compiling_off_and_on(llama):
     _, engine = run(llama, EngineConfig(compile_decode=False), PROMPTS[:1], [0], [3])
+    assert engine.runner.compiled is None
+    _, engine = run(llama, EngineConfig(compile_decode=True), PROMPTS[:1], [0], [3])
     assert engine.runner.compiled is not None and engine.runner.compiled.steps > 0
 
 
-def test_by_default_only_a_gpu_compiles(llama, monkeypatch):
-    """On CPU compiling gained nothing on real models and a machine's first run JIT-compiles its kernels."""
-    monkeypatch.delenv(compiled_decode.ENV, raising=False)
+def test_by_default_only_a_gpu_compiles(llama):
+    """On CPU compiling gains nothing on real models and a machine's first run JIT-compiles its kernels."""
     _, engine = run(llama, EngineConfig(), PROMPTS[:1], [0], [3])
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     assert (engine.runner.compiled is not None) == on_gpu
@@ -143,7 +158,7 @@ def test_step_kv_attends_like_the_kv_cache(window):
     assert step.offset.tolist() == offset
     got = step.attend(queries, new_k, new_v, 0.3, window=window)
     np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.array(step.keys[..., columns:columns + 1, :]), np.array(new_k))
+    np.testing.assert_array_equal(np.array(step.keys[..., columns : columns + 1, :]), np.array(new_k))
 
 
 def test_paged_block_tables_are_padded_to_a_power_of_two():
@@ -186,9 +201,9 @@ def test_engines_on_one_model_share_its_traces(llama):
     TTFT); fusing the projections forgets them, and a model's traces go with the model."""
     import gc
 
+    from mlxcel_core.backends.cuda.kernels.fused_projections import fuse_projections, unfuse_projections
     from mlxcel_core.engine import compiled_decode
-    from mlxcel_core.kernels.fused_projections import fuse_projections, unfuse_projections
-    from mlxcel_core.models.shapes import build_random_model
+    from mlxcel_core.loading.shapes import build_random_model
 
     model = llama.model
     forget_traces(model)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from tiny_models import save_tiny_llama
+
 from mlxcel_core.engine import Conversation, Engine, EngineConfig
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams

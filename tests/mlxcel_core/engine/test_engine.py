@@ -26,7 +26,7 @@ def plain_greedy(model, prompt, steps):
     tokens = list(prompt)
     for _ in range(steps):
         tokens.append(mx.argmax(model(mx.array([tokens]))[0, -1]).item())
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def run(engine: Engine) -> dict[int, list[int]]:
@@ -124,11 +124,10 @@ def test_auto_storage_and_kv_budget(monkeypatch):
     from mlxcel_core.engine.paged import DEFAULT_KV_BUDGET_TOKENS
     from mlxcel_core.engine.types import EngineConfig, SpeculativeConfig
 
-    monkeypatch.delenv("MLXCEL_COMPILE", raising=False)
     assert EngineConfig(max_batch_size=4).resolved_storage == "paged"
-    monkeypatch.setattr(compiled_decode, "DENSE_MASK_IS_SLOW", lambda: False)  # CPU / Metal
+    monkeypatch.setattr(compiled_decode, "dense_mask_is_slow", lambda: False)  # CPU / Metal
     assert EngineConfig(compile_decode=True).resolved_storage == "dense"
-    monkeypatch.setattr(compiled_decode, "DENSE_MASK_IS_SLOW", lambda: True)  # CUDA
+    monkeypatch.setattr(compiled_decode, "dense_mask_is_slow", lambda: True)  # CUDA
     assert EngineConfig(compile_decode=True).resolved_storage == "paged"
     assert EngineConfig(compile_decode=False).resolved_storage == "dense"
     assert EngineConfig(compile_decode=True, kv_bits=8).resolved_storage == "dense"
@@ -138,4 +137,3 @@ def test_auto_storage_and_kv_budget(monkeypatch):
     assert EngineConfig(compile_decode=True, kv_budget_tokens=4096).kv_budget_for(131072) == 4096
     assert EngineConfig(max_batch_size=8).kv_budget_for(131072) == DEFAULT_KV_BUDGET_TOKENS
     assert EngineConfig(compile_decode=False).kv_budget_for(131072) is None
-

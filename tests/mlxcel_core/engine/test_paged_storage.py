@@ -11,8 +11,11 @@ from mlxcel_core.models.base import causal_mask, scaled_dot_product_attention
 
 def _qkv(length, seed, heads=4, kv_heads=2, dim=8):
     k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
-    return (mx.random.normal((1, heads, length, dim), key=k1), mx.random.normal((1, kv_heads, length, dim), key=k2),
-            mx.random.normal((1, kv_heads, length, dim), key=k3))
+    return (
+        mx.random.normal((1, heads, length, dim), key=k1),
+        mx.random.normal((1, kv_heads, length, dim), key=k2),
+        mx.random.normal((1, kv_heads, length, dim), key=k3),
+    )
 
 
 def _gathered_reference(storage, view, queries, start, length, scale, window, softcap):
@@ -34,16 +37,19 @@ def test_first_and_later_chunks_equal_attention_over_the_blocks(window, softcap)
         expected = _gathered_reference(storage, view, q, start, length, 0.5, window, softcap)
         assert mx.array_equal(out, expected), (start, mx.abs(out - expected).max())
         keys, _ = storage.gather(storage.pools[0], view.blocks[None], q.dtype)
-        assert mx.array_equal(keys[:, :, start:start + length], k)  # the blocks hold the chunk either way
+        assert mx.array_equal(keys[:, :, start : start + length], k)  # the blocks hold the chunk either way
 
 
 def test_combine_counters_are_made_with_the_storage_and_a_prefill_syncs_nothing(monkeypatch):
     """The counters exist, evaluated, from construction (one mx.eval for all layers), so a first prefill makes no
     host sync of its own: made there, they cost one eval a layer in the request's TTFT."""
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
+    from mlxcel_core.backends.cuda import CudaBackend
+    from mlxcel_core.backends.cuda.paged_attention import COUNTERS
     from mlxcel_core.engine import paged
-    from mlxcel_core.kv.cuda_paged_attention import COUNTERS
 
-    monkeypatch.setattr(paged, "cuda_kernel_available", lambda: True)  # as on CUDA: the kernel would run
+    monkeypatch.setattr(backends, "_current", CudaBackend())  # as on CUDA: the kernel would run
     evals = []
     real_eval = paged.mx.eval
     monkeypatch.setattr(paged.mx, "eval", lambda *arrays: (evals.append(arrays), real_eval(*arrays)))
@@ -54,7 +60,7 @@ def test_combine_counters_are_made_with_the_storage_and_a_prefill_syncs_nothing(
     for seed, view in enumerate(storage.prefill_caches(0, 0, 6)):
         view.attend(*_qkv(6, seed), 0.5)
     assert len(evals) == 1
-    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", "0")
+    monkeypatch.setattr(backends, "_current", Backend())  # the portable backend keeps none
     assert PagedStorage(num_layers=3).combine_counters == [None] * 3 and len(evals) == 1
 
 
@@ -88,8 +94,13 @@ def test_decoding_across_a_pool_growth_gives_the_dense_tokens(tiny_llama_dir):
     prompt = [(7 * i) % 200 + 3 for i in range(100)]
 
     def tokens(**config):
-        return [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=60),
-                                                 EngineConfig(max_batch_size=1, **config)) if c.token is not None]
+        return [
+            c.token
+            for c in stream_generate(
+                loaded, prompt, SamplingParams(max_tokens=60), EngineConfig(max_batch_size=1, **config)
+            )
+            if c.token is not None
+        ]
 
     dense = tokens(storage="dense", compile_decode=False)
     assert len(dense) == 60
@@ -155,8 +166,11 @@ def test_steps_that_wrote_in_place_are_submitted_before_the_next_views(monkeypat
     storage.add(0, list(range(6)))
     storage.prefill_caches(0, 0, 6)
     assert submitted == []  # nothing written in place yet: no call
-    for make_views in (lambda: storage.decode_caches([0]), lambda: storage.extend_caches(0, 2),
-                       lambda: storage.prefill_caches(0, 8, 1)):
+    for make_views in (
+        lambda: storage.decode_caches([0]),
+        lambda: storage.extend_caches(0, 2),
+        lambda: storage.prefill_caches(0, 8, 1),
+    ):
         step = mx.array([1.0])
         storage.written_in_place.append(step)
         make_views()
@@ -169,8 +183,7 @@ def test_a_compiled_paged_step_leaves_its_logits_to_submit_and_no_tracers(tiny_l
     from mlxcel_core.loading import load_model
 
     lm = load_model(str(tiny_llama_dir), log=lambda m: None)
-    storage = PagedStorage(num_layers=len(lm.model.layers), block_size=4, kv_budget_tokens=64,
-                           pad_block_tables=True)
+    storage = PagedStorage(num_layers=len(lm.model.layers), block_size=4, kv_budget_tokens=64, pad_block_tables=True)
     storage.add(0, [3, 4, 5])
     lm.model(mx.array([[3, 4, 5]]), storage.prefill_caches(0, 0, 3))
     decoder = CompiledDecoder(lm.model)
@@ -179,13 +192,14 @@ def test_a_compiled_paged_step_leaves_its_logits_to_submit_and_no_tracers(tiny_l
     mx.eval(storage.written_in_place)  # real arrays, not tracers of the compiled trace
 
 
-@pytest.mark.parametrize("kv_in_kernel, combine", [("1", "1"), ("0", "1"), ("1", "0")])
-def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir, kv_in_kernel, combine):
-    """DecodeView's CUDA branches, run on CPU with a stand-in for the kernel (the ops path, writing new_kv into the
-    pools as the kernel does in place): the kernel gets the step's keys and values unless MLXCEL_KV_IN_KERNEL=0
-    (then the storage scatters them first), the layer's counters unless MLXCEL_COMBINE_IN_KERNEL=0; the greedy
-    tokens are the ops path's."""
-    from mlxcel_core.engine import Engine, EngineConfig, paged
+def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir):
+    """DecodeView's kernel branch, run on CPU with a backend whose kernel is a stand-in (the ops path, writing new_kv
+    into the pools as the CUDA kernel does in place): the kernel gets the step's keys and values and the layer's
+    counters; the greedy tokens are the ops path's."""
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
+    from mlxcel_core.backends.cuda import CudaBackend
+    from mlxcel_core.engine import Engine, EngineConfig
     from mlxcel_core.kv.paged_attention import paged_decode_attention
     from mlxcel_core.loading import load_model
     from mlxcel_core.sampling import SamplingParams
@@ -201,9 +215,8 @@ def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir
             engine.step()
         return engine.sequence(seq).output_ids
 
-    with monkeypatch.context() as ops_path:  # on CUDA too: the reference is the ops path the stand-in runs
-        ops_path.setattr(paged, "cuda_kernel_available", lambda: False)
-        want = run()
+    monkeypatch.setattr(backends, "_current", Backend())  # on CUDA too: the reference is the ops path
+    want = run()
     calls = []
 
     def kernel_stand_in(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None):
@@ -214,14 +227,17 @@ def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir
             v_pool[blocks, offsets] = v
         return paged_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale)
 
-    monkeypatch.setenv("MLXCEL_KV_IN_KERNEL", kv_in_kernel)
-    monkeypatch.setenv("MLXCEL_COMBINE_IN_KERNEL", combine)
-    monkeypatch.setattr(paged, "cuda_kernel_available", lambda: True)
-    monkeypatch.setattr(paged, "runner_for", lambda head_dim: "cuda-kernel-stand-in")
-    monkeypatch.setattr(paged, "cuda_paged_decode_attention", kernel_stand_in)
+    class StandIn(Backend):
+        kv_written_in_kernel = True
+        combine_counters = CudaBackend.combine_counters
+
+        def paged_runner(self, head_dim):
+            return "cuda-kernel-stand-in"
+
+        def paged_attention(self, runner):
+            return kernel_stand_in
+
+    monkeypatch.setattr(backends, "_current", StandIn())
     assert run() == want
-    assert calls and all(writes == (kv_in_kernel == "1") for writes, _ in calls)
-    if combine == "1":
-        assert all(c is not None and c.dtype == mx.int32 and not mx.any(c).item() for _, c in calls)
-    else:
-        assert all(c is None for _, c in calls)
+    assert calls and all(writes for writes, _ in calls)
+    assert all(c is not None and c.dtype == mx.int32 and not mx.any(c).item() for _, c in calls)

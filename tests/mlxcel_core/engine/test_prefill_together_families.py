@@ -1,4 +1,4 @@
-"""Whole prompts prefilled together (the GPU default, MLXCEL_PREFILL_BATCH) in every model family: sliding windows
+"""Whole prompts prefilled together (the GPU default) in every model family: sliding windows
 shorter than the prompts, attention and final soft-capping, q/k norms, per-layer RoPE, longrope, fused q/k/v,
 experts. Each padded row's first-token logits match its prompt prefilled alone, and every sequence's greedy tokens
 are its solo run's; bf16 and 4-bit random models (the GPU's decode kernels, there) by their first-token logits."""
@@ -9,39 +9,93 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
-
-from mlxcel_core.bench import RandomIdTokenizer
-from mlxcel_core.engine import Engine, EngineConfig
-from mlxcel_core.kernels import fast_linear
-from mlxcel_core.models.shapes import build_random_model
-from mlxcel_core.sampling import SamplingParams
 from parity import load_quiet, prompt_ids, save_tiny_checkpoint
 
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512, initializer_range=0.1)
+from mlxcel_core.backends.cuda.kernels import fast_linear
+from mlxcel_core.bench import RandomIdTokenizer
+from mlxcel_core.engine import Engine, EngineConfig
+from mlxcel_core.loading.shapes import build_random_model
+from mlxcel_core.sampling import SamplingParams
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+)
 # family -> (transformers config and model class names, config)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
-    "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, use_sliding_window=True, sliding_window=8,
-                                                             max_window_layers=1)),
+    "qwen3-window": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=32, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
     # head_dim 16: 8 factors; 128 positions past an original 32 (the long factors, as transformers picks them)
-    "phi3-longrope-window": ("Phi3Config", "Phi3ForCausalLM", dict(
-        pad_token_id=0, max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=8,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                         "short_factor": [1.0 + i / 4 for i in range(8)], "long_factor": [1.2 + i for i in range(8)]})),
+    "phi3-longrope-window": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            max_position_embeddings=128,
+            original_max_position_embeddings=32,
+            sliding_window=8,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0 + i / 4 for i in range(8)],
+                "long_factor": [1.2 + i for i in range(8)],
+            },
+        ),
+    ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3-moe-window": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        head_dim=16, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-        mlp_only_layers=[1], use_sliding_window=True, sliding_window=8)),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        head_dim=16, sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
-        final_logit_softcapping=10.0, initializer_range=0.3, attn_implementation="eager", pad_token_id=0)),
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        head_dim=16, num_hidden_layers=3, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=24,
-        initializer_range=0.3, pad_token_id=0)),
+    "qwen3-moe-window": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            moe_intermediate_size=128,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            use_sliding_window=True,
+            sliding_window=8,
+        ),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=10.0,
+            initializer_range=0.3,
+            attn_implementation="eager",
+            pad_token_id=0,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=24,
+            initializer_range=0.3,
+            pad_token_id=0,
+        ),
+    ),
 }
 # Left-padded to 23: past every window above. And three prompts of 1-2 tokens (6 padded rows: few enough that a
 # 16-bit or 4-bit model's rows would take the decode kernels on a GPU; these float32 checkpoints keep MLX's ops there).
@@ -53,14 +107,21 @@ def family(request, tmp_path_factory):
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[request.param]
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp(request.param), getattr(transformers, config_cls),
-                                getattr(transformers, model_cls), **{**SMALL, **extra})
+    path = save_tiny_checkpoint(
+        tmp_path_factory.mktemp(request.param),
+        getattr(transformers, config_cls),
+        getattr(transformers, model_cls),
+        **{**SMALL, **extra},
+    )
     return load_quiet(path)
 
 
 def _engine(loaded, together: int) -> Engine:
-    return Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=8,
-                                                              prefix_cache=False, prefill_batch_size=together))
+    return Engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(max_batch_size=4, storage="paged", block_size=8, prefix_cache=False, prefill_batch_size=together),
+    )
 
 
 def _prompts(vocab: int, lengths: str) -> list[list[int]]:
@@ -109,8 +170,7 @@ def test_greedy_tokens_match_one_prompt_at_a_time(family, lengths):
         engine = _engine(family, together)
         real, calls = engine.runner.prefill_together, []
         engine.runner.prefill_together = lambda seq_ids, prompts: calls.append(len(seq_ids)) or real(seq_ids, prompts)
-        ids = {engine.open(prompt, SamplingParams(max_tokens=12)): i
-               for i, prompt in enumerate(prompts)}
+        ids = {engine.open(prompt, SamplingParams(max_tokens=12)): i for i, prompt in enumerate(prompts)}
         tokens: dict[int, list[int]] = {i: [] for i in ids.values()}
         while engine.has_work():
             for out in engine.step():

@@ -15,10 +15,19 @@ rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(3, 300, size=n).tolist() for n in (7, 19, 3, 30)]
 PARAMS = [
     SamplingParams(temperature=1.0, top_p=0.9, seed=11, xtc_threshold=0.02, xtc_probability=0.5, max_tokens=14),
-    SamplingParams(temperature=0.8, top_k=20, seed=12, repetition_penalty=1.3, repeat_last_n=16,
-                   dry_multiplier=0.8, dry_allowed_length=1, max_tokens=12),
-    SamplingParams(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={5: 3.0}, suppress_tokens=(7,),
-                   max_tokens=10),
+    SamplingParams(
+        temperature=0.8,
+        top_k=20,
+        seed=12,
+        repetition_penalty=1.3,
+        repeat_last_n=16,
+        dry_multiplier=0.8,
+        dry_allowed_length=1,
+        max_tokens=12,
+    ),
+    SamplingParams(
+        presence_penalty=1.5, frequency_penalty=0.5, logit_bias={5: 3.0}, suppress_tokens=(7,), max_tokens=10
+    ),
     SamplingParams(temperature=1.2, min_p=0.05, seed=13, max_tokens=16),
 ]
 
@@ -68,7 +77,9 @@ def test_knobs_change_the_output(loaded, alone):
     assert 7 not in alone[2]  # suppressed
 
 
-@pytest.mark.parametrize("params", [SamplingParams(logit_bias={100000: 1.0}), SamplingParams(suppress_tokens=(5, 99999))])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(logit_bias={100000: 1.0}), SamplingParams(suppress_tokens=(5, 99999))]
+)
 def test_token_ids_outside_the_vocabulary_are_refused(loaded, params):
     with pytest.raises(InputError, match="outside the vocabulary"):
         Engine(loaded.model, loaded.tokenizer).open([1, 2, 3], params)

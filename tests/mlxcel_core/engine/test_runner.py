@@ -10,7 +10,7 @@ import pytest
 from mlxcel_core.engine.engine import make_storage
 from mlxcel_core.engine.runner import ModelRunner
 from mlxcel_core.engine.types import EngineConfig
-from mlxcel_core.models.shapes import build_random_model
+from mlxcel_core.loading.shapes import build_random_model
 
 PROMPT = [5, 17, 3, 99, 42, 7, 7, 150, 2, 64, 31]
 
@@ -22,7 +22,7 @@ def _prefill_then_decode(model, storage_kind: str, chunks: list[int]):
     storage.add(0, PROMPT)
     start, logits = 0, None
     for i, size in enumerate(chunks):
-        logits = runner.prefill(0, PROMPT[start:start + size], start, last=i == len(chunks) - 1)
+        logits = runner.prefill(0, PROMPT[start : start + size], start, last=i == len(chunks) - 1)
         start += size
     after_prompt = np.array(logits.astype(mx.float32))
     step = runner.decode((0,), mx.argmax(logits, axis=-1))

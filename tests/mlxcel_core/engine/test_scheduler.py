@@ -16,8 +16,11 @@ def test_single_request_prefills_in_chunks_then_decodes_to_its_limit():
     s = make(prefill_chunk_size=4)
     s.add(0, prompt_len=10, max_tokens=3)
     plans = [s.schedule() for _ in range(5)]
-    assert [p.prefill for p in plans[:3]] == [PrefillWork(0, 0, 4, False), PrefillWork(0, 4, 8, False),
-                                              PrefillWork(0, 8, 10, True)]
+    assert [p.prefill for p in plans[:3]] == [
+        PrefillWork(0, 0, 4, False),
+        PrefillWork(0, 4, 8, False),
+        PrefillWork(0, 8, 10, True),
+    ]
     assert plans[0].admitted == (0,)
     assert [p.decode for p in plans] == [(), (), (), (0,), (0,)]
     assert s.schedule().decode == ()  # 3 tokens produced: 1 from prefill + 2 decodes
@@ -103,8 +106,9 @@ def test_no_prompts_together_by_default_nor_after_a_partial_chunk_or_a_prefix_hi
     s.add(0, prompt_len=20, max_tokens=2)  # chunked: its first chunk is not a whole prompt
     s.add(1, prompt_len=3, max_tokens=2)
     assert s.schedule().together == ()
-    s = BatchScheduler(SchedulerConfig(prefill_chunk_size=64, prefill_batch_size=4),
-                       on_admit=lambda seq_id: 16 if seq_id == 1 else 0)
+    s = BatchScheduler(
+        SchedulerConfig(prefill_chunk_size=64, prefill_batch_size=4), on_admit=lambda seq_id: 16 if seq_id == 1 else 0
+    )
     s.add(0, prompt_len=4, max_tokens=2)
     s.add(1, prompt_len=20, max_tokens=2)  # 16 tokens from the prefix cache: prefilled on its own
     s.add(2, prompt_len=6, max_tokens=2)

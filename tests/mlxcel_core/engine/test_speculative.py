@@ -10,8 +10,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from tiny_models import build_tokenizer, save_tiny_llama
+
 from mlxcel_core.chat import ChatSession
 from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig
 from mlxcel_core.engine.speculative import ngram_proposal
@@ -45,8 +45,10 @@ def draft_dir(tiny_llama_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-draft") / "draft"
     shutil.copytree(tiny_llama_dir, path)
     weights = mx.load(str(path / "model.safetensors"))
-    noisy = {name: w + 0.1 * mx.std(w) * mx.random.normal(w.shape, key=mx.random.key(i)) if w.ndim == 2 else w
-             for i, (name, w) in enumerate(sorted(weights.items()))}
+    noisy = {
+        name: w + 0.1 * mx.std(w) * mx.random.normal(w.shape, key=mx.random.key(i)) if w.ndim == 2 else w
+        for i, (name, w) in enumerate(sorted(weights.items()))
+    }
     mx.save_safetensors(str(path / "model.safetensors"), noisy, metadata={"format": "pt"})
     return path
 
@@ -91,17 +93,21 @@ def check_stats(seq, k):
 
 # ---------------------------------------------------------------- prompt lookup proposals
 
-@pytest.mark.parametrize("tokens, max_ngram, k, expected", [
-    ([1, 2, 3, 4, 1, 2], 2, 2, [3, 4]),                  # "1 2" occurred: what followed it
-    ([1, 2, 3, 4, 1, 2], 2, 5, [3, 4, 1, 2]),            # fewer than k follow: all of them
-    ([5, 1, 2, 9, 1, 2, 7, 7, 1, 2], 2, 2, [7, 7]),      # the latest occurrence with k tokens after it
-    ([5, 1, 2, 9, 1, 2, 7, 1, 2], 2, 3, [7, 1, 2]),      # (the match just before the end has 1 after it)
-    ([1, 2, 9, 1, 2, 7, 1, 2], 2, 8, [9, 1, 2, 7, 1, 2]),  # none has 8 after it: the earliest (most after it)
-    ([1, 2, 3, 9, 2, 3], 3, 2, [9, 2]),                  # "9 2 3" never occurred; "2 3" did
-    ([4, 5, 6, 7], 3, 2, []),                            # nothing repeats
-    ([7], 3, 2, []),
-    ([3, 3, 3], 2, 4, [3]),                              # overlapping matches
-])
+
+@pytest.mark.parametrize(
+    "tokens, max_ngram, k, expected",
+    [
+        ([1, 2, 3, 4, 1, 2], 2, 2, [3, 4]),  # "1 2" occurred: what followed it
+        ([1, 2, 3, 4, 1, 2], 2, 5, [3, 4, 1, 2]),  # fewer than k follow: all of them
+        ([5, 1, 2, 9, 1, 2, 7, 7, 1, 2], 2, 2, [7, 7]),  # the latest occurrence with k tokens after it
+        ([5, 1, 2, 9, 1, 2, 7, 1, 2], 2, 3, [7, 1, 2]),  # (the match just before the end has 1 after it)
+        ([1, 2, 9, 1, 2, 7, 1, 2], 2, 8, [9, 1, 2, 7, 1, 2]),  # none has 8 after it: the earliest (most after it)
+        ([1, 2, 3, 9, 2, 3], 3, 2, [9, 2]),  # "9 2 3" never occurred; "2 3" did
+        ([4, 5, 6, 7], 3, 2, []),  # nothing repeats
+        ([7], 3, 2, []),
+        ([3, 3, 3], 2, 4, [3]),  # overlapping matches
+    ],
+)
 def test_ngram_proposal(tokens, max_ngram, k, expected):
     assert ngram_proposal(tokens, max_ngram, k) == expected
 
@@ -113,6 +119,7 @@ def test_longer_ngram_wins_over_a_later_shorter_match():
 
 
 # ---------------------------------------------------------------- greedy: identical output
+
 
 @pytest.mark.parametrize("storage", ["dense", "paged"])
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
@@ -141,8 +148,9 @@ def test_chunked_prefill_of_target_and_draft(target, draft):
 
 @pytest.mark.parametrize("storage", ["dense", "paged"])
 def test_quantized_kv(tmp_path, storage):
-    lm = load_model(str(save_tiny_llama(tmp_path / "hd32", num_attention_heads=2, num_key_value_heads=1)),
-                    log=lambda m: None)  # head dim 32: quantized KV's group size
+    lm = load_model(
+        str(save_tiny_llama(tmp_path / "hd32", num_attention_heads=2, num_key_value_heads=1)), log=lambda m: None
+    )  # head dim 32: quantized KV's group size
     lm.tokenizer.eos_token_ids = set()
     base = EngineConfig(kv_bits=8, storage=storage, block_size=8)
     plain, _, _ = generate(lm, PROMPTS[1], SamplingParams(max_tokens=30), base)
@@ -154,15 +162,18 @@ def test_quantized_kv(tmp_path, storage):
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 def test_penalties_and_seeded_sampling_are_identical_too(target, draft, drafter):
     """Verification draws with the row's own sampler and random stream, so even sampled output is unchanged."""
-    for params in (SamplingParams(max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5, dry_multiplier=0.8),
-                   SamplingParams(max_tokens=30, temperature=0.7, top_k=5, seed=9),
-                   SamplingParams(max_tokens=30, temperature=0.3, seed=4, xtc_probability=0.5, xtc_threshold=0.3)):
+    for params in (
+        SamplingParams(max_tokens=30, repetition_penalty=1.3, presence_penalty=0.5, dry_multiplier=0.8),
+        SamplingParams(max_tokens=30, temperature=0.7, top_k=5, seed=9),
+        SamplingParams(max_tokens=30, temperature=0.3, seed=4, xtc_probability=0.5, xtc_threshold=0.3),
+    ):
         plain, _, _ = generate(target, PROMPTS[1], params)
         seq, _, _ = generate(target, PROMPTS[1], params, speculative(k=4, **DRAFTERS[drafter]), draft)
         assert seq.output_ids == plain.output_ids, params
 
 
 # ---------------------------------------------------------------- ends that land mid-draft
+
 
 @pytest.mark.parametrize("drafter", sorted(DRAFTERS))
 def test_max_tokens_and_stops_mid_draft(target, draft, drafter):
@@ -187,6 +198,7 @@ def test_max_tokens_and_stops_mid_draft(target, draft, drafter):
 
 
 # ---------------------------------------------------------------- batching falls back, chat turns
+
 
 @pytest.mark.parametrize("storage", ["dense", "paged"])
 def test_batched_rows_decode_plainly_and_match(target, draft, storage):
@@ -214,6 +226,7 @@ def test_chat_turns_with_speculation(target, draft_dir):
 
 # ---------------------------------------------------------------- refusals
 
+
 def test_mismatched_vocabulary_is_refused(target, draft_dir, tmp_path):
     other = tmp_path / "other-vocab"
     shutil.copytree(draft_dir, other)
@@ -223,19 +236,23 @@ def test_mismatched_vocabulary_is_refused(target, draft_dir, tmp_path):
         Engine(target.model, target.tokenizer, config)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(num_draft_tokens=0, ngram=2), "num-draft-tokens"),
-    (dict(num_draft_tokens=65, ngram=2), "num-draft-tokens"),
-    (dict(ngram=-1), "draft-ngram"),
-    (dict(ngram=2, draft_model="x"), "not both"),
-    (dict(), "needs a drafter"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_draft_tokens=0, ngram=2), "num-draft-tokens"),
+        (dict(num_draft_tokens=65, ngram=2), "num-draft-tokens"),
+        (dict(ngram=-1), "draft-ngram"),
+        (dict(ngram=2, draft_model="x"), "not both"),
+        (dict(), "needs a drafter"),
+    ],
+)
 def test_bad_speculative_config(kwargs, message):
     with pytest.raises(InputError, match=message):
         SpeculativeConfig(**kwargs)
 
 
 # ---------------------------------------------------------------- the CLI
+
 
 def test_generate_verbose_prints_stats_and_json_has_them(tiny_llama_dir, draft_dir, capsys):
     from mlxcel_cli.main import main
@@ -254,11 +271,14 @@ def test_generate_verbose_prints_stats_and_json_has_them(tiny_llama_dir, draft_d
     assert "draft model:" in err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--draft-ngram", "2", "--num-draft-tokens", "0"], "num-draft-tokens must be"),
-    (["--draft-ngram", "-3"], "draft-ngram must be"),
-    (["--draft-ngram", "2", "--draft-model", "x"], "not both"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--draft-ngram", "2", "--num-draft-tokens", "0"], "num-draft-tokens must be"),
+        (["--draft-ngram", "-3"], "draft-ngram must be"),
+        (["--draft-ngram", "2", "--draft-model", "x"], "not both"),
+    ],
+)
 def test_generate_bad_speculative_options_exit_2(tiny_llama_dir, capsys, args, message):
     from mlxcel_cli.main import main
 

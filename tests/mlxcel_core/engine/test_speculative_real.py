@@ -14,13 +14,13 @@ from mlxcel_core.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_model
 
-CODE = '''def area(width, height):
+CODE = """def area(width, height):
     return width * height
 
 
 def perimeter(width, height):
     return 2 * (width + height)
-'''
+"""
 PROMPT = "Rename `width` to `w` in this code and print the whole code again:\n\n" + CODE
 
 
@@ -41,9 +41,11 @@ def test_greedy_identical_on_smollm2(smol):
     params = SamplingParams(max_tokens=24)
     plain = run(smol, EngineConfig(), params)
     assert "def area" in smol.tokenizer.decode(plain.output_ids)
-    for storage, spec, draft in (("dense", SpeculativeConfig(ngram=3, num_draft_tokens=3), None),
-                                 ("paged", SpeculativeConfig(ngram=2, num_draft_tokens=8), None),
-                                 ("dense", SpeculativeConfig(draft_model="self", num_draft_tokens=4), smol)):
+    for storage, spec, draft in (
+        ("dense", SpeculativeConfig(ngram=3, num_draft_tokens=3), None),
+        ("paged", SpeculativeConfig(ngram=2, num_draft_tokens=8), None),
+        ("dense", SpeculativeConfig(draft_model="self", num_draft_tokens=4), smol),
+    ):
         seq = run(smol, EngineConfig(storage=storage, speculative=spec), params, draft)
         assert seq.output_ids == plain.output_ids, (storage, spec)
         assert 0 < seq.spec.accepted <= seq.spec.proposed

@@ -328,7 +328,8 @@ def test_prefix_cache_disabled():
 
 def test_block_hash_is_chained_sha256():
     h0 = hash_block_tokens(ROOT_HASH, [1, 2, 3])
-    assert h0 == hashlib.sha256((1).to_bytes(8, "little") + (2).to_bytes(8, "little")
-                                + (3).to_bytes(8, "little")).digest()
+    assert (
+        h0 == hashlib.sha256((1).to_bytes(8, "little") + (2).to_bytes(8, "little") + (3).to_bytes(8, "little")).digest()
+    )
     assert hash_block_tokens(ROOT_HASH, (1, 2, 3)) == h0
     assert hash_block_tokens(h0, [4]) != hash_block_tokens(hash_block_tokens(ROOT_HASH, [9]), [4])

@@ -26,7 +26,7 @@ def make_case(lens, block_size, hq, hkv, dtype=mx.float32, seed=0):
     table = np.zeros((len(lens), max_blocks), np.int32)
     start = 0
     for b, n in enumerate(need):
-        table[b, :n] = ids[start:start + n]
+        table[b, :n] = ids[start : start + n]
         start += n
     q = rng.standard_normal((len(lens), hq, D)).astype(np.float32)
     as_mx = lambda a: mx.array(a).astype(dtype)  # noqa: E731
@@ -44,7 +44,7 @@ def reference(q, k_pool, v_pool, table, lens):
         kk = mx.array(k.transpose(1, 0, 2))[None]
         vv = mx.array(v.transpose(1, 0, 2))[None]
         qq = q[b].astype(mx.float32)[None, :, None, :]
-        outs.append(mx.fast.scaled_dot_product_attention(qq, kk, vv, scale=D ** -0.5)[0, :, 0, :])
+        outs.append(mx.fast.scaled_dot_product_attention(qq, kk, vv, scale=D**-0.5)[0, :, 0, :])
     return mx.stack(outs)
 
 

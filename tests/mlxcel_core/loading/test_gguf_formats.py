@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-
 from tiny_models import save_tiny_llama
+
 from mlxcel_core.api import stream_generate
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
@@ -30,9 +30,15 @@ FILE_TYPES = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7}  # llama.cpp'
 # (Quantization itself is real: Q4_0 vs F32 logits differ by ~0.8, Q8_0 by ~0.05, F16 by ~2e-3.)
 TOL = {Q.F32: 1e-4, Q.F16: 1e-4, Q.Q8_0: 1e-4, Q.Q4_0: 1e-4, Q.Q4_1: 1e-4}
 LAYER_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -130,10 +136,11 @@ def _transformers(path):
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
         logits = model(ids).logits[0].float().numpy()
-        out = model.generate(ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return logits, out[0, len(PROMPT):].tolist(), tok
+    return logits, out[0, len(PROMPT) :].tolist(), tok
 
 
 def _ours(path):

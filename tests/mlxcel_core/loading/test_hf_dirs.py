@@ -7,9 +7,9 @@ import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxcel_core.errors import CorruptModelError, InputError, UnsupportedModelError
 from mlxcel_core.loading import load_model
@@ -36,7 +36,7 @@ def shard(path, names_per_file: int = 6):
     (path / "model.safetensors").unlink()
     keys = sorted(weights)
     weight_map = {}
-    chunks = [keys[i:i + names_per_file] for i in range(0, len(keys), names_per_file)]
+    chunks = [keys[i : i + names_per_file] for i in range(0, len(keys), names_per_file)]
     for n, chunk in enumerate(chunks):
         name = f"model-{n + 1:05d}-of-{len(chunks):05d}.safetensors"
         mx.save_safetensors(str(path / name), {k: weights[k] for k in chunk})

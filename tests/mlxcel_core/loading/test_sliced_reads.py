@@ -68,9 +68,19 @@ def llama(tmp_path_factory):
 def _mixtral(path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    return save_tiny_checkpoint(path, MixtralConfig, MixtralForCausalLM, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1)
+    return save_tiny_checkpoint(
+        path,
+        MixtralConfig,
+        MixtralForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.1,
+    )
 
 
 def _rewrite(src: Path, dst: Path, files: dict[str, dict[str, mx.array]]) -> Path:
@@ -95,10 +105,14 @@ def test_llama_bf16_sharded_dir_ranks_are_slices(llama, tmp_path):
     weights = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(llama / "model.safetensors")).items()}
     names = sorted(weights)
     half = len(names) // 2
-    path = _rewrite(llama, tmp_path / "bf16", {
-        "model-00001-of-00002.safetensors": {k: weights[k] for k in names[:half]},
-        "model-00002-of-00002.safetensors": {k: weights[k] for k in names[half:]},
-    })
+    path = _rewrite(
+        llama,
+        tmp_path / "bf16",
+        {
+            "model-00001-of-00002.safetensors": {k: weights[k] for k in names[:half]},
+            "model-00002-of-00002.safetensors": {k: weights[k] for k in names[half:]},
+        },
+    )
     assert _model(path).layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
     assert_ranks_are_slices(path)
 
@@ -137,21 +151,33 @@ def test_mixtral_fused_experts_ranks_are_slices(tmp_path):
 
     for i in range(2):
         fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = mx.stack(
-            [mx.concatenate([expert(i, e, "w1"), expert(i, e, "w3")]) for e in range(4)])
+            [mx.concatenate([expert(i, e, "w1"), expert(i, e, "w3")]) for e in range(4)]
+        )
         fused[f"model.layers.{i}.mlp.experts.down_proj"] = mx.stack([expert(i, e, "w2") for e in range(4)])
     path = _rewrite(src, tmp_path / "fused", {"model.safetensors": fused})
     full = _model(path)
-    assert mx.array_equal(full.layers[1].block_sparse_moe.switch_mlp.up_proj.weight[2],
-                          weights["model.layers.1.block_sparse_moe.experts.2.w3.weight"]).item()
+    assert mx.array_equal(
+        full.layers[1].block_sparse_moe.switch_mlp.up_proj.weight[2],
+        weights["model.layers.1.block_sparse_moe.experts.2.w3.weight"],
+    ).item()
     assert_ranks_are_slices(path)
 
 
 def test_qwen2_biases_ranks_are_slices(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    path = save_tiny_checkpoint(tmp_path, Qwen2Config, Qwen2ForCausalLM, hidden_size=64, intermediate_size=128,
-                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                tie_word_embeddings=True, initializer_range=0.1)
+    path = save_tiny_checkpoint(
+        tmp_path,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
     assert "bias" in _model(path).layers[0].self_attn.q_proj
     assert_ranks_are_slices(path)
 
@@ -159,10 +185,22 @@ def test_qwen2_biases_ranks_are_slices(tmp_path):
 def test_qwen3_moe_ranks_are_slices(tmp_path):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    path = save_tiny_checkpoint(tmp_path, Qwen3MoeConfig, Qwen3MoeForCausalLM, hidden_size=64,
-                                intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
-                                num_experts_per_tok=2, mlp_only_layers=[0], initializer_range=0.1)
+    path = save_tiny_checkpoint(
+        tmp_path,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        initializer_range=0.1,
+    )
     assert_ranks_are_slices(path)
 
 
@@ -188,10 +226,10 @@ def _owners(path: Path, size: int) -> bytearray:
             for rank in range(size):
                 if axis == -2:  # whole rows per rank
                     if rank * rows // size <= r < (rank + 1) * rows // size:
-                        owner[row:row + cols * itemsize] = bytes([1 + rank]) * (cols * itemsize)
+                        owner[row : row + cols * itemsize] = bytes([1 + rank]) * (cols * itemsize)
                 else:  # a run of columns of every row
                     width = cols // size * itemsize
-                    owner[row + rank * width:row + (rank + 1) * width] = bytes([1 + rank]) * width
+                    owner[row + rank * width : row + (rank + 1) * width] = bytes([1 + rank]) * width
     return owner
 
 
@@ -219,7 +257,7 @@ def test_each_rank_reads_exactly_its_slices_bytes(llama, tmp_path, monkeypatch, 
         _model(path, FakeGroup(rank, 2))
         mine = bytes([1 + rank])
         for offset, n in requests:
-            assert owner[offset:offset + n].count(mine) == n, f"rank {rank} read outside its slices at {offset}"
+            assert owner[offset : offset + n].count(mine) == n, f"rank {rank} read outside its slices at {offset}"
         assert sum(n for _, n in requests) == owner.count(mine)  # all of them, each byte once
         assert len({o for o, _ in requests}) == len(requests)
 
@@ -267,8 +305,14 @@ def test_handles_read_boxes_of_every_dtype(tmp_path, dtype):
     handles = sliced.open_tensors(file)
     t, b, c = handles["a"], handles["b"], handles["c"]
     assert t.shape == (3, 8, 12) and t.dtype == dtype
-    for index in [(slice(None), slice(4, 8)), (..., slice(6, 12)), (slice(1, 3), slice(2, 5), slice(3, 9)),
-                  (slice(None), slice(None), slice(None, None, 2)), (1,), (slice(None),)]:
+    for index in [
+        (slice(None), slice(4, 8)),
+        (..., slice(6, 12)),
+        (slice(1, 3), slice(2, 5), slice(3, 9)),
+        (slice(None), slice(None), slice(None, None, 2)),
+        (1,),
+        (slice(None),),
+    ]:
         got = t[index]
         got = got.read() if isinstance(got, sliced._Lazy) else got
         assert got.dtype == dtype and mx.array_equal(got, a[index]).item(), index
@@ -284,6 +328,6 @@ def test_truncated_file_is_a_one_line_error(llama, tmp_path):
 
     data = (llama / "model.safetensors").read_bytes()
     path = _rewrite(llama, tmp_path / "cut", {})
-    (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CorruptModelError, match="cannot read weights file .*model.safetensors"):
         _model(path, FakeGroup(1, 2))

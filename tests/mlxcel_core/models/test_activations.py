@@ -65,7 +65,9 @@ def test_definitions_match_torch():
     """The eager forms are the functions transformers uses (SiLU, gelu_pytorch_tanh)."""
     gate, up = _inputs((3, 256), mx.float32, 7)
     tg, tu = torch.tensor(np.array(gate)), torch.tensor(np.array(up))
-    np.testing.assert_allclose(np.array(swiglu(gate, up)), (torch.nn.functional.silu(tg) * tu).numpy(),
-                               rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.array(geglu(gate, up)),
-                               (torch.nn.functional.gelu(tg, approximate="tanh") * tu).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(swiglu(gate, up)), (torch.nn.functional.silu(tg) * tu).numpy(), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.array(geglu(gate, up)), (torch.nn.functional.gelu(tg, approximate="tanh") * tu).numpy(), rtol=1e-5, atol=1e-5
+    )

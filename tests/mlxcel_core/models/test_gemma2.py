@@ -8,18 +8,29 @@ import shutil
 
 import numpy as np
 import pytest
+from parity import assert_4bit_near_fp32, assert_parity, checkpoint_logits, prompt_ids, reference, save_tiny_checkpoint
 
 from mlxcel_cli.main import main
 from mlxcel_core.quantize import quantize_checkpoint
-from parity import assert_4bit_near_fp32, assert_parity, checkpoint_logits, prompt_ids, reference, save_tiny_checkpoint
 
 CONFIG = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    rms_norm_eps=1e-6,
     sliding_window=16,  # layers 0 and 2 slide; the 64-token prompt and 32 greedy steps run far past it
     query_pre_attn_scalar=24,  # != head_dim, so a head_dim**-0.5 scale would show
-    attn_logit_softcapping=1.0, final_logit_softcapping=10.0,  # small enough to bend the tiny model's values
-    attn_implementation="eager", eos_token_id=2, bos_token_id=None, pad_token_id=0,
+    attn_logit_softcapping=1.0,
+    final_logit_softcapping=10.0,  # small enough to bend the tiny model's values
+    attn_implementation="eager",
+    eos_token_id=2,
+    bos_token_id=None,
+    pad_token_id=0,
 )
 # Untied: greedy decoding of a tied random model settles on repeating one token; untied gives varied tokens.
 VARIANTS = {"untied": {"tie_word_embeddings": False}, "tied": {"tie_word_embeddings": True}}
@@ -34,8 +45,10 @@ def checkpoints(tmp_path_factory):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     root = tmp_path_factory.mktemp("gemma2")
-    return {name: save_tiny_checkpoint(root / name, Gemma2Config, Gemma2ForCausalLM, **CONFIG, **extra)
-            for name, extra in VARIANTS.items()}
+    return {
+        name: save_tiny_checkpoint(root / name, Gemma2Config, Gemma2ForCausalLM, **CONFIG, **extra)
+        for name, extra in VARIANTS.items()
+    }
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -49,8 +62,13 @@ def test_config_knobs_all_matter(checkpoints, tmp_path):
     prompt = prompt_ids(64)
     ref, _ = reference(path, prompt, 1)
     config = json.loads((path / "config.json").read_text())
-    for change in ({"attn_logit_softcapping": None}, {"final_logit_softcapping": None}, {"sliding_window": 4096},
-                   {"query_pre_attn_scalar": 16}, {"layer_types": ["full_attention"] * 4}):
+    for change in (
+        {"attn_logit_softcapping": None},
+        {"final_logit_softcapping": None},
+        {"sliding_window": 4096},
+        {"query_pre_attn_scalar": 16},
+        {"layer_types": ["full_attention"] * 4},
+    ):
         changed = shutil.copytree(path, tmp_path / next(iter(change)))
         (changed / "config.json").write_text(json.dumps({**config, **change}))
         assert np.abs(checkpoint_logits(changed, prompt) - ref).max() > 1e-2, change

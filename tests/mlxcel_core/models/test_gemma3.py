@@ -10,19 +10,28 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
+from parity import assert_4bit_near_fp32, assert_parity, checkpoint_logits, prompt_ids, reference, save_tiny_checkpoint
 
 from mlxcel_cli.main import main
 from mlxcel_core.quantize import quantize_checkpoint
-from parity import assert_4bit_near_fp32, assert_parity, checkpoint_logits, prompt_ids, reference, save_tiny_checkpoint
 
 TEXT = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, max_position_embeddings=512, initializer_range=0.3, rms_norm_eps=1e-6,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    rms_norm_eps=1e-6,
     sliding_window=16,  # layers 0, 1, 3 slide; the 64-token prompt and 32 greedy steps run far past it
     sliding_window_pattern=3,  # -> layer_types [sliding, sliding, full, sliding]
     query_pre_attn_scalar=24,  # != head_dim
-    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+    },
 )
 IDS = dict(eos_token_id=2, bos_token_id=None, pad_token_id=0)
 # Untied: greedy decoding of a tied random model settles on repeating one token; untied gives varied tokens.
@@ -30,8 +39,15 @@ VARIANTS = {
     "untied": {"tie_word_embeddings": False},
     "tied-final-softcap": {"tie_word_embeddings": True, "final_logit_softcapping": 10.0},
 }
-VISION = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-              num_attention_heads=2, image_size=28, patch_size=14)
+VISION = dict(
+    model_type="siglip_vision_model",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
 
 # Measured on these checkpoints (4-bit, group 64, random N(0, 0.3) weights, so much coarser than on real
 # models): max-abs 2.31-3.32 on logits of magnitude up to 9.3-9.7, mean-abs 0.43-0.46, correlation 0.970-0.971.
@@ -43,8 +59,10 @@ def checkpoints(tmp_path_factory):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     root = tmp_path_factory.mktemp("gemma3")
-    return {name: save_tiny_checkpoint(root / name, Gemma3TextConfig, Gemma3ForCausalLM, **TEXT, **IDS, **extra)
-            for name, extra in VARIANTS.items()}
+    return {
+        name: save_tiny_checkpoint(root / name, Gemma3TextConfig, Gemma3ForCausalLM, **TEXT, **IDS, **extra)
+        for name, extra in VARIANTS.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +73,16 @@ def multimodal(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("gemma3-mm") / "mm"
     text = {**TEXT, "vocab_size": 320, "tie_word_embeddings": False}
-    return save_tiny_checkpoint(path, Gemma3Config, Gemma3ForConditionalGeneration, text_config=text,
-                                vision_config=VISION, mm_tokens_per_image=4, tie_word_embeddings=False, **IDS)
+    return save_tiny_checkpoint(
+        path,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        text_config=text,
+        vision_config=VISION,
+        mm_tokens_per_image=4,
+        tie_word_embeddings=False,
+        **IDS,
+    )
 
 
 def _edit_config(src, dst, edit):
@@ -80,11 +106,19 @@ def test_pre_transformers5_config_keys(checkpoints, tmp_path):
     ref, _ = reference(path, prompt, 1)
 
     def old_style(config):
-        assert config.pop("layer_types") == ["sliding_attention", "sliding_attention", "full_attention",
-                                             "sliding_attention"]
+        assert config.pop("layer_types") == [
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ]
         config.pop("rope_parameters")
-        config.update(rope_theta=1_000_000.0, rope_local_base_freq=100.0, sliding_window_pattern=3,
-                      rope_scaling={"type": "linear", "factor": 8.0})
+        config.update(
+            rope_theta=1_000_000.0,
+            rope_local_base_freq=100.0,
+            sliding_window_pattern=3,
+            rope_scaling={"type": "linear", "factor": 8.0},
+        )
 
     old = _edit_config(path, tmp_path / "old", old_style)
     assert np.abs(checkpoint_logits(old, prompt) - ref).max() <= 1e-4
@@ -121,24 +155,29 @@ def test_multimodal_transformers5_layout_same_logits(multimodal, tmp_path):
 
     def hub_style(config):
         text = config["text_config"]
-        config["text_config"] = {k: v for k, v in text.items()
-                                 if k != "model_type" and (k not in defaults or defaults[k] != v)}
+        config["text_config"] = {
+            k: v for k, v in text.items() if k != "model_type" and (k not in defaults or defaults[k] != v)
+        }
         assert len(config["text_config"]) < len(text) - 5
 
     path = _edit_config(multimodal, tmp_path / "t5", hub_style)
     renamed = {}
     for name, value in mx.load(str(path / "model.safetensors")).items():
-        for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
-                         ("vision_tower.", "model.vision_tower."),
-                         ("multi_modal_projector.", "model.multi_modal_projector.")):
+        for old, new in (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+        ):
             if name.startswith(old):
-                name = new + name[len(old):]
+                name = new + name[len(old) :]
                 break
         renamed[name] = value
     mx.save_safetensors(str(path / "model.safetensors"), renamed)
     prompt = prompt_ids(64)
-    np.testing.assert_allclose(checkpoint_logits(path, prompt), checkpoint_logits(multimodal, prompt),
-                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        checkpoint_logits(path, prompt), checkpoint_logits(multimodal, prompt), rtol=0, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -6,18 +6,24 @@ import json
 
 import numpy as np
 import pytest
-
-from tiny_models import save_tiny_llama
 from parity import ours, reference
+from tiny_models import save_tiny_llama
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 200, 31]
 STEPS = 32
 
 VARIANTS = {
     "default": {},
-    "llama3-rope": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                        "original_max_position_embeddings": 64}},
+    "llama3-rope": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
     "linear-rope": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
     "tied-bias": {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
     "mha-headdim": {"num_key_value_heads": 4, "head_dim": 32},
@@ -54,7 +60,7 @@ def test_last_only_is_the_last_position_of_the_full_logits():
     import mlx.core as mx
 
     from mlxcel_core.cache import make_cache
-    from mlxcel_core.models.shapes import build_random_model
+    from mlxcel_core.loading.shapes import build_random_model
 
     model, _ = build_random_model("tiny", dtype="float32", seed=2)
     prompt = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])

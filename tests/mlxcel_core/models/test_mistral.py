@@ -5,14 +5,21 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from parity import assert_parity, load_quiet, prompt_ids, save_tiny_checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM
 
 from mlxcel_cli.main import main
 from mlxcel_core.quantize import quantize_checkpoint
-from parity import assert_parity, load_quiet, prompt_ids, save_tiny_checkpoint
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 
 
 def test_mistral_sliding_window_matches_transformers(tmp_path):

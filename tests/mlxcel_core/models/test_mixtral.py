@@ -10,17 +10,32 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from parity import (
+    assert_4bit_close,
+    assert_parity,
+    checkpoint_logits,
+    load_quiet,
+    logits,
+    quantize_4bit,
+    save_tiny_checkpoint,
+)
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from mlxcel_cli.main import main
 from mlxcel_core.models import moe
-from parity import (assert_4bit_close, assert_parity, checkpoint_logits, load_quiet, logits, quantize_4bit,
-                    save_tiny_checkpoint)
 
 # Every layer slides over 16 keys of the 64-token prompt.
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-              initializer_range=0.1)
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=16,
+    initializer_range=0.1,
+)
 # 4-bit group-64 (experts and router included) vs fp32, on a checkpoint with transformers' default init
 # (0.02; logits within about +-0.6). Measured: max-abs 0.11, relative RMS 0.16.
 Q4_MAX_ABS, Q4_REL_RMS = 0.3, 0.35
@@ -61,8 +76,9 @@ def test_transformers_in_memory_layout_loads_the_same(tiny_mixtral, tmp_path):
 
 
 def test_4bit_copy_is_close_to_fp32_and_generates(tmp_path):
-    src = save_tiny_checkpoint(tmp_path / "fp32", MixtralConfig, MixtralForCausalLM,
-                               **{**CONFIG, "initializer_range": 0.02})
+    src = save_tiny_checkpoint(
+        tmp_path / "fp32", MixtralConfig, MixtralForCausalLM, **{**CONFIG, "initializer_range": 0.02}
+    )
     dst = quantize_4bit(src, tmp_path / "q4")
     quantized = load_quiet(dst).model
     block = quantized.layers[0].block_sparse_moe

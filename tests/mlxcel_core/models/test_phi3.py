@@ -11,31 +11,51 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from parity import assert_parity, load_quiet, prompt_ids, reference, save_tiny_checkpoint
 
 from mlxcel_core.models.rope import LongRoPE
-from parity import assert_parity, load_quiet, prompt_ids, reference, save_tiny_checkpoint
 
 SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.1]
 LONG = [1.2, 1.9, 3.1, 4.6, 7.2, 9.8, 14.0, 19.5]
-BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            rms_norm_eps=1e-5, initializer_range=0.1, pad_token_id=0, bos_token_id=None, eos_token_id=2)
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=2,
+)
 
 
 def longrope(short=SHORT, long=LONG, **extra):
-    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": list(short), "long_factor": list(long),
-            **extra}
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": list(short),
+        "long_factor": list(long),
+        **extra,
+    }
 
 
 VARIANTS = {
     "default-rope": dict(max_position_embeddings=512),
     "longrope-long": dict(max_position_embeddings=128, original_max_position_embeddings=32, rope_parameters=longrope()),
-    "longrope-short": dict(max_position_embeddings=512, original_max_position_embeddings=128,
-                           rope_parameters=longrope()),
-    "longrope-partial-tied": dict(max_position_embeddings=256, original_max_position_embeddings=32,
-                                  tie_word_embeddings=True,
-                                  rope_parameters=longrope(SHORT[:4], LONG[:4], partial_rotary_factor=0.5)),
-    "sliding-window-16": dict(max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=16,
-                              rope_parameters=longrope()),
+    "longrope-short": dict(
+        max_position_embeddings=512, original_max_position_embeddings=128, rope_parameters=longrope()
+    ),
+    "longrope-partial-tied": dict(
+        max_position_embeddings=256,
+        original_max_position_embeddings=32,
+        tie_word_embeddings=True,
+        rope_parameters=longrope(SHORT[:4], LONG[:4], partial_rotary_factor=0.5),
+    ),
+    "sliding-window-16": dict(
+        max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=16, rope_parameters=longrope()
+    ),
 }
 
 
@@ -71,7 +91,11 @@ def test_su_alias_and_top_level_original_max(tmp_path):
     config = json.loads((path / "config.json").read_text())
     params = config.pop("rope_parameters")
     config["rope_theta"] = params["rope_theta"]
-    config["rope_scaling"] = {"type": "su", "short_factor": params["short_factor"], "long_factor": params["long_factor"]}
+    config["rope_scaling"] = {
+        "type": "su",
+        "short_factor": params["short_factor"],
+        "long_factor": params["long_factor"],
+    }
     config["original_max_position_embeddings"] = 32
     (path / "config.json").write_text(json.dumps(config))
     model = load_quiet(path).model

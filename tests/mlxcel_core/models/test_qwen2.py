@@ -8,16 +8,31 @@ import shutil
 import mlx.nn as nn
 import numpy as np
 import pytest
+from parity import (
+    assert_4bit_close,
+    assert_parity,
+    checkpoint_logits,
+    load_quiet,
+    logits,
+    quantize_4bit,
+    save_tiny_checkpoint,
+)
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from mlxcel_cli.main import main
-from parity import (assert_4bit_close, assert_parity, checkpoint_logits, load_quiet, logits, quantize_4bit,
-                    save_tiny_checkpoint)
 
 # Window 16 < the 64-token prompt; layers 1 and 2 slide (i >= max_window_layers), layer 0 does not.
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, initializer_range=0.1, use_sliding_window=True, sliding_window=16,
-              max_window_layers=1)
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+    use_sliding_window=True,
+    sliding_window=16,
+    max_window_layers=1,
+)
 # 4-bit group-64 vs fp32, on a checkpoint with transformers' default init (0.02; logits within about +-0.6).
 # Measured: max-abs 0.13, relative RMS 0.20. Random weights quantize worse than trained ones.
 Q4_MAX_ABS, Q4_REL_RMS = 0.3, 0.35
@@ -52,8 +67,9 @@ def test_sliding_window_layers(tiny_qwen2, tmp_path):
 
 
 def test_4bit_copy_is_close_to_fp32_and_generates(tmp_path):
-    src = save_tiny_checkpoint(tmp_path / "fp32", Qwen2Config, Qwen2ForCausalLM,
-                               **{**CONFIG, "initializer_range": 0.02})
+    src = save_tiny_checkpoint(
+        tmp_path / "fp32", Qwen2Config, Qwen2ForCausalLM, **{**CONFIG, "initializer_range": 0.02}
+    )
     dst = quantize_4bit(src, tmp_path / "q4")
     quantized = load_quiet(dst).model
     attn = quantized.layers[1].self_attn

@@ -8,15 +8,25 @@ import shutil
 import mlx.nn as nn
 import numpy as np
 import pytest
+from parity import assert_4bit_close, assert_parity, checkpoint_logits, load_quiet, quantize_4bit, save_tiny_checkpoint
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mlxcel_cli.main import main
-from parity import assert_4bit_close, assert_parity, checkpoint_logits, load_quiet, quantize_4bit, save_tiny_checkpoint
 
 # head_dim 32 != hidden / heads (16); tied LM head; layer 1 slides over 16 keys of the 64-token prompt.
-CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, initializer_range=0.1,
-              use_sliding_window=True, sliding_window=16, max_window_layers=1)
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    tie_word_embeddings=True,
+    initializer_range=0.1,
+    use_sliding_window=True,
+    sliding_window=16,
+    max_window_layers=1,
+)
 # 4-bit group-64 vs fp32, on a checkpoint with transformers' default init (0.02; logits within about +-1.2).
 # Measured: max-abs 0.16, relative RMS 0.19. Random weights quantize worse than trained ones.
 Q4_MAX_ABS, Q4_REL_RMS = 0.3, 0.35
@@ -30,7 +40,9 @@ def set_norms(path, value=None, suffixes=("norm.weight",), seed=0):
     rng = np.random.default_rng(seed)
     for name, w in weights.items():
         if name.endswith(suffixes):
-            weights[name] = np.full_like(w, value) if value is not None else rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
+            weights[name] = (
+                np.full_like(w, value) if value is not None else rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
+            )
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
@@ -64,14 +76,16 @@ def test_architecture_follows_config(tiny_qwen3):
 def test_qk_norm_matters(tiny_qwen3, tmp_path):
     """The fixture's random q/k norm weights reach the logits: unit ones give other logits."""
     reference = checkpoint_logits(tiny_qwen3)
-    path = set_norms(shutil.copytree(tiny_qwen3, tmp_path / "unit-norms"), value=1.0,
-                     suffixes=("q_norm.weight", "k_norm.weight"))
+    path = set_norms(
+        shutil.copytree(tiny_qwen3, tmp_path / "unit-norms"), value=1.0, suffixes=("q_norm.weight", "k_norm.weight")
+    )
     assert np.abs(checkpoint_logits(path) - reference).max() > 1e-3
 
 
 def test_4bit_copy_is_close_to_fp32_and_generates(tmp_path):
-    src = save_tiny_checkpoint(tmp_path / "fp32", Qwen3Config, Qwen3ForCausalLM,
-                               **{**CONFIG, "initializer_range": 0.02})
+    src = save_tiny_checkpoint(
+        tmp_path / "fp32", Qwen3Config, Qwen3ForCausalLM, **{**CONFIG, "initializer_range": 0.02}
+    )
     dst = quantize_4bit(src, tmp_path / "q4")
     quantized = load_quiet(dst).model
     attn = quantized.layers[0].self_attn

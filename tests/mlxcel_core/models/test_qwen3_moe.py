@@ -10,16 +10,32 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from parity import (
+    assert_4bit_close,
+    assert_parity,
+    checkpoint_logits,
+    load_quiet,
+    logits,
+    quantize_4bit,
+    save_tiny_checkpoint,
+)
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from mlxcel_cli.main import main
 from mlxcel_core.models import moe
-from parity import (assert_4bit_close, assert_parity, checkpoint_logits, load_quiet, logits, quantize_4bit,
-                    save_tiny_checkpoint)
 
-CONFIG = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-              initializer_range=0.1)
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    initializer_range=0.1,
+)
 VARIANTS = {
     # Real Qwen3-MoE routing (renormalized top-k); layer 1 dense; every layer slides over 16 keys.
     "renorm-dense1-window": dict(norm_topk_prob=True, mlp_only_layers=[1], use_sliding_window=True, sliding_window=16),
@@ -33,7 +49,9 @@ Q4_MAX_ABS, Q4_REL_RMS = 0.3, 0.35
 
 
 def save(path, variant, **overrides):
-    return save_tiny_checkpoint(path, Qwen3MoeConfig, Qwen3MoeForCausalLM, **{**CONFIG, **VARIANTS[variant], **overrides})
+    return save_tiny_checkpoint(
+        path, Qwen3MoeConfig, Qwen3MoeForCausalLM, **{**CONFIG, **VARIANTS[variant], **overrides}
+    )
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -68,8 +86,10 @@ def test_hub_config_and_fused_expert_layout_load_the_same(tiny_moe, tmp_path):
         prefix = f"model.layers.{i}.mlp.experts"
         if f"{prefix}.0.gate_proj.weight" not in weights:
             continue
-        stacked = {name: mx.stack([weights.pop(f"{prefix}.{e}.{name}.weight") for e in range(8)])
-                   for name in ("gate_proj", "up_proj", "down_proj")}
+        stacked = {
+            name: mx.stack([weights.pop(f"{prefix}.{e}.{name}.weight") for e in range(8)])
+            for name in ("gate_proj", "up_proj", "down_proj")
+        }
         weights[f"{prefix}.gate_up_proj"] = mx.concatenate([stacked["gate_proj"], stacked["up_proj"]], axis=1)
         weights[f"{prefix}.down_proj"] = stacked["down_proj"]
     mx.save_safetensors(str(path / "model.safetensors"), weights)

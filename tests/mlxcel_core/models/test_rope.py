@@ -8,17 +8,15 @@ misplaced mscale, a wrong partial-rotary split or a wrong short/long choice all 
 from __future__ import annotations
 
 import math
-import re
-import tempfile
 
 import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-
-from tiny_models import save_tiny_llama
-from mlxcel_core.models.rope import LongRoPE, initialize_rope, rope_frequencies, standardize_scaling
 from parity import assert_parity
+from tiny_models import save_tiny_llama
+
+from mlxcel_core.models.rope import LongRoPE, initialize_rope, rope_frequencies, standardize_scaling
 
 SHORT = [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.1]
 LONG = [1.2, 1.9, 3.1, 4.6, 7.2, 9.8, 14.0, 19.5]
@@ -28,32 +26,129 @@ CASES = {
     "default-10k": ("llama", dict(head_dim=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "default-500k-128": ("llama", dict(head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
     "linear-4": ("llama", dict(head_dim=64, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0})),
-    "llama3.1": ("llama", dict(head_dim=128, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192})),
-    "llama3-tiny": ("llama", dict(head_dim=16, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64})),
-    "yarn-qwen2.5": ("llama", dict(head_dim=128, max_position_embeddings=131072, rope_parameters={
-        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768})),
-    "yarn-mscale-ratio": ("llama", dict(head_dim=64, rope_parameters={
-        "rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.8,
-        "original_max_position_embeddings": 4096})),
-    "yarn-untruncated": ("llama", dict(head_dim=64, rope_parameters={
-        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "truncate": False, "original_max_position_embeddings": 4096})),
-    "yarn-explicit-partial": ("llama", dict(head_dim=32, rope_parameters={
-        "rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "attention_factor": 1.3, "beta_fast": 16,
-        "beta_slow": 2, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 256})),
-    "longrope-phi3": ("phi3", dict(max_position_embeddings=131072, original_max_position_embeddings=4096,
-                                   rope_parameters={"rope_type": "longrope", "short_factor": SHORT,
-                                                    "long_factor": LONG})),
-    "longrope-explicit": ("llama", dict(head_dim=16, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 1e4, "factor": 8.0, "attention_factor": 1.2, "short_factor": SHORT,
-        "long_factor": LONG, "original_max_position_embeddings": 64})),
-    "su-partial": ("phi3", dict(max_position_embeddings=512, original_max_position_embeddings=64, rope_parameters={
-        "type": "su", "partial_rotary_factor": 0.5, "short_factor": SHORT[:4], "long_factor": LONG[:4],
-        "original_max_position_embeddings": 64})),
+    "llama3.1": (
+        "llama",
+        dict(
+            head_dim=128,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "llama3-tiny": (
+        "llama",
+        dict(
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "yarn-qwen2.5": (
+        "llama",
+        dict(
+            head_dim=128,
+            max_position_embeddings=131072,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e6,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32768,
+            },
+        ),
+    ),
+    "yarn-mscale-ratio": (
+        "llama",
+        dict(
+            head_dim=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 40.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+                "original_max_position_embeddings": 4096,
+            },
+        ),
+    ),
+    "yarn-untruncated": (
+        "llama",
+        dict(
+            head_dim=64,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 4096,
+            },
+        ),
+    ),
+    "yarn-explicit-partial": (
+        "llama",
+        dict(
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 8.0,
+                "attention_factor": 1.3,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+    ),
+    "longrope-phi3": (
+        "phi3",
+        dict(
+            max_position_embeddings=131072,
+            original_max_position_embeddings=4096,
+            rope_parameters={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG},
+        ),
+    ),
+    "longrope-explicit": (
+        "llama",
+        dict(
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "factor": 8.0,
+                "attention_factor": 1.2,
+                "short_factor": SHORT,
+                "long_factor": LONG,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "su-partial": (
+        "phi3",
+        dict(
+            max_position_embeddings=512,
+            original_max_position_embeddings=64,
+            rope_parameters={
+                "type": "su",
+                "partial_rotary_factor": 0.5,
+                "short_factor": SHORT[:4],
+                "long_factor": LONG[:4],
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
 }
 
 
@@ -77,8 +172,9 @@ def ours(name):
     dims = int(head_dim * params.get("partial_rotary_factor", 1.0))
     raw_kind = params.get("rope_type", params.get("type"))
     scaling = None if raw_kind == "default" else {**params, "rope_type": raw_kind}
-    scaling = standardize_scaling(scaling, kwargs.get("max_position_embeddings", 2048),
-                                  kwargs.get("original_max_position_embeddings"))
+    scaling = standardize_scaling(
+        scaling, kwargs.get("max_position_embeddings", 2048), kwargs.get("original_max_position_embeddings")
+    )
     return dims, float(params.get("rope_theta", 10000.0)), scaling, head_dim
 
 
@@ -185,11 +281,21 @@ def test_yarn_attention_factor_is_on_both_q_and_k():
     np.testing.assert_allclose(ratio, (0.1 * math.log(4.0) + 1.0) ** 2, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
-    {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0, "short_factor": SHORT, "long_factor": LONG,
-     "original_max_position_embeddings": 32},
-], ids=["yarn", "longrope"])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+        {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "short_factor": SHORT,
+            "long_factor": LONG,
+            "original_max_position_embeddings": 32,
+        },
+    ],
+    ids=["yarn", "longrope"],
+)
 def test_llama_checkpoint_with_scaled_rope_matches_transformers(tmp_path, rope_parameters):
     """End to end through a family that uses initialize_rope: the attention factor lands in the logits."""
     path = save_tiny_llama(tmp_path, rope_parameters=rope_parameters, max_position_embeddings=512)
@@ -201,68 +307,3 @@ def test_unknown_rope_type_is_a_clear_error():
 
     with pytest.raises(UnsupportedModelError, match="rope scaling type 'dynamic' is not supported"):
         initialize_rope(16, 10000.0, False, {"rope_type": "dynamic", "factor": 2.0})
-
-
-def test_fold_positions_is_computed_once_per_offset_array():
-    """Every layer of a decode step passes the same offset array: the second call returns the first's result; another
-    array (the next step's), or another shape or scale, is computed afresh, with the right values."""
-    from mlxcel_core.models.rope import fold_positions
-
-    offset = mx.array([7, 3], dtype=mx.int32)
-    first = fold_positions(offset, 2, 1, 0.5)
-    assert fold_positions(offset, 2, 1, 0.5) is first
-    assert first.tolist() == [3.5, 1.5]
-    assert fold_positions(offset, 2, 1, 1.0).tolist() == [7.0, 3.0]
-    same_values = mx.array([7, 3], dtype=mx.int32)
-    again = fold_positions(same_values, 2, 1, 0.5)
-    assert again is not first and again.tolist() == [3.5, 1.5]
-    assert fold_positions(mx.array([9, 4], dtype=mx.int32), 2, 2, 1.0).tolist() == [9.0, 10.0, 4.0, 5.0]
-    assert fold_positions(5, 1, 2, 1.0).tolist() == [5.0, 6.0]
-
-
-@pytest.mark.parametrize("batch,length", [(1, 1), (2, 1), (3, 1), (1, 2), (1, 3), (2, 2), (5, 1), (1, 7), (3, 4)])
-@pytest.mark.parametrize("shared", [False, True])
-def test_fold_positions_small_steps_give_row_major_positions(batch, length, shared):
-    """Under 4 positions the values come from a padded 16-byte array (a view of it): the same row-major
-    [batch * length] values as the plain formula, for one offset per row or one shared by all."""
-    from mlxcel_core.models.rope import fold_positions
-
-    starts = [11] * batch if shared else [11 + 5 * b for b in range(batch)]
-    offset = mx.array(starts[:1] if shared else starts, dtype=mx.int32)
-    got = fold_positions(offset, batch, length, 0.25)
-    want = [(s + t) * 0.25 for s in starts for t in range(length)]
-    assert got.dtype == mx.float32 and got.shape == (batch * length,) and got.tolist() == want
-    assert fold_positions(11, batch, length, 0.25).tolist() == [(11 + t) * 0.25 for _ in range(batch)
-                                                                for t in range(length)]
-
-
-def test_fold_positions_ramp_is_a_constant_inside_a_compiled_step():
-    """The 0..n-1 ramp is made and evaluated once (no arange op in each step's graph), and a compiled step that
-    computes positions from its offset input gives the eager values, step after step."""
-    from mlxcel_core.models import rope
-
-    rope._ramp.cache_clear()  # first made inside the trace below, as in a compiled decode step
-
-    def step(offset):
-        rope._last_positions = None  # each traced call computes afresh
-        return rope.fold_positions(offset, 1, 1, 0.5) * 1.0
-
-    compiled = mx.compile(step)
-    for value in (7, 8, 300):
-        offset = mx.array([value], dtype=mx.int32)
-        assert compiled(offset).tolist() == step(offset).tolist() == [value * 0.5]
-    assert rope._ramp(4) is rope._ramp(4) and rope._ramp(4).tolist() == [0.0, 1.0, 2.0, 3.0]
-
-
-def test_fold_frequencies_are_evaluated_constants():
-    """Made once per RoPE and already evaluated, so a compiled step holds them as a constant (no op per step)."""
-    from mlxcel_core.models.rope import RoPE, fold_frequencies
-
-    rope = RoPE(64, 10000.0, inv_freq=mx.array(np.linspace(1.0, 0.01, 32).astype(np.float32)))
-    step = mx.compile(lambda x: x * fold_frequencies(rope, 64))
-    out = step(mx.ones(32))
-    assert fold_frequencies(rope, 64) is rope._fold_inv_freq
-    with tempfile.TemporaryDirectory() as tmp:
-        mx.export_to_dot(f"{tmp}/g.dot", out)
-        ops = re.findall(r'label\s*=\s*"(\w+)"', open(f"{tmp}/g.dot").read())
-    assert "Divide" not in ops and ops.count("Multiply") == 1, ops

@@ -42,8 +42,11 @@ class RunningServer:
         from prometheus_client.parser import text_string_to_metric_families
 
         text = httpx.get(f"{self.url}/metrics", timeout=TIMEOUT, headers=self.auth_headers()).text
-        return {f"{s.name}{_labels(s.labels)}": s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
+        return {
+            f"{s.name}{_labels(s.labels)}": s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
 
     def auth_headers(self) -> dict:
         key = self.state.config.api_key
@@ -68,8 +71,7 @@ def _labels(labels: dict) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
 
 
-def start_server(model_dir, *, max_batch_size: int = 8, wait_ready: bool = True, load=None,
-                 **config) -> RunningServer:
+def start_server(model_dir, *, max_batch_size: int = 8, wait_ready: bool = True, load=None, **config) -> RunningServer:
     import uvicorn
 
     engine = config.pop("engine", None) or EngineConfig(max_batch_size=max_batch_size)
@@ -84,8 +86,9 @@ def start_server(model_dir, *, max_batch_size: int = 8, wait_ready: bool = True,
     running = RunningServer(f"http://127.0.0.1:{port}", app, server, thread)
     running.wait_for(lambda: server.started, 15, "uvicorn to start")
     if wait_ready:
-        running.wait_for(lambda: httpx.get(f"{running.url}/health", timeout=TIMEOUT).status_code == 200, 60,
-                         "the model to load")
+        running.wait_for(
+            lambda: httpx.get(f"{running.url}/health", timeout=TIMEOUT).status_code == 200, 60, "the model to load"
+        )
     return running
 
 

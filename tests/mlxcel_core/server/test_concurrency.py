@@ -27,7 +27,7 @@ async def _stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
             if not line:
                 continue
             assert line.startswith("data: ")
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 done = True
                 continue
@@ -52,8 +52,9 @@ def test_32_concurrent_streams_equal_one_at_a_time(server):
     assert all(finish == "length" for _, finish, _ in together)
     with server.client() as http:
         for prompt, (text, _, _) in zip(PROMPTS, together):
-            solo = http.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
-                                                "logit_bias": NO_EOS}).json()
+            solo = http.post(
+                COMPLETIONS, json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "logit_bias": NO_EOS}
+            ).json()
             assert solo["choices"][0]["text"] == text, prompt
     metrics = server.metrics()
     assert metrics["mlxcel_request_ttft_seconds_count"] >= 64
@@ -73,7 +74,7 @@ def test_a_failed_engine_step_fails_its_requests_then_a_fresh_engine_serves(make
     with server.client() as http:
         response = http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 3, "stream": True})
         events = [line for line in response.iter_lines() if line]
-        assert "transient" in json.loads(events[-2][len("data: "):])["error"]["message"]
+        assert "transient" in json.loads(events[-2][len("data: ") :])["error"]["message"]
         assert events[-1] == "data: [DONE]"
         server.wait_for(lambda: loop.engine is not broken, 10, "a fresh engine")
         ok = http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 3})
@@ -112,8 +113,14 @@ def _kv_idle(server) -> bool:
 def test_client_disconnect_mid_stream_frees_its_blocks(server, special_processors):
     server.wait_for(lambda: _kv_idle(server), 10, "an idle engine")
     cancelled = server.metrics().get('mlxcel_requests_total{finish_reason="cancelled"}', 0)
-    body = {"prompt": "Tell me a long story", "max_tokens": 100, "temperature": 0, "stream": True,
-            "logit_bias": NO_EOS, "presence_penalty": 1.5}  # 2 s of generation
+    body = {
+        "prompt": "Tell me a long story",
+        "max_tokens": 100,
+        "temperature": 0,
+        "stream": True,
+        "logit_bias": NO_EOS,
+        "presence_penalty": 1.5,
+    }  # 2 s of generation
     with server.client() as http:
         with http.stream("POST", COMPLETIONS, json=body) as response:
             lines = response.iter_lines()
@@ -128,13 +135,21 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server, special_processor
 def test_client_timeout_on_a_whole_request_cancels_it(server, special_processors):
     server.wait_for(lambda: _kv_idle(server), 10, "an idle engine")
     before = server.metrics().get('mlxcel_requests_total{finish_reason="cancelled"}', 0)
-    body = {"prompt": "Tell me a long story", "max_tokens": 100, "temperature": 0, "logit_bias": NO_EOS,
-            "presence_penalty": 1.5}  # 2 s of generation
+    body = {
+        "prompt": "Tell me a long story",
+        "max_tokens": 100,
+        "temperature": 0,
+        "logit_bias": NO_EOS,
+        "presence_penalty": 1.5,
+    }  # 2 s of generation
     with server.client(timeout=httpx.Timeout(0.3, connect=5.0)) as http:
         with pytest.raises(httpx.ReadTimeout):
             http.post(COMPLETIONS, json=body)
-    server.wait_for(lambda: server.metrics().get('mlxcel_requests_total{finish_reason="cancelled"}', 0) == before + 1,
-                    10, "the abandoned request to be cancelled")
+    server.wait_for(
+        lambda: server.metrics().get('mlxcel_requests_total{finish_reason="cancelled"}', 0) == before + 1,
+        10,
+        "the abandoned request to be cancelled",
+    )
     server.wait_for(lambda: _kv_idle(server), 10, "its blocks to be freed")
 
 
@@ -148,8 +163,14 @@ def test_metrics_parse_and_have_the_documented_names(server):
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
     for name in ("llamacpp:prompt_tokens", "llamacpp:tokens_predicted", "mlxcel_prefix_cache_hits"):
         assert families[name].type == "counter"
-    for name in ("llamacpp:requests_processing", "llamacpp:requests_deferred", "mlxcel_queue_depth",
-                 "mlxcel_batch_size", "mlxcel_kv_blocks_used", "mlxcel_kv_blocks_free"):
+    for name in (
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+        "mlxcel_queue_depth",
+        "mlxcel_batch_size",
+        "mlxcel_kv_blocks_used",
+        "mlxcel_kv_blocks_free",
+    ):
         assert families[name].type == "gauge"
     for name in ("mlxcel_request_ttft_seconds", "mlxcel_request_decode_tokens_per_second"):
         assert families[name].type == "histogram"
@@ -211,10 +232,10 @@ def test_one_failing_request_does_not_affect_the_others(server, special_processo
     for t in threads:
         t.join(60)
     assert results["bad"][-1] == "data: [DONE]"
-    error = json.loads(results["bad"][-2][len("data: "):])["error"]
+    error = json.loads(results["bad"][-2][len("data: ") :])["error"]
     assert error["type"] == "server_error" and "processor exploded" in error["message"]
     assert results["good"][-1] == "data: [DONE]"
-    assert json.loads(results["good"][-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(results["good"][-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
     with server.client() as http:  # whole (non-streamed) requests get a 500 envelope
         response = http.post(COMPLETIONS, json={**bad, "stream": False})
         assert response.status_code == 500 and "processor exploded" in response.json()["error"]["message"]

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     import mlx.core as mx
     from mlxcel_core.bench import RandomIdTokenizer
     from mlxcel_core.engine import EngineConfig
-    from mlxcel_core.models.shapes import build_random_model
+    from mlxcel_core.loading.shapes import build_random_model
     from mlxcel_core.sampling import SamplingParams
     from mlxcel_core.server.engine_loop import EngineLoop, Job
     from mlxcel_core.server.metrics import ServerMetrics
@@ -48,7 +48,8 @@ SCRIPT = textwrap.dedent("""
 
 def test_process_exits_cleanly_after_compiled_steps_on_the_engine_thread():
     for _ in range(3):  # the abort came at exit, in most runs but not all
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=str(ROOT), capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT], cwd=str(ROOT), capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert "tokens" in proc.stdout

@@ -33,8 +33,9 @@ def http(server):
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT, "/tokenize"])
 @pytest.mark.parametrize("body", [b"{not json", b"", b'{"prompt": "x",}', "\ufeff{}".encode()])
 def test_invalid_json_is_400(http, path, body):
-    error = error_of(http.post(path, content=body, headers={"content-type": "application/json"}), 400,
-                     type_="invalid_request_error")
+    error = error_of(
+        http.post(path, content=body, headers={"content-type": "application/json"}), 400, type_="invalid_request_error"
+    )
     assert "JSON" in error["message"]
 
 
@@ -92,9 +93,14 @@ def test_non_finite_numbers_are_400(http):
         error_of(http.post(COMPLETIONS, content=b'{"prompt": "x", "temperature": %s}' % value), 400, "temperature")
 
 
-@pytest.mark.parametrize("path,body,field", [(COMPLETIONS, {"prompt": "x"}, "max_tokens"),
-                                             (CHAT, {"messages": HI}, "max_tokens"),
-                                             (CHAT, {"messages": HI}, "max_completion_tokens")])
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        (COMPLETIONS, {"prompt": "x"}, "max_tokens"),
+        (CHAT, {"messages": HI}, "max_tokens"),
+        (CHAT, {"messages": HI}, "max_completion_tokens"),
+    ],
+)
 def test_max_tokens_below_one_is_400(http, path, body, field):
     for value in (0, -3):
         error_of(http.post(path, json={**body, field: value}), 400, field)
@@ -102,8 +108,12 @@ def test_max_tokens_below_one_is_400(http, path, body, field):
 
 def test_max_tokens_beyond_the_context_is_400(http, server):
     ctx = server.state.engine.max_context
-    error = error_of(http.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": ctx}), 400, "max_tokens",
-                     "exceed_context_size_error")
+    error = error_of(
+        http.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": ctx}),
+        400,
+        "max_tokens",
+        "exceed_context_size_error",
+    )
     assert error["n_ctx"] == ctx and error["n_prompt_tokens"] > 0
     error_of(http.post(CHAT, json={"messages": HI, "max_completion_tokens": 10_000}), 400, "max_completion_tokens")
     # streamed requests fail the same way, before any event is sent
@@ -112,12 +122,20 @@ def test_max_tokens_beyond_the_context_is_400(http, server):
 
 def test_prompt_longer_than_the_context_is_400(http, server):
     ctx = server.state.engine.max_context
-    error = error_of(http.post(COMPLETIONS, json={"prompt": [5] * (ctx + 10), "max_tokens": 1}), 400, "prompt",
-                     "exceed_context_size_error")
+    error = error_of(
+        http.post(COMPLETIONS, json={"prompt": [5] * (ctx + 10), "max_tokens": 1}),
+        400,
+        "prompt",
+        "exceed_context_size_error",
+    )
     assert error["n_prompt_tokens"] == ctx + 10 and error["n_ctx"] == ctx
     long_text = "The capital of France is Paris. " * 40
-    error_of(http.post(CHAT, json={"messages": [{"role": "user", "content": long_text}], "stream": True}), 400,
-             "messages", "exceed_context_size_error")
+    error_of(
+        http.post(CHAT, json={"messages": [{"role": "user", "content": long_text}], "stream": True}),
+        400,
+        "messages",
+        "exceed_context_size_error",
+    )
 
 
 def test_empty_prompts_and_messages_are_400(http):
@@ -141,8 +159,11 @@ def test_n_above_max_n_is_400(http):
 
 def test_sampler_knobs_checked_against_the_model_are_400(http):
     error_of(http.post(COMPLETIONS, json={"prompt": "x", "suppress_tokens": [3, 99999]}), 400, "suppress_tokens")
-    error = error_of(http.post(COMPLETIONS, json={"prompt": "x", "repeat_penalty": 1.1, "repetition_penalty": 1.2}),
-                     400, "repeat_penalty")
+    error = error_of(
+        http.post(COMPLETIONS, json={"prompt": "x", "repeat_penalty": 1.1, "repetition_penalty": 1.2}),
+        400,
+        "repeat_penalty",
+    )
     assert "same setting" in error["message"]
 
 
@@ -159,11 +180,13 @@ def test_out_of_vocabulary_token_ids_are_400(http):
 def test_unsupported_features_are_400(http):
     error_of(http.post(COMPLETIONS, json={"prompt": "x", "echo": True}), 400, "echo")
     error_of(http.post(CHAT, json={"messages": HI, "tools": [{"type": "function"}]}), 400, "tools")
-    error_of(http.post(CHAT, json={"messages": HI, "response_format": {"type": "json_object"}}), 400,
-             "response_format")
+    error_of(http.post(CHAT, json={"messages": HI, "response_format": {"type": "json_object"}}), 400, "response_format")
     error_of(http.post(CHAT, json={"messages": HI, "top_logprobs": 2}), 400, "top_logprobs")
-    error_of(http.post(CHAT, json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400,
-             "messages[0].content[0]")
+    error_of(
+        http.post(CHAT, json={"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+        400,
+        "messages[0].content[0]",
+    )
 
 
 def test_unknown_routes_and_methods_use_the_envelope(http):
@@ -172,8 +195,13 @@ def test_unknown_routes_and_methods_use_the_envelope(http):
 
 
 def test_text_content_parts_and_unknown_fields_are_accepted(http):
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], "max_tokens": 2,
-            "user": "someone", "frequency_penalty": 0.5, "some_future_field": {"x": 1}}
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "max_tokens": 2,
+        "user": "someone",
+        "frequency_penalty": 0.5,
+        "some_future_field": {"x": 1},
+    }
     assert http.post(CHAT, json=body).status_code == 200
 
 
@@ -181,10 +209,19 @@ def test_api_key(make_server):
     server = make_server(api_key="sekrit", max_batch_size=2)
     with server.client() as http:
         assert http.get("/health").status_code == 200  # open: load balancers probe it
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"},
-                        {"Authorization": "Basic sekrit"}):
-            for method, path in (("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/models"),
-                                 ("GET", "/metrics"), ("POST", "/tokenize")):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "sekrit"},
+            {"Authorization": "Basic sekrit"},
+        ):
+            for method, path in (
+                ("POST", COMPLETIONS),
+                ("POST", CHAT),
+                ("GET", "/v1/models"),
+                ("GET", "/metrics"),
+                ("POST", "/tokenize"),
+            ):
                 response = http.request(method, path, json={"prompt": "x", "content": "x"}, headers=headers)
                 error_of(response, 401, type_="authentication_error")
         ok = http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}, headers={"Authorization": "Bearer sekrit"})
@@ -197,13 +234,15 @@ def test_queue_full_is_503(make_server):
     with server.client() as a, server.client() as b, server.client() as c:
         with a.stream("POST", COMPLETIONS, json=long) as running, b.stream("POST", COMPLETIONS, json=long) as waiting:
             assert running.status_code == waiting.status_code == 200
-            error = error_of(c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}), 503,
-                             type_="unavailable_error")
+            error = error_of(c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}), 503, type_="unavailable_error")
             assert "busy" in error["message"]
             # n counts: two more sequences can never fit beside the running one
         assert server.metrics()["mlxcel_requests_rejected_total"] >= 1
-        server.wait_for(lambda: c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}).status_code == 200,
-                        10, "the queue to drain")
+        server.wait_for(
+            lambda: c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1}).status_code == 200,
+            10,
+            "the queue to drain",
+        )
         error_of(c.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1, "n": 3}), 503)
 
 
@@ -213,4 +252,4 @@ def test_stream_chunks_are_valid_json_then_done(http):
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     for event in events[:-1]:
-        assert event.startswith("data: ") and "choices" in json.loads(event[len("data: "):])
+        assert event.startswith("data: ") and "choices" in json.loads(event[len("data: ") :])

@@ -28,8 +28,9 @@ def test_models_lists_the_served_model(client, server):
 
 
 def test_completion_text_usage_and_finish_reason(client, server):
-    r = client.completions.create(model=server.model_id, prompt="The capital of France", max_tokens=6,
-                                  temperature=0, logit_bias=NO_EOS)
+    r = client.completions.create(
+        model=server.model_id, prompt="The capital of France", max_tokens=6, temperature=0, logit_bias=NO_EOS
+    )
     assert r.object == "text_completion" and r.id.startswith("cmpl-")
     assert len(r.choices) == 1 and r.choices[0].finish_reason == "length" and r.choices[0].text
     assert r.usage.completion_tokens == 6
@@ -45,8 +46,12 @@ def test_completion_from_token_ids_equals_text_prompt(client, server, tokenizer)
 
 
 def test_chat_uses_the_template_with_system_and_turns(client, server, tokenizer):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
-                {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "The capital of Italy?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi!"},
+        {"role": "user", "content": "The capital of Italy?"},
+    ]
     r = client.chat.completions.create(model=server.model_id, messages=messages, max_tokens=5, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
@@ -54,8 +59,13 @@ def test_chat_uses_the_template_with_system_and_turns(client, server, tokenizer)
 
 
 def test_streamed_chat_equals_whole_chat_and_reports_usage(client, server):
-    kw = dict(model=server.model_id, messages=[{"role": "user", "content": "Tell me"}], max_completion_tokens=8,
-              temperature=0, logit_bias=NO_EOS)
+    kw = dict(
+        model=server.model_id,
+        messages=[{"role": "user", "content": "Tell me"}],
+        max_completion_tokens=8,
+        temperature=0,
+        logit_bias=NO_EOS,
+    )
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -76,8 +86,9 @@ def test_streamed_completion_equals_whole_completion(client, server):
 
 
 def test_completion_logprobs(client, server):
-    r = client.completions.create(model=server.model_id, prompt="The cat", max_tokens=5, temperature=0, logprobs=2,
-                                  logit_bias=NO_EOS)
+    r = client.completions.create(
+        model=server.model_id, prompt="The cat", max_tokens=5, temperature=0, logprobs=2, logit_bias=NO_EOS
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
@@ -87,9 +98,15 @@ def test_completion_logprobs(client, server):
 
 
 def test_chat_logprobs_with_bytes_and_top_alternatives(client, server, tokenizer):
-    r = client.chat.completions.create(model=server.model_id, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
-                                       logit_bias=NO_EOS)
+    r = client.chat.completions.create(
+        model=server.model_id,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        logit_bias=NO_EOS,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     for item in content:
@@ -102,20 +119,30 @@ def test_chat_logprobs_with_bytes_and_top_alternatives(client, server, tokenizer
 
 
 def test_n_choices_are_independent_sequences(client, server):
-    r = client.completions.create(model=server.model_id, prompt="Hello", max_tokens=6, n=2, temperature=1.0,
-                                  seed=3, logit_bias=NO_EOS)
+    r = client.completions.create(
+        model=server.model_id, prompt="Hello", max_tokens=6, n=2, temperature=1.0, seed=3, logit_bias=NO_EOS
+    )
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].text != r.choices[1].text  # seeds differ per choice
     assert r.usage.completion_tokens == 12
-    again = client.completions.create(model=server.model_id, prompt="Hello", max_tokens=6, n=2, temperature=1.0,
-                                      seed=3, logit_bias=NO_EOS)
+    again = client.completions.create(
+        model=server.model_id, prompt="Hello", max_tokens=6, n=2, temperature=1.0, seed=3, logit_bias=NO_EOS
+    )
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seeded: reproducible
 
 
 def test_n_choices_stream(client, server):
-    chunks = list(client.chat.completions.create(
-        model=server.model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2, temperature=0,
-        stream=True, logit_bias=NO_EOS))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model_id,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=3,
+            n=2,
+            temperature=0,
+            stream=True,
+            logit_bias=NO_EOS,
+        )
+    )
     finished = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
     assert finished == [0, 1]
 
@@ -134,15 +161,23 @@ def test_stop_string_truncates_and_finishes_with_stop(client, server):
 def test_penalties_change_the_output(client, server):
     kw = dict(model=server.model_id, prompt="The capital", max_tokens=20, temperature=0, logit_bias=NO_EOS)
     plain = client.completions.create(**kw).choices[0].text
-    penalized = client.completions.create(**kw, frequency_penalty=2.0, presence_penalty=2.0,
-                                          extra_body={"repetition_penalty": 1.5}).choices[0].text
+    penalized = (
+        client.completions.create(
+            **kw, frequency_penalty=2.0, presence_penalty=2.0, extra_body={"repetition_penalty": 1.5}
+        )
+        .choices[0]
+        .text
+    )
     assert penalized != plain
 
 
-@pytest.mark.parametrize("extra", [
-    {"repeat_penalty": 1.5, "repeat_last_n": -1},
-    {"dry_multiplier": 2.0, "dry_base": 2.0, "dry_allowed_length": 1, "dry_sequence_breakers": ["never"]},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"repeat_penalty": 1.5, "repeat_last_n": -1},
+        {"dry_multiplier": 2.0, "dry_base": 2.0, "dry_allowed_length": 1, "dry_sequence_breakers": ["never"]},
+    ],
+)
 def test_llama_cpp_penalties_change_the_output(client, server, extra):
     kw = dict(model=server.model_id, prompt="The capital", max_tokens=24, temperature=0, logit_bias=NO_EOS)
     plain = client.completions.create(**kw).choices[0].text
@@ -163,8 +198,9 @@ def test_xtc_and_suppression_reach_the_sampler(client, server, tokenizer):
 
 def test_logit_bias_forces_a_token(client, server, tokenizer):
     token = tokenizer.encode("Paris")[0]
-    r = client.completions.create(model=server.model_id, prompt="x", max_tokens=3, temperature=0,
-                                  logit_bias={str(token): 100})
+    r = client.completions.create(
+        model=server.model_id, prompt="x", max_tokens=3, temperature=0, logit_bias={str(token): 100}
+    )
     assert r.choices[0].text == tokenizer.decode([token] * 3)
 
 

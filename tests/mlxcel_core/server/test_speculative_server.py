@@ -16,8 +16,9 @@ PROMPTS = ["The capital of France is Paris. The capital of France is", "Hello wo
 
 def complete(server, prompt: str) -> str:
     with server.client() as http:
-        response = http.post(COMPLETIONS, json={"prompt": prompt, "max_tokens": 24, "temperature": 0,
-                                                "logit_bias": NO_EOS})
+        response = http.post(
+            COMPLETIONS, json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "logit_bias": NO_EOS}
+        )
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["text"]
 
@@ -26,12 +27,18 @@ def complete(server, prompt: str) -> str:
 def test_speculating_server_answers_like_the_plain_one(make_server, storage):
     plain = make_server(engine=EngineConfig(max_batch_size=4, storage=storage))
     expected = [complete(plain, p) for p in PROMPTS]
-    spec = make_server(engine=EngineConfig(max_batch_size=4, storage=storage,
-                                           speculative=SpeculativeConfig(ngram=3, num_draft_tokens=4)))
+    spec = make_server(
+        engine=EngineConfig(
+            max_batch_size=4, storage=storage, speculative=SpeculativeConfig(ngram=3, num_draft_tokens=4)
+        )
+    )
     assert [complete(spec, p) for p in PROMPTS] == expected  # one at a time: each speculates
     m = spec.metrics()
-    rounds, proposed, accepted = (m["mlxcel_spec_rounds_total"], m["mlxcel_spec_draft_tokens_total"],
-                                  m["mlxcel_spec_accepted_tokens_total"])
+    rounds, proposed, accepted = (
+        m["mlxcel_spec_rounds_total"],
+        m["mlxcel_spec_draft_tokens_total"],
+        m["mlxcel_spec_accepted_tokens_total"],
+    )
     assert rounds > 0 and 0 < accepted <= proposed <= 4 * rounds
     with ThreadPoolExecutor(3) as pool:  # together: batched rows decode plainly, same answers
         assert list(pool.map(lambda p: complete(spec, p), PROMPTS * 2)) == expected * 2

@@ -11,11 +11,11 @@ import pytest
 
 from mlxcel_core.bench import RandomIdTokenizer
 from mlxcel_core.engine import Engine, EngineConfig
-from mlxcel_core.models.shapes import build_random_model
+from mlxcel_core.loading.shapes import build_random_model
 from mlxcel_core.server import engine_loop
 from mlxcel_core.server.engine_loop import EngineLoop
-from mlxcel_core.server.warmup import WARMUP_PROMPT, WARMUP_TOKENS, WarmupPlan, warmup_plan
 from mlxcel_core.server.metrics import ServerMetrics
+from mlxcel_core.server.warmup import WARMUP_PROMPT, WARMUP_TOKENS, WarmupPlan, warmup_plan
 
 
 class _Loaded:
@@ -98,8 +98,9 @@ def test_a_failing_warm_up_fails_the_load(monkeypatch):
         raise RuntimeError("the warm-up request failed: boom")
 
     monkeypatch.setattr(engine_loop, "warm_up", broken)
-    loop = EngineLoop(_Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), warmup=True,
-                      on_load_failed=failed.append)
+    loop = EngineLoop(
+        _Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), warmup=True, on_load_failed=failed.append
+    )
     loop.start()
     while loop.state == "loading":
         threading.Event().wait(0.02)
@@ -116,9 +117,9 @@ def test_the_warm_up_runs_a_lone_request_then_every_batch_size_then_each_short_p
     sizes, prefills = [], []
     decode, prefill = engine.runner.decode, engine.runner.prefill
 
-    def spying_decode(seq_ids, tokens, before_trace=None):
+    def spying_decode(seq_ids, tokens):
         sizes.append(len(seq_ids))
-        return decode(seq_ids, tokens, before_trace)
+        return decode(seq_ids, tokens)
 
     def spying_prefill(*args, **kwargs):
         before = engine.runner.prefill_tokens
@@ -138,11 +139,14 @@ def test_the_plan_on_a_gpu_covers_the_split_attention_and_the_kernels_rows_and_o
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(rows=1, prompt_lengths=())
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
-    assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(lone_tokens=2 * 64 + 1 - len(WARMUP_PROMPT),
-                                                                     rows=4, prompt_lengths=tuple(range(1, 9)))
+    assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(
+        lone_tokens=2 * 64 + 1 - len(WARMUP_PROMPT), rows=4, prompt_lengths=tuple(range(1, 9))
+    )
     assert warmup_plan(EngineConfig(max_batch_size=32)).rows == 8
-    assert warmup_plan(EngineConfig(max_batch_size=32)).describe() == \
-        "a lone reply of 113 tokens, decode batches of 1 to 8, prompts of 1 to 8 tokens"
+    assert (
+        warmup_plan(EngineConfig(max_batch_size=32)).describe()
+        == "a lone reply of 113 tokens, decode batches of 1 to 8, prompts of 1 to 8 tokens"
+    )
     assert WarmupPlan().describe() == f"a lone reply of {WARMUP_TOKENS} tokens"
 
 

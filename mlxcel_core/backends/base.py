@@ -1,0 +1,103 @@
+"""The backend seam: what the engine, the paged KV storage and the loaders ask of the machine they run on.
+
+`Backend` itself is the portable backend: MLX's own ops on whatever device MLX computes on (CPU, Metal, CUDA with the
+CUDA wing off). A backend with kernels of its own (backends/cuda/) subclasses it and overrides what it does
+differently; nothing outside backends/ imports such a subclass (backends.current() picks it).
+
+What differs by backend:
+- `prepare_model` / `unprepare_model`: swap kernel modules into a built model (fused projections, matvec kernels)
+  and back;
+- the decode attention over the paged pools (`paged_runner`, `paged_attention`, `kv_written_in_kernel`,
+  `combine_counters`);
+- the greedy readout of a decode step (`greedy_tokens`);
+- a decode-step replayer (`graph_decoder`: a lone greedy row's steps as one recorded graph);
+- the step inputs' placement (`own_step_inputs`) and per-backend defaults (`compile_by_default`,
+  `prefill_batch`, `dense_mask_is_slow`, `warmup_rows`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from ..kv.paged_attention import RUNNER_OPS, paged_decode_attention
+
+GPU_PREFILL_BATCH = 8  # waiting prompts one prefill forward takes on a GPU (bandwidth-bound: one pass of the weights)
+
+
+def on_gpu() -> bool:
+    """Whether MLX computes on a GPU by default (asked at each call: a caller may change the default device)."""
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+class Backend:
+    name = "mlx"
+
+    # -- models ------------------------------------------------------------------------------------
+    def prepare_model(self, model) -> None:
+        """What load_model and build_random_model do to every built model: nothing on the portable backend."""
+
+    def unprepare_model(self, model) -> None:
+        """Undo prepare_model where it changed layers' classes or layout (before a model is requantized)."""
+
+    # -- a decode step -----------------------------------------------------------------------------
+    def greedy_tokens(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """(tokens [N], readout int32 [N]) of logits [N, V]: each row's argmax (the first of equal maxima), and it
+        again or -1 where the row holds a NaN (the engine ends that row)."""
+        tokens = mx.argmax(logits, axis=-1)
+        return tokens, readout_of(tokens, logits)
+
+    def own_step_inputs(self, packed: mx.array) -> mx.array:
+        """A step's packed integer inputs (engine/step_inputs.py) as the step's kernels read them."""
+        return packed
+
+    def paged_runner(self, head_dim: int) -> str:
+        """Which paged decode attention runs for this head size (autotune keys its results on it)."""
+        return RUNNER_OPS
+
+    def paged_attention(self, runner: str) -> Callable:
+        """The attention function of `runner`: paged_decode_attention's contract (kv/paged_attention.py), plus
+        `counters` and `new_kv` keywords where the runner is a kernel of a backend's."""
+        return paged_decode_attention
+
+    @property
+    def kv_written_in_kernel(self) -> bool:
+        """Whether the decode attention kernel writes a step's keys and values into the pools itself."""
+        return False
+
+    def combine_counters(self, num_layers: int) -> list[mx.array | None]:
+        """Per layer, the scratch a kernel that combines its splits in one launch keeps (None: none)."""
+        return [None] * num_layers
+
+    def graph_decoder(self, model, storage, open_rows: Callable[[int], bool]):
+        """A replayer of a lone greedy row's decode steps (backends/cuda/graph_decode.py's contract), or None."""
+        return None
+
+    # -- defaults ----------------------------------------------------------------------------------
+    def compile_by_default(self) -> bool:
+        """Decode steps as one compiled MLX graph: on a GPU, where building a step's graph in Python costs as much
+        as the step; not on CPU, where it gains nothing (compute-bound) and a first run JIT-compiles."""
+        return on_gpu()
+
+    def dense_mask_is_slow(self) -> bool:
+        """Whether attention over a dense cache with an array mask leaves MLX's fused kernel (CUDA does)."""
+        return False
+
+    def prefill_batch(self) -> int:
+        """Waiting prompts one prefill forward takes: on a GPU several (one pass of the weights for all); on CPU,
+        compute-bound, one (each prompt would wait for the whole forward)."""
+        return GPU_PREFILL_BATCH if on_gpu() else 1
+
+    def warmup_rows(self) -> int:
+        """Rows up to which decode steps compile one kernel variant a row count (serve's warm-up runs each)."""
+        return GPU_PREFILL_BATCH
+
+    def describe(self) -> str:
+        """For benchmark headers: what this backend runs."""
+        return "MLX ops (the portable backend)"
+
+
+def readout_of(tokens: mx.array, logits: mx.array) -> mx.array:
+    """int32 tokens [N], -1 in rows whose logits [N, V] hold a NaN (MLX ops)."""
+    return mx.where(mx.isnan(logits).any(axis=-1), -1, tokens.astype(mx.int32))

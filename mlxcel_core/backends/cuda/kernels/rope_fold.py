@@ -1,0 +1,89 @@
+"""What the fused q/k/v launch needs to apply RoPE to q and k itself (fused_projections.py, the kernels' "_rope"
+modes): the inverse frequencies of a RoPE module and each row's position.
+
+Both are made so that a decode step computes them at most once: the frequencies once per RoPE module (an evaluated
+constant, which a compiled step holds as such), the positions once per step (every layer passes the same offset
+array). backends/cuda/graph_decode.py reads a recorded step's positions back with `last_positions`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxcel_core.models.rope import RoPE
+
+from ..small_arrays import MIN_ELEMENTS
+
+
+def fold_frequencies(rope: nn.Module, head_dim: int) -> mx.array | None:
+    """The float32 inverse frequencies [head_dim / 2] with which a kernel can apply `rope` itself, or None for a RoPE
+    it cannot: only the plain class (not LongRoPE), non-traditional, over the whole head, without an attention
+    factor. Made once per module."""
+    if type(rope) is not RoPE or rope.traditional or rope.dims != head_dim or rope.mscale != 1.0:
+        return None
+    cached = getattr(rope, "_fold_inv_freq", None)
+    if cached is None:
+        if rope._periods is not None:
+            # contiguous: MLX did not count this result as row contiguous and copied it before each launch that
+            # read it in op-by-op steps (benchmarks/graph_replay.py); a replayed graph reads it where it is
+            cached = mx.contiguous((1.0 / rope._periods).astype(mx.float32))
+        else:
+            exponents = np.arange(0, rope.dims, 2, dtype=np.float64) / rope.dims
+            cached = mx.array((rope.base**-exponents).astype(np.float32))
+        # Evaluated now (allowed inside a compile trace: it depends on no input), so a compiled decode step holds it as
+        # a constant; left lazy, every step recomputed it, one launch per layer.
+        mx.eval(cached)
+        rope._fold_inv_freq = cached
+    return cached
+
+
+_last_positions: tuple | None = None  # (offset array, (batch, length, scale), positions): fold_positions' memo
+
+
+@functools.lru_cache(maxsize=64)
+def _ramp(n: int) -> mx.array:
+    """0, 1, ..., n - 1 as float32, evaluated once: a compiled decode step holds it as a constant instead of running
+    an arange each step (as fold_frequencies does for the frequencies)."""
+    ramp = mx.arange(n, dtype=mx.float32)
+    mx.eval(ramp)
+    return ramp
+
+
+def last_positions(offset: mx.array) -> tuple[mx.array, float] | None:
+    """(positions, scale) that `fold_positions` last made from `offset` (this very array), or None."""
+    if _last_positions is not None and _last_positions[0] is offset:
+        return _last_positions[2], _last_positions[1][2]
+    return None
+
+
+def fold_positions(offset: int | mx.array, batch: int, length: int, scale: float) -> mx.array:
+    """Each row's RoPE position times `scale` (what mx.fast.rope multiplies the frequencies by), float32
+    [batch * length]: offset is the cache's (an int, or an array of one or `batch` entries).
+
+    Every layer of a decode step passes the same offset array (its cache views share it), so the result for the last
+    array seen is kept and returned again: one computation a step, not one a layer (each is ops in the step's graph
+    and a launch). The memo holds the array itself, so an identity match is the same array, never a reused id."""
+    global _last_positions
+    key = (batch, length, scale)
+    if not isinstance(offset, int) and _last_positions is not None:
+        last, last_key, positions = _last_positions
+        if last is offset and last_key == key:
+            return positions
+    start = mx.array(offset, dtype=mx.float32) if isinstance(offset, int) else offset.astype(mx.float32)
+    # Padded to MIN_ELEMENTS values: a one-token step's positions would otherwise be a 4-8 byte array, which a kernel
+    # reading it stalls on (small_arrays.py); the positions handed out are a view of the padded array, no copy.
+    if length == 1:  # a decode step: [rows, batch], row 0 is every row's position
+        rows = -(-MIN_ELEMENTS // batch)
+        start = mx.broadcast_to(start.reshape(1, -1), (1, batch))
+        positions = ((start + _ramp(rows)[:, None]) * scale)[0]
+    else:  # [batch, rows], the first `length` columns (all of them unless batch is 1 and length < MIN_ELEMENTS)
+        rows = max(length, -(-MIN_ELEMENTS // batch))
+        start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
+        positions = ((start + _ramp(rows)[None]) * scale)[:, :length].reshape(-1)
+    if not isinstance(offset, int):
+        _last_positions = (offset, key, positions)
+    return positions

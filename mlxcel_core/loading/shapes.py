@@ -1,0 +1,233 @@
+"""Known model shapes with random weights: benchmark an architecture at its real size without a checkpoint.
+
+    model, config = build_random_model("llama-3-8b", bits=4)   # random normal * 0.02, quantized (group 64)
+
+Each shape is a config.json-style dict, so the model is built through the same registry as a real
+checkpoint (`model_class_for`), and another runtime (mlx-lm) can build the identical architecture.
+Layers are generated and quantized one at a time, so a 4-bit 70B never exists in 16-bit all at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import InputError
+
+_LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_scaling=_LLAMA3_ROPE_SCALING,
+        tie_word_embeddings=True,
+    ),
+    "llama-3-70b": dict(
+        model_type="llama",
+        hidden_size=8192,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    # For tests: head_dim 32 so quantized KV (--kv-bits) works too. Every matrix's input dimension spans at least
+    # two 64-groups: MLX 0.32.4's CUDA quantized_matmul with K == group size and 2+ rows hangs (bf16) or returns
+    # wrong values (float32) -- measured on the H200 (benchmarks/RESULTS.md).
+    "tiny": dict(
+        model_type="llama",
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        vocab_size=320,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+}
+
+DTYPES = ("bfloat16", "float16", "float32")
+QUANT_GROUP_SIZE = 64
+
+
+def shape_names() -> list[str]:
+    return list(SHAPES)
+
+
+def add_shape_arguments(parser, default_shape: str = "llama-3.2-1b") -> None:
+    """The benchmark scripts' model options: --model-shape, --bits, --dtype, --prompt-tokens (an argparse parser)."""
+    parser.add_argument("--model-shape", choices=shape_names(), default=default_shape)
+    parser.add_argument("--bits", type=int, choices=(4, 8))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+
+
+def shape_config(name: str) -> dict[str, Any]:
+    """A copy of the shape's config.json-style dict; InputError for unknown names."""
+    if name not in SHAPES:
+        raise InputError(f"unknown model shape '{name}' (known: {', '.join(SHAPES)})")
+    config = dict(SHAPES[name])
+    if "rope_scaling" in config:
+        config["rope_scaling"] = dict(config["rope_scaling"])
+    return config
+
+
+def check_shape_options(name: str, bits: int | None, dtype: str) -> None:
+    shape_config(name)
+    if bits not in (None, 4, 8):
+        raise InputError(f"--bits must be 4 or 8, got {bits}")
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+
+
+def describe_shape(name: str, bits: int | None, dtype: str) -> str:
+    short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
+    return f"{name} (random) " + (f"Q{bits} g{QUANT_GROUP_SIZE}" if bits else short)
+
+
+def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat16", seed: int = 0, group=None):
+    """Return (model, config): the shape's architecture, weights random normal * 0.02 in `dtype`.
+
+    `group` (size > 1): this rank's tensor-parallel shard. Every rank draws the same whole layer from the
+    same seed and keeps its slices before the next layer is drawn, so the shards of all ranks together are
+    exactly the single-process model and a rank never holds more than its shard plus one whole layer.
+
+    RMSNorm weights are ones (as at initialisation), so activations keep a realistic scale.
+    With `bits`, every Linear and Embedding is quantized with nn.quantize (group size 64, affine),
+    the way MLX-quantized checkpoints are; norms stay in `dtype`.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from ..models import model_class_for
+    from ..paths import use_kernel_cache
+
+    use_kernel_cache()  # before anything compiles
+    check_shape_options(name, bits, dtype)
+    config = shape_config(name)
+    model_cls, args_cls = model_class_for(config)
+    model = model_cls(args_cls.from_dict(config))
+    sharded = group is not None and group.size() > 1
+    if sharded:
+        from ..distributed.shard import check_shardable
+
+        check_shardable(model, group.size())
+    mx_dtype = getattr(mx, dtype)
+    key = mx.random.key(seed)
+
+    def quantizable(path: str, module: nn.Module) -> bool:
+        return hasattr(module, "to_quantized") and module.weight.shape[-1] % QUANT_GROUP_SIZE == 0
+
+    def randomize(module: nn.Module, skip: str | None = None) -> None:
+        nonlocal key
+        new = []
+        for path, value in tree_flatten(module.parameters()):
+            if skip and path.startswith(skip):
+                continue
+            key, sub = mx.random.split(key)
+            if value.ndim >= 2:  # matrices and embeddings
+                value = (mx.random.normal(value.shape, key=sub) * 0.02).astype(mx_dtype)
+            elif path.endswith("bias"):
+                value = mx.zeros(value.shape, dtype=mx_dtype)
+            else:  # norm weights
+                value = mx.ones(value.shape, dtype=mx_dtype)
+            new.append((path, value))
+        module.update(tree_unflatten(new), strict=False)
+        if bits:
+            nn.quantize(
+                module,
+                group_size=QUANT_GROUP_SIZE,
+                bits=bits,
+                class_predicate=lambda p, m: (not skip or not p.startswith(skip)) and quantizable(p, m),
+            )
+        mx.eval(module.parameters())
+
+    # One layer at a time: peak memory stays near the final model plus one layer in `dtype`.
+    for i, layer in enumerate(model.layers):
+        randomize(layer)
+        if sharded:
+            from ..distributed.shard import shard_layer
+
+            shard_layer(layer, f"model.layers.{i}", {}, group)
+            mx.eval(layer.parameters())
+    randomize(model, skip="model.layers.")  # embeddings, final norm, LM head
+    model.eval()
+    from .. import backends
+
+    backends.current().prepare_model(model)  # the backend's kernel modules, where it has any
+    return model, config
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(logical parameter count, bytes in memory): quantized weights count as the values they encode."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    n_params = 0
+    n_bytes = 0
+    for _, module in model.named_modules():
+        own = {k: v for k, v in module.items() if hasattr(v, "size") and hasattr(v, "nbytes")}
+        bits = (
+            getattr(module, "bits", None) if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) else None
+        )
+        for name, value in own.items():
+            n_bytes += value.nbytes
+            if bits and name == "weight":
+                n_params += value.size * 32 // bits
+            elif bits and name in ("scales", "biases"):
+                continue
+            else:
+                n_params += value.size
+    if n_bytes == 0:  # a model without named_modules children: count flat arrays
+        for _, value in tree_flatten(model.parameters()):
+            n_params += value.size
+            n_bytes += value.nbytes
+    return n_params, n_bytes

@@ -1,0 +1,151 @@
+"""Every environment variable the core, the backends and autotune read, declared once (as vLLM's envs.py).
+
+    from mlxcel_core import settings
+    settings.get("MLXCEL_CACHE_DIR")        # the parsed value, or the default
+
+Each `Setting` has a name, a parser, a default and a help line; docs/settings.md is generated from this list
+(`python scripts/gen_settings_doc.py`), and tests/mlxcel_core/test_settings.py fails on an `MLXCEL_*` name read
+anywhere that is not declared here or on a declared one that nothing reads. Values are read at each call, not at
+import, so a test or a caller may set one and see it take effect.
+
+The `mlxcel` commands' own options have mirrors too (`serve --port` has one, ...): those are declared
+with their options in mlxcel_cli (typer's `envvar`), and docs/settings.md lists them beside these.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    kind: str  # for the docs: "path", "int", "float", "0/1", or the accepted words
+    default: object
+    help: str
+    parse: Callable[[str], object]
+
+
+def _path(raw: str) -> str:
+    return os.path.expanduser(raw)
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("must be at least 1")
+    return value
+
+
+def _float(raw: str) -> float:
+    return float(raw)
+
+
+def _switch(raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError("must be 0 or 1")
+    return raw == "1"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "MLXCEL_CACHE_DIR",
+        "path",
+        None,
+        "Where mlxcel keeps fetched models, compiled kernels and autotune results (default: the platform's user "
+        "cache dir, e.g. ~/.cache/mlxcel).",
+        _path,
+    ),
+    Setting(
+        "MLXCEL_CUDA",
+        "0/1",
+        True,
+        "0 turns the whole CUDA wing off (our kernels, the decode-step graph): MLX's own ops run, as on any "
+        "other backend. The kill switch for a suspected kernel problem.",
+        _switch,
+    ),
+    Setting(
+        "MLXCEL_AUTOTUNE",
+        "0, cache, 1",
+        "",
+        "Tuned paged-decode parameters: 0 (or unset) never reads the autotune cache, `cache` uses stored results, "
+        "1 also tunes a shape on its first use (`mlxcel tune` fills the cache ahead). autotune/__init__.py "
+        "parses it (and its synonyms).",
+        str,
+    ),
+    Setting(
+        "MLXCEL_PAGED_DECODE_SPLITS",
+        "int",
+        None,
+        "Split-K factor of paged decode attention for every shape, over the autotune cache and the heuristic.",
+        _positive_int,
+    ),
+    Setting(
+        "MLXCEL_TP_BACKEND",
+        "ring, nccl, jaccl, mpi",
+        None,
+        "Tensor parallelism: MLX's distributed backend (default: picked from MLX's launch variables; ranks "
+        "started on one host take ring or nccl). distributed/group.py checks it.",
+        str,
+    ),
+    Setting(
+        "MLXCEL_TP_JOIN_TIMEOUT",
+        "float",
+        60.0,
+        "Tensor parallelism: seconds a rank waits for the others to join before it fails.",
+        _float,
+    ),
+)
+
+# Other tools' variables that mlxcel reads or sets for them: (name, help).
+FOREIGN: tuple[tuple[str, str], ...] = (
+    (
+        "HF_HUB_OFFLINE",
+        "Set to 1 to never download from the Hugging Face Hub; models must already be local or in the "
+        "Hugging Face cache.",
+    ),
+    (
+        "MLX_PTX_CACHE_DIR",
+        "MLX's own setting: where it keeps the CUDA kernels it compiles. Unless it is set, mlxcel "
+        "sets it to $MLXCEL_CACHE_DIR/kernels/mlx-VERSION/GPU, which outlives /tmp (MLX's default).",
+    ),
+    (
+        "CUDA_CACHE_PATH",
+        "The CUDA driver's own setting: where it keeps the PTX it compiles for the GPU. Unless it is "
+        "set, mlxcel sets it to $MLXCEL_CACHE_DIR/kernels/cuda-driver (the driver's default, ~/.nv, "
+        "is lost with a fresh container).",
+    ),
+    (
+        "MLX_ENABLE_TF32",
+        "MLX's own switch, which mlxcel sets to 0 unless it is set: float32 matmuls stay float32 on "
+        "CUDA instead of TF32 (1 trades that precision for speed; 16-bit and quantized models are "
+        "unaffected).",
+    ),
+)
+
+_BY_NAME = {s.name: s for s in SETTINGS}
+_warned: set[tuple[str, str]] = set()
+
+
+def get(name: str):
+    """The setting's value from the environment, or its default when unset, empty or invalid (invalid warns once)."""
+    setting = _BY_NAME[name]
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except ValueError as exc:
+        if (name, raw) not in _warned:
+            _warned.add((name, raw))
+            print(f"mlxcel: warning: {name}={raw!r} ignored ({exc})", file=sys.stderr)
+        return setting.default
+
+
+def raw(name: str) -> str:
+    """The setting's text as set ("" when unset), for a reader that parses (and reports) it itself."""
+    _BY_NAME[name]  # a KeyError for an undeclared name
+    return os.environ.get(name, "").strip()

@@ -1,0 +1,385 @@
+"""Fused decode projections (kernels/fused_projections.py) and the qmv kernel's "qkv" and "swiglu" modes.
+
+Everywhere: fused == separate projections bit for bit (logits of prefill and decode steps, float32 and bf16, plain
+and 4-bit), parameter names and values unchanged, what is fused and what is not, the blocks' class swap and its undoing,
+and greedy tokens through `mlxcel generate` with the loaded model fused. CUDA only: the kernel modes against float64
+references.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from test_qmv import check_close, make_operands, needs_cuda, reference
+
+from mlxcel_core.backends.cuda.kernels import fast_linear, fused_projections, hmv, qmv
+from mlxcel_core.backends.cuda.kernels.fused_projections import (
+    FUSED_MAX_ROWS,
+    FusedAttentionMixin,
+    FusedGatedMLPMixin,
+    FusedProjection,
+    fuse_projections,
+    unfuse_projections,
+)
+from mlxcel_core.cache import make_cache
+from mlxcel_core.loading.shapes import build_random_model
+from mlxcel_core.models.activations import geglu, swiglu
+from mlxcel_core.models.transformer import Attention, GatedMLP
+
+
+def _decode_logits(model, batch: int = 1, steps: int = 4) -> mx.array:
+    """Prefill of 8 tokens per row (separate projections: more rows than FUSED_MAX_ROWS when batch > 1, else the
+    fused path too), then `steps` one-token decode steps; every step's last logits."""
+    caches = make_cache(len(model.layers))
+    prompt = mx.array([[3 + r, 1, 4, 1, 5, 9, 2, 6] for r in range(batch)])
+    out = [model(prompt, caches)[:, -1]]
+    for t in range(steps):
+        out.append(model(mx.array([[t + 7 + r] for r in range(batch)]), caches)[:, -1])
+    return mx.concatenate(out)
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["plain", "q4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_equals_separate_bit_for_bit(bits, dtype, batch):
+    model, _ = build_random_model("tiny", bits=bits, dtype=dtype, seed=3)
+    unfuse_projections(model)  # separate (where the backend's prepare step fused them: CUDA)
+    names = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    separate = _decode_logits(model, batch)
+    assert fuse_projections(model) == 2 * len(model.layers)  # every layer's q/k/v and gate/up
+    # On CUDA a one-row fused launch also folds the norm and RoPE in (no bf16 rounding between them: close, not
+    # equal; test_model_decode_with_folded_norms_agrees and ..._rope_folded_agrees bound that). The projections
+    # alone are exact.
+    _without_folds(model)
+    assert {k: v.shape for k, v in tree_flatten(model.parameters())} == names
+    assert mx.array_equal(_decode_logits(model, batch), separate).item()
+    assert unfuse_projections(model) == 2 * len(model.layers)
+    assert mx.array_equal(_decode_logits(model, batch), separate).item()
+
+
+def _without_folds(model) -> None:
+    for layer in model.layers:
+        for proj in (layer.self_attn.fused_qkv, layer.mlp.fused_gate_up):
+            proj.fold_norm = proj.fold_rope = False
+
+
+def test_layers_keep_their_values_as_views_of_the_fused_arrays():
+    model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=4)
+    attn = model.layers[0].self_attn
+    before = {
+        name: [mx.array(attn[p][name]) for p in ("q_proj", "k_proj", "v_proj")]
+        for name in ("weight", "scales", "biases")
+    }
+    fuse_projections(model)
+    fused = attn.fused_qkv
+    nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    assert attn.v_proj.weight.shape[0] == nk and fused.bounds == [nq, nq + nk] and fused.qkv_split == (nq, nk)
+    assert model.layers[0].mlp.fused_gate_up.qkv_split is None
+    for name, parts in before.items():
+        assert mx.array_equal(fused.params[name], mx.concatenate(parts)).item()
+        for layer, part in zip((attn.q_proj, attn.k_proj, attn.v_proj), parts):
+            assert mx.array_equal(layer[name], part).item()
+    assert fuse_projections(model) == 0  # already fused: nothing twice
+
+
+def test_what_is_not_fused():
+    lin = [nn.Linear(8, 4), nn.Linear(8, 4, bias=False)]
+    assert not fused_projections._fusable(lin)  # bias on one only
+    assert not fused_projections._fusable([nn.Linear(8, 4), nn.Linear(6, 4)])  # other inputs
+    q = [
+        nn.QuantizedLinear(64, 32, bias=False, group_size=64, bits=4),
+        nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4),
+    ]
+    assert not fused_projections._fusable(q)  # other groups
+    assert not fused_projections._fusable([nn.Linear(64, 32), q[0]])  # plain with quantized
+
+    class Sharded(nn.Linear):  # a tensor-parallel subclass keeps its own call
+        pass
+
+    assert not fused_projections._fusable([Sharded(8, 4), nn.Linear(8, 4)])
+    assert fused_projections._fusable([nn.Linear(8, 4), nn.Linear(8, 6), nn.Linear(8, 6)])
+
+
+def test_the_kernel_gate_is_read_once_at_fusion_not_per_call(monkeypatch):
+    from mlxcel_core.backends.cuda.kernels import fast_linear
+
+    model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=8)
+    fuse_projections(model)
+    monkeypatch.setattr(fast_linear, "enabled", lambda: pytest.fail("the kernel gate was read per call"))
+    _decode_logits(model, 1, steps=2)
+
+
+def test_rows_above_the_limit_use_the_separate_layers(monkeypatch):
+    model, _ = build_random_model("tiny", dtype="float32", seed=5)
+    fuse_projections(model)
+    calls, split = [], FusedProjection.split
+    monkeypatch.setattr(
+        FusedProjection, "split", lambda self, x, norm=None: calls.append(x.shape) or split(self, x, norm)
+    )
+    x = mx.zeros((1, FUSED_MAX_ROWS + 1, model.args.hidden_size))
+    model.layers[0].self_attn.project(x)
+    assert calls == []
+    model.layers[0].self_attn.project(x[:, :FUSED_MAX_ROWS])
+    assert calls == [(1, FUSED_MAX_ROWS, model.args.hidden_size)]
+
+
+def test_other_activations_and_biases_take_the_matmul_path():
+    gate, up = nn.Linear(16, 24), nn.Linear(16, 24)
+    x = mx.random.normal((1, 2, 16), key=mx.random.key(0))
+    want = geglu(gate(x), up(x))
+    fused = FusedProjection([gate, up])
+    assert mx.array_equal(fused.gated(x, geglu), want).item()
+    assert mx.array_equal(fused.gated(x, swiglu), swiglu(gate(x), up(x))).item()
+
+
+def test_fusion_swaps_the_blocks_classes_and_back():
+    """Fused blocks become subclasses of their own classes (one per class, shared by every layer) that hold the
+    fused projection; unfusing restores the classes and drops the projections. The models' classes stay as built."""
+    model, _ = build_random_model("tiny", dtype="float32", seed=6)
+    unfuse_projections(model)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert type(attn) is Attention and type(mlp) is GatedMLP and not hasattr(attn, "fused_qkv")
+    names = sorted(k for k, _ in tree_flatten(model.parameters()))
+    fuse_projections(model)
+    assert isinstance(attn, FusedAttentionMixin) and isinstance(attn, Attention)
+    assert isinstance(mlp, FusedGatedMLPMixin) and isinstance(mlp, GatedMLP)
+    assert type(attn).__name__ == "FusedAttention" and type(mlp).__name__ == "FusedGatedMLP"
+    assert all(type(layer.self_attn) is type(attn) and type(layer.mlp) is type(mlp) for layer in model.layers)
+    assert isinstance(attn.fused_qkv, FusedProjection) and isinstance(mlp.fused_gate_up, FusedProjection)
+    assert sorted(k for k, _ in tree_flatten(model.parameters())) == names  # not a module: no parameters added
+    assert unfuse_projections(model) == 2 * len(model.layers)
+    assert type(attn) is Attention and type(mlp) is GatedMLP
+    assert not hasattr(attn, "fused_qkv") and not hasattr(mlp, "fused_gate_up")
+    assert unfuse_projections(model) == 0
+    fuse_projections(model)
+    assert type(model.layers[0].self_attn).__name__ == "FusedAttention"  # the same class again (made once)
+    assert type(model.layers[0].self_attn) is type(attn)
+
+
+def test_blocks_that_cannot_fuse_keep_their_classes():
+    """Phi-3's checkpoint layout (one qkv_proj, one gate_up_proj) has nothing to fuse: every class stays. Qwen3's q/k
+    norms keep the RoPE out of the launch, but its projections fuse."""
+    from mlxcel_core.models import model_class_for
+
+    def build(**config):
+        config = dict(
+            hidden_size=64,
+            num_hidden_layers=1,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=32,
+            **config,
+        )
+        model_class, args_class = model_class_for(config)
+        return model_class(args_class.from_dict(config))
+
+    phi = build(model_type="phi3")
+    classes = [type(m) for _, m in phi.named_modules()]
+    assert fuse_projections(phi) == 0 and [type(m) for _, m in phi.named_modules()] == classes
+    qwen = build(model_type="qwen3", head_dim=16)
+    assert fuse_projections(qwen) == 2 and isinstance(qwen.layers[0].self_attn, FusedAttentionMixin)
+
+
+def test_generate_cli_gives_the_same_tokens_fused(tiny_llama_dir, monkeypatch):
+    """The loaded model fused (fuse_projections right after it is built, as the CUDA backend's prepare step does
+    there) and separate: the same greedy tokens."""
+    from typer.testing import CliRunner
+
+    from mlxcel_cli.main import app
+    from mlxcel_core.loading import load
+
+    build, fused_counts = load.build_model, []
+
+    def build_fused(*args, **kwargs):
+        model = build(*args, **kwargs)
+        fused_counts.append(fuse_projections(model))
+        return model
+
+    outputs = {}
+    for fused in (False, True):
+        if fused:
+            monkeypatch.setattr(load, "build_model", build_fused)
+        result = CliRunner().invoke(
+            app, ["generate", "-m", str(tiny_llama_dir), "-p", "hello there", "-n", "24", "--temp", "0"]
+        )
+        assert result.exit_code == 0, result.output
+        outputs[fused] = result.stdout
+    assert fused_counts and fused_counts[0] > 0  # the loaded model's projections were fused
+    assert outputs[False] == outputs[True]
+
+
+def assert_swiglu_close(y: mx.array, ref: np.ndarray, inter: int) -> None:
+    """y (bf16) against silu(gate) * up of the float64 [gate | up] products `ref`, gate and up first rounded to bf16
+    as the kernel does. Off by the rounding of gate and up (one bf16 ulp each where the kernel's float32 sums
+    straddle a rounding boundary) and the final rounding: at most ~3 bf16 ulps of the result."""
+    g = np.array(mx.array(ref[:, :inter].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    u = np.array(mx.array(ref[:, inter:].astype(np.float32)).astype(mx.bfloat16).astype(mx.float32), np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    got = np.array(y.astype(mx.float32), np.float64)
+    assert np.all(np.abs(got - want) <= 2.0**-6 * np.abs(want) + 1e-3 * np.abs(want).mean())
+
+
+# -- CUDA: the kernel's fused modes ------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("nq,nk,k", [(4096, 1024, 4096), (2048, 512, 2048), (300, 36, 512)])
+def test_qkv_mode_matches_reference(m, nq, nk, k):
+    x, w, scales, biases = make_operands(m, nq + 2 * nk, k, mx.bfloat16, seed=nq + k)
+    ref, mag = reference(x, w, scales, biases)
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, nq + 2 * nk, 64, mode="qkv", split=(nq, nk))
+    q, kk, v = qmv.launch(args, x, w, scales, biases, "qkv")
+    assert q.shape == (m, nq) and kk.shape == v.shape == (m, nk)
+    check_close(q, ref[:, :nq], mag[:, :nq], mx.bfloat16, "q")
+    check_close(kk, ref[:, nq : nq + nk], mag[:, nq : nq + nk], mx.bfloat16, "k")
+    check_close(v, ref[:, nq + nk :], mag[:, nq + nk :], mx.bfloat16, "v")
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("inter,k", [(14336, 4096), (8192, 2048), (301, 512)])
+def test_swiglu_mode_matches_reference(m, inter, k):
+    x, w, scales, biases = make_operands(m, 2 * inter, k, mx.bfloat16, seed=inter)
+    ref, mag = reference(x, w, scales, biases)
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, 2 * inter, 64, mode="swiglu")
+    y = qmv.launch(args, x, w, scales, biases, "swiglu")
+    assert y.shape == (m, inter) and y.dtype == mx.bfloat16
+    assert_swiglu_close(y, ref, inter)
+
+
+@needs_cuda
+def test_fused_model_decode_agrees_with_separate_on_cuda():
+    """4-bit random model: the fused kernel path against the separate layers (MLX's kernels): logits close,
+    float32 activations to keep the comparison tight."""
+    model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=7)
+    unfuse_projections(model)
+    separate = _decode_logits(model, 2)
+    fuse_projections(model)
+    fused = _decode_logits(model, 2)
+    assert mx.allclose(fused, separate, rtol=1e-3, atol=1e-3).item(), mx.abs(fused - separate).max()
+
+
+# -- the residual add taken into o_proj / down_proj (kernels/qmv.py mode "residual", FastQuantizedLinear.add_to) --
+class _RecordingProjection(nn.Linear):
+    """An AddsResidual layer that records its calls (add_to returns what the plain add would)."""
+
+    calls = 0
+
+    def add_to(self, x, residual):
+        type(self).calls += 1
+        return residual + self(x)
+
+
+def test_decoder_layers_hand_the_residual_to_the_output_projections():
+    from mlxcel_core.models.transformer import AddsResidual, adds_residual
+
+    _RecordingProjection.calls = 0
+    model, _ = build_random_model("tiny", dtype="float32", seed=3)
+    prompt = mx.array([[3, 1, 4, 1, 5]])
+    want = model(prompt)
+    for layer in model.layers:
+        layer.self_attn.o_proj.__class__ = _RecordingProjection
+        layer.mlp.down_proj.__class__ = _RecordingProjection
+    assert isinstance(model.layers[0].mlp.down_proj, AddsResidual)
+    assert not isinstance(nn.Linear(2, 2), AddsResidual)
+    assert adds_residual(_RecordingProjection) and not adds_residual(nn.Linear)  # what add_projection asks
+    assert mx.array_equal(model(prompt), want).item()  # residual + layer(x) == x + layer(x), bit for bit
+    assert _RecordingProjection.calls == 2 * len(model.layers)
+
+
+def test_add_to_is_the_separate_add():
+    """On CUDA through the kernel (bit for bit, as test_residual_mode_is_the_kernel_then_the_add), elsewhere the
+    add itself; a residual of another dtype takes the separate add everywhere."""
+    from mlxcel_core.backends.cuda.kernels.fast_linear import FastQuantizedLinear
+
+    model, _ = build_random_model("llama-3.2-1b" if qmv.kernel_ready() else "tiny", bits=4, seed=5)
+    down = model.layers[0].mlp.down_proj
+    down.__class__ = FastQuantizedLinear
+    down.fuses_residual = True
+    x = mx.random.normal((1, 1, down["weight"].shape[1] * 8), key=mx.random.key(1)).astype(mx.bfloat16)
+    residual = mx.random.normal((1, 1, down["weight"].shape[0]), key=mx.random.key(2)).astype(mx.bfloat16)
+    got = down.add_to(x, residual)
+    assert mx.array_equal(got, residual + down(x)).item()
+    assert mx.array_equal(down.add_to(x, residual.astype(mx.float32)), residual.astype(mx.float32) + down(x)).item()
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "f32"])
+def test_residual_mode_is_the_kernel_then_the_add(m, dtype):
+    """Bit for bit: the product rounded to the output dtype, then the add rounded once (as a separate add)."""
+    n, k = 4096, 4096
+    x, w, scales, biases = make_operands(m, n, k, dtype, seed=m)
+    residual = mx.random.normal((m, n), key=mx.random.key(m)).astype(dtype)
+    plain = qmv.launch(qmv.launch_args(x.shape, x.dtype, scales.dtype, n, 64), x, w, scales, biases)
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, n, 64, mode="residual")
+    fused = qmv.launch(args, x, w, scales, biases, "residual", (residual,))
+    assert fused.dtype == dtype and fused.shape == (m, n)
+    assert mx.array_equal(fused, residual + plain).item(), mx.abs(fused - (residual + plain)).max()
+
+
+@needs_cuda
+def test_model_decode_with_the_residual_add_fused_is_bit_identical(monkeypatch):
+    from mlxcel_core.backends.cuda.kernels.fast_linear import FastQuantizedLinear
+
+    model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=7)
+    fuse_projections(model)  # (none left to fuse where the backend's prepare step fused them)
+    down = model.layers[0].mlp.down_proj
+    assert type(down) is FastQuantizedLinear and down.fuses_residual
+    fused = [_decode_logits(model, batch) for batch in (1, 2)]  # 1..LAYER_MAX_ROWS rows: the kernel's calls
+    monkeypatch.setattr(FastQuantizedLinear, "add_to", lambda self, x, residual: residual + self(x))
+    separate = [_decode_logits(model, batch) for batch in (1, 2)]
+    fused, separate = mx.concatenate(fused), mx.concatenate(separate)
+    assert mx.array_equal(fused, separate).item(), mx.abs(fused - separate).max()
+
+
+def test_fusion_marks_the_fast_output_projections(monkeypatch):
+    from mlxcel_core.backends.cuda.kernels.fast_linear import FastQuantizedLinear, use_fast_quantized_linear
+
+    monkeypatch.setattr(fast_linear, "MIN_WEIGHT", 0)  # swap even the tiny layers
+    model, _ = build_random_model("tiny", bits=4, seed=2)
+    unfuse_projections(model)  # separate (where the backend's prepare step fused them: CUDA)
+    use_fast_quantized_linear(model)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert type(attn.o_proj) is FastQuantizedLinear and not attn.o_proj.fuses_residual
+    fuse_projections(model)
+    assert attn.o_proj.fuses_residual and mlp.down_proj.fuses_residual and not attn.q_proj.fuses_residual
+    unfuse_projections(model)
+    assert not attn.o_proj.fuses_residual and not mlp.down_proj.fuses_residual
+
+
+def test_fusion_swaps_output_projections_below_the_size_threshold(monkeypatch):
+    """An o_proj / down_proj too small for fast_linear's swap (a 1B model's o_proj) still gets the kernel class when
+    the residual is fused (one launch instead of a matvec and an add); the other small layers stay MLX's."""
+    from mlxcel_core.backends.cuda.kernels.fast_linear import FastQuantizedLinear, use_fast_quantized_linear
+
+    model, _ = build_random_model("tiny", bits=4, seed=2)
+    prompt = mx.array([[1, 5, 9, 2]])
+    want = model(prompt)
+    monkeypatch.setattr(fast_linear, "enabled", lambda: True)  # as on CUDA (the kernel calls fall back on CPU)
+    assert use_fast_quantized_linear(model) == 0  # every tiny layer is below MIN_WEIGHT
+    fuse_projections(model)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    assert type(attn.o_proj) is FastQuantizedLinear and attn.o_proj.fuses_residual
+    assert type(mlp.down_proj) is FastQuantizedLinear and mlp.down_proj.fuses_residual
+    assert type(attn.q_proj) is nn.QuantizedLinear and type(mlp.gate_proj) is nn.QuantizedLinear
+    assert mx.array_equal(model(prompt), want).item()
+
+
+def test_the_kernels_serve_only_operands_they_take(monkeypatch):
+    monkeypatch.setattr(fast_linear, "enabled", lambda: True)
+    monkeypatch.setattr(hmv, "enabled", lambda hidden_size=None: True)
+    for kwargs, kernel, half in [
+        (dict(bits=4), True, False),
+        (dict(bits=8), False, False),
+        (dict(dtype="bfloat16"), False, True),
+        (dict(dtype="float32"), False, False),
+    ]:
+        model, _ = build_random_model("tiny", seed=1, **kwargs)
+        fast_linear.maybe_use_fast_quantized_linear(model)  # the layer swaps, as on CUDA
+        fuse_projections(model)
+        proj = model.layers[0].self_attn.fused_qkv
+        assert (proj.kernel, proj.half_kernel) == (kernel, half), kwargs

@@ -1,0 +1,187 @@
+"""The tensor-core 4-bit kernel for decode batches (mlxcel_core/backends/cuda/kernels/qmm.py).
+
+Everywhere: the kernel's index mapping emulated in numpy, thread by thread, with the PTX fragment layouts of
+mma.m16n8k16 (A: a0a1 at (g, 2t..2t+1), a2a3 at (g+8, 2t..), a4a5 at (g, 2t+8..), a6a7 at (g+8, 2t+8..); B: b0b1 at
+(2t..2t+1, g), b2b3 at (2t+8.., g); C: c0c1 at (g, 2t..2t+1), c2c3 at (g+8, 2t..)), against x @ dequantize(w).T in
+float64; the split of K, the launch arguments, the source compiled for sm_90 without spills (where nvcc is).
+CUDA only: the kernel against the same reference (test_qmv.py's tolerance), 1..32 rows, both 16-bit types.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cuda_compile import CUDA_TYPES, compile_sm90, kernel_file, needs_nvcc
+from test_qmv import check_close, make_operands, needs_cuda, reference
+
+from mlxcel_core.backends.cuda.kernels import qmm
+
+
+def _pair(h: int) -> tuple[int, int]:
+    """mlxcel_qmm_pair: the nibbles in bits 0-3 and 4-7 of h (the 16-bit values it makes are exactly these)."""
+    return h & 0xF, (h >> 4) & 0xF
+
+
+def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
+    """The kernel's arithmetic for x [M, K] (the 16-bit values, as float64) and packed w [N, K / 8], following its
+    source index by index, one warp tile (16 weight rows) at a time and one split (the whole K)."""
+    m_rows, k_len = x.shape
+    n_rows = w.shape[0]
+    ng, nt_count = k_len // group_size, -(-m_rows // 8)
+    out = np.zeros((m_rows, n_rows))
+    for n0 in range(0, n_rows, 16):
+        tot = np.zeros((32, nt_count, 4))
+        for gi in range(ng):
+            acc = np.zeros((32, nt_count, 4))
+            xs = np.zeros((32, nt_count))
+            for s in range(group_size // 16):
+                a_tile = np.full((16, 16), np.nan)
+                b_tiles = np.full((nt_count, 16, 8), np.nan)
+                for lane in range(32):
+                    g, t = lane >> 2, lane & 3
+                    r0, r1 = min(n0 + g, n_rows - 1), min(n0 + g + 8, n_rows - 1)
+                    # this thread's G / 32 words of the group, loaded at once; step s: word s / 2
+                    words = group_size // 32
+                    word = gi * (group_size // 8) + t * words + (s >> 1)
+                    assert (s >> 1) < words
+                    shift = 16 * (s & 1)
+                    k = gi * group_size + t * (group_size // 4) + 4 * s
+                    h0, h1 = int(w[r0, word]) >> shift, int(w[r1, word]) >> shift
+                    regs = [_pair(h0), _pair(h1), _pair(h0 >> 8), _pair(h1 >> 8)]
+                    # PTX A layout: register i holds elements (row, col) as in the docstring
+                    for reg, (row, col) in zip(regs, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+                        a_tile[row, col], a_tile[row, col + 1] = reg
+                    for nt in range(nt_count):
+                        m = nt * 8 + g
+                        vals = x[m, k : k + 4] if m < m_rows else np.zeros(4)
+                        b_tiles[nt, 2 * t, g], b_tiles[nt, 2 * t + 1, g] = vals[0], vals[1]
+                        b_tiles[nt, 2 * t + 8, g], b_tiles[nt, 2 * t + 9, g] = vals[2], vals[3]
+                        xs[lane, nt] += vals.sum()
+                assert not np.isnan(a_tile).any() and not np.isnan(b_tiles).any()  # every element placed once
+                for nt in range(nt_count):
+                    c = a_tile @ b_tiles[nt]
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        acc[lane, nt] += [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                r0, r1 = min(n0 + g, n_rows - 1), min(n0 + g + 8, n_rows - 1)
+                s0, s1, c0, c1 = scales[r0, gi], scales[r1, gi], biases[r0, gi], biases[r1, gi]
+                for nt in range(nt_count):
+                    quad = lambda q: xs[4 * q : 4 * q + 4, nt].sum()  # noqa: E731  (the two xor shuffles)
+                    xa, xb = quad(2 * t), quad(2 * t + 1)  # lanes 8t and 8t + 4
+                    tot[lane, nt] += [
+                        s0 * acc[lane, nt, 0] + c0 * xa,
+                        s0 * acc[lane, nt, 1] + c0 * xb,
+                        s1 * acc[lane, nt, 2] + c1 * xa,
+                        s1 * acc[lane, nt, 3] + c1 * xb,
+                    ]
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for nt in range(nt_count):
+                for i in range(4):
+                    m, n = nt * 8 + 2 * t + (i & 1), n0 + g + (i >> 1) * 8
+                    if m < m_rows and n < n_rows:
+                        out[m, n] = tot[lane, nt, i]
+    return out
+
+
+@pytest.mark.parametrize("m,n,k,group_size", [(8, 32, 128, 64), (19, 40, 128, 32), (3, 16, 256, 128), (32, 24, 64, 64)])
+def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
+    x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, group_size=group_size, seed=m + n)
+    ref, mag = reference(x, w, scales, biases, group_size)
+    got = emulate(
+        np.array(x.astype(mx.float32)).astype(np.float64),
+        np.array(w),
+        np.array(scales.astype(mx.float32)).astype(np.float64),
+        np.array(biases.astype(mx.float32)).astype(np.float64),
+        group_size,
+    )
+    assert np.abs(got - ref).max() <= 1e-9 * max(1.0, mag.max())  # the same sums, in float64
+
+
+def test_split_k():
+    assert qmm.split_k(14336, 64) == (2, 32)  # 224 blocks of 64 rows: two parts of K
+    assert qmm.split_k(4096, 224) == (5, 45)  # 64 blocks: 5 parts (the last 44 groups)
+    assert qmm.split_k(128256, 64) == (1, 64)  # the LM head fills the GPU alone
+    assert qmm.split_k(16, 1) == (1, 1)
+    for n, groups in [(1024, 64), (4096, 64), (6144, 32), (300, 7)]:
+        splits, gps = qmm.split_k(n, groups)
+        assert (splits - 1) * gps < groups <= splits * gps
+
+
+def test_launch_args():
+    args = qmm.launch_args((19, 1, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
+    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32}
+    assert dict(qmm.launch_args((24, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)["template"])["NT"] == 3
+    assert args["grid"] == (224 * 128, 2, 1) and args["threadgroup"] == (128, 1, 1)
+    assert args["output_shapes"] == [(2, 19, 14336)] and args["output_dtypes"] == [mx.float32]
+    assert qmm.launch_args((33, 4096), mx.bfloat16, mx.bfloat16, 64, 4096, 64) is None  # too many rows
+    assert qmm.launch_args((9, 4096), mx.float32, mx.float32, 64, 4096, 64) is None  # 16-bit x only
+    assert qmm.launch_args((9, 4096), mx.bfloat16, mx.bfloat16, 64, 4096, 48) is None  # group size
+    assert qmm.launch_args((9, 4000), mx.bfloat16, mx.bfloat16, 64, 4096, 64) is None  # x is not K wide
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    "x_dtype,s_dtype,m,group_size",
+    [(mx.bfloat16, mx.bfloat16, 32, 64), (mx.float16, mx.float16, 9, 128), (mx.bfloat16, mx.float32, 17, 32)],
+)
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
+    args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
+    header, source = qmm.kernel_source()
+    params = [
+        f"    const {CUDA_TYPES[x_dtype]}* x",
+        "    const __grid_constant__ Shape x_shape",
+        "    const __grid_constant__ int x_ndim",
+        "    const uint32_t* w",
+        "    const __grid_constant__ Shape w_shape",
+        f"    const {CUDA_TYPES[s_dtype]}* scales",
+        f"    const {CUDA_TYPES[s_dtype]}* biases",
+        "    float* partial",
+    ]
+    compile_sm90(tmp_path, kernel_file(qmm.KERNEL_NAME, params, dict(args["template"]), source, header))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1024, 14336, 64), (1000, 512, 32), (333, 1024, 128)])
+def test_kernel_matches_the_reference(dtype, n, k, group_size):
+    x, w, scales, biases = make_operands(32, n, k, dtype, group_size=group_size, seed=n)
+    ref, mag = reference(x, w, scales, biases, group_size)
+    for m in (1, 8, 9, 19, 32):
+        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
+        assert y.dtype == dtype and y.shape == (m, n)
+        check_close(y, ref[:m], mag[:m], dtype, f"M={m} N={n} K={k}")
+    y = qmm.quantized_matmul(x[:12].reshape(12, 1, k), w, scales, biases, group_size)  # a decode batch
+    assert y.shape == (12, 1, n)
+    check_close(y.reshape(12, n), ref[:12], mag[:12], dtype, "[12, 1, K]")
+
+
+@needs_cuda
+def test_kernel_on_misaligned_views():
+    """x and w starting past an aligned address (views into larger arrays): the kernel's narrower loads there."""
+    x, w, scales, biases = make_operands(12, 512, 1024, mx.bfloat16, seed=4)
+    ref, mag = reference(x, w, scales, biases)
+    flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])
+    check_close(
+        qmm.quantized_matmul(flat[1:].reshape(12, 1024), w, scales, biases, 64), ref, mag, mx.bfloat16, "misaligned x"
+    )
+    for pad in (1, 2):  # 4 and 8 bytes past a 16-byte boundary
+        w_flat = mx.concatenate([mx.zeros((pad,), mx.uint32), w.reshape(-1)])
+        check_close(
+            qmm.quantized_matmul(x, w_flat[pad:].reshape(w.shape), scales, biases, 64),
+            ref,
+            mag,
+            mx.bfloat16,
+            f"w {4 * pad} bytes off",
+        )
+
+
+def test_kernel_name_carries_the_source_hash():
+    """MLX caches compiled kernels on disk by name: an edited source must get a new name."""
+    import hashlib
+
+    header, source = qmm.kernel_source()
+    assert qmm.KERNEL_NAME == "mlxcel_qmm_mma_" + hashlib.sha256((header + source).encode()).hexdigest()[:8]
