@@ -149,7 +149,7 @@ def predicted_runner() -> str:
     for dist in distributions():
         name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
         if name.startswith("mlx-cuda"):
-            from mlxcel_core.backends.cuda.paged_attention import RUNNER_CUDA  # (needs mlx; only on CUDA installs)
+            from mlxcel_core.backends.cuda.paged_attention_source import RUNNER_CUDA  # (imports no MLX)
 
             return RUNNER_CUDA
     return RUNNER_OPS

@@ -3,7 +3,7 @@
     python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4
     python benchmarks/batch_decode.py --model-shape smollm2-135m --prompt-tokens 16 --gen-tokens 16 --reps 2
 
-Both runtimes get the same random weights (mlxcel builds them with mlxcel_core.models.shapes; the mlx-lm
+Both runtimes get the same random weights (mlxcel builds them with mlxcel_core.loading.shapes; the mlx-lm
 Llama is built from the same config dict and loads those arrays, so nothing is copied) and the same
 prompts (b random 128-token prompts, seeded). EOS is ignored, decoding is greedy.
 
@@ -28,10 +28,17 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
-from mlxcel_core.bench import (RandomIdTokenizer, bench_header, environment, forget_cached_prefixes,  # noqa: E402
-                               load_bench_model, random_prompt, run_requests)
+from mlxcel_core.bench import (  # noqa: E402
+    RandomIdTokenizer,
+    bench_header,
+    environment,
+    forget_cached_prefixes,
+    load_bench_model,
+    random_prompt,
+    run_requests,
+)
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.models.shapes import QUANT_GROUP_SIZE, shape_config, shape_names  # noqa: E402
+from mlxcel_core.loading.shapes import QUANT_GROUP_SIZE, shape_config, shape_names  # noqa: E402
 
 
 @dataclass
@@ -47,7 +54,8 @@ def mlxcel_run(model, vocab: int, prompts: list[list[int]], gen: int, engines: d
     margin = b + 2  # early rows keep decoding while the last ones prefill (one chunk each)
     if b not in engines:
         per_row = len(prompts[0]) + gen + 1 + margin + 64
-        engines[b] = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=b, kv_budget_tokens=b * per_row))
+        config = EngineConfig(max_batch_size=b, kv_budget_tokens=b * per_row)
+        engines[b] = Engine(model, RandomIdTokenizer(vocab), config)
     engine = engines[b]
     forget_cached_prefixes(engine)  # identical prompts every repetition: never serve them from the cache
     run = run_requests(engine, prompts, gen + 1 + margin, steady_tokens=gen)
@@ -65,9 +73,12 @@ def build_mlx_lm_model(ours, config: dict, bits: int | None):
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
     if bits:
-        nn.quantize(model, group_size=QUANT_GROUP_SIZE, bits=bits,
-                    class_predicate=lambda p, m: hasattr(m, "to_quantized")
-                    and m.weight.shape[-1] % QUANT_GROUP_SIZE == 0)
+        nn.quantize(
+            model,
+            group_size=QUANT_GROUP_SIZE,
+            bits=bits,
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP_SIZE == 0,
+        )
     model.load_weights(tree_flatten(ours.parameters()), strict=True)
     model.eval()
     mx.eval(model.parameters())
@@ -145,14 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     runtimes = ["mlxcel"] + (["mlx-lm"] if theirs is not None else [])
 
     print(bench_header(bench_model))
-    print(f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} new tokens per sequence, greedy, EOS ignored; "
-          f"{args.reps} timed run(s) after 1 warm-up per cell; "
-          + (f"mlx-lm {mlx_lm_version} BatchGenerator, max |logit diff| vs mlxcel on the shared weights: "
-             f"{same_logits(bench_model.model, theirs, vocab):.2e}" if theirs is not None else "mlx-lm: not measured"))
+    print(
+        f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} new tokens per sequence, greedy, EOS ignored; "
+        f"{args.reps} timed run(s) after 1 warm-up per cell; "
+        + (
+            f"mlx-lm {mlx_lm_version} BatchGenerator, max |logit diff| vs mlxcel on the shared weights: "
+            f"{same_logits(bench_model.model, theirs, vocab):.2e}"
+            if theirs is not None
+            else "mlx-lm: not measured"
+        )
+    )
     sys.stdout.flush()
 
-    prompts = {b: [random_prompt(vocab, args.prompt_tokens, args.seed, "batch", row) for row in range(b)]
-               for b in batches}
+    prompts = {
+        b: [random_prompt(vocab, args.prompt_tokens, args.seed, "batch", row) for row in range(b)] for b in batches
+    }
     engines: dict = {}
 
     def once(runtime: str, b: int) -> tuple[float, float]:
@@ -170,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
                 cell = results[(runtime, b)]
                 cell.peak_gb = max(cell.peak_gb, mx.get_peak_memory() / 1e9)
                 what = "warm-up" if rep < 0 else f"run {rep + 1}/{args.reps}"
-                print(f"  {runtime:6} b={b:<3} {what}: {tps:.2f} tok/s aggregate, TTFT {ttft:.0f} ms",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {runtime:6} b={b:<3} {what}: {tps:.2f} tok/s aggregate, TTFT {ttft:.0f} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if rep >= 0:
                     cell.tps.append(tps)
                     cell.ttft_ms.append(ttft)
@@ -184,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             cell = results[(runtime, b)]
             mean = statistics.fmean(cell.tps)
             sd = statistics.stdev(cell.tps) if len(cell.tps) > 1 else 0.0
-            print(f"| {runtime} | {b} | {mean:.2f} ± {sd:.2f} | {mean / b:.2f} | "
-                  f"{statistics.fmean(cell.ttft_ms):.0f} | {cell.peak_gb:.3f} |")
+            print(
+                f"| {runtime} | {b} | {mean:.2f} ± {sd:.2f} | {mean / b:.2f} | "
+                f"{statistics.fmean(cell.ttft_ms):.0f} | {cell.peak_gb:.3f} |"
+            )
         if len(runtimes) == 2:
             ratio = statistics.fmean(results[("mlxcel", b)].tps) / statistics.fmean(results[("mlx-lm", b)].tps)
             print(f"| mlxcel / mlx-lm | {b} | {ratio:.3f}x | | | |")

@@ -19,9 +19,10 @@ alike.
 
 mlxcel keeps one Engine for the whole comparison, as `mlxcel serve` and `mlxcel bench` do, with its prefix cache
 emptied before every run (bench.forget_cached_prefixes: no run reuses the previous one's identical prompt). On CUDA
-that keeps the decode step's CUDA graph recorded in the warm-up (engine/graph_decode.py), as a server keeps it; the
-last line says how many steps were replayed. Before the twenty-first session each run made a new Engine, so every
-timed run also recorded its graph (benchmarks/RESULTS.md says which runs were made which way).
+that keeps the decode step's CUDA graph recorded in the warm-up (backends/cuda/graph_decode.py), as a server keeps it;
+the last line says how many steps were replayed (Engine.stats()). Before the twenty-first session each run made a new
+Engine, so every timed run also recorded its graph (benchmarks/archive/RESULTS-history.md says which runs were made
+which way).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, environment, forget_cached_prefixes, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.loading.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 RUNTIMES = ("mlxcel", "mlx-lm")
@@ -66,14 +67,16 @@ def timed(tokens_and_times: list[tuple[int, float]], t0: float, prompt_len: int)
 
 
 # -- mlxcel: its engine, as generate/run/serve use it ------------------------------------------------------------
-def mlxcel_engine(model, vocab: int, storage: str = "auto", max_batch_size: int = 1) -> Engine:
-    config = EngineConfig(max_batch_size=max_batch_size, storage=storage)
+def mlxcel_engine(
+    model, vocab: int, storage: str = "auto", max_batch_size: int = 1, decode_graph: bool = True
+) -> Engine:
+    config = EngineConfig(max_batch_size=max_batch_size, storage=storage, decode_graph=decode_graph)
     return Engine(model, RandomIdTokenizer(vocab), config)  # no EOS, no text
 
 
 def run_mlxcel(engine: Engine, prompt: list[int], gen: int) -> Run:
     forget_cached_prefixes(engine)
-    computed = engine.runner.prefill_tokens
+    computed = engine.stats().prefill_tokens
     seen: list[tuple[int, float]] = []
     t0 = time.perf_counter()
     seq = engine.open(prompt, SamplingParams(max_tokens=gen + 1))  # greedy
@@ -86,8 +89,9 @@ def run_mlxcel(engine: Engine, prompt: list[int], gen: int) -> Run:
             if out.token is not None:
                 seen.append((out.token, now))
     engine.release(seq)
-    if engine.runner.prefill_tokens - computed != len(prompt):  # the whole prompt, as mlx-lm computes it
-        raise RuntimeError(f"mlxcel computed {engine.runner.prefill_tokens - computed} of {len(prompt)} prompt tokens")
+    computed = engine.stats().prefill_tokens - computed
+    if computed != len(prompt):  # the whole prompt, as mlx-lm computes it
+        raise RuntimeError(f"mlxcel computed {computed} of {len(prompt)} prompt tokens")
     return timed(seen, t0, len(prompt))
 
 
@@ -106,11 +110,21 @@ def mlx_lm_twin(ours, config: dict):
     """mlx-lm's Model for our config holding our arrays (for GGUF files and random shapes)."""
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
-    quantized = {path: m for path, m in ours.named_modules()
-                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    quantized = {
+        path: m for path, m in ours.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+    }
     if quantized:
-        nn.quantize(model, class_predicate=lambda path, m: path in quantized and {
-            "group_size": quantized[path].group_size, "bits": quantized[path].bits, "mode": quantized[path].mode})
+        nn.quantize(
+            model,
+            class_predicate=lambda path, m: (
+                path in quantized
+                and {
+                    "group_size": quantized[path].group_size,
+                    "bits": quantized[path].bits,
+                    "mode": quantized[path].mode,
+                }
+            ),
+        )
     model.load_weights(tree_flatten(ours.parameters()), strict=True)
     model.eval()
     mx.eval(model.parameters())
@@ -121,8 +135,13 @@ def load_both(args) -> tuple[object, object, int, str, str]:
     """(mlxcel model, mlx-lm model, vocab size, model description, how mlx-lm got its model)."""
     if args.model_shape:
         ours, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed)
-        return ours, mlx_lm_twin(ours, config), config["vocab_size"], \
-            describe_shape(args.model_shape, args.bits, args.dtype), "mlx-lm Model built from the shape's config, mlxcel's arrays"
+        return (
+            ours,
+            mlx_lm_twin(ours, config),
+            config["vocab_size"],
+            describe_shape(args.model_shape, args.bits, args.dtype),
+            "mlx-lm Model built from the shape's config, mlxcel's arrays",
+        )
     from mlxcel_core import load_model
 
     loaded = load_model(args.model)
@@ -131,22 +150,27 @@ def load_both(args) -> tuple[object, object, int, str, str]:
     kinds = sorted({str(v.dtype).split(".")[-1] for _, v in tree_flatten(ours.parameters())})
     description = f"{loaded.source.origin} ({config.get('model_type')}, {'/'.join(kinds)})"
     if loaded.source.kind == "gguf":
-        return ours, mlx_lm_twin(ours, config), vocab, description, \
-            "mlx-lm cannot read GGUF: its Model built from mlxcel's config, holding mlxcel's arrays"
+        return (
+            ours,
+            mlx_lm_twin(ours, config),
+            vocab,
+            description,
+            "mlx-lm cannot read GGUF: its Model built from mlxcel's config, holding mlxcel's arrays",
+        )
     import mlx_lm
 
     theirs, _ = mlx_lm.load(str(loaded.source.path) if loaded.source.path else args.model)
     return ours, theirs, vocab, description, "mlx_lm.load on the same directory"
 
 
-def describe_graph(graph, warm_replayed: int, timed_steps: int) -> str:
+def describe_graph(engine: Engine, warm_replayed: int, timed_steps: int) -> str:
     """What the engine's CUDA graph did in the timed rounds (so a silent fallback shows in the output)."""
-    if graph is None:
-        return "not used (CPU, MLXCEL_CUDA_GRAPH=0, or a configuration it does not serve)"
-    if not graph.usable:
-        return f"not replayable for this model: {graph.why_not}"
-    return (f"{graph.replayed - warm_replayed} of {timed_steps} timed decode steps replayed; "
-            f"{graph.recorded} recordings in all, {graph.adopted} adopted")
+    stats = engine.stats()
+    if stats.graph_replayed is None:
+        return "not used (a backend without one, e.g. CPU or MLXCEL_CUDA=0, or a configuration it does not serve)"
+    if stats.graph_not_replaying:
+        return f"not replayable for this model: {stats.graph_not_replaying}"
+    return f"{stats.graph_replayed - warm_replayed} of {timed_steps} timed decode steps replayed"
 
 
 def max_logit_diff(ours, theirs, vocab: int) -> float:
@@ -172,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=int, default=64, help="decode steps timed after the first token")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--storage", default="auto", choices=("auto", "dense", "paged"),
-                        help="mlxcel's KV storage (auto: paged on CUDA, else dense at batch 1)")
+    parser.add_argument(
+        "--storage",
+        default="auto",
+        choices=("auto", "dense", "paged"),
+        help="mlxcel's KV storage (auto: paged on CUDA, else dense at batch 1)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (progress on stderr)")
     args = parser.parse_args(argv)
     if args.prompt_tokens < 1 or args.gen_tokens < 1 or args.rounds < 1:
@@ -190,18 +218,22 @@ def main(argv: list[str] | None = None) -> int:
     ours, theirs, vocab, description, how = load_both(args)
     env = environment()
     diff = max_logit_diff(ours, theirs, vocab)
-    say(f"mlxcel {env['mlxcel_version']}, mlx-lm {mlx_lm.__version__}, mlx {env['mlx_version']}, backend {env['backend']}"
-        f" ({env['device']})")
+    say(
+        f"mlxcel {env['mlxcel_version']}, mlx-lm {mlx_lm.__version__}, mlx {env['mlx_version']}, "
+        f"backend {env['backend']} ({env['device']})"
+    )
     say(f"model: {description}; {how}; max |logit diff| mlxcel vs mlx-lm: {diff:.3g}")
+    from mlxcel_core import backends
     from mlxcel_core.engine.compiled_decode import describe_decode_steps
 
-    from mlxcel_core.engine import EngineConfig
-    from mlxcel_core.kernels import describe_decode_kernels
-
-    say(f"mlxcel KV storage {args.storage} ({EngineConfig(storage=args.storage).resolved_storage} at batch 1); "
-        f"decode steps {describe_decode_steps()}; {describe_decode_kernels()}")
-    say(f"prompt {args.prompt_tokens} random token ids (seed {args.seed}), {args.gen_tokens} decode steps timed "
-        f"after the first token, greedy, EOS ignored; 1 warm-up each, {args.rounds} rounds, first runtime alternating")
+    say(
+        f"mlxcel KV storage {args.storage} ({EngineConfig(storage=args.storage).resolved_storage} at batch 1); "
+        f"decode steps {describe_decode_steps()}; backend {backends.current().name}: {backends.current().describe()}"
+    )
+    say(
+        f"prompt {args.prompt_tokens} random token ids (seed {args.seed}), {args.gen_tokens} decode steps timed "
+        f"after the first token, greedy, EOS ignored; 1 warm-up each, {args.rounds} rounds, first runtime alternating"
+    )
 
     prompt = random_prompt(vocab, args.prompt_tokens, args.seed, "compare")
 
@@ -216,45 +248,72 @@ def main(argv: list[str] | None = None) -> int:
 
     for runtime in RUNTIMES:  # warm-up: the same prompt and length as a timed run
         once(runtime, args.gen_tokens)
-    graph = engine.graph
-    warm_replayed = graph.replayed if graph is not None else 0
+    warm_replayed = engine.stats().graph_replayed or 0
 
     rounds = []
     for r in range(args.rounds):
         order = RUNTIMES if r % 2 == 0 else RUNTIMES[::-1]
         runs = {runtime: once(runtime, args.gen_tokens) for runtime in order}
         a, b = runs["mlxcel"], runs["mlx-lm"]
-        row = {"round": r + 1, "first": order[0], "mlxcel": a, "mlx-lm": b,
-               "decode_ratio": a.decode_tps / b.decode_tps, "prefill_ratio": a.prefill_tps / b.prefill_tps,
-               "same_tokens": agreeing_prefix(a.tokens, b.tokens)}
+        row = {
+            "round": r + 1,
+            "first": order[0],
+            "mlxcel": a,
+            "mlx-lm": b,
+            "decode_ratio": a.decode_tps / b.decode_tps,
+            "prefill_ratio": a.prefill_tps / b.prefill_tps,
+            "same_tokens": agreeing_prefix(a.tokens, b.tokens),
+        }
         rounds.append(row)
-        say(f"round {r + 1} ({order[0]} first): decode mlxcel {a.decode_tps:.2f} / mlx-lm {b.decode_tps:.2f} tok/s = "
+        say(
+            f"round {r + 1} ({order[0]} first): decode mlxcel {a.decode_tps:.2f} / mlx-lm {b.decode_tps:.2f} tok/s = "
             f"{row['decode_ratio']:.3f}x | prefill mlxcel {a.prefill_tps:.1f} / mlx-lm {b.prefill_tps:.1f} tok/s = "
             f"{row['prefill_ratio']:.3f}x (TTFT {a.ttft_s * 1000:.0f} / {b.ttft_s * 1000:.0f} ms) | "
-            f"greedy tokens agree for {row['same_tokens']}/{len(a.tokens)}")
+            f"greedy tokens agree for {row['same_tokens']}/{len(a.tokens)}"
+        )
 
     def median(key, runtime=None):
         return statistics.median(row[runtime].__dict__[key] if runtime else row[key] for row in rounds)
 
     summary = {
-        "decode_ratio_median": median("decode_ratio"), "prefill_ratio_median": median("prefill_ratio"),
+        "decode_ratio_median": median("decode_ratio"),
+        "prefill_ratio_median": median("prefill_ratio"),
         **{f"{rt}_{k}_median": median(k, rt) for rt in RUNTIMES for k in ("decode_tps", "prefill_tps", "ttft_s")},
     }
-    say(f"median decode: mlxcel {summary['mlxcel_decode_tps_median']:.2f}, mlx-lm "
-        f"{summary['mlx-lm_decode_tps_median']:.2f} tok/s; median ratio mlxcel/mlx-lm {summary['decode_ratio_median']:.3f}x")
-    say(f"median prefill: mlxcel {summary['mlxcel_prefill_tps_median']:.1f}, mlx-lm "
-        f"{summary['mlx-lm_prefill_tps_median']:.1f} tok/s; median ratio mlxcel/mlx-lm {summary['prefill_ratio_median']:.3f}x")
-    summary["graph"] = describe_graph(graph, warm_replayed, args.rounds * args.gen_tokens)
+    say(
+        f"median decode: mlxcel {summary['mlxcel_decode_tps_median']:.2f}, mlx-lm "
+        f"{summary['mlx-lm_decode_tps_median']:.2f} tok/s; "
+        f"median ratio mlxcel/mlx-lm {summary['decode_ratio_median']:.3f}x"
+    )
+    say(
+        f"median prefill: mlxcel {summary['mlxcel_prefill_tps_median']:.1f}, mlx-lm "
+        f"{summary['mlx-lm_prefill_tps_median']:.1f} tok/s; "
+        f"median ratio mlxcel/mlx-lm {summary['prefill_ratio_median']:.3f}x"
+    )
+    summary["graph"] = describe_graph(engine, warm_replayed, args.rounds * args.gen_tokens)
     say(f"mlxcel CUDA graph: {summary['graph']}")
     if args.json:
+
         def plain(run: Run) -> dict:
             return {k: v for k, v in asdict(run).items() if k != "tokens"}
 
-        print(json.dumps({
-            **env, "mlx_lm_version": mlx_lm.__version__, "model": description, "mlx_lm_model": how,
-            "max_logit_diff": diff, "prompt_tokens": args.prompt_tokens, "gen_tokens": args.gen_tokens,
-            "rounds": [{**row, "mlxcel": plain(row["mlxcel"]), "mlx-lm": plain(row["mlx-lm"])} for row in rounds],
-            **summary}))
+        print(
+            json.dumps(
+                {
+                    **env,
+                    "mlx_lm_version": mlx_lm.__version__,
+                    "model": description,
+                    "mlx_lm_model": how,
+                    "max_logit_diff": diff,
+                    "prompt_tokens": args.prompt_tokens,
+                    "gen_tokens": args.gen_tokens,
+                    "rounds": [
+                        {**row, "mlxcel": plain(row["mlxcel"]), "mlx-lm": plain(row["mlx-lm"])} for row in rounds
+                    ],
+                    **summary,
+                }
+            )
+        )
     return 0
 
 

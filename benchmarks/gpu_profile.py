@@ -2,7 +2,7 @@
 on a random model shape, under torch.profiler (CUPTI records every kernel of the process, MLX's included).
 
     python benchmarks/gpu_profile.py --model-shape llama-3-8b --dtype bfloat16
-    MLXCEL_HMV=1 python benchmarks/gpu_profile.py --model-shape llama-3-8b --top 25
+    MLXCEL_CUDA=0 python benchmarks/gpu_profile.py --model-shape llama-3-8b --top 25   # MLX's kernels only
     python benchmarks/gpu_profile.py --model-shape llama-3.2-1b --prefill   # a prompt's prefill (TTFT) instead
 
 With --prefill the unit is one request's time to its first token (a new random prompt each, on one engine /
@@ -32,7 +32,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.models.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
+from mlxcel_core.loading.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(HERE))
@@ -130,21 +130,30 @@ def profile_tokens(tokens, warm: int, count: int, detail: bool = False) -> dict:
     torch.cuda.synchronize()
     prof.stop()
     tokens.close()  # ends the generator (its finally blocks and the engine go with it)
-    kernels = [(e.name(), e.start_ns(), e.duration_ns()) for e in prof.profiler.kineto_results.events()
-               if e.device_type() == DeviceType.CUDA]
+    kernels = [
+        (e.name(), e.start_ns(), e.duration_ns())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == DeviceType.CUDA
+    ]
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for name, _, dur in kernels:
         row = by_name[short_name(name)]
         row[0] += 1
         row[1] += dur / 1e3
-    return {"wall_ms": wall * 1e3 / count, "busy_ms": busy_us([(s, s + d) for _, s, d in kernels]) / 1e3 / count,
-            "launches": len(kernels) / count, "by_name": dict(by_name),
-            "by_shape": launch_shapes(prof) if detail else {}}
+    return {
+        "wall_ms": wall * 1e3 / count,
+        "busy_ms": busy_us([(s, s + d) for _, s, d in kernels]) / 1e3 / count,
+        "launches": len(kernels) / count,
+        "by_name": dict(by_name),
+        "by_shape": launch_shapes(prof) if detail else {},
+    }
 
 
 def report(side: str, r: dict, count: int, top: int, unit: str = "token") -> None:
-    print(f"{side}: wall {r['wall_ms']:.3f} ms/{unit}, GPU busy {r['busy_ms']:.3f} ms/{unit} "
-          f"({100 * r['busy_ms'] / r['wall_ms']:.0f}%), {r['launches']:.0f} kernel launches/{unit}")
+    print(
+        f"{side}: wall {r['wall_ms']:.3f} ms/{unit}, GPU busy {r['busy_ms']:.3f} ms/{unit} "
+        f"({100 * r['busy_ms'] / r['wall_ms']:.0f}%), {r['launches']:.0f} kernel launches/{unit}"
+    )
     ranked = sorted(r["by_name"].items(), key=lambda kv: -kv[1][1])
     for name, (n, us) in ranked[:top]:
         print(f"  {us / count:9.1f} us/{unit} {n / count:6.1f} calls/{unit} {us / n:8.2f} us/call  {name}")
@@ -152,8 +161,10 @@ def report(side: str, r: dict, count: int, top: int, unit: str = "token") -> Non
         print("  by launch shape (grid, block; registers a thread, achieved occupancy %):")
         ranked = sorted(r["by_shape"].items(), key=lambda kv: -kv[1][1])
         for (name, grid, block), (n, us, regs, occ) in ranked[:top]:
-            print(f"  {us / count:9.1f} us/{unit} {n / count:6.1f} calls/{unit} {us / n:8.2f} us/call  grid {grid} "
-                  f"block {block} regs {regs} occ {occ}  {name[:48]}")
+            print(
+                f"  {us / count:9.1f} us/{unit} {n / count:6.1f} calls/{unit} {us / n:8.2f} us/call  grid {grid} "
+                f"block {block} regs {regs} occ {occ}  {name[:48]}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,8 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--side", choices=("both", "mlxcel", "mlx-lm"), default="both")
     parser.add_argument("--shapes", action="store_true", help="also rank launches by (kernel, grid, block)")
-    parser.add_argument("--prefill", action="store_true",
-                        help="profile prompts' prefills (time to first token), --warm and --tokens of them")
+    parser.add_argument(
+        "--prefill",
+        action="store_true",
+        help="profile prompts' prefills (time to first token), --warm and --tokens of them",
+    )
     args = parser.parse_args(argv)
     try:
         import torch
@@ -179,18 +193,26 @@ def main(argv: list[str] | None = None) -> int:
     vocab = config["vocab_size"]
     prompt = random_prompt(vocab, args.prompt_tokens, 0, "gpu-profile")
     unit = "prefill" if args.prefill else "token"
-    print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
-          f"{args.warm} warm-up {unit}s, {args.tokens} profiled")
+    print(
+        f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
+        f"{args.warm} warm-up {unit}s, {args.tokens} profiled"
+    )
     if args.side in ("both", "mlxcel"):
         tokens_of = functools.partial(mlxcel_tokens, ours, vocab)
-        tokens = (first_tokens(tokens_of, vocab, args.prompt_tokens) if args.prefill
-                  else tokens_of(prompt, args.warm, args.tokens))
+        tokens = (
+            first_tokens(tokens_of, vocab, args.prompt_tokens)
+            if args.prefill
+            else tokens_of(prompt, args.warm, args.tokens)
+        )
         report("mlxcel", profile_tokens(tokens, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
     if args.side in ("both", "mlx-lm"):
         theirs = compare.mlx_lm_twin(ours, config)
         tokens_of = functools.partial(mlx_lm_tokens, theirs)
-        tokens = (first_tokens(tokens_of, vocab, args.prompt_tokens) if args.prefill
-                  else tokens_of(prompt, args.warm, args.tokens))
+        tokens = (
+            first_tokens(tokens_of, vocab, args.prompt_tokens)
+            if args.prefill
+            else tokens_of(prompt, args.warm, args.tokens)
+        )
         report("mlx-lm", profile_tokens(tokens, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
     return 0
 

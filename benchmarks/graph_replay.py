@@ -1,5 +1,5 @@
 """A batch-1 decode step replayed as one CUDA graph of our own kernels, outside MLX, checked launch by launch (CUDA
-only): the experiment behind engine/graph_decode.py (on by default on CUDA), kept as its byte-level check.
+only): the experiment behind backends/cuda/graph_decode.py (on by default on CUDA), kept as its byte-level check.
 
     python benchmarks/graph_replay.py --model-shape llama-3.2-1b --bits 4 [--tokens 128]
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,20 +33,20 @@ sys.path.insert(0, str(HERE))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mlxcel_core.backends.cuda.kernels.cubin_cache import record_launches  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.cuda_driver import Driver, addresses, issue_launches  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.rms_norm import final_norm_as_kernel  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.rope_fold import last_positions  # noqa: E402
 from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
 from mlxcel_core.engine.step_inputs import packed_ints  # noqa: E402
-from mlxcel_core.kernels.cubin_cache import record_launches  # noqa: E402
-from mlxcel_core.kernels.cuda_driver import Driver, addresses, issue_launches  # noqa: E402
-from mlxcel_core.kernels.rms_norm import final_norm_as_kernel  # noqa: E402
-from mlxcel_core.models.rope import last_positions  # noqa: E402
-from mlxcel_core.models.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
+from mlxcel_core.loading.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 
-
-def write_step_inputs(drv: Driver, flat: list[int], position: int, ints_at: int, position_slots: list, host_ints,
-                      host_position) -> None:
+def write_step_inputs(
+    drv: Driver, flat: list[int], position: int, ints_at: int, position_slots: list, host_ints, host_position
+) -> None:
     """Queue the copies of a step's ints and RoPE positions (through pinned buffers, which must stay unchanged
     until the copies ran)."""
     (ctypes.c_int32 * len(flat)).from_address(host_ints.value)[:] = flat
@@ -78,23 +77,24 @@ class Recorder:
     """An op-by-op engine whose decode steps can be recorded: wraps its runner's decode and storage's decode_caches."""
 
     def __init__(self, model, vocab: int):
-        self.engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=1, compile_decode=False,
-                                                                          storage="paged"))
+        # op by op, and no replayed steps of the engine's own: every step is MLX's, through runner.decode
+        config = EngineConfig(max_batch_size=1, compile_decode=False, decode_graph=False, storage="paged")
+        self.engine = Engine(model, RandomIdTokenizer(vocab), config)
         self.storage = self.engine.storage
         self.storage.pad_block_tables = True  # one block-table width from 512 to 1024 tokens: one recording serves
         self.decodes = 0
         runner, storage = self.engine.runner, self.storage
         decode, caches = runner.decode, storage.decode_caches
 
-        def counted(seq_ids, tokens, before_trace=None):
+        def counted(seq_ids, tokens):
             self.decodes += 1
             self.token_in = tokens
-            return decode(seq_ids, tokens, before_trace)
+            return decode(seq_ids, tokens)
 
         def kept(seq_ids):
             views = caches(seq_ids)
             self.step_ints = views[0].slots[0]  # a view at offset 0 of the step's uploaded ints
-            self.offset = views[0].offset  # the step's positions: rope.last_positions finds the RoPE fold's from it
+            self.offset = views[0].offset  # the step's positions: rope_fold.last_positions finds the fold's from it
             return views
 
         inputs = storage.decode_inputs
@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     # tokens and speeds. Twice each: the first run compiles.
     import compare_mlx_lm as compare
 
-    os.environ["MLXCEL_CUDA_GRAPH"] = "0"  # the reference is MLX's steps, not the engine's own replays
-    engine = compare.mlxcel_engine(model, vocab)
+    engine = compare.mlxcel_engine(model, vocab, decode_graph=False)  # the reference: MLX's steps, not replays
     for _ in range(2):
         ours = compare.run_mlxcel(engine, prompt, total)
     reference = ours.tokens
@@ -136,16 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         theirs = compare.mlx_lm_twin(model, config)
         for _ in range(2):
             run = compare.run_mlx_lm(theirs, prompt, total)
-        print(f"mlx-lm: {run.decode_tps:.1f} tok/s decode, TTFT {run.ttft_s * 1e3:.0f} ms; greedy tokens agree with "
-              f"mlxcel's for {compare.agreeing_prefix(run.tokens, reference)}/{len(reference)}")
+        print(
+            f"mlx-lm: {run.decode_tps:.1f} tok/s decode, TTFT {run.ttft_s * 1e3:.0f} ms; greedy tokens agree with "
+            f"mlxcel's for {compare.agreeing_prefix(run.tokens, reference)}/{len(reference)}"
+        )
 
     # 1. Record one decode step.
     rec = Recorder(model, vocab)
     tokens, _, seq = engine_tokens(rec.engine, prompt, total, on_decode=lambda: rec.decodes >= args.warm)
-    rec.engine.launcher.wait()
     with record_launches() as launches, final_norm_as_kernel():  # the final RMSNorm as a kernel of ours
         rec.engine.step()
-    rec.engine.launcher.wait()
     recorded_step = rec.decodes  # this step produced token number `recorded_step` (token 0 is the prefill's)
     bad = [launch for launch in launches if launch.func is None]
     if bad or not launches:
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     arrays = {id(a): a for launch in launches for a in launch.inputs + launch.outputs}
     arrays[id(rec.token_in)] = rec.token_in
     arrays[id(rec.step_ints)] = rec.step_ints
-    # The RoPE fold's positions are MLX ops on the step's offset (models/rope.py), not a cached kernel: the replay
+    # The RoPE fold's positions are MLX ops on the step's offset (rope_fold.py), not a cached kernel: the replay
     # writes them itself (position * scale, float32, what those ops compute for one row).
     roped = last_positions(rec.offset)
     step_positions = {id(roped[0]): roped} if roped else {}
@@ -168,15 +167,22 @@ def main(argv: list[str] | None = None) -> int:
     ints_at = where[id(rec.step_ints)]
     greedy = next(launch for launch in reversed(launches) if "greedy" in launch.func)
     token_out = where[id(greedy.outputs[0])]
-    print(f"recorded step {recorded_step}: {len(launches)} launches, {len(arrays)} arrays, "
-          f"{len({launch.func for launch in launches})} kernels")
+    print(
+        f"recorded step {recorded_step}: {len(launches)} launches, {len(arrays)} arrays, "
+        f"{len({launch.func for launch in launches})} kernels"
+    )
     # Inputs no recorded launch wrote, small enough to be a step's own (weights and pools are not): the step's ints
     # (rewritten per token), the RoPE positions (too), anything else would be stale in a replay.
     base, made = where[id(rec.step_ints)], {id(o) for launch in launches for o in launch.outputs}
     for a in {id(a): a for launch in launches for a in launch.inputs}.values():
         if id(a) not in made and a.size <= 64:
-            kind = ("step ints" if base <= where[id(a)] < base + 4 * 64 else
-                    "rope positions" if id(a) in step_positions else "OTHER")
+            kind = (
+                "step ints"
+                if base <= where[id(a)] < base + 4 * 64
+                else "rope positions"
+                if id(a) in step_positions
+                else "OTHER"
+            )
             print(f"  step input {a.shape} {a.dtype} at +{where[id(a)] - base}: {kind} {a.tolist()}")
 
     # Where each launch's inputs come from: an earlier launch's output, the model's weights, the KV pools and combine
@@ -193,16 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     for i, launch in enumerate(launches):
         for j, a in enumerate(launch.inputs):
             at = where[id(a)]
-            known = (at in held_at or id(a) in step_positions or at == where[id(rec.token_in)]
-                     or base <= at < base + 4 * 64 or any(lo <= at < hi for lo, hi in spans_out))
+            known = (
+                at in held_at
+                or id(a) in step_positions
+                or at == where[id(rec.token_in)]
+                or base <= at < base + 4 * 64
+                or any(lo <= at < hi for lo, hi in spans_out)
+            )
             if not known:
                 foreign += 1
                 print(f"  launch {i} {launch.func[:40]} input {j}: {a.shape} {a.dtype} made by MLX in the step")
         spans_out += [(where[id(o)], where[id(o)] + o.nbytes) for o in launch.outputs]
     print(f"inputs made by MLX in the step (stale in a replay): {foreign}")
     launch_inputs = list({id(a): a for launch in launches for a in launch.inputs}.values())
-    copied = [a for a, at in zip(launch_inputs, addresses(launch_inputs, ensure_row_contiguous=True))
-              if at != where[id(a)]]
+    copied = [
+        a for a, at in zip(launch_inputs, addresses(launch_inputs, ensure_row_contiguous=True)) if at != where[id(a)]
+    ]
     print(f"inputs MLX copies before a launch (not row-contiguous): {[(a.shape, a.dtype) for a in copied]}")
 
     # 2. The graph: the previous token in, then every launch.
@@ -225,15 +237,19 @@ def main(argv: list[str] | None = None) -> int:
     drv.check(drv.lib.cuMemcpyHtoDAsync_v2(token_out, previous, 4, drv.stream), "cuMemcpyHtoDAsync")
     drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
     differ = [k for k, a in outputs.items() if drv.read(where[k], a.nbytes) != expected[k]]
-    print(f"replayed step: {len(outputs) - len(differ)} of {len(outputs)} outputs byte for byte"
-          + (f"; differing: {sorted({launch.func for launch in launches for o in launch.outputs if id(o) in differ})}"
-             if differ else ""))
+    print(
+        f"replayed step: {len(outputs) - len(differ)} of {len(outputs)} outputs byte for byte"
+        + (
+            f"; differing: {sorted({launch.func for launch in launches for o in launch.outputs if id(o) in differ})}"
+            if differ
+            else ""
+        )
+    )
 
     # 4. The next step by MLX, then by the graph (the storage's ints and the positions written by the host, the
     # token copied on the device): launch by launch, each output must be the same bytes.
     with record_launches() as following, final_norm_as_kernel():
         rec.engine.step()
-    rec.engine.launcher.wait()
     recorded_step = rec.decodes
     flat, spans = packed_ints(*rec.parts)
     theirs = list({id(a): a for launch in following for a in launch.outputs}.values())
@@ -246,14 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     drv.check(drv.lib.cuGraphLaunch(graph, drv.stream), "cuGraphLaunch")
     first_bad, bad = None, []
     for i, (mine, other) in enumerate(zip(launches, following)):
-        same = all(drv.read(where[id(a)], a.nbytes) == drv.read(their_at[id(b)], b.nbytes)
-                   for a, b in zip(mine.outputs, other.outputs))
+        same = all(
+            drv.read(where[id(a)], a.nbytes) == drv.read(their_at[id(b)], b.nbytes)
+            for a, b in zip(mine.outputs, other.outputs)
+        )
         if not same:
             bad.append(i)
             first_bad = first_bad or (i, mine.func)
-    print(f"step {recorded_step} by MLX ({len(following)} launches) and by the graph: "
-          + ("every output the same" if first_bad is None else f"first differing launch {first_bad}")
-          + f"; ints {flat[:6]}..., position {position} (MLX's positions {last_positions(rec.offset)[0].tolist()})")
+    print(
+        f"step {recorded_step} by MLX ({len(following)} launches) and by the graph: "
+        + ("every output the same" if first_bad is None else f"first differing launch {first_bad}")
+        + f"; ints {flat[:6]}..., position {position} (MLX's positions {last_positions(rec.offset)[0].tolist()})"
+    )
     if bad:
         i = bad[0]
         mine, other = launches[i], following[i]
@@ -261,17 +281,23 @@ def main(argv: list[str] | None = None) -> int:
         for a, b in zip(mine.outputs, other.outputs):
             x, y = drv.read(where[id(a)], a.nbytes), drv.read(their_at[id(b)], b.nbytes)
             diff = [k for k in range(len(x)) if x[k] != y[k]]
-            print(f"  launch {i} output {a.shape} {a.dtype}: {len(diff)} of {len(x)} bytes differ"
-                  + (f", from byte {diff[0]} to {diff[-1]}" if diff else ""))
+            print(
+                f"  launch {i} output {a.shape} {a.dtype}: {len(diff)} of {len(x)} bytes differ"
+                + (f", from byte {diff[0]} to {diff[-1]}" if diff else "")
+            )
         mx.eval(other.inputs)
         their_in = addresses(other.inputs)
         for j, (a, at) in enumerate(zip(mine.inputs, their_in)):
             same = drv.read(where[id(a)], a.nbytes) == drv.read(at, a.nbytes)
-            print(f"  launch {i} input {j} {a.shape} {a.dtype}: {'same' if same else 'DIFFERS'} "
-                  f"({'same buffer' if where[id(a)] == at else 'other buffers'})")
+            print(
+                f"  launch {i} input {j} {a.shape} {a.dtype}: {'same' if same else 'DIFFERS'} "
+                f"({'same buffer' if where[id(a)] == at else 'other buffers'})"
+            )
     their_greedy = next(launch for launch in reversed(following) if "greedy" in launch.func)
-    print(f"  its token: MLX {their_greedy.outputs[0].tolist()}, graph {list(drv.read(token_out, 4))} (bytes), "
-          f"the engine's (compiled) {reference[recorded_step]}")
+    print(
+        f"  its token: MLX {their_greedy.outputs[0].tolist()}, graph {list(drv.read(token_out, 4))} (bytes), "
+        f"the engine's (compiled) {reference[recorded_step]}"
+    )
 
     # 5. Decode with the graph: the storage's next ints, the graph, the token read one step behind.
     storage = rec.storage
@@ -301,11 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     drv.check(drv.lib.cuEventSynchronize(events[last % 2]), "cuEventSynchronize")
     replayed.append(ctypes.c_uint32.from_address(host_token[last % 2].value).value)
     seconds = time.perf_counter() - t1
-    want = reference[recorded_step + 1:recorded_step + 1 + len(replayed)]
+    want = reference[recorded_step + 1 : recorded_step + 1 + len(replayed)]
     agree = compare.agreeing_prefix(replayed, want)
     print(f"first tokens: replay {replayed[:6]}, engine {want[:6]}")
-    print(f"graph replay: {(len(replayed) - 1) / seconds:.1f} tok/s decode ({len(replayed)} tokens); greedy tokens "
-          f"agree with the engine's for {agree}/{len(want)}")
+    print(
+        f"graph replay: {(len(replayed) - 1) / seconds:.1f} tok/s decode ({len(replayed)} tokens); greedy tokens "
+        f"agree with the engine's for {agree}/{len(want)}"
+    )
     return 0
 
 

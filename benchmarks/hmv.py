@@ -1,6 +1,6 @@
-"""How to validate (H200): python -m pytest -q tests/mlxcel_core/kernels/test_hmv.py && python benchmarks/hmv.py
+"""On an H200: python -m pytest -q tests/mlxcel_core/backends/cuda/kernels/test_hmv.py && python benchmarks/hmv.py
 
-MLX's bf16 matmul (x @ W.T) vs mlxcel's 16-bit decode matvec kernel (mlxcel_core/kernels/hmv.py), on CUDA only.
+MLX's bf16 matmul (x @ W.T) vs mlxcel's 16-bit decode matvec kernel (backends/cuda/kernels/hmv.py), CUDA only.
 
     python benchmarks/hmv.py                        # Llama-3-8B and Llama-3.2-1B decode GEMVs, M = 1, 2, 4, 8, bf16
     python benchmarks/hmv.py --m 1 --shapes 8b:down_proj --no-sweep
@@ -11,9 +11,9 @@ next to the default `hmv.launch_config` picks: if it is much faster, update `lau
 benchmarks/qmv.py (its `time_calls`: calls built lazily, one eval, weights cycled past the L2, one stream
 unless --concurrent).
 
-End to end, the same model with the kernel off and on, beside mlx-lm:
-    MLXCEL_HMV=0 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --dtype bfloat16 --rounds 3
-    MLXCEL_HMV=1 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --dtype bfloat16 --rounds 3
+End to end, beside mlx-lm, with the CUDA wing (this kernel among its others) and without it (MLX's ops throughout):
+    python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --dtype bfloat16 --rounds 3
+    MLXCEL_CUDA=0 python benchmarks/compare_mlx_lm.py --model-shape llama-3.2-1b --dtype bfloat16 --rounds 3
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ if "--concurrent" not in sys.argv:  # one stream, calls in sequence as in a mode
 
 import mlx.core as mx  # noqa: E402
 
-from mlxcel_core.kernels import hmv, qmv  # noqa: E402
+from mlxcel_core.backends.cuda.kernels import hmv, qmv  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_qmv", HERE / "qmv.py")  # its timing helpers and arguments
 bench_qmv = importlib.util.module_from_spec(_spec)
@@ -40,11 +40,18 @@ _spec.loader.exec_module(bench_qmv)
 
 ROOFLINE_GBS = 4300  # the H200's measured copy bandwidth (../shared/gpu/README.md)
 SHAPES = [  # (name, N, K)
-    ("8b:q/o_proj", 4096, 4096), ("8b:k/v_proj", 1024, 4096), ("8b:gate/up", 14336, 4096),
-    ("8b:gate+up", 28672, 4096), ("1b:gate+up", 16384, 2048),  # fused as the model runs them (swiglu mode)
-    ("8b:down_proj", 4096, 14336), ("8b:lm_head", 128256, 4096),
-    ("1b:q/o_proj", 2048, 2048), ("1b:k/v_proj", 512, 2048), ("1b:gate/up", 8192, 2048),
-    ("1b:down_proj", 2048, 8192), ("1b:lm_head", 128256, 2048),
+    ("8b:q/o_proj", 4096, 4096),
+    ("8b:k/v_proj", 1024, 4096),
+    ("8b:gate/up", 14336, 4096),
+    ("8b:gate+up", 28672, 4096),
+    ("1b:gate+up", 16384, 2048),  # fused as the model runs them (swiglu mode)
+    ("8b:down_proj", 4096, 14336),
+    ("8b:lm_head", 128256, 4096),
+    ("1b:q/o_proj", 2048, 2048),
+    ("1b:k/v_proj", 512, 2048),
+    ("1b:gate/up", 8192, 2048),
+    ("1b:down_proj", 2048, 8192),
+    ("1b:lm_head", 128256, 2048),
 ]
 SWEEP = [(rows, warps, unroll) for rows in (2, 4, 8) for warps in (1, 2, 4, 8) for unroll in (1, 2, 4)]
 
@@ -75,9 +82,13 @@ def main() -> int:
         print("hmv.py needs MLX's CUDA backend and a CUDA device", file=sys.stderr)
         return 1
     dtype = getattr(mx, args.dtype)
-    print(f"kernel {qmv.kernel_name('plain', 'half')}; {args.dtype}; {args.calls} calls per eval, median of {args.reps}")
-    header = (f"{'shape':<13} {'N':>6} {'K':>6} {'M':>2} | {'MLX us':>7} {'GB/s':>5} {'%':>3} | {'ours us':>7} "
-              f"{'GB/s':>5} {'%':>3} {'speedup':>7} | {'max rel diff':>12} | config")
+    print(
+        f"kernel {qmv.kernel_name('plain', 'half')}; {args.dtype}; {args.calls} calls per eval, median of {args.reps}"
+    )
+    header = (
+        f"{'shape':<13} {'N':>6} {'K':>6} {'M':>2} | {'MLX us':>7} {'GB/s':>5} {'%':>3} | {'ours us':>7} "
+        f"{'GB/s':>5} {'%':>3} {'speedup':>7} | {'max rel diff':>12} | config"
+    )
     print(header)
     print("-" * len(header))
     for name, n, k in SHAPES:
@@ -93,17 +104,21 @@ def main() -> int:
             diff = bench_qmv.max_rel_diff(ours()(x, *weights[0]), mlx_matvec(x, *weights[0]))
             best = ""
             if args.sweep:
-                results = [(bench_qmv.time_calls(ours(c), x, weights, args.calls, max(3, args.reps // 3))[0], c)
-                           for c in SWEEP]
+                results = [
+                    (bench_qmv.time_calls(ours(c), x, weights, args.calls, max(3, args.reps // 3))[0], c) for c in SWEEP
+                ]
                 ranked = sorted(results)
                 t_best, c_best = ranked[0]
                 best = f"; best {c_best} {nbytes / t_best / 1e9:.0f} GB/s ({t_ours / t_best:.2f}x the default)"
                 best += "; then " + ", ".join(f"{c} {nbytes / t / 1e9:.0f}" for t, c in ranked[1:4])
             gbs_mlx, gbs_ours = nbytes / t_mlx / 1e9, nbytes / t_ours / 1e9
-            print(f"{name:<13} {n:>6} {k:>6} {m:>2} | {t_mlx * 1e6:>7.1f} {gbs_mlx:>5.0f} "
-                  f"{100 * gbs_mlx / ROOFLINE_GBS:>3.0f} | {t_ours * 1e6:>7.1f} {gbs_ours:>5.0f} "
-                  f"{100 * gbs_ours / ROOFLINE_GBS:>3.0f} {t_mlx / t_ours:>6.2f}x | {diff:>12.2e} | "
-                  f"default {hmv.launch_config(n, k, m)}{best}", flush=True)
+            print(
+                f"{name:<13} {n:>6} {k:>6} {m:>2} | {t_mlx * 1e6:>7.1f} {gbs_mlx:>5.0f} "
+                f"{100 * gbs_mlx / ROOFLINE_GBS:>3.0f} | {t_ours * 1e6:>7.1f} {gbs_ours:>5.0f} "
+                f"{100 * gbs_ours / ROOFLINE_GBS:>3.0f} {t_mlx / t_ours:>6.2f}x | {diff:>12.2e} | "
+                f"default {hmv.launch_config(n, k, m)}{best}",
+                flush=True,
+            )
         del weights
     return 0
 

@@ -1,7 +1,7 @@
 """Where a batch-1 decode token's host time goes: mlxcel's engine beside mlx-lm's generate_step, same random weights.
 
     python benchmarks/host_profile.py --model-shape llama-3.2-1b --dtype bfloat16
-    MLXCEL_FUSE_NORM=1 python benchmarks/host_profile.py --model-shape llama-3.2-1b --side mlxcel
+    MLXCEL_CUDA=0 python benchmarks/host_profile.py --model-shape llama-3.2-1b --side mlxcel   # MLX's ops only
 
 When the GPU finishes a token faster than the host can queue the next one (gpu_profile.py: 1B bf16 on the H200 was
 1.4 ms of GPU work in 2.3 ms of wall), the host's per-token cost is the decode speed. Per token, for each side:
@@ -31,9 +31,10 @@ sys.path.insert(0, str(HERE.parent))
 import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402
-from mlxcel_core.engine import Engine, EngineConfig, engine as engine_module  # noqa: E402
+from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
+from mlxcel_core.engine import engine as engine_module  # noqa: E402
 from mlxcel_core.engine.runner import ModelRunner  # noqa: E402
-from mlxcel_core.models.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
+from mlxcel_core.loading.shapes import add_shape_arguments, build_random_model, describe_shape  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(HERE))
@@ -63,6 +64,7 @@ class Clock:
         def timed(*a, **k):
             with self.part(name):
                 return fn(*a, **k)
+
         return timed
 
 
@@ -152,13 +154,20 @@ def cuda_api_calls(loop, tokens: int) -> dict[str, tuple[float, float]] | None:
 
 def report(side: str, parts: dict, wall_us: float, ops: collections.Counter, api, top: int) -> None:
     other = wall_us - sum(parts.values())
-    print(f"{side}: {wall_us:.0f} us/token wall ({1e6 / wall_us:.1f} tok/s) = "
-          + " + ".join(f"{name} {parts[name]:.0f}" for name in PARTS) + f" + other {other:.0f}")
+    print(
+        f"{side}: {wall_us:.0f} us/token wall ({1e6 / wall_us:.1f} tok/s) = "
+        + " + ".join(f"{name} {parts[name]:.0f}" for name in PARTS)
+        + f" + other {other:.0f}"
+    )
     print(f"  graph: {sum(ops.values())} ops/step: " + ", ".join(f"{n} {k}" for k, n in ops.most_common(top)))
     if api:
         total = sum(us for _, us in api.values())
-        print(f"  CUDA API: {total:.0f} us/token in " + ", ".join(
-            f"{name} {n:.1f}x {us:.0f} us" for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:top]))
+        print(
+            f"  CUDA API: {total:.0f} us/token in "
+            + ", ".join(
+                f"{name} {n:.1f}x {us:.0f} us" for name, (n, us) in sorted(api.items(), key=lambda kv: -kv[1][1])[:top]
+            )
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,12 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     ours, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
     vocab = config["vocab_size"]
     prompt = random_prompt(vocab, args.prompt_tokens, 0, "host-profile")
-    print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
-          f"{args.tokens} tokens timed")
+    print(
+        f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
+        f"{args.tokens} tokens timed"
+    )
     sides = []
     if args.side in ("both", "mlxcel"):
-        sides.append(("mlxcel", lambda n, clock: drain(gpu.mlxcel_tokens(ours, vocab, prompt, 0, n, args.storage)),
-                      mlxcel_step_ops(ours, args.storage, args.dot)))
+        sides.append(
+            (
+                "mlxcel",
+                lambda n, clock: drain(gpu.mlxcel_tokens(ours, vocab, prompt, 0, n, args.storage)),
+                mlxcel_step_ops(ours, args.storage, args.dot),
+            )
+        )
     if args.side in ("both", "mlx-lm"):
         theirs = compare.mlx_lm_twin(ours, config)
         sides.append(("mlx-lm", lambda n, clock: mlx_lm_loop(theirs, prompt, n, clock), mlx_lm_step_ops(theirs)))

@@ -1,6 +1,6 @@
 """Launch configurations of the decode matvec kernels measured inside a model's decode, not alone (CUDA only).
 
-    python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --dtype bfloat16 --kind hmv   # MLXCEL_HMV=1 implied
+    python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --dtype bfloat16 --kind hmv
     python benchmarks/inmodel_sweep.py --model-shape llama-3-8b --bits 4 --configs 4,2,1 8,2,1 4,4,2
 
 benchmarks/hmv.py and qmv.py time one launch shape alone; in a model the same launch ran 10-25% slower than alone
@@ -18,7 +18,6 @@ best few before changing the rule.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
@@ -29,27 +28,46 @@ sys.path.insert(0, str(HERE))
 
 import gpu_profile as gpu  # noqa: E402  (its token loop and profiler; imports mlx)
 
+from mlxcel_core.backends.cuda.kernels import hmv, qmv  # noqa: E402
 from mlxcel_core.bench import environment, random_prompt  # noqa: E402
 from mlxcel_core.engine.compiled_decode import forget_traces  # noqa: E402
-from mlxcel_core.kernels import hmv, qmv  # noqa: E402
-from mlxcel_core.models.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.loading.shapes import DTYPES, build_random_model, describe_shape, shape_config, shape_names  # noqa: E402
 
-CANDIDATES = [(2, 8, 2), (2, 4, 2), (2, 2, 2), (2, 2, 4), (2, 4, 4), (4, 2, 2), (4, 4, 2), (4, 4, 4), (4, 8, 1),
-              (4, 8, 2), (8, 2, 1), (8, 4, 1), (4, 1, 1), (4, 2, 1),
-              # (ROWS, WARPS, UNROLL, GROUPS): several independent groups to a CUDA block; one-warp groups stream
-              # whole rows as MLX's GEMV does, without the 32-blocks-a-SM cap of one-warp blocks
-              (2, 1, 2, 8), (2, 1, 4, 8), (2, 1, 1, 8), (4, 1, 1, 8), (2, 2, 2, 4), (4, 1, 2, 4)]
+CANDIDATES = [
+    (2, 8, 2),
+    (2, 4, 2),
+    (2, 2, 2),
+    (2, 2, 4),
+    (2, 4, 4),
+    (4, 2, 2),
+    (4, 4, 2),
+    (4, 4, 4),
+    (4, 8, 1),
+    (4, 8, 2),
+    (8, 2, 1),
+    (8, 4, 1),
+    (4, 1, 1),
+    (4, 2, 1),
+    # (ROWS, WARPS, UNROLL, GROUPS): several independent groups to a CUDA block; one-warp groups stream
+    # whole rows as MLX's GEMV does, without the 32-blocks-a-SM cap of one-warp blocks
+    (2, 1, 2, 8),
+    (2, 1, 4, 8),
+    (2, 1, 1, 8),
+    (4, 1, 1, 8),
+    (2, 2, 2, 4),
+    (4, 1, 2, 4),
+]
 _MODE = re.compile(r"mlxcel_(hmv|qmv)_(?:([a-z_]+)_)?[0-9a-f]{8}")
 
 
 def kernel_mode(name: str) -> str | None:
-    """"hmv swiglu_norm" for a launch of that kernel and mode ("plain" when the name has no mode), else None."""
+    """ "hmv swiglu_norm" for a launch of that kernel and mode ("plain" when the name has no mode), else None."""
     found = _MODE.search(name)
     return f"{found.group(1)} {found.group(2) or 'plain'}" if found else None
 
 
 def parse_config(text: str) -> tuple[int, ...]:
-    """"R,W,U" or "R,W,U,G" (GROUPS)."""
+    """ "R,W,U" or "R,W,U,G" (GROUPS)."""
     try:
         config = tuple(int(v) for v in text.split(","))
         if len(config) not in (3, 4) or config[0] not in (2, 4, 8):  # even rows: the pair modes need them
@@ -91,39 +109,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8)
     args = parser.parse_args(argv)
     kind = args.kind or ("qmv" if args.bits else "hmv")
-    if kind == "hmv":
-        os.environ.setdefault("MLXCEL_HMV", "1")  # wide models keep MLX's GEMV unless asked
     if not qmv.kernel_ready():
         print("inmodel_sweep.py needs MLX's CUDA backend (the kernels exist only there)", file=sys.stderr)
+        return 1
+    hidden = shape_config(args.model_shape)["hidden_size"]
+    if kind == "hmv" and not hmv.enabled(hidden):
+        print(
+            f"inmodel_sweep.py: a 16-bit model {hidden} wide keeps MLX's GEMV (the kernel serves models up to "
+            f"{hmv.DEFAULT_MAX_HIDDEN} wide): nothing to sweep",
+            file=sys.stderr,
+        )
         return 1
     module = hmv if kind == "hmv" else qmv
     rule = module.launch_config
     model, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
     vocab = config["vocab_size"]
     prompt = random_prompt(vocab, args.prompt_tokens, 0, "inmodel-sweep")
-    print(f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; {kind}; prompt "
-          f"{args.prompt_tokens}, {args.warm} warm-up tokens, {args.tokens} profiled per configuration")
+    print(
+        f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; {kind}; prompt "
+        f"{args.prompt_tokens}, {args.warm} warm-up tokens, {args.tokens} profiled per configuration"
+    )
     results: dict[str, dict] = {}
     for config in [None] + (args.configs or CANDIDATES):
         label = "rule" if config is None else ",".join(map(str, config))
         use_config(module, model, config, rule)
         try:
-            r = gpu.profile_tokens(gpu.mlxcel_tokens(model, vocab, prompt, args.warm, args.tokens), args.warm,
-                                   args.tokens)
+            r = gpu.profile_tokens(
+                gpu.mlxcel_tokens(model, vocab, prompt, args.warm, args.tokens), args.warm, args.tokens
+            )
         except Exception as e:  # noqa: BLE001 - a configuration the kernel cannot build (registers, limits): next
             print(f"{label:>7}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         modes = per_mode(r)
         results[label] = modes
-        print(f"{label:>7}: wall {r['wall_ms']:.3f} ms/token, GPU busy {r['busy_ms']:.3f} ms/token | "
-              + " | ".join(f"{m} {us:.2f} us" for m, us in sorted(modes.items())), flush=True)
+        print(
+            f"{label:>7}: wall {r['wall_ms']:.3f} ms/token, GPU busy {r['busy_ms']:.3f} ms/token | "
+            + " | ".join(f"{m} {us:.2f} us" for m, us in sorted(modes.items())),
+            flush=True,
+        )
     use_config(module, model, None, rule)
     print("best per mode (us per call; the rule's in brackets):")
     for mode in sorted({m for modes in results.values() for m in modes}):
         timed = sorted((modes[mode], label) for label, modes in results.items() if mode in modes)
         rule_us = results["rule"].get(mode, float("nan"))
-        print(f"  {mode:<22} {timed[0][1]:>7} {timed[0][0]:8.2f} us  [rule {rule_us:.2f}]  then "
-              + ", ".join(f"{label} {us:.2f}" for us, label in timed[1:4]))
+        print(
+            f"  {mode:<22} {timed[0][1]:>7} {timed[0][0]:8.2f} us  [rule {rule_us:.2f}]  then "
+            + ", ".join(f"{label} {us:.2f}" for us, label in timed[1:4])
+        )
     return 0
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
 
-from mlxcel_core.kernels.cubin_cache import compile_cubin, gpu_architecture  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.cubin_cache import compile_cubin, gpu_architecture  # noqa: E402
 
 SOURCE = """
 #include <cuda_bf16.h>
@@ -38,9 +38,16 @@ def cubin(name: str, pad_bytes: int) -> bytes:
 
 def chain(name: str, source, x: mx.array) -> mx.array:
     for _ in range(CHAIN):
-        x = mx.fast.precompiled_cuda_kernel(name=name, compiled_source=source, inputs=[x], output_shapes=[x.shape],
-                                            output_dtypes=[x.dtype], scalars=[x.size], grid=(x.size, 1, 1),
-                                            threadgroup=(256, 1, 1))[0]
+        x = mx.fast.precompiled_cuda_kernel(
+            name=name,
+            compiled_source=source,
+            inputs=[x],
+            output_shapes=[x.shape],
+            output_dtypes=[x.dtype],
+            scalars=[x.size],
+            grid=(x.size, 1, 1),
+            threadgroup=(256, 1, 1),
+        )[0]
     return x
 
 
@@ -55,6 +62,9 @@ def per_launch_us(fn, x: mx.array) -> float:
 
 
 def main() -> int:
+    if not (getattr(mx, "cuda", None) and mx.cuda.is_available()):
+        print("precompiled_call_cost.py needs MLX's CUDA backend", file=sys.stderr)
+        return 1
     x = mx.ones((2048,), mx.float32)
     small, large = cubin("k_small", 0), cubin("k_large", 65536)
     print(f"cubin sizes: small {len(small)} B, large {len(large)} B")

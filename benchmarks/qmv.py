@@ -1,6 +1,6 @@
-"""How to validate (H200): python -m pytest -q tests/mlxcel_core/kernels && python benchmarks/qmv.py
+"""On an H200: python -m pytest -q tests/mlxcel_core/backends/cuda/kernels && python benchmarks/qmv.py
 
-MLX's quantized_matmul vs mlxcel's 4-bit decode matvec kernel (mlxcel_core/kernels/qmv.py), on CUDA only.
+MLX's quantized_matmul vs mlxcel's 4-bit decode matvec kernel (backends/cuda/kernels/qmv.py), on CUDA only.
 
     python benchmarks/qmv.py                        # Llama-3-8B decode GEMVs, M = 1, 2, 4, 8, bf16; then end to end
     python benchmarks/qmv.py --m 1 8 --dtype float16 --no-e2e
@@ -10,24 +10,26 @@ For each of Llama-3-8B's decode GEMVs (q/o 4096x4096, k/v 1024x4096, gate/up 143
 head 128256x4096; 4-bit, group size 64) and each M (rows of x): the median time of one call, GB/s = bytes of the
 packed weights + scales + biases / time, and the speedup. Timing: `--calls` independent calls are built as one
 lazy graph (not timed), then one mx.eval runs them one after another on one stream (MLX_USE_CUDA_GRAPHS=0 unless
---concurrent: inside a CUDA graph independent calls overlap, which hides a launch too small to fill the GPU); the time per call is that eval's wall
-time / calls, median over `--reps` repetitions after a warm-up (compilation included there). Calls cycle over
-enough copies of the weights (>= 3 x the 50 MB L2) that every call reads its weights from HBM. "host us" is the
-Python + MLX graph-building time per call (not in the GPU time; the engine overlaps it with the GPU via
-mx.async_eval). "max rel diff" compares the two results (MLX's own CUDA matvec accumulates in bf16, so ~1e-2 is
-expected; the kernel's accuracy is what tests/mlxcel_core/kernels checks against a float64 reference).
+--concurrent: inside a CUDA graph independent calls overlap, which hides a launch too small to fill the GPU); the
+time per call is that eval's wall time / calls, median over `--reps` repetitions after a warm-up (compilation
+included there). Calls cycle over enough copies of the weights (>= 3 x the 50 MB L2) that every call reads its
+weights from HBM. "host us" is the Python + MLX graph-building time per call (not in the GPU time; the engine
+overlaps it with the GPU via mx.async_eval). "max rel diff" compares the two results (MLX's own CUDA matvec
+accumulates in bf16, so ~1e-2 is expected; the kernel's accuracy is what tests/mlxcel_core/backends/cuda/kernels
+checks against a float64 reference).
 
 --sweep (default on) also times the (ROWS, WARPS) launch configurations of SWEEP and prints the best one next to
 the default that `launch_config` picks: if the best is much faster, update `launch_config`. The M at which the
-kernel stops beating MLX is what fast_linear.LAYER_MAX_ROWS (MLXCEL_QMV_MAX_ROWS, default 2) should be.
+kernel stops beating MLX bounds qmv.MAX_ROWS (the rows of x a decode layer gives the kernel, fast_linear.py).
 
-End to end (--e2e, default on; with --concurrent only, as decoding runs with CUDA graphs): a random 4-bit Llama-3-8B (mlxcel_core.models.shapes), greedy decode of
---e2e-tokens tokens at batch 1 (graph of step t+1 built while step t runs, mx.async_eval), plain MLX layers vs the
-swapped layers (use_fast_quantized_linear: MIN_WEIGHT and LAYER_MAX_ROWS as configured), tok/s, the weight bytes
-per second that implies, and the host time spent building each step's graph (when it is close to the time per
-token, decode is bound by Python/MLX graph building, not by the GPU). The same comparison through the CLI:
-    MLXCEL_QMV=0 mlxcel bench --model-shape llama-3-8b --bits 4 -p 0 -n 128
-    MLXCEL_QMV=1 mlxcel bench --model-shape llama-3-8b --bits 4 -p 0 -n 128
+End to end (--e2e, default on; with --concurrent only, as decoding runs with CUDA graphs): a random 4-bit Llama-3-8B
+(mlxcel_core.loading.shapes), greedy decode of --e2e-tokens tokens at batch 1 (graph of step t+1 built while step t
+runs, mx.async_eval), plain MLX layers vs the swapped layers (use_fast_quantized_linear: MIN_WEIGHT and
+LAYER_MAX_ROWS as they are), tok/s, the weight bytes per second that implies, and the host time spent building each
+step's graph (when it is close to the time per token, decode is bound by Python/MLX graph building, not by the GPU).
+Through the CLI, the whole CUDA wing off (MLX's ops throughout) and on, not this kernel alone:
+    MLXCEL_CUDA=0 mlxcel bench --model-shape llama-3-8b --bits 4 -p 0 -n 128
+    mlxcel bench --model-shape llama-3-8b --bits 4 -p 0 -n 128
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ if "--concurrent" not in sys.argv:
 
 import mlx.core as mx  # noqa: E402
 
-from mlxcel_core.kernels import qmv  # noqa: E402
+from mlxcel_core.backends.cuda.kernels import qmv  # noqa: E402
 
 GROUP_SIZE = 64
 L2_BYTES = 50 * 2**20
@@ -122,10 +124,14 @@ def max_rel_diff(a: mx.array, b: mx.array) -> float:
 
 def bench_gemvs(args) -> None:
     dtype = getattr(mx, args.dtype)
-    print(f"kernel {qmv.KERNEL_NAME}; {args.dtype}; group size {GROUP_SIZE}; {args.calls} calls per eval, "
-          f"median of {args.reps}")
-    header = (f"{'shape':<14} {'N':>6} {'K':>6} {'M':>2} | {'MLX us':>8} {'GB/s':>6} | {'ours us':>8} {'GB/s':>6} "
-              f"{'speedup':>7} | {'host us MLX/ours':>16} | {'max rel diff':>12} | config")
+    print(
+        f"kernel {qmv.KERNEL_NAME}; {args.dtype}; group size {GROUP_SIZE}; {args.calls} calls per eval, "
+        f"median of {args.reps}"
+    )
+    header = (
+        f"{'shape':<14} {'N':>6} {'K':>6} {'M':>2} | {'MLX us':>8} {'GB/s':>6} | {'ours us':>8} {'GB/s':>6} "
+        f"{'speedup':>7} | {'host us MLX/ours':>16} | {'max rel diff':>12} | config"
+    )
     print(header)
     print("-" * len(header))
     for name, n, k in SHAPES:
@@ -151,17 +157,20 @@ def bench_gemvs(args) -> None:
                     results.append((t, config))
                 t_best, c_best = min(results)
                 best = f"; best {c_best} {nbytes / t_best / 1e9:.0f} GB/s ({t_ours / t_best:.2f}x the default)"
-            print(f"{name:<14} {n:>6} {k:>6} {m:>2} | {t_mlx * 1e6:>8.1f} {nbytes / t_mlx / 1e9:>6.0f} | "
-                  f"{t_ours * 1e6:>8.1f} {nbytes / t_ours / 1e9:>6.0f} {t_mlx / t_ours:>6.2f}x | "
-                  f"{h_mlx * 1e6:>7.1f}/{h_ours * 1e6:<8.1f} | {diff:>12.2e} | default {default}{best}", flush=True)
+            print(
+                f"{name:<14} {n:>6} {k:>6} {m:>2} | {t_mlx * 1e6:>8.1f} {nbytes / t_mlx / 1e9:>6.0f} | "
+                f"{t_ours * 1e6:>8.1f} {nbytes / t_ours / 1e9:>6.0f} {t_mlx / t_ours:>6.2f}x | "
+                f"{h_mlx * 1e6:>7.1f}/{h_ours * 1e6:<8.1f} | {diff:>12.2e} | default {default}{best}",
+                flush=True,
+            )
         del weights, one
 
 
 def bench_e2e(args) -> None:
+    from mlxcel_core.backends.cuda.kernels.fast_linear import restore_quantized_linear, use_fast_quantized_linear
+    from mlxcel_core.backends.cuda.kernels.fused_projections import unfuse_projections
     from mlxcel_core.cache import make_cache
-    from mlxcel_core.kernels import restore_quantized_linear, use_fast_quantized_linear
-    from mlxcel_core.kernels.fused_projections import unfuse_projections
-    from mlxcel_core.models.shapes import build_random_model, count_parameters
+    from mlxcel_core.loading.shapes import build_random_model, count_parameters
 
     print(f"\nend to end: random llama-3-8b, 4-bit, {args.dtype}, greedy decode at batch 1, {args.e2e_tokens} tokens")
     model, _ = build_random_model("llama-3-8b", bits=4, dtype=args.dtype)
@@ -195,11 +204,15 @@ def bench_e2e(args) -> None:
         rates.setdefault(label, []).append(decode())
     for label in ("MLX", "ours"):
         tps, tokens, host = rates[label][-1]
-        print(f"{label:>5}: {tps:7.1f} tok/s = {1e3 / tps:5.2f} ms/token ({tps * nbytes / 1e9:5.0f} GB/s of weights); "
-              f"graph building {host * 1e3:5.2f} ms/token; first tokens {tokens[:8]}")
+        print(
+            f"{label:>5}: {tps:7.1f} tok/s = {1e3 / tps:5.2f} ms/token ({tps * nbytes / 1e9:5.0f} GB/s of weights); "
+            f"graph building {host * 1e3:5.2f} ms/token; first tokens {tokens[:8]}"
+        )
     same = rates["MLX"][-1][1] == rates["ours"][-1][1]
-    print(f"speedup {rates['ours'][-1][0] / rates['MLX'][-1][0]:.2f}x; greedy tokens "
-          f"{'identical' if same else 'differ (random weights in bf16: near-ties, see tests)'}")
+    print(
+        f"speedup {rates['ours'][-1][0] / rates['MLX'][-1][0]:.2f}x; greedy tokens "
+        f"{'identical' if same else 'differ (random weights in bf16: near-ties, see tests)'}"
+    )
 
 
 def gemv_parser(description: str) -> argparse.ArgumentParser:
@@ -211,8 +224,11 @@ def gemv_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--concurrent", action="store_true",
-                        help="keep MLX's CUDA graphs: independent calls overlap (read before MLX starts)")
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="keep MLX's CUDA graphs: independent calls overlap (read before MLX starts)",
+    )
     return parser
 
 
@@ -222,16 +238,20 @@ def main() -> int:
     parser.add_argument("--e2e-tokens", type=int, default=128)
     args = parser.parse_args()
     if not qmv.cuda_kernel_available():
-        print("benchmarks/qmv.py: needs MLX's CUDA backend and a CUDA device (mx.cuda.is_available() is False "
-              "here); the kernel only exists there, elsewhere quantized_matvec is mx.quantized_matmul.",
-              file=sys.stderr)
+        print(
+            "benchmarks/qmv.py: needs MLX's CUDA backend and a CUDA device (mx.cuda.is_available() is False "
+            "here); the kernel only exists there, elsewhere quantized_matvec is mx.quantized_matmul.",
+            file=sys.stderr,
+        )
         return 1
     if any(not 1 <= m <= qmv.MAX_ROWS for m in args.m):
         parser.error(f"--m values must be 1..{qmv.MAX_ROWS}")
     bench_gemvs(args)
     if args.e2e and os.environ.get("MLX_USE_CUDA_GRAPHS") == "0":
-        print("\nend to end: skipped, CUDA graphs are off for the GEMV table (a decode runs with them: rerun with "
-              "--concurrent, or use compare_mlx_lm.py)")
+        print(
+            "\nend to end: skipped, CUDA graphs are off for the GEMV table (a decode runs with them: rerun with "
+            "--concurrent, or use compare_mlx_lm.py)"
+        )
     elif args.e2e:
         bench_e2e(args)
     return 0

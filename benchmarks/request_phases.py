@@ -1,7 +1,7 @@
 """Where each request's time to first token goes, request after request on one Engine (as `mlxcel serve` keeps one).
 
     python benchmarks/request_phases.py --model-shape llama-3.2-1b --dtype bfloat16 --prompt-tokens 512 --requests 4
-    MLXCEL_CUDA_GRAPH=0 python benchmarks/request_phases.py --model-shape llama-3.2-1b --dtype bfloat16
+    python benchmarks/request_phases.py --model-shape llama-3.2-1b --dtype bfloat16 --no-graph   # MLX's decode steps
 
 Why: on the H200 (twenty-second session) compare_mlx_lm's first timed mlxcel run read a TTFT of 1.3-2.5 s at every
 shape, its later runs 7-72 ms, although a warm-up of the same length ran first on the same engine. This sends the same
@@ -26,13 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
-
 from compare_mlx_lm import mlx_lm_twin, mlxcel_engine  # noqa: E402
+
+from mlxcel_core import backends  # noqa: E402
 from mlxcel_core.bench import forget_cached_prefixes, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.engine import graph_decode  # noqa: E402
-from mlxcel_core.kernels import cubin_cache  # noqa: E402
-from mlxcel_core.models.shapes import DTYPES, build_random_model, shape_names  # noqa: E402
+from mlxcel_core.loading.shapes import DTYPES, build_random_model, shape_names  # noqa: E402
 from mlxcel_core.paths import use_kernel_cache  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
@@ -56,9 +55,11 @@ def timed_piece(owner, attr: str, label: str) -> None:
 
 
 def counters(engine: Engine) -> tuple[int, int, int, int]:
-    graph = engine.graph
-    g = (graph.recorded, graph.adopted, graph.replayed) if graph is not None else (0, 0, 0)
-    return (engine.runner.prefill_tokens, *g)
+    """(prompt tokens computed, graph recordings, adoptions, replays) so far. Engine.stats() has the first and the
+    last; recordings and adoptions are the CUDA replayer's own counters (this script times its parts anyway)."""
+    stats, graph = engine.stats(), engine.graph
+    recorded, adopted = (graph.recorded, graph.adopted) if graph is not None else (0, 0)
+    return (stats.prefill_tokens, recorded, adopted, stats.graph_replayed or 0)
 
 
 def describe(before: tuple, after: tuple) -> str:
@@ -112,22 +113,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4, help="engine steps shown per request")
-    parser.add_argument("--mlx-lm-between", action="store_true",
-                        help="mlx-lm's generate_step on the same prompt and length between requests (compare_mlx_lm's "
-                             "other turn; its first run in the process comes right before request 2, as there)")
+    parser.add_argument(
+        "--mlx-lm-between",
+        action="store_true",
+        help="mlx-lm's generate_step on the same prompt and length between requests (compare_mlx_lm's "
+        "other turn; its first run in the process comes right before request 2, as there)",
+    )
     parser.add_argument("--storage", default="auto", choices=("auto", "dense", "paged"))
+    parser.add_argument(
+        "--no-graph",
+        action="store_true",
+        help="EngineConfig(decode_graph=False): MLX runs every decode step, none is replayed",
+    )
     parser.add_argument("--no-clear", action="store_true", help="skip gc.collect + mx.clear_cache between requests")
     parser.add_argument("--max-batch", type=int, default=1, help="the engines' batch limit (compare_mlx_lm: 1)")
-    parser.add_argument("--serve-warmup", action="store_true",
-                        help="as `mlxcel serve` starts: its warm-up (server/warmup.py) on a throwaway engine, then "
-                             "every request timed on a new one, the first included")
+    parser.add_argument(
+        "--serve-warmup",
+        action="store_true",
+        help="as `mlxcel serve` starts: its warm-up (server/warmup.py) on a throwaway engine, then "
+        "every request timed on a new one, the first included",
+    )
     args = parser.parse_args(argv)
 
     model, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=0)
     vocab = config["vocab_size"]
 
     def new_engine() -> Engine:  # as compare_mlx_lm makes it
-        return mlxcel_engine(model, vocab, args.storage, args.max_batch)
+        return mlxcel_engine(model, vocab, args.storage, args.max_batch, decode_graph=not args.no_graph)
 
     if args.serve_warmup:
         from mlxcel_core.server.warmup import warm_up, warmup_plan
@@ -136,16 +148,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve's warm-up on a throwaway engine: {warm_up(new_engine(), plan):.2f} s ({plan.describe()})")
         gc.collect()
     engine = new_engine()
-    timed_piece(cubin_cache, "compile_cubin", "cubin compile (NVRTC)")
+    backend = backends.current()
+    pdl = "n/a"
+    if backend.name == "cuda":  # the CUDA wing's kernel cache: its compiles, and whether launches chain (PDL)
+        from mlxcel_core.backends.cuda.kernels import cubin_cache
+
+        timed_piece(cubin_cache, "compile_cubin", "cubin compile (NVRTC)")
+        pdl = cubin_cache.pdl_enabled()
     timed_piece(engine.runner, "prefill", "runner.prefill")
     timed_piece(engine.runner, "decode", "runner.decode (MLX step)")
     if engine.graph is not None:
         for attr in ("settle", "_check_pools", "_adopt", "_record", "_launch"):
             timed_piece(engine.graph, attr, f"graph.{attr}")
-    print(f"{args.model_shape} {args.bits or args.dtype}, prompt {args.prompt_tokens}, {args.gen_tokens} new tokens; "
-          f"backend {'gpu' if mx.default_device() == mx.gpu else 'cpu'}; graph "
-          f"{'on' if engine.graph is not None else 'off'} ({graph_decode.ENV}), PDL {cubin_cache.pdl_enabled()}, "
-          f"KV {args.storage} ({EngineConfig(storage=args.storage).resolved_storage})")
+    print(
+        f"{args.model_shape} {args.bits or args.dtype}, prompt {args.prompt_tokens}, {args.gen_tokens} new tokens; "
+        f"device {'gpu' if mx.default_device() == mx.gpu else 'cpu'}, backend {backend.name}; graph "
+        f"{'off' if engine.stats().graph_replayed is None else 'on'}, PDL {pdl}, "
+        f"KV {args.storage} ({EngineConfig(storage=args.storage).resolved_storage})"
+    )
     twin = None
     if args.mlx_lm_between:
         from mlx_lm.generate import generate_step

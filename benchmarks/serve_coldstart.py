@@ -33,32 +33,43 @@ RUNS = {"cold": ["--warmup"], "warm": ["--warmup"], "nowarmup": ["--no-warmup"]}
 
 def save_model(shape: str, bits: int | None, dtype: str, path: Path) -> Path:
     """A random model of `shape` as an MLX checkpoint (the layout mlx-lm writes) plus the tests' tiny tokenizer."""
-    os.environ["MLXCEL_FUSE"] = "0"  # keep the saved parameters plain (no fused projections to unpick)
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxcel_core.models.shapes import QUANT_GROUP_SIZE, build_random_model
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
+    from mlxcel_core.loading.shapes import QUANT_GROUP_SIZE, build_random_model
 
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import CHATML, build_tokenizer
 
-    model, config = build_random_model(shape, bits=bits, dtype=dtype, seed=0)
+    previous = backends.use(Backend())  # built on the portable backend: plain parameters, as a checkpoint holds them
+    try:
+        model, config = build_random_model(shape, bits=bits, dtype=dtype, seed=0)
+    finally:
+        backends.use(previous)
     if bits:
         config = {**config, "quantization": {"group_size": QUANT_GROUP_SIZE, "bits": bits}}
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config))
     build_tokenizer().save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML})
+    )
     return path
 
 
 def start_server(model: Path, cache: Path, flags: list[str], log_lines: list[str]) -> tuple[subprocess.Popen, int]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MLX_PTX_CACHE_DIR", "MLXCEL_FUSE")}
+    env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
     env["MLXCEL_CACHE_DIR"] = str(cache)
-    proc = subprocess.Popen([sys.executable, "-m", "mlxcel_cli", "serve", "-m", str(model), "--port", "0", *flags],
-                            cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlxcel_cli", "serve", "-m", str(model), "--port", "0", *flags],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     port: list[int] = []
     ready = threading.Event()
 
@@ -128,8 +139,11 @@ def main() -> None:
     os.environ["MLXCEL_CACHE_DIR"] = str(work / "builder-cache")  # the builder's own compiles stay out of `cache`
     began = time.perf_counter()
     model = save_model(args.model_shape, args.bits, args.dtype, work / "model")
-    print(f"model {args.model_shape} {'%d-bit' % args.bits if args.bits else args.dtype} saved in "
-          f"{time.perf_counter() - began:.1f} s", flush=True)
+    print(
+        f"model {args.model_shape} {'%d-bit' % args.bits if args.bits else args.dtype} saved in "
+        f"{time.perf_counter() - began:.1f} s",
+        flush=True,
+    )
     cache = work / "cache"
     for run in runs:
         log_lines: list[str] = []
@@ -145,9 +159,12 @@ def main() -> None:
             proc.wait(30)
         warm = next((m.group(1) for line in log_lines if (m := re.search(r"warm-up: ([\d.]+) s", line))), "-")
         files = sum(1 for p in (cache / "kernels").rglob("*") if p.is_file()) if (cache / "kernels").exists() else 0
-        print(f"{run:9s} ready {ready:6.1f} s (warm-up {warm} s) | first request TTFT {first[0] * 1e3:8.1f} ms, "
-              f"total {first[1] * 1e3:8.1f} ms | second TTFT {second[0] * 1e3:7.1f} ms, total {second[1] * 1e3:7.1f}"
-              f" ms | kernel cache {files} files", flush=True)
+        print(
+            f"{run:9s} ready {ready:6.1f} s (warm-up {warm} s) | first request TTFT {first[0] * 1e3:8.1f} ms, "
+            f"total {first[1] * 1e3:8.1f} ms | second TTFT {second[0] * 1e3:7.1f} ms, total {second[1] * 1e3:7.1f}"
+            f" ms | kernel cache {files} files",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

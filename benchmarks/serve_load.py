@@ -119,8 +119,13 @@ def client_loop(worker: int, args, model: str, deadline: float, results: Results
         while time.perf_counter() < deadline:
             prompt = PROMPTS[i % len(PROMPTS)]
             i += args.clients
-            body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                    "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "max_tokens": args.max_tokens,
+                "temperature": args.temperature,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             if args.endpoint == "chat":
                 body["messages"] = [{"role": "user", "content": prompt}]
             else:
@@ -145,10 +150,17 @@ def report(results: Results, elapsed: float, args, model: str) -> dict:
         return {f"p{int(q * 100)}_ms": round(percentile(values, q) * 1000, 2) for q in (0.5, 0.9, 0.99)}
 
     return {
-        "url": args.url, "endpoint": args.endpoint, "model": model, "clients": args.clients,
-        "duration_s": args.duration, "max_tokens": args.max_tokens, "elapsed_s": round(elapsed, 2),
-        "requests": len(samples), "errors": dict(results.errors),
-        "requests_per_s": round(len(samples) / elapsed, 3), "output_tokens": tokens,
+        "url": args.url,
+        "endpoint": args.endpoint,
+        "model": model,
+        "clients": args.clients,
+        "duration_s": args.duration,
+        "max_tokens": args.max_tokens,
+        "elapsed_s": round(elapsed, 2),
+        "requests": len(samples),
+        "errors": dict(results.errors),
+        "requests_per_s": round(len(samples) / elapsed, 3),
+        "output_tokens": tokens,
         "output_tokens_per_s": round(tokens / elapsed, 2),
         "mean_output_tokens": round(tokens / len(samples), 1) if samples else 0,
         "ttft": stats([s.ttft for s in samples]),
@@ -177,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     results = Results()
     start = time.perf_counter()
     deadline = start + args.duration
-    threads = [threading.Thread(target=client_loop, args=(w, args, model, deadline, results), daemon=True)
-               for w in range(args.clients)]
+    threads = [
+        threading.Thread(target=client_loop, args=(w, args, model, deadline, results), daemon=True)
+        for w in range(args.clients)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -187,15 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(f"{summary['url']} {summary['endpoint']} model={model} clients={args.clients} "
-              f"duration={args.duration}s max_tokens={args.max_tokens}")
-        print(f"requests: {summary['requests']} in {summary['elapsed_s']} s ({summary['requests_per_s']} req/s), "
-              f"errors: {summary['errors'] or 0}")
-        print(f"output: {summary['output_tokens']} tokens ({summary['output_tokens_per_s']} tok/s, "
-              f"{summary['mean_output_tokens']} per request)")
+        print(
+            f"{summary['url']} {summary['endpoint']} model={model} clients={args.clients} "
+            f"duration={args.duration}s max_tokens={args.max_tokens}"
+        )
+        print(
+            f"requests: {summary['requests']} in {summary['elapsed_s']} s ({summary['requests_per_s']} req/s), "
+            f"errors: {summary['errors'] or 0}"
+        )
+        print(
+            f"output: {summary['output_tokens']} tokens ({summary['output_tokens_per_s']} tok/s, "
+            f"{summary['mean_output_tokens']} per request)"
+        )
         for name in ("ttft", "tpot", "itl", "e2e"):
             s = summary[name]
-            print(f"{name.upper():5s} p50 {s['p50_ms']:>9.2f} ms   p90 {s['p90_ms']:>9.2f} ms   p99 {s['p99_ms']:>9.2f} ms")
+            print(
+                f"{name.upper():5s} p50 {s['p50_ms']:>9.2f} ms   p90 {s['p90_ms']:>9.2f} ms   "
+                f"p99 {s['p99_ms']:>9.2f} ms"
+            )
     return 1 if not results.samples else 0
 
 

@@ -1,10 +1,17 @@
-"""Decode tok/s with prompt-lookup speculative decoding vs plain, interleaved, on an input-grounded prompt and an open one.
+"""Decode tok/s with prompt-lookup speculative decoding vs plain, interleaved, on an input-grounded prompt and an open
+one.
 
-    python benchmarks/speculative.py MODEL.gguf MAX_TOKENS REPS K1,K2   (e.g. the SmolLM2 Q4_1 GGUF: mlxcel generate fetches it)
+    python benchmarks/speculative.py MODEL.gguf MAX_TOKENS REPS K1,K2
+
+MODEL.gguf: e.g. the SmolLM2 Q4_1 GGUF (mlxcel generate fetches it).
 """
-import json, sys
+
+import json
+import sys
+
 sys.path.insert(0, ".")
 import mlx.core as mx
+
 from mlxcel_core.api import prepare_prompt, stream_generate
 from mlxcel_core.engine import EngineConfig, SpeculativeConfig
 from mlxcel_core.loading import load_model
@@ -13,7 +20,7 @@ from mlxcel_core.sampling import SamplingParams
 gguf, max_tokens, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 ks = [int(k) for k in sys.argv[4].split(",")]
 m = load_model(gguf, log=lambda x: None)
-CODE = '''import math
+CODE = """import math
 
 
 class Circle:
@@ -41,9 +48,11 @@ class Rectangle:
 
 def total_area(shapes):
     return sum(shape.area() for shape in shapes)
-'''
-PROMPTS = {"edit-code": "Here is some Python code:\n\n" + CODE + "\nPrint the same code again with a comment at the top.",
-           "open-question": "Write a short story about a robot who learns to paint."}
+"""
+PROMPTS = {
+    "edit-code": "Here is some Python code:\n\n" + CODE + "\nPrint the same code again with a comment at the top.",
+    "open-question": "Write a short story about a robot who learns to paint.",
+}
 out = {"device": str(mx.default_device()), "mlx": mx.__version__, "runs": []}
 configs = [("plain", None)] + [(f"ngram3-k{k}", SpeculativeConfig(ngram=3, num_draft_tokens=k)) for k in ks]
 for name, text in PROMPTS.items():
@@ -57,13 +66,24 @@ for name, text in PROMPTS.items():
             tokens = [c.token for c in chunks if c.token is not None]
             if ref is None:
                 ref = tokens
-            row = {"prompt": name, "config": label, "rep": rep, "prompt_tokens": len(ids),
-                   "generated": stats.generated_tokens, "decode_tps": round(stats.decode_tps, 2),
-                   "identical": tokens == ref}
+            row = {
+                "prompt": name,
+                "config": label,
+                "rep": rep,
+                "prompt_tokens": len(ids),
+                "generated": stats.generated_tokens,
+                "decode_tps": round(stats.decode_tps, 2),
+                "identical": tokens == ref,
+            }
             if stats.speculative is not None:
                 s = stats.speculative
-                row.update(rounds=s.rounds, proposed=s.proposed, accepted=s.accepted,
-                           acceptance=round(s.acceptance_rate, 3), mean_accepted=round(s.mean_accepted, 2))
+                row.update(
+                    rounds=s.rounds,
+                    proposed=s.proposed,
+                    accepted=s.accepted,
+                    acceptance=round(s.acceptance_rate, 3),
+                    mean_accepted=round(s.mean_accepted, 2),
+                )
             out["runs"].append(row)
             print(json.dumps(row), flush=True)
 summary = {}

@@ -40,8 +40,9 @@ def main() -> int:
     from mlxcel_core.sampling import SamplingParams
 
     start = time.perf_counter()
-    bench_model = load_bench_model(shape=args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed,
-                                   group=group)
+    bench_model = load_bench_model(
+        shape=args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed, group=group
+    )
     built_s = time.perf_counter() - start
     engine = Engine(bench_model.model, RandomIdTokenizer(bench_model.vocab_size), EngineConfig(max_batch_size=1))
     prompt = random_prompt(bench_model.vocab_size, args.prompt_tokens, args.seed, "tp-greedy")
@@ -51,13 +52,23 @@ def main() -> int:
     while engine.has_work():
         tokens += [out.token for out in engine.step() if out.token is not None]
     seq = engine.sequence(seq_id)
-    print(json.dumps({
-        "shape": args.model_shape, "bits": args.bits, "dtype": args.dtype, "tp_size": args.tp_size,
-        "prompt_tokens": args.prompt_tokens, "tokens": tokens, "build_s": round(built_s, 2),
-        "generate_s": round(time.perf_counter() - start, 3),
-        "decode_tok_s": round((len(tokens) - 1) / seq.timings.decode_s, 2) if seq.timings.decode_s else None,
-        "peak_memory_gib_rank0": round(mx.get_peak_memory() / 2**30, 2),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "shape": args.model_shape,
+                "bits": args.bits,
+                "dtype": args.dtype,
+                "tp_size": args.tp_size,
+                "prompt_tokens": args.prompt_tokens,
+                "tokens": tokens,
+                "build_s": round(built_s, 2),
+                "generate_s": round(time.perf_counter() - start, 3),
+                "decode_tok_s": round((len(tokens) - 1) / seq.timings.decode_s, 2) if seq.timings.decode_s else None,
+                "peak_memory_gib_rank0": round(mx.get_peak_memory() / 2**30, 2),
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

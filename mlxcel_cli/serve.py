@@ -191,6 +191,9 @@ def _bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        # Listening from here on: a client that connects as soon as the "listening on" line appears waits in the
+        # backlog until uvicorn accepts, instead of being refused while the app starts.
+        sock.listen(2048)
     except OSError as exc:
         raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     return sock

@@ -119,9 +119,5 @@ def prefill_context(engine, prefixes: list[list[int]]):
 
 
 def forget_cached_prefixes(engine) -> None:
-    """Empty a paged prefix cache, so a repetition never reuses the previous one's (identical) prompt."""
-    pool = getattr(engine.storage, "pool", None)  # (dense storage has none)
-    if pool is not None:  # (without a prefix cache nothing is evictable: forget_cached does nothing)
-        # Not by allocating every block and releasing them: that raised the pool's high water to its whole budget,
-        # so every layer's KV arrays grew to the whole KV budget (a fraction of the device's memory) at the first run.
-        pool.forget_cached()
+    """Empty the engine's prefix cache, so a repetition never reuses the previous one's (identical) prompt."""
+    engine.forget_cached_prefixes()

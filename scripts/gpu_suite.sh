@@ -17,14 +17,17 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   stage)
     ../shared/gpu/stage.sh platformdirs starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
-      pytest-xdist execnet mlx-lm==0.32.2
+      pytest-xdist execnet mlx-lm==0.32.2 ruff import-linter grimp pexpect ptyprocess
+    # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
+    mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
     ;;
   copy)
     mkdir -p /tmp/dw && cp .devwheels/a/* /tmp/dw/
     ;;
   run)
+    cp .devwheels/b/*.whl /tmp/dw/ 2>/dev/null || true
     bash .devwheels/b/install.sh >/dev/null
-    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+    export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
     case "${2:-all}" in
       cuda) paths=(tests/mlxcel_core/backends) ;;
       engine) paths=(tests/mlxcel_core/engine tests/mlxcel_core/server tests/autotune) ;;

@@ -6,8 +6,12 @@ gets the portable backend and imports no CUDA module.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .. import settings
-from .base import Backend
+
+if TYPE_CHECKING:  # (imported at first use: importing the package imports no MLX)
+    from .base import Backend
 
 _current: Backend | None = None
 
@@ -27,10 +31,12 @@ def current() -> Backend:
     global _current
     if _current is None:
         if settings.get("MLXCEL_CUDA") and cuda_available():
-            from .cuda import CudaBackend
+            from .cuda.backend import CudaBackend
 
             _current = CudaBackend()
         else:
+            from .base import Backend
+
             _current = Backend()
     return _current
 

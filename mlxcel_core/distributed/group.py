@@ -196,11 +196,14 @@ def _rank_environments(tp_size: int, backend: str, hostfile: str | None) -> list
         return [{"MLX_RANK": str(r), "MLX_HOSTFILE": hostfile, "MLXCEL_TP_BACKEND": "ring"} for r in range(tp_size)]
     # NCCL: rank 0 hosts the rendezvous; each rank sees one GPU (the rank-th of those visible to us).
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(r) for r in range(tp_size)]
+    if visible:
+        gpus, where = visible.split(","), "CUDA_VISIBLE_DEVICES lists"
+    else:
+        import mlx.core as mx
+
+        gpus, where = [str(r) for r in range(mx.device_count(mx.gpu))], "this machine has"
     if len(gpus) < tp_size:
-        raise InputError(
-            f"--tp-size {tp_size} with NCCL needs {tp_size} GPUs, but CUDA_VISIBLE_DEVICES lists {len(gpus)}"
-        )
+        raise InputError(f"--tp-size {tp_size} with NCCL needs {tp_size} GPUs, but {where} {len(gpus)}")
     port = _free_ports(1)[0]
     return [
         {

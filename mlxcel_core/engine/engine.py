@@ -56,7 +56,6 @@ class StepPlan:
     """What one step runs, decided before any of it is built."""
 
     batch: ScheduledBatch  # the scheduler's rows: decoding, prefilling, cancelled
-    sync: bool  # every submitted step was read first (sampling processors or a drafter need every token so far)
     speculate: bool = False  # the lone decoding row runs a speculative round instead of its decode
     graph_row: int | None = None  # the lone decoding row whose step the backend's recorded graph replays
     produced: dict[int, _Sampled] = field(default_factory=dict)  # each sampled row's token, filled as it runs
@@ -205,6 +204,10 @@ class Engine:
             graph_not_replaying=self.graph.why_not if self.graph is not None and not self.graph.usable else None,
         )
 
+    def forget_cached_prefixes(self) -> None:
+        """Empty the prefix cache (benchmarks: a repetition must never reuse the previous one's identical prompt)."""
+        self.storage.forget_cached()
+
     def step(self) -> list[StepOutput]:
         """Plan a step, run it, submit it, and read what is due."""
         if self.mirror is not None:
@@ -227,7 +230,9 @@ class Engine:
 
     # -- a step, in order -------------------------------------------------------------------------
     def _plan(self, batch: ScheduledBatch, sync: bool, speculate: bool) -> StepPlan:
-        plan = StepPlan(batch, sync, speculate=speculate and bool(batch.decode))
+        """`sync`: every submitted step was read first (sampling processors or a drafter need every token so far);
+        a replayed graph step is for a lone greedy row that nothing reads back early."""
+        plan = StepPlan(batch, speculate=speculate and bool(batch.decode))
         if not (sync or speculate):
             plan.graph_row = self._graph_row(batch)
         return plan

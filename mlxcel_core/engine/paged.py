@@ -170,6 +170,11 @@ class PagedStorage:
         table.cache_full_blocks(tokens[:written])  # a later turn of the same conversation reuses them
         table.free()
 
+    def forget_cached(self) -> None:
+        # Not by allocating every block and releasing them: that would raise the pool's high water to its whole
+        # budget, so every layer's KV arrays would grow to the whole KV budget.
+        self.pool.forget_cached()
+
     def stats(self) -> dict[str, int]:
         s = self.pool.stats
         return {

@@ -60,6 +60,9 @@ class KVStorage(Protocol):
 
     def stats(self) -> dict[str, int]: ...
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix no sequence holds (nothing where the storage keeps none)."""
+
 
 class DenseStorage:
     def __init__(self, num_layers: int, kv_bits: int | None = None):
@@ -125,6 +128,9 @@ class DenseStorage:
         for layer in self._batch:
             layer.keep_rows(rows)
         self._rows = [self._rows[i] for i in rows]
+
+    def forget_cached(self) -> None:
+        """Dense storage keeps no prefix cache."""
 
     def stats(self) -> dict[str, int]:
         caches = list(self._prefilling.values()) + [self._batch]

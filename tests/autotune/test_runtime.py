@@ -204,7 +204,9 @@ def run_engine(tiny, monkeypatch):
             return spy
 
     previous = backends.use(Spying())
-    engine = Engine(tiny.model, tiny.tokenizer, EngineConfig(max_batch_size=2, storage="paged", block_size=8))
+    engine = Engine(
+        tiny.model, tiny.tokenizer, EngineConfig(max_batch_size=2, storage="paged", block_size=8, compile_decode=False)
+    )
     for prompt in (list(range(5, 17)), list(range(20, 30))):  # > one block: at least 2 split candidates
         engine.open(prompt, SamplingParams(max_tokens=6))
     while engine.has_work():
@@ -270,7 +272,7 @@ def test_the_tuner_times_the_inputs_decode_gives_the_kernel(monkeypatch):
 
     from mlxcel_core import backends
     from mlxcel_core.backends.base import Backend
-    from mlxcel_core.backends.cuda import CudaBackend
+    from mlxcel_core.backends.cuda.backend import CudaBackend
 
     monkeypatch.setattr(backends, "_current", CudaBackend())  # (monkeypatch restores this process's own)
     geometry = Geometry(q_heads=8, kv_heads=2, head_dim=64, block_size=16)

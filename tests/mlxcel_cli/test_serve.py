@@ -49,8 +49,11 @@ class ServeProcess:
     def wait_healthy(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                return
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.ConnectError:  # (not accepting yet, or gone: then say why)
+                assert self.proc.poll() is None, f"the server exited: {self.output()}"
             time.sleep(0.05)
         raise AssertionError(f"never healthy: {self.output()}")
 

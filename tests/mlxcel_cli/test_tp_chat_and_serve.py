@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pexpect
 import pytest
+from ranks import two_ranks_here
 from tiny_models import save_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,7 @@ def _run_piped(llama, *extra):
     )
 
 
+@two_ranks_here
 def test_run_tp2_chat_replies_equal_single_process(llama):
     single = _run_piped(llama)
     parallel = _run_piped(llama, "--tp-size", "2")
@@ -53,6 +55,7 @@ def test_run_tp2_chat_replies_equal_single_process(llama):
     assert "tensor parallel: 2 ranks" in parallel.stderr
 
 
+@two_ranks_here
 def test_run_tp2_ctrl_c_interrupts_the_reply_on_every_rank(tmp_path):
     endless = save_tiny_llama(tmp_path / "endless", eos_token_id=None, max_position_embeddings=65536)
     config = json.loads((endless / "tokenizer_config.json").read_text())
@@ -154,6 +157,7 @@ class _Server:
             self.log.close()
 
 
+@two_ranks_here
 def test_serve_tp2_concurrent_requests_equal_single_process(llama, tmp_path):
     prompts = ["The capital of France", "Once upon a time there was", "1 2 3 4", "A quick brown fox jumps over"]
     single = _Server(llama, tmp_path)

@@ -204,12 +204,21 @@ def test_bad_model_config_is_exit_2(capsys, tmp_path):
     assert code == 2 and "cannot read" in err
 
 
-def test_real_run_on_cpu_writes_the_cache_the_engine_reads(capsys, cache, monkeypatch):
+def _here() -> tuple[str, str]:
+    """The runner the tiny cells run on here (head dim 32) and the device's name prefix."""
+    import mlx.core as mx
+
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    return ops.current_runner(32), "gpu-" if on_gpu else "cpu-"
+
+
+def test_real_run_writes_the_cache_the_engine_reads(capsys, cache, monkeypatch):
+    runner, device = _here()
     code, out, err = cli(capsys, "tune", *TINY)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == f"autotune cache: {cache / 'autotune'}"
-    assert lines[2].startswith("runner: mlx-ops") and "device: cpu-" in lines[2]
+    assert lines[2].startswith(f"runner: {runner}") and f"device: {device}" in lines[2]
     assert lines[4].split() == [
         "batch",
         "context",
@@ -232,14 +241,14 @@ def test_real_run_on_cpu_writes_the_cache_the_engine_reads(capsys, cache, monkey
     record = json.loads(files[0].read_text())
     assert record["bucket"] == "b1xc64xhq4xhkv2xd32xbs32" and record["tactic"]["label"] == row[5]
     monkeypatch.setenv("MLXCEL_AUTOTUNE", "cache")
-    chosen = SplitsChooser()(1, 64, 4, 2, 32, 32, "float16", "mlx-ops")
+    chosen = SplitsChooser()(1, 64, 4, 2, 32, 32, "float16", runner)
     assert chosen == record["tactic"]["params"]["num_splits"]
 
 
 def test_real_run_json(capsys, cache):
     code, out, _ = cli(capsys, "tune", *TINY, "--json", "--dtype", "float32")
     doc = json.loads(out)
-    assert code == 0 and doc["dry_run"] is False and doc["runner"] == "mlx-ops" and doc["dtype"] == "float32"
+    assert code == 0 and doc["dry_run"] is False and doc["runner"] == _here()[0] and doc["dtype"] == "float32"
     (cell,) = doc["cells"]
     assert cell["selected"] in cell["candidates"] and cell["reps"] >= 5 and cell["speedup"] > 0
     assert {"default_us", "best_us", "spread", "default_spread", "guard", "cache_file", "dropped"} <= set(cell)

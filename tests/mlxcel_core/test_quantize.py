@@ -9,6 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from mlxcel_core import backends
 from mlxcel_core.errors import InputError
 from mlxcel_core.loading import load_model
 from mlxcel_core.quantize import quantize_checkpoint
@@ -28,14 +29,18 @@ def logits(model):
 
 
 def in_memory(src, bits, group_size):
-    """The reference: our fp32 model quantized in memory with mlx's own predicate-free call."""
+    """The reference: our fp32 model quantized in memory with mlx's own predicate-free call, its backend preparation
+    undone before and made again after, as load_model prepares the quantized checkpoint (on CUDA: the fp32 fused
+    projections unfused, then the quantized layers MLX's quantized_matmul computes wrong routed around)."""
     model = quiet(src).model
+    backends.current().unprepare_model(model)
     nn.quantize(
         model,
         group_size=group_size,
         bits=bits,
         class_predicate=lambda _, m: isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % group_size == 0,
     )
+    backends.current().prepare_model(model)
     return model
 
 

@@ -31,7 +31,6 @@ No Metal kernel exists: on Apple silicon, as on CPU, the ops path runs.
 from __future__ import annotations
 
 import functools
-import hashlib
 import math
 
 import mlx.core as mx
@@ -40,24 +39,14 @@ from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments
 
 from .paged_attention_source import (
     _COMBINE_SOURCE,
-    _LAST_BLOCK_COMBINES,
-    _POOLS_ONLY,
-    _SOURCE,
-    _WITH_NEW_KV,
-    _WRITE_OUTPUT,
+    RUNNER_CUDA,
+    THREADS,
+    UNROLL,
     kernel_source,
 )
 from .small_arrays import float32_bits
 
-THREADS = 128  # threads per block
-UNROLL = 2  # tokens in flight per lane group (loads issued together)
 MAX_HEAD_DIM = 1024
-
-# Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
-KERNEL_HASH = hashlib.sha256(
-    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{THREADS}/{UNROLL}".encode()
-).hexdigest()[:8]
-RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"
 
 
 def launch_geometry(head_dim: int, n_rep: int) -> dict[str, int]:

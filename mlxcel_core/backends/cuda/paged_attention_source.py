@@ -1,7 +1,11 @@
-"""The CUDA source text of the paged decode kernels (kv/cuda_paged_attention.py says what they compute and how they
-are launched): the split kernel with its variants (`kernel_source`) and the combine kernel."""
+"""The CUDA source text of the paged decode kernels (backends/cuda/paged_attention.py says what they compute and how
+they are launched): the split kernel with its variants (`kernel_source`) and the combine kernel; and the runner name
+autotune keys its results on, which changes with them. Imports nothing (`mlxcel tune --dry-run` reads the name
+without MLX)."""
 
 from __future__ import annotations
+
+import hashlib
 
 _SOURCE = r"""
     constexpr int NVG = TPB / LPT;  // lane groups per block, one token each per iteration
@@ -324,3 +328,13 @@ _COMBINE_SOURCE = r"""
     }
     out[idx] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
 """
+
+
+THREADS = 128  # threads per block
+UNROLL = 2  # tokens in flight per lane group (loads issued together)
+
+# Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
+KERNEL_HASH = hashlib.sha256(
+    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{THREADS}/{UNROLL}".encode()
+).hexdigest()[:8]
+RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"

@@ -31,7 +31,8 @@ def _ranks(llama, tmp_path, tp, storage):
 
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(tp)]))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLX_HOSTFILE": str(hostfile), "MLXCEL_TP_BACKEND": "ring"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "MLX_HOSTFILE": str(hostfile), "MLXCEL_TP_BACKEND": "ring"}
     procs = [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), str(llama), str(tp), storage],
@@ -178,12 +179,16 @@ def test_a_rank_keeps_only_its_share_of_memory(monkeypatch):
         },
     )
 
+    def settled_memory() -> int:
+        # Arrays an earlier test dropped are freed when their last kernel is done: on a GPU, asynchronously.
+        gc.collect()
+        mx.synchronize()
+        return mx.get_active_memory()
+
     def resident(group):
-        gc.collect()
-        before = mx.get_active_memory()
+        before = settled_memory()
         model, _ = shapes.build_random_model("wide", dtype="float32", seed=1, group=group)
-        gc.collect()
-        used = mx.get_active_memory() - before
+        used = settled_memory() - before
         del model
         return used
 

@@ -17,6 +17,7 @@ import time
 
 import pytest
 from parity import save_tiny_checkpoint
+from ranks import two_ranks_here
 from tiny_models import FakeGroup, save_tiny_llama
 
 TIMEOUT = 120
@@ -64,10 +65,12 @@ def llama(tmp_path_factory):
     return save_tiny_llama(tmp_path_factory.mktemp("tp-llama"))
 
 
+@two_ranks_here
 def test_llama_tp2_greedy_equals_single_process(llama):
     assert_tp_matches(llama)
 
 
+@two_ranks_here
 def test_qwen3_tp2_greedy_equals_single_process(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -87,6 +90,7 @@ def test_qwen3_tp2_greedy_equals_single_process(tmp_path):
     assert_tp_matches(path)
 
 
+@two_ranks_here
 def test_mixtral_tp2_experts_sharded_greedy_equals_single_process(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -106,6 +110,7 @@ def test_mixtral_tp2_experts_sharded_greedy_equals_single_process(tmp_path):
     assert_tp_matches(path)
 
 
+@two_ranks_here
 def test_prompt_from_stdin_reaches_every_rank(llama):
     args = ["generate", "-m", str(llama), *GEN]
     single = subprocess.run(
@@ -126,6 +131,7 @@ def test_prompt_from_stdin_reaches_every_rank(llama):
     assert json.loads(parallel.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
 
 
+@two_ranks_here
 def test_only_rank0_prints(llama):
     result = mlxcel("generate", "-m", str(llama), "-p", "Hello", "-n", "4", "--tp-size", "2")
     assert result.returncode == 0, result.stderr
@@ -133,6 +139,7 @@ def test_only_rank0_prints(llama):
     assert "tensor parallel: 2 ranks" in result.stderr
 
 
+@two_ranks_here
 def test_heads_that_do_not_divide_are_refused(tmp_path):
     # SmolLM2's geometry in small: 3 query heads, 3 KV heads cannot be split over 2 ranks.
     path = save_tiny_llama(tmp_path, hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
@@ -290,6 +297,7 @@ def test_smollm2_gguf_tp3_greedy_equals_single_process(smollm2_gguf):
     assert json.loads(parallel.stdout)["token_ids"] == json.loads(single.stdout)["token_ids"]
 
 
+@two_ranks_here
 def test_bench_tp2_reports_rows_from_rank0_only(llama):
     result = mlxcel(
         "bench", "-m", str(llama), "-p", "16", "-n", "8", "-r", "1", "--no-warmup", "-o", "jsonl", "--tp-size", "2"

@@ -45,7 +45,7 @@ def test_combine_counters_are_made_with_the_storage_and_a_prefill_syncs_nothing(
     host sync of its own: made there, they cost one eval a layer in the request's TTFT."""
     from mlxcel_core import backends
     from mlxcel_core.backends.base import Backend
-    from mlxcel_core.backends.cuda import CudaBackend
+    from mlxcel_core.backends.cuda.backend import CudaBackend
     from mlxcel_core.backends.cuda.paged_attention import COUNTERS
     from mlxcel_core.engine import paged
 
@@ -198,7 +198,7 @@ def test_decode_views_route_to_the_kernel_as_on_cuda(monkeypatch, tiny_llama_dir
     counters; the greedy tokens are the ops path's."""
     from mlxcel_core import backends
     from mlxcel_core.backends.base import Backend
-    from mlxcel_core.backends.cuda import CudaBackend
+    from mlxcel_core.backends.cuda.backend import CudaBackend
     from mlxcel_core.engine import Engine, EngineConfig
     from mlxcel_core.kv.paged_attention import paged_decode_attention
     from mlxcel_core.loading import load_model

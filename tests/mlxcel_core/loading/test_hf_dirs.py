@@ -78,9 +78,14 @@ def test_missing_tensor_is_a_clear_error(tiny_llama_dir, tmp_path):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_mlx_quantized_directory(tiny_llama_dir, tmp_path, bits):
-    """A directory quantized the mlx-lm way (config `quantization`, packed weights + scales/biases)."""
+    """A directory quantized the mlx-lm way (config `quantization`, packed weights + scales/biases). The in-memory
+    reference is quantized as the backend's preparation undone, then prepared again, as load_model prepares it."""
+    from mlxcel_core import backends
+
     source = quiet(tiny_llama_dir)
+    backends.current().unprepare_model(source.model)
     nn.quantize(source.model, group_size=32, bits=bits)
+    backends.current().prepare_model(source.model)
     path = copy_dir(tiny_llama_dir, tmp_path / f"q{bits}")
     (path / "model.safetensors").unlink()
     flat = dict(tree_flatten(source.model.parameters()))

@@ -371,7 +371,7 @@ def spying_backend(monkeypatch, seen: list, ops_attention: bool = False):
     with `ops_attention`, its paged attention is the portable backend's MLX ops (everything else the same)."""
     from mlxcel_core import backends
     from mlxcel_core.backends.base import Backend
-    from mlxcel_core.backends.cuda import CudaBackend
+    from mlxcel_core.backends.cuda.backend import CudaBackend
 
     class OpsAttention(CudaBackend):
         kv_written_in_kernel = Backend.kv_written_in_kernel

@@ -100,13 +100,18 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     assert use_fast_quantized_linear(holder) == 1
     rows = 2 * qmm.MAX_ROWS + 5
     x = mx.random.normal((rows, 1, 256), key=mx.random.key(3)).astype(mx.bfloat16)
-    want = nn.QuantizedLinear.__call__(layer, x)
+    # MLX's product on the CPU stream, here and in the stand-in: exact MLX ops whatever the device, each row's value
+    # independent of how many rows a call has (on CUDA, MLX's quantized_matmul picks its kernel by the rows, so 32
+    # rows and 69 differ in the last bits, and what is checked here is the launches' rows and their order)
+    with mx.stream(mx.cpu):
+        want = nn.QuantizedLinear.__call__(layer, x)
+        mx.eval(want)
     launched = []
     real = mx.quantized_matmul
 
     def mma_stand_in(x, w, scales, biases, group_size):
         launched.append(x.shape)
-        return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
+        return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4, stream=mx.cpu)
 
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     monkeypatch.setattr(qmv, "launch", lambda *args, **kwargs: None)  # never reached: more rows than it takes
@@ -152,10 +157,14 @@ def test_swap_touches_only_plain_supported_layers():
 def test_sixteen_bit_rows_follow_the_model_width(width, rows):
     """The 16-bit kernel takes 8 rows a call in models up to 2048 wide (1B bf16 b=8 on the H200: 3119 vs 1685 tok/s)
     and 2 in wider ones (8B bf16: 717 vs 1108), fused projections included."""
-    from mlxcel_core.backends.cuda.kernels.fused_projections import fuse_projections
+    from mlxcel_core.backends.cuda.kernels.fused_projections import fuse_projections, unfuse_projections
     from mlxcel_core.loading.shapes import build_random_model
 
     model, _ = build_random_model("tiny")
+    # plain layers, unfused: on CUDA the backend's prepare step already swapped them (rows of the built model's own
+    # width, 128: 8) and fused them, and neither swap nor fusion redoes what is done
+    unfuse_projections(model)
+    restore_quantized_linear(model)
     if width is None:  # no 16-bit embedding (a 4-bit one): the width is unknown
         model.model.embed_tokens = nn.QuantizedEmbedding(64, 64, group_size=64, bits=4)
     else:
@@ -233,7 +242,7 @@ def test_swap_keeps_greedy_tokens_on_tiny_quantized_model(tiny_q4):
 def test_load_model_and_random_model_apply_the_swap(monkeypatch, tiny_q4):
     """Through the CUDA backend's preparation (made this process's backend here, on any machine)."""
     from mlxcel_core import backends
-    from mlxcel_core.backends.cuda import CudaBackend
+    from mlxcel_core.backends.cuda.backend import CudaBackend
     from mlxcel_core.loading import load_model
     from mlxcel_core.loading.shapes import build_random_model
 
@@ -288,7 +297,11 @@ def test_engine_decode_batch_beyond_the_kernel(monkeypatch, tiny_q4):
         return real(x, *args, **kwargs)
 
     def run():
-        engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_batch_size=12))
+        # decode steps op by op: a compiled step (the default on a GPU) is traced once and its trace kept with the
+        # model across engines, so the second run would replay the first run's products and never call the stand-ins
+        # below; no recorded graph either (CUDA: a lone row's steps)
+        config = EngineConfig(max_batch_size=12, compile_decode=False, decode_graph=False)
+        engine = Engine(lm.model, lm.tokenizer, config)
         ids = [engine.open(p, SamplingParams(max_tokens=16)) for p in prompts]  # all 12 decode together
         out = {}
         while engine.has_work():
@@ -302,9 +315,13 @@ def test_engine_decode_batch_beyond_the_kernel(monkeypatch, tiny_q4):
         launched.append(("mma", *x.shape[:-1]))
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
 
-    want = run()  # MLX's layers: the tiny model computes in float32, which kernels/qmm.py does not take
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)  # the layers' own kernel: the stand-in (None) below
+    # MLX's products in both runs for every call of up to LAYER_MAX_ROWS rows (on CUDA the matvec kernel would take
+    # those in the first run only); then the tiny model's float32 decode batches are MLX's quantized_matmul on the
+    # same [12, 1, K] rows in both: in the first MLX's own call (kernels/qmm.py does not take float32), in the
+    # second the stand-in's
     monkeypatch.setattr(fast_linear, "_kernel_matvec", lambda *args, **kwargs: None)
+    want = run()
+    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)  # the layers' own kernel: the stand-in (None) above
     monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
     monkeypatch.setattr(qmm, "launch_args", lambda *args: {})  # (float32: the stand-in takes it)
     monkeypatch.setattr(mx, "quantized_matmul", spy)

@@ -31,7 +31,7 @@ from mlxcel_core.engine.compiled_decode import compile_enabled  # noqa: E402
 from mlxcel_core.engine.engine import make_storage  # noqa: E402
 from mlxcel_core.engine.runner import ModelRunner  # noqa: E402
 from mlxcel_core.engine.types import EngineConfig  # noqa: E402
-from mlxcel_core.kernels.greedy import greedy_tokens  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.greedy import greedy_tokens  # noqa: E402
 from mlxcel_core.models.shapes import add_shape_arguments, build_random_model  # noqa: E402
 
 

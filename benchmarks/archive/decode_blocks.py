@@ -27,7 +27,7 @@ if "--concurrent" not in sys.argv:  # one stream, calls in sequence as in a mode
 
 import mlx.core as mx  # noqa: E402
 
-from mlxcel_core.kernels import fast_linear, fused_projections, qmv  # noqa: E402
+from mlxcel_core.backends.cuda.kernels import fast_linear, fused_projections, qmv  # noqa: E402
 from mlxcel_core.models.activations import swiglu  # noqa: E402
 from mlxcel_core.models.shapes import build_random_model, shape_names  # noqa: E402
 from mlxcel_core.models.transformer import add_projection  # noqa: E402

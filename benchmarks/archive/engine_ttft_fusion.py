@@ -26,7 +26,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.kernels.fused_projections import fuse_projections, unfuse_projections  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.fused_projections import fuse_projections, unfuse_projections  # noqa: E402
 from mlxcel_core.models.shapes import build_random_model, shape_names  # noqa: E402
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 

@@ -32,7 +32,7 @@ import mlx.core as mx  # noqa: E402
 
 from qmv import (GROUP_SIZE, L2_BYTES, SHAPES, make_weights, max_rel_diff, mlx_qmm, time_calls,  # noqa: E402
                  weight_bytes)
-from mlxcel_core.kernels import qmm, qmv  # noqa: E402
+from mlxcel_core.backends.cuda.kernels import qmm, qmv  # noqa: E402
 
 
 def dequant_mm(x, w, scales, biases):

@@ -1,0 +1,74 @@
+"""CudaBackend: the backend seam (backends/base.py) as the CUDA wing fills it; backends.current() makes it."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from ..base import Backend
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def prepare_model(self, model) -> None:
+        from .kernels import prepare_model
+
+        prepare_model(model)
+
+    def unprepare_model(self, model) -> None:
+        from .kernels import unprepare_model
+
+        unprepare_model(model)
+
+    def greedy_tokens(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        from .kernels.greedy import greedy_tokens
+
+        return greedy_tokens(logits)
+
+    def own_step_inputs(self, packed: mx.array) -> mx.array:
+        # One copy made by the GPU, so every layer's kernels read memory the GPU wrote: reading the host-written
+        # array itself, rope and the KV scatter ran slower per call.
+        return packed + 0
+
+    def paged_runner(self, head_dim: int) -> str:
+        from .paged_attention import runner_for
+
+        return runner_for(head_dim)
+
+    def paged_attention(self, runner: str) -> Callable:
+        from .paged_attention import decode_attention_for
+
+        return decode_attention_for(runner)
+
+    @property
+    def kv_written_in_kernel(self) -> bool:
+        return True
+
+    def combine_counters(self, num_layers: int) -> list[mx.array | None]:
+        # Made outside any compiled trace, so a trace captures the same arrays for every step, and evaluated in one
+        # call (one host sync, not one a layer inside the first prefill).
+        from .paged_attention import COUNTERS
+
+        counters = [mx.zeros((COUNTERS,), mx.int32) for _ in range(num_layers)]
+        mx.eval(counters)
+        return counters
+
+    def graph_decoder(self, model, storage, open_rows: Callable[[int], bool]):
+        from .graph_decode import GraphDecoder
+
+        return GraphDecoder(model, storage, open_rows=open_rows)
+
+    def dense_mask_is_slow(self) -> bool:
+        return True
+
+    def warmup_rows(self) -> int:
+        from .kernels.qmv import MAX_ROWS
+
+        return MAX_ROWS
+
+    def describe(self) -> str:
+        from .kernels import describe_decode_kernels
+
+        return describe_decode_kernels()
