@@ -1,4 +1,7 @@
-"""CudaBackend: the backend seam (backends/base.py) as the CUDA wing fills it; backends.current() makes it."""
+"""CudaBackend: the backend seam (backends/base.py) as the CUDA wing fills it; backends.current() makes it.
+
+Its kernels are imported with it, once: this module is imported only where the CUDA wing serves (and by its tests),
+and the greedy readout and the paged attention are asked for every decode step."""
 
 from __future__ import annotations
 
@@ -7,24 +10,23 @@ from typing import Callable
 import mlx.core as mx
 
 from ..base import Backend
+from . import kernels
+from .graph_decode import GraphDecoder
+from .kernels.greedy import greedy_tokens
+from .kernels.qmv import MAX_ROWS
+from .paged_attention import COUNTERS, decode_attention_for, runner_for
 
 
 class CudaBackend(Backend):
     name = "cuda"
 
     def prepare_model(self, model) -> None:
-        from .kernels import prepare_model
-
-        prepare_model(model)
+        kernels.prepare_model(model)
 
     def unprepare_model(self, model) -> None:
-        from .kernels import unprepare_model
-
-        unprepare_model(model)
+        kernels.unprepare_model(model)
 
     def greedy_tokens(self, logits: mx.array) -> tuple[mx.array, mx.array]:
-        from .kernels.greedy import greedy_tokens
-
         return greedy_tokens(logits)
 
     def own_step_inputs(self, packed: mx.array) -> mx.array:
@@ -33,13 +35,9 @@ class CudaBackend(Backend):
         return packed + 0
 
     def paged_runner(self, head_dim: int) -> str:
-        from .paged_attention import runner_for
-
         return runner_for(head_dim)
 
     def paged_attention(self, runner: str) -> Callable:
-        from .paged_attention import decode_attention_for
-
         return decode_attention_for(runner)
 
     @property
@@ -49,26 +47,18 @@ class CudaBackend(Backend):
     def combine_counters(self, num_layers: int) -> list[mx.array | None]:
         # Made outside any compiled trace, so a trace captures the same arrays for every step, and evaluated in one
         # call (one host sync, not one a layer inside the first prefill).
-        from .paged_attention import COUNTERS
-
         counters = [mx.zeros((COUNTERS,), mx.int32) for _ in range(num_layers)]
         mx.eval(counters)
         return counters
 
     def graph_decoder(self, model, storage, open_rows: Callable[[int], bool]):
-        from .graph_decode import GraphDecoder
-
         return GraphDecoder(model, storage, open_rows=open_rows)
 
     def dense_mask_is_slow(self) -> bool:
         return True
 
     def warmup_rows(self) -> int:
-        from .kernels.qmv import MAX_ROWS
-
         return MAX_ROWS
 
     def describe(self) -> str:
-        from .kernels import describe_decode_kernels
-
-        return describe_decode_kernels()
+        return kernels.describe_decode_kernels()
