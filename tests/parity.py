@@ -96,7 +96,7 @@ def ours(path: Path, prompt: list[int], steps: int):
     return forward, eager
 
 
-def assert_parity(path: Path, prompt_len: int = 64, steps: int = 32, atol: float = 1e-4) -> None:
+def assert_parity(path: Path, prompt_len: int = 64, steps: int = 40, atol: float = 1e-4) -> None:
     prompt = prompt_ids(prompt_len)
     ref_logits, ref_tokens = reference(path, prompt, steps)
     logits, tokens = ours(path, prompt, steps)

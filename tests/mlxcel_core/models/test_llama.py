@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import family_checks
 import numpy as np
 import pytest
 from parity import ours, reference
@@ -71,3 +72,11 @@ def test_last_only_is_the_last_position_of_the_full_logits():
         assert mx.array_equal(last[:, 0], full[:, -1]).item()
     else:  # a GPU picks another matmul kernel for one row than for eight: same values up to rounding
         assert mx.allclose(last[:, 0], full[:, -1], rtol=0, atol=1e-5).item()
+
+
+def test_engine_paths_quantized_cli_and_server(tmp_path):
+    """The per-family checks (tests/family_checks.py) on the tiny Llama: the baseline every new family meets."""
+    path = save_tiny_llama(tmp_path / "llama", max_position_embeddings=128)
+    family_checks.assert_engine_paths(path)
+    family_checks.assert_quantized(path, tmp_path)
+    family_checks.assert_cli_and_server(path)
