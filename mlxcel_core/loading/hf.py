@@ -12,7 +12,8 @@ from ..errors import CorruptModelError, InputError
 from .sliced import open_tensors, read_arrays
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
+def read_config(model_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """config.json; a multimodal one's language model config (`log` is told that only that model loads)."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise InputError(f"{model_dir} is not a model directory: it has no config.json")
@@ -28,6 +29,11 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         for key in ("tie_word_embeddings", "eos_token_id"):
             if key in outer:
                 config[key] = outer[key]
+        if log is not None:
+            log(
+                f"{outer.get('model_type', 'multimodal')} checkpoint: loading its {config['model_type']} language "
+                "model only (the vision tower's weights are not loaded)"
+            )
     return config
 
 

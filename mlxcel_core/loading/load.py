@@ -55,7 +55,7 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
         # GGUF scales are fp16; on the CPU fp32 is both faster and closer to the reference.
         dtype = mx.float32 if mx.default_device() == mx.cpu else None
     else:
-        config = read_config(source.path)
+        config = read_config(source.path, log)
         weights = load_hf_weights(source.path, warn=log, sliced=group is not None and group.size() > 1)
         tokenizer = load_hf_tokenizer(source.path, config)
         dtype = None

@@ -12,14 +12,19 @@ REGISTRY: dict[str, str] = {
     "llama": "llama",
     "mistral": "llama",
     "smollm2": "llama",
+    "smollm3": "smollm3",
+    "granite": "granite",
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "olmo3": "olmo3",
+    "ministral3": "ministral3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "glm4_moe": "glm4_moe",
 }
 
 

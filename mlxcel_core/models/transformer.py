@@ -87,6 +87,12 @@ def add_projection(layer: nn.Module, x: mx.array, residual: mx.array | None) -> 
     return residual + layer(x)
 
 
+def times(x: mx.array, factor: float) -> mx.array:
+    """x * factor as torch multiplies a tensor by a Python float: in float32, rounded once to x's dtype (MLX would
+    round the factor to a bfloat16 / float16 x's dtype first). The same array op for a float32 x."""
+    return (x * mx.array(factor, dtype=mx.float32)).astype(x.dtype)
+
+
 def heads_first(x: mx.array, heads: int) -> mx.array:
     """[B, L, heads * D] -> [B, heads, L, D]. At L = 1 (a decode step) both layouts are the same memory, so it is one
     reshape, not a reshape and a transpose: a decode step's graph has an op fewer per tensor (the 1B step on a GPU is
@@ -231,16 +237,23 @@ class DecoderLayer(nn.Module):
 
 
 class TransformerModel(nn.Module):
-    """embed -> layers -> final norm (the checkpoint's `model.`); Gemma scales the embeddings."""
+    """embed -> layers -> final norm (the checkpoint's `model.`); Gemma scales the embeddings by `embed_scale` (rounded
+    to their dtype first), Granite by `embed_multiplier` (a Python float, `times`)."""
 
     def __init__(
-        self, args, layers: list[nn.Module], norm: type[nn.Module] = nn.RMSNorm, embed_scale: float | None = None
+        self,
+        args,
+        layers: list[nn.Module],
+        norm: type[nn.Module] = nn.RMSNorm,
+        embed_scale: float | None = None,
+        embed_multiplier: float | None = None,
     ):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = layers
         self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
         self.embed_scale = embed_scale
+        self.embed_multiplier = embed_multiplier
 
     def __call__(self, inputs: mx.array, cache, last_only: bool = False) -> mx.array:
         """Hidden states [B, L, hidden]; `last_only`: [B, 1, hidden], the last position's. Its last layer then runs
@@ -249,6 +262,8 @@ class TransformerModel(nn.Module):
         h = self.embed_tokens(inputs)
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, dtype=h.dtype)  # rounded to the embedding dtype, as transformers
+        if self.embed_multiplier is not None:
+            h = times(h, self.embed_multiplier)
         caches = cache or [None] * len(self.layers)
         last = len(self.layers) - 1
         for i, (layer, layer_cache) in enumerate(zip(self.layers, caches)):

@@ -55,6 +55,33 @@ FAMILIES = {
         ),
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # partial rotary, q/k norms and biases; layer 1 grouped MoE (2 groups of 4, the best one kept)
+    "glm4-moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            head_dim=32,
+            moe_intermediate_size=64,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            use_qk_norm=True,
+            attention_bias=True,
+            routed_scaling_factor=2.5,
+        ),
+    ),
+    # layer 1 NoPE and sliding (no_rope_layer_interval 2, use_sliding_window)
+    "smollm3-nope-window": (
+        "SmolLM3Config",
+        "SmolLM3ForCausalLM",
+        dict(no_rope_layer_interval=2, use_sliding_window=True, sliding_window=8, pad_token_id=0),
+    ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.22, logits_scaling=2.5),
+    ),
     "qwen3-moe-window": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
@@ -93,6 +120,36 @@ FAMILIES = {
             sliding_window_pattern=2,
             query_pre_attn_scalar=24,
             initializer_range=0.3,
+            pad_token_id=0,
+        ),
+    ),
+    # post-norm layers, whole-projection q/k norms; layer 0 slides, layer 1 is full with YaRN
+    "olmo3-window": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        dict(
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+            },
+            pad_token_id=0,
+        ),
+    ),
+    # the query scaling steps every 8 positions: padded rows' positions (from 0 after their padding) decide it
+    "ministral3": (
+        "Ministral3Config",
+        "Ministral3ForCausalLM",
+        dict(
+            head_dim=16,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 8,
+                "llama_4_scaling_beta": 0.5,
+            },
             pad_token_id=0,
         ),
     ),

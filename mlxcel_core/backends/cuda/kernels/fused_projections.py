@@ -227,8 +227,10 @@ class FusedAttentionMixin:
         self, x: mx.array, norm: nn.Module | None, offset: int | mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         fused = self.fused_qkv
-        # (q/k norms come between the projection and the rotation: the launch cannot rotate then)
-        if fused.fold_rope and not self.qk_norm and fused.takes(x):
+        # (q/k norms come between the projection and the rotation: the launch cannot rotate then; nor where the
+        # block's own class overrides project_rotated: it computes more than the projections and the rotation)
+        own = type(self)._unfused_class.project_rotated is Attention.project_rotated
+        if fused.fold_rope and own and not self.qk_norm and fused.takes(x):
             inv_freq = fold_frequencies(self.rope, self.head_dim)
             if inv_freq is not None:
                 B, L, _ = x.shape
