@@ -46,8 +46,8 @@ def bench(
         typer.Option(
             "--model-shape",
             metavar="NAME",
-            help="Benchmark a known architecture with random weights instead of a checkpoint: llama-3-8b, "
-            "llama-3.2-1b, llama-3-70b, smollm2-135m, tiny.",
+            help="Benchmark a known architecture with random weights instead of a checkpoint (e.g. llama-3-8b, "
+            "gpt-oss-20b, gemma-4-e4b; the list is in docs/models.md, and an unknown name prints it).",
         ),
     ] = None,
     bits: Annotated[

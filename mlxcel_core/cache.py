@@ -50,9 +50,31 @@ class KVCache:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: mx.array | None = None,
+        values_in_keys: int | None = None,
+        chunk: int | None = None,
     ) -> mx.array:
-        mask = causal_mask(queries.shape[2], self.columns + keys.shape[2], self.left_padding, window)
-        keys, values = self.update_and_fetch(keys, values)
+        """`values_in_keys` n (multi-head latent attention): the values are keys[..., :n], `values` is not read, and
+        the cache stores the keys only (its value buffers have width 0). `chunk` (Llama 4's chunked attention): a
+        query sees only its own chunk's keys (causal_mask; every key stays stored)."""
+        mask = causal_mask(queries.shape[2], self.columns + keys.shape[2], self.left_padding, window, chunk)
+        if values_in_keys is not None:
+            keys, _ = self.update_and_fetch(keys, keys[..., :0])
+            values = keys[..., :values_in_keys]
+        else:
+            keys, values = self.update_and_fetch(keys, values)
+        return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap, sinks)
+
+    def attend_stored(
+        self, queries: mx.array, scale: float, window: int | None = None, softcap: float | None = None
+    ) -> mx.array:
+        """Attention over the keys/values stored so far (this step's included), storing nothing: a KV-shared layer
+        (Gemma 4) reading the cache of the layer whose keys it reuses."""
+        mask = causal_mask(queries.shape[2], self.columns, self.left_padding, window)
+        if self.kv_bits is None:
+            keys, values = self.keys[..., : self.columns, :], self.values[..., : self.columns, :]
+        else:
+            keys, values = self._dequantized(queries.dtype)
         return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
 
     # -- storage -------------------------------------------------------------------------------------
@@ -60,7 +82,7 @@ class KVCache:
         batch, heads, length, dim = keys.shape
         start = self.columns
         if self.keys is None or start + length > self.capacity:
-            self._grow(batch, heads, dim, start + length, keys.dtype)
+            self._grow(batch, heads, dim, start + length, keys.dtype, values.shape[-1])
         self.columns += length
         if self.kv_bits is None:
             self.keys[..., start : self.columns, :] = keys
@@ -81,22 +103,27 @@ class KVCache:
         the buffer themselves)."""
         if self.columns + length > self.capacity:
             batch, heads, _, dim = self.keys.shape
-            self._grow(batch, heads, dim, self.columns + length, self.keys.dtype)
+            self._grow(batch, heads, dim, self.columns + length, self.keys.dtype, self.values.shape[-1])
 
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
-    def _grow(self, batch: int, heads: int, dim: int, columns: int, dtype: mx.Dtype) -> None:
+    def _grow(
+        self, batch: int, heads: int, dim: int, columns: int, dtype: mx.Dtype, value_dim: int | None = None
+    ) -> None:
         """Room for `columns` columns, rounded up to a multiple of `step` (so compiled decode steps, which trace
-        once per capacity, see few distinct capacities)."""
+        once per capacity, see few distinct capacities). `value_dim`: the values' head size, when not `dim` (0: a
+        layer whose values are its keys' prefix stores none)."""
         grow = (columns + self.step - 1) // self.step * self.step - self.columns
+        vdim = dim if value_dim is None else value_dim
         if self.kv_bits is None:
-            shapes = [(dim, dtype), (dim, dtype)]
+            shapes = [(dim, dtype), (vdim, dtype)]
         else:
-            packed = dim * self.kv_bits // 32
-            groups = dim // kv_group_size(dim)
-            shapes = [(packed, mx.uint32), (packed, mx.uint32)] + [(groups, dtype)] * 4
+            group = kv_group_size(dim)
+            packed, v_packed = dim * self.kv_bits // 32, vdim * self.kv_bits // 32
+            shapes = [(packed, mx.uint32), (v_packed, mx.uint32)] + [(dim // group, dtype)] * 2
+            shapes += [(vdim // group, dtype)] * 2
         fresh = [mx.zeros((batch, heads, grow, d), t) for d, t in shapes]
         old = self._arrays()
         if old:
@@ -110,6 +137,9 @@ class KVCache:
         return [self.keys, self.values] + (self._scales or [])
 
     def _set_arrays(self, arrays: list[mx.array]) -> None:
+        if not arrays:  # an empty cache's rows (a KV-shared layer's, which stores nothing): still empty
+            self.keys = self.values = self._scales = None
+            return
         self.keys, self.values = arrays[0], arrays[1]
         if self.kv_bits is not None:
             self._scales = arrays[2:]
@@ -147,8 +177,9 @@ class KVCache:
             self.left_padding = None
 
     def trim(self, columns: int) -> None:
-        """Forget everything after the first `columns` columns (a single-row cache with no padding)."""
-        self.columns = min(self.columns, columns)
+        """Forget everything after the first `columns` columns (a single-row cache with no padding; an empty one, a
+        KV-shared layer's, stays empty)."""
+        self.columns = max(0, min(self.columns, columns))
 
     def row(self, row: int) -> "KVCache":
         """A single-row copy of one batch row, without its left padding."""

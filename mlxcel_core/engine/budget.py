@@ -8,6 +8,7 @@ import re
 import mlx.core as mx
 
 from ..errors import InputError
+from ..models.base import kv_layout
 
 _UNITS = {
     "": 1,
@@ -37,12 +38,16 @@ def device_memory_bytes() -> int:
 
 
 def kv_bytes_per_token(model, kv_bits: int | None = None, dtype_bytes: int = 2) -> int:
-    """Keys + values of every layer for one token, from the model's config (num_key_value_heads, head_dim)."""
+    """Keys + values of every layer for one token, from the model's config (num_key_value_heads, head_dim); for
+    multi-head latent attention (DeepSeek-V3: `kv_lora_rank`), the one latent key a layer caches: kv_lora_rank +
+    qk_rope_head_dim values, no separate values."""
     args = model.args
-    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     per_value = kv_bits / 8 + 2 * dtype_bytes / 64 if kv_bits else dtype_bytes  # packed + scale/bias per group
-    return int(len(model.layers) * 2 * heads * head_dim * per_value) or 1
+    if getattr(args, "kv_lora_rank", None):
+        return int(len(model.layers) * (args.kv_lora_rank + args.qk_rope_head_dim) * per_value) or 1
+    # Per stored layer, its own heads x head size (models.base.kv_layout: Gemma 4's KV-shared layers store none)
+    widths = [heads * head_dim for heads, head_dim in filter(None, kv_layout(model))]
+    return int(2 * sum(widths) * per_value) or 1
 
 
 def parse_kv_budget(text: str, bytes_per_token: int) -> int:

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from .. import backends
 from ..cache import KVCache
-from ..models.base import CausalLM, scaled_dot_product_attention
+from ..models.base import CausalLM, kv_layout, scaled_dot_product_attention
 from .paged import DecodeView, PagedStorage
 
 
@@ -73,14 +73,35 @@ class StepKV:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: mx.array | None = None,
+        values_in_keys: int | None = None,
+        chunk: int | None = None,
     ) -> mx.array:
+        """`values_in_keys` n: the values are keys[..., :n] (the value buffer has width 0), as KVCache.attend;
+        `chunk`: only the keys of the row's own chunk of positions are visible (causal_mask)."""
         if keys.shape[2] != 1:
             raise ValueError("StepKV holds one new token per row")
         self.keys = mx.slice_update(self.keys, keys, self.column, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.column, axes=(2,))
+        if values_in_keys is None:
+            self.values = mx.slice_update(self.values, values, self.column, axes=(2,))
         columns = mx.arange(self.keys.shape[2])
         visible = mx.logical_and(columns <= self.column, columns[None] >= self.left_padding[:, None])
         if window is not None:  # as causal_mask: a query sees keys with q - k < window
+            visible = mx.logical_and(visible, columns > self.column - window)
+        if chunk is not None:  # the row's chunk starts at its first real column + a multiple of `chunk`
+            start = self.left_padding + self.offset // chunk * chunk
+            visible = mx.logical_and(visible, columns[None] >= start[:, None])
+        mask = visible[:, None, None, :]
+        values = self.values if values_in_keys is None else self.keys[..., :values_in_keys]
+        return scaled_dot_product_attention(queries, self.keys, values, scale, mask, softcap, sinks)
+
+    def attend_stored(
+        self, queries: mx.array, scale: float, window: int | None = None, softcap: float | None = None
+    ) -> mx.array:
+        """LayerCache.attend_stored: the buffers as this step's `attend` left them, masked as it masks them."""
+        columns = mx.arange(self.keys.shape[2])
+        visible = mx.logical_and(columns <= self.column, columns[None] >= self.left_padding[:, None])
+        if window is not None:
             visible = mx.logical_and(visible, columns > self.column - window)
         return scaled_dot_product_attention(queries, self.keys, self.values, scale, visible[:, None, None, :], softcap)
 
@@ -107,10 +128,11 @@ class StepTraces:
     def _dense_forward(
         self, tokens: mx.array, column: mx.array, left_padding: mx.array, keys: list[mx.array], values: list[mx.array]
     ):
+        """`keys` / `values`: each layer's buffers, None for a layer that stores nothing (a KV-shared layer)."""
         self.traced += 1
-        caches = [StepKV(k, v, column, left_padding) for k, v in zip(keys, values)]
+        caches = [None if k is None else StepKV(k, v, column, left_padding) for k, v in zip(keys, values)]
         logits = self.model(tokens[:, None], caches)[:, -1, :]
-        return logits, [c.keys for c in caches], [c.values for c in caches]
+        return logits, [c and c.keys for c in caches], [c and c.values for c in caches]
 
     def _paged_forward(
         self,
@@ -124,7 +146,8 @@ class StepTraces:
     ):
         self.traced += 1
         storage = self.storage
-        kept, storage.pools = storage.pools, [list(p) for p in pools]  # the views write into these
+        # The views write into these (None: a layer that stores nothing, a KV-shared layer's).
+        kept, storage.pools = storage.pools, [None if p is None else list(p) for p in pools]
         kept_writes, storage.written_in_place = storage.written_in_place, []  # the trace's are tracers: dropped
         try:
             views = [
@@ -164,16 +187,18 @@ class CompiledDecoder:
         self.model = model
         self.traces = traces or step_traces(model)
         self.steps = 0  # decode steps this engine ran compiled
+        # Per layer, whether its cache stores keys (a KV-shared layer's stays empty: it reads another layer's).
+        self.stores = [layout is not None for layout in kv_layout(model)]
 
-    @staticmethod
-    def supports(caches: Sequence[object]) -> bool:
+    def supports(self, caches: Sequence[object]) -> bool:
         if all(isinstance(c, DecodeView) for c in caches):
             storage = caches[0].storage
-            return storage.kv_bits is None and all(p is not None for p in storage.pools)
+            return storage.kv_bits is None and all(p is not None for p, s in zip(storage.pools, self.stores) if s)
         # Dense steps attend through a mask, and with an array mask MLX's CUDA attention leaves its fused
         # decode kernel: on the H200 that cost more than compiling saved on an 8B 4-bit model (0.86x).
         return not dense_mask_is_slow() and all(
-            isinstance(c, KVCache) and c.kv_bits is None and c.columns > 0 for c in caches
+            isinstance(c, KVCache) and c.kv_bits is None and (c.columns > 0 or not s)
+            for c, s in zip(caches, self.stores)
         )
 
     def decode(self, tokens: mx.array, caches: Sequence[KVCache] | Sequence[DecodeView]) -> mx.array:
@@ -187,17 +212,23 @@ class CompiledDecoder:
         return logits
 
     def _decode_dense(self, tokens: mx.array, caches: Sequence[KVCache]) -> mx.array:
-        for cache in caches:
+        stored = [cache if stores else None for cache, stores in zip(caches, self.stores)]  # None: stays empty
+        for cache in filter(None, stored):
             cache.reserve(1)
         first = caches[0]
         rows = first.keys.shape[0]
         padding = mx.zeros((rows,), mx.int32) if first.left_padding is None else first.left_padding.astype(mx.int32)
         logits, keys, values = self.traces.dense(
-            tokens, mx.array([first.columns], mx.int32), padding, [c.keys for c in caches], [c.values for c in caches]
+            tokens,
+            mx.array([first.columns], mx.int32),
+            padding,
+            [c and c.keys for c in stored],
+            [c and c.values for c in stored],
         )
-        for cache, k, v in zip(caches, keys, values):
-            cache.keys, cache.values = k, v  # the old buffers are only the graph's now: MLX updates them in place
-            cache.columns += 1
+        for cache, k, v in zip(stored, keys, values):
+            if cache is not None:
+                cache.keys, cache.values = k, v  # the old buffers are only the graph's now: MLX updates them in place
+                cache.columns += 1
         return logits
 
     def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView]) -> mx.array:

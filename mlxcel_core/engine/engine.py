@@ -25,7 +25,7 @@ from ..backends.base import readout_of
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..distributed.group import is_launched
 from ..errors import InputError
-from ..models.base import CausalLM
+from ..models.base import CausalLM, kv_layout
 from ..processors import dry_sequence_breakers
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
@@ -86,9 +86,11 @@ def _check_kv_quantizable(model: CausalLM) -> None:
     """Refuse quantized KV up front when the heads cannot be grouped (rather than failing the first step)."""
     from ..cache import kv_group_size
 
-    head_dim = model.args.head_dim  # every family's args define it (TransformerArgs, Gemma's args)
+    # Every stored layer's head size (Gemma 4's sliding and full layers differ; its KV-shared layers store nothing).
+    head_dims = sorted({layout[1] for layout in kv_layout(model) if layout is not None})
     try:
-        kv_group_size(head_dim)
+        for head_dim in head_dims:
+            kv_group_size(head_dim)
     except ValueError as exc:
         raise InputError(f"--kv-bits: {exc}") from None
 

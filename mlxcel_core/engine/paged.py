@@ -212,11 +212,14 @@ class PagedStorage:
         blocks, offsets = zip(*(divmod(slot, self.pool.block_size) for slot in slots))
         return blocks, offsets
 
-    def write(self, layer: int, slots: tuple[mx.array, mx.array], keys: mx.array, values: mx.array) -> list[mx.array]:
+    def write(
+        self, layer: int, slots: tuple[mx.array, mx.array], keys: mx.array, values: mx.array | None
+    ) -> list[mx.array]:
         """keys/values [N, Hkv, D] into `slots` = (blocks [N], offsets in the block [N]); returns the layer's updated
         pools. Indexing the pools as they are, not reshaped to flat slots and back, saves 2 ops per pool in a decode
-        step's graph (a batch-1 step on a GPU is bound by the host's cost per op, benchmarks/host_profile.py)."""
-        parts = [keys, values]
+        step's graph (a batch-1 step on a GPU is bound by the host's cost per op, benchmarks/host_profile.py).
+        `values` None: the layer's values are its keys' prefix (values_in_keys), and it has a key pool only."""
+        parts = [keys] if values is None else [keys, values]
         if self.kv_bits is not None:
             group = kv_group_size(keys.shape[-1])
             parts = [p for x in parts for p in mx.quantize(x, group_size=group, bits=self.kv_bits)]
@@ -246,11 +249,22 @@ class PagedStorage:
             self.pools_version += 1
         return self.pools[layer]
 
-    def decode_attention(self, queries: mx.array, pools: list[mx.array], block_tables: mx.array):
-        """(attention function, num_splits, whether it is a kernel of the backend's) for a decode step."""
+    def decode_attention(
+        self,
+        queries: mx.array,
+        pools: list[mx.array],
+        block_tables: mx.array,
+        sinks: bool = False,
+        values_in_keys: bool = False,
+        chunked: bool = False,
+    ):
+        """(attention function, num_splits, whether it is a kernel of the backend's) for a decode step; `sinks`:
+        the step's attention has sinks, `values_in_keys`: its values are its keys' prefix, `chunked`: it is Llama 4's
+        chunked attention (no backend kernel takes any of them: the portable path runs)."""
         batch, q_heads, _, head_dim = queries.shape
         backend = backends.current()
-        runner = backend.paged_runner(head_dim)
+        only_if_set = {name: True for name, value in (("values_in_keys", values_in_keys), ("chunk", chunked)) if value}
+        runner = backend.paged_runner_for(head_dim, sinks=sinks, **only_if_set)
         bs = self.pool.block_size
         splits = self.choose_splits(
             batch,
@@ -265,13 +279,29 @@ class PagedStorage:
         return backend.paged_attention(runner), splits, runner != RUNNER_OPS
 
     def gather(self, pools: list[mx.array], block_tables: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """Rows' blocks as dense [B, Hkv, T, D] keys and values (T = blocks per row x block size)."""
+        """Rows' blocks as dense [B, Hkv, T, D] keys and values (T = blocks per row x block size); values None for a
+        layer with a key pool only (values_in_keys)."""
         batch, width = block_tables.shape
         dense = [p[block_tables].reshape(batch, width * self.pool.block_size, *p.shape[2:]) for p in pools]
         if self.kv_bits is not None:
             group = dense[0].shape[-1] * 32 // self.kv_bits // dense[1].shape[-1]
-            dense = [mx.dequantize(*dense[i : i + 3], group_size=group, bits=self.kv_bits) for i in (0, 3)]
-        return tuple(d.transpose(0, 2, 1, 3).astype(dtype) for d in dense)
+            dense = [
+                mx.dequantize(*dense[i : i + 3], group_size=group, bits=self.kv_bits) for i in range(0, len(dense), 3)
+            ]
+        keys, *values = (d.transpose(0, 2, 1, 3).astype(dtype) for d in dense)
+        return keys, (values[0] if values else None)
+
+
+def stored_values(values: mx.array | None, values_in_keys: int | None) -> mx.array | None:
+    """What a view writes to the value pool: `values`, or (`values_in_keys` set: multi-head latent attention, whose
+    values are its keys' prefix) None: nothing, the layer has a key pool only (pools are made per layer from their
+    first write)."""
+    return values if values_in_keys is None else None
+
+
+def read_values(keys: mx.array, values: mx.array | None, values_in_keys: int | None) -> mx.array:
+    """The values attention reads: `values`, or keys[..., :values_in_keys]."""
+    return values if values_in_keys is None else keys[..., :values_in_keys]
 
 
 class _PrefillView:
@@ -286,23 +316,38 @@ class _PrefillView:
     def state(self) -> list[mx.array]:
         return self.storage.pools[self.layer] or []
 
-    def attend(self, queries, keys, values, scale, window=None, softcap=None):
+    def attend(
+        self, queries, keys, values, scale, window=None, softcap=None, sinks=None, values_in_keys=None, chunk=None
+    ):
         # queries may be the chunk's last positions only (a prompt's last layer, last_only): masks align them with
-        # the last keys
+        # the last keys. values_in_keys n: the values are keys[..., :n] and the layer's value pool has width 0.
+        # chunk (Llama 4): causal_mask's chunked attention (columns are the sequence's positions here).
         length, queried = keys.shape[2], queries.shape[2]
-        pools = self.storage.write(self.layer, self.slots, keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2))
+        values = stored_values(values, values_in_keys)
+        new_values = None if values is None else values[0].transpose(1, 0, 2)
+        pools = self.storage.write(self.layer, self.slots, keys[0].transpose(1, 0, 2), new_values)
         if self.offset == 0 and self.storage.kv_bits is None:
             # The sequence's first chunk: the blocks now hold exactly these keys/values, so attend over them
             # as they are instead of gathering them back (on the GPU the gather cost ~0.3 ms per layer of TTFT).
+            values = read_values(keys, values, values_in_keys)
             return scaled_dot_product_attention(
-                queries, keys, values, scale, causal_mask(queried, length, None, window), softcap
+                queries, keys, values, scale, causal_mask(queried, length, None, window, chunk), softcap, sinks
             )
         total = self.offset + length
         all_keys, all_values = self.storage.gather(pools, self.blocks[None], queries.dtype)
-        mask = causal_mask(queried, total, None, window)
+        all_values = read_values(all_keys, all_values, values_in_keys)
+        mask = causal_mask(queried, total, None, window, chunk)
         return scaled_dot_product_attention(
-            queries, all_keys[:, :, :total], all_values[:, :, :total], scale, mask, softcap
+            queries, all_keys[:, :, :total], all_values[:, :, :total], scale, mask, softcap, sinks
         )
+
+    def attend_stored(self, queries, scale, window=None, softcap=None):
+        """LayerCache.attend_stored: the sequence's keys/values gathered back from the layer's blocks, through this
+        chunk's (`slots` has one entry per chunk position)."""
+        total = self.offset + self.slots[0].shape[0]
+        keys, values = self.storage.gather(self.storage.pools[self.layer], self.blocks[None], queries.dtype)
+        mask = causal_mask(queries.shape[2], total, None, window)
+        return scaled_dot_product_attention(queries, keys[:, :, :total], values[:, :, :total], scale, mask, softcap)
 
 
 class _TogetherPrefillView:
@@ -330,12 +375,33 @@ class _TogetherPrefillView:
     def state(self) -> list[mx.array]:
         return self.storage.pools[self.layer] or []
 
-    def attend(self, queries, keys, values, scale, window=None, softcap=None):
+    def attend(
+        self, queries, keys, values, scale, window=None, softcap=None, sinks=None, values_in_keys=None, chunk=None
+    ):
         rows, heads, length, dim = keys.shape
-        real = [part.transpose(0, 2, 1, 3).reshape(rows * length, heads, dim)[self.keep] for part in (keys, values)]
+        values = stored_values(values, values_in_keys)
+        real = [
+            None if part is None else part.transpose(0, 2, 1, 3).reshape(rows * length, heads, dim)[self.keep]
+            for part in (keys, values)
+        ]
         self.storage.write(self.layer, self.slots, *real)
-        mask = causal_mask(queries.shape[2], length, self.padding, window)
-        return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
+        mask = causal_mask(queries.shape[2], length, self.padding, window, chunk)  # (chunks from each row's start)
+        values = read_values(keys, values, values_in_keys)
+        return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap, sinks)
+
+    def attend_stored(self, queries, scale, window=None, softcap=None):
+        """LayerCache.attend_stored: the rows' stored keys/values read back from their slots into the left-padded
+        layout `attend` saw (zeros in the padding, which the mask hides)."""
+        rows = self._offsets.shape[0]
+        padded = self.slots[0].shape[0] + (0 if self.padding is None else sum(self.padding.tolist()))
+        longest = padded // rows  # (every row is the longest prompt's length once padded)
+        stored = []
+        for pool in self.storage.pools[self.layer]:  # unquantized: prompts prefill together only then
+            flat = mx.zeros((rows * longest, *pool.shape[2:]), pool.dtype)
+            flat[self.keep] = pool[self.slots]
+            stored.append(flat.reshape(rows, longest, *pool.shape[2:]).transpose(0, 2, 1, 3).astype(queries.dtype))
+        mask = causal_mask(queries.shape[2], longest, self.padding, window)
+        return scaled_dot_product_attention(queries, *stored, scale, mask, softcap)
 
 
 class DecodeView:
@@ -353,17 +419,33 @@ class DecodeView:
     def state(self) -> list[mx.array]:
         return self.storage.pools[self.layer] or []
 
-    def attend(self, queries, keys, values, scale, window=None, softcap=None):
+    def attend(
+        self, queries, keys, values, scale, window=None, softcap=None, sinks=None, values_in_keys=None, chunk=None
+    ):
         # [B, H, 1, D] <-> [B, H, D]: reshapes (one op each in the step's graph, where indexing makes two)
+        values = stored_values(values, values_in_keys)
         B, Hkv, _, D = keys.shape
-        keys, values = keys.reshape(B, Hkv, D), values.reshape(B, Hkv, D)
+        keys, values = keys.reshape(B, Hkv, D), None if values is None else values.reshape(B, Hkv, D)
         context_lens = self.context_lens
         storage = self.storage
         if window is None and softcap is None and storage.kv_bits is None:
-            pools = storage.layer_pools(self.layer, [keys, values])
-            attention, num_splits, on_kernel = storage.decode_attention(queries, pools, self.block_tables)
+            pools = storage.layer_pools(self.layer, [keys] if values is None else [keys, values])
+            attention, num_splits, on_kernel = storage.decode_attention(
+                queries,
+                pools,
+                self.block_tables,
+                sinks=sinks is not None,
+                values_in_keys=values_in_keys is not None,
+                chunked=chunk is not None,
+            )
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
-            kernel_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
+            extra_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
+            if sinks is not None:  # (never on a kernel: decode_attention routes sinks to the portable path)
+                extra_args["sinks"] = sinks
+            if values_in_keys is not None:  # (never on a kernel either)
+                extra_args["values_in_keys"] = values_in_keys
+            if chunk is not None:  # (nor chunked attention)
+                extra_args["chunk"] = chunk
             if on_kernel and storage.kv_in_kernel:
                 out = attention(
                     queries,
@@ -374,7 +456,7 @@ class DecodeView:
                     num_splits=num_splits,
                     scale=scale,
                     new_kv=(keys, values, *self.slots),
-                    **kernel_args,
+                    **extra_args,
                 )
                 storage.written_in_place.append(out)
                 return out
@@ -382,18 +464,49 @@ class DecodeView:
             return attention(
                 queries,
                 pools[0],
-                pools[1],
+                pools[-1],  # (a key pool only, values_in_keys: not read)
                 self.block_tables,
                 context_lens,
                 num_splits=num_splits,
                 scale=scale,
-                **kernel_args,
+                **extra_args,
             )
         pools = storage.write(self.layer, self.slots, keys, values)
-        # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row.
+        # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row (sinks as given).
         all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)
+        all_values = read_values(all_keys, all_values, values_in_keys)
         k_pos = mx.arange(all_keys.shape[2])[None, :]
         mask = k_pos < context_lens[:, None]
+        if window is not None:
+            mask = mx.logical_and(mask, k_pos > self.offset[:, None] - window)
+        if chunk is not None:  # the keys of the row's own chunk (Llama 4)
+            mask = mx.logical_and(mask, k_pos >= (self.offset // chunk * chunk)[:, None])
+        mask = mask[:, None, None, :]
+        return scaled_dot_product_attention(queries, all_keys, all_values, scale, mask, softcap, sinks)
+
+    def attend_stored(self, queries, scale, window=None, softcap=None):
+        """LayerCache.attend_stored over the rows' blocks, writing nothing. Where the backend's kernel runs this
+        layer's decode attention, it runs read-only (no `new_kv`): the pools already hold this step's keys, which the
+        layer's own `attend` wrote (in place, on a kernel that writes them: this launch's queries come from that
+        launch's output, so it runs after it; so do the combine counters' launches, which it shares)."""
+        storage = self.storage
+        pools = storage.pools[self.layer]
+        if window is None and softcap is None and storage.kv_bits is None:
+            attention, num_splits, on_kernel = storage.decode_attention(queries, pools, self.block_tables)
+            extra_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
+            return attention(
+                queries,
+                pools[0],
+                pools[1],
+                self.block_tables,
+                self.context_lens,
+                num_splits=num_splits,
+                scale=scale,
+                **extra_args,
+            )
+        all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)
+        k_pos = mx.arange(all_keys.shape[2])[None, :]
+        mask = k_pos < self.context_lens[:, None]
         if window is not None:
             mask = mx.logical_and(mask, k_pos > self.offset[:, None] - window)
         return scaled_dot_product_attention(queries, all_keys, all_values, scale, mask[:, None, None, :], softcap)

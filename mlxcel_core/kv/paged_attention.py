@@ -50,12 +50,39 @@ def check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_sp
 
 
 def paged_decode_attention(
-    q, k_pool, v_pool, block_tables, context_lens, num_splits: int = 1, scale: float | None = None
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    context_lens,
+    num_splits: int = 1,
+    scale: float | None = None,
+    sinks: mx.array | None = None,
+    values_in_keys: int | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
     """One decode step of attention for B rows. q: [B, Hq, D] (or [B, Hq, 1, D], the model's layout at one token);
     pools: [num_blocks, block_size, Hkv, D]; block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens,
-    current one included). Returns q's shape and dtype. A row with context_len 0 yields zeros."""
-    check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
+    current one included). Returns q's shape and dtype. A row with context_len 0 yields zeros.
+
+    `sinks` [Hq] (gpt-oss): a logit per query head that joins every row's softmax denominator and no value (merged
+    with the splits' partials like one more split holding only that logit). The backends' kernels take none
+    (Backend.paged_runner_for routes a call with sinks here).
+
+    `values_in_keys` n (multi-head latent attention, DeepSeek-V3): the values are the keys' first n dims, `v_pool` is
+    not read (the paged storage has a key pool only and passes it again), and the output is [..., n]. Such calls are
+    routed here too, never to a kernel.
+
+    `chunk` (Llama 4's chunked local attention): a row's query (at position context_len - 1) sees only the keys of its
+    own chunk of `chunk` positions, from (context_len - 1) // chunk * chunk on. Routed here too
+    (Backend.paged_runner_for)."""
+    if values_in_keys is not None and not 0 < values_in_keys <= k_pool.shape[-1]:
+        raise ValueError(f"values_in_keys must be in [1, {k_pool.shape[-1]}], got {values_in_keys}")
+    check_decode_arguments(
+        q, k_pool, v_pool if values_in_keys is None else k_pool, block_tables, context_lens, num_splits
+    )
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
@@ -65,42 +92,52 @@ def paged_decode_attention(
     # Gather each row's blocks into a dense token axis: [B, T, Hkv, D].
     T = block_tables.shape[1] * block_size
     k = k_pool[block_tables].reshape(B, T, Hkv, D)
-    v = v_pool[block_tables].reshape(B, T, Hkv, D)
+    Dv = D if values_in_keys is None else values_in_keys
+    v = v_pool[block_tables].reshape(B, T, Hkv, D) if values_in_keys is None else k[..., :Dv]
     # Pad T so it splits evenly; the padding is masked out below like any position >= context_len.
-    chunk = max(1, -(-T // S))
-    pad = chunk * S - T
+    span = max(1, -(-T // S))  # keys per split
+    pad = span * S - T
     if pad:
         k = mx.pad(k, [(0, 0), (0, pad), (0, 0), (0, 0)])
         v = mx.pad(v, [(0, 0), (0, pad), (0, 0), (0, 0)])
 
     # float32 throughout: the partial sums and the rescaling are where low precision hurts.
     f32 = mx.float32
-    # [B, Hkv, S, chunk, D]: one contiguous key chunk per split, per kv head.
-    k = k.astype(f32).reshape(B, S, chunk, Hkv, D).transpose(0, 3, 1, 2, 4)
-    v = v.astype(f32).reshape(B, S, chunk, Hkv, D).transpose(0, 3, 1, 2, 4)
+    # [B, Hkv, S, span, D]: one contiguous key span per split, per kv head.
+    k = k.astype(f32).reshape(B, S, span, Hkv, D).transpose(0, 3, 1, 2, 4)
+    v = v.astype(f32).reshape(B, S, span, Hkv, Dv).transpose(0, 3, 1, 2, 4)
     # GQA without repeating K/V: query heads of one kv head share its keys. [B, Hkv, 1, n_rep, D]
     qg = (q.astype(f32) * scale).reshape(B, Hkv, 1, n_rep, D)
 
-    scores = qg @ k.swapaxes(-1, -2)  # [B, Hkv, S, n_rep, chunk]
+    scores = qg @ k.swapaxes(-1, -2)  # [B, Hkv, S, n_rep, span]
     # Clamp to T so a too-large context_len cannot pull padding zeros into the softmax.
     lens = mx.minimum(context_lens.astype(mx.int32), T)
-    valid = mx.arange(S * chunk).reshape(1, S, chunk) < lens.reshape(B, 1, 1)
-    scores = mx.where(valid.reshape(B, 1, S, 1, chunk), scores, -mx.inf)
+    positions = mx.arange(S * span).reshape(1, S, span)
+    valid = positions < lens.reshape(B, 1, 1)
+    if chunk is not None:  # the keys of the query's own chunk only
+        first = (context_lens.astype(mx.int32) - 1) // chunk * chunk
+        valid = mx.logical_and(valid, positions >= first.reshape(B, 1, 1))
+    scores = mx.where(valid.reshape(B, 1, S, 1, span), scores, -mx.inf)
 
     # Per-split partials. An all-masked split has max -inf; shift by 0 instead so exp() gives 0, not NaN.
     m = scores.max(axis=-1, keepdims=True)  # [B, Hkv, S, n_rep, 1]
     empty = m == -mx.inf
     p = mx.exp(scores - mx.where(empty, 0.0, m))
     l = p.sum(axis=-1, keepdims=True)  # [B, Hkv, S, n_rep, 1]
-    o = p @ v  # [B, Hkv, S, n_rep, D]
+    o = p @ v  # [B, Hkv, S, n_rep, Dv]
 
     # Merge splits: rescale each partial by exp(m_s - M); empty splits get weight 0.
     M = m.max(axis=2, keepdims=True)
+    if sinks is not None:  # the sink's logit counts towards the maximum, so exp(sink - M) <= 1 too
+        sink = sinks.astype(f32).reshape(1, Hkv, 1, n_rep, 1)
+        M = mx.maximum(M, sink)
     alpha = mx.where(empty, 0.0, mx.exp(m - mx.where(M == -mx.inf, 0.0, M)))
     L = (alpha * l).sum(axis=2)  # [B, Hkv, n_rep, 1]
-    O = (alpha * o).sum(axis=2)  # [B, Hkv, n_rep, D]
+    if sinks is not None:
+        L = L + mx.exp(sink - M)[:, :, 0]
+    O = (alpha * o).sum(axis=2)  # [B, Hkv, n_rep, Dv]
     out = mx.where(L > 0, O / mx.where(L > 0, L, 1.0), 0.0)
-    return out.reshape(q.shape).astype(q.dtype)
+    return out.reshape(*q.shape[:-1], Dv).astype(q.dtype)
 
 
 def write_kv(k_pool, v_pool, slots, k, v) -> tuple[mx.array, mx.array]:

@@ -30,9 +30,11 @@ def read_config(model_dir: Path, log: Callable[[str], None] | None = None) -> di
             if key in outer:
                 config[key] = outer[key]
         if log is not None:
+            towers = [name for name in ("vision", "audio") if outer.get(f"{name}_config")] or ["vision"]
+            what = f"{towers[0]} tower's" if len(towers) == 1 else f"{' and '.join(towers)} towers'"
             log(
                 f"{outer.get('model_type', 'multimodal')} checkpoint: loading its {config['model_type']} language "
-                "model only (the vision tower's weights are not loaded)"
+                f"model only (the {what} weights are not loaded)"
             )
     return config
 

@@ -191,6 +191,135 @@ SHAPES: dict[str, dict[str, Any]] = {
         },
         tie_word_embeddings=False,
     ),
+    # moonshotai/Moonlight-16B-A3B (16B total, 3B active; model_type deepseek_v3, DeepSeek-V2-Lite's size class):
+    # its config.json values, as its Megatron recipes also give them (27 layers, hidden 2048, ffn 11264, 16 heads,
+    # moe ffn 1408, 2 shared experts, top 6, routed scaling 2.446, rope_theta 50000, eps 1e-5). MLA without q LoRA:
+    # latent 512 + rope 64 (576 cached numbers a token and layer); layer 0 dense, 26 MoE layers of 64 routed experts.
+    "moonlight-16b-a3b": dict(
+        model_type="deepseek_v3",
+        hidden_size=2048,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.446,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        vocab_size=163840,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    ),
+    # google/gemma-4-E4B's text model as its config.json's text_config gives it (Gemma4TextConfig's defaults for the
+    # rest: default RoPE 10k on sliding layers, proportional RoPE (a quarter of each head rotating, 1e6) on full
+    # ones): 42 layers, 5 sliding (512 keys) per full one, head size 256 / 512 on full layers, 2 KV heads, 256-wide
+    # per-layer embeddings over the whole vocabulary, the last 18 layers reading the KV of layers 22 and 23.
+    "gemma-4-e4b": dict(
+        model_type="gemma4_text",
+        hidden_size=2560,
+        num_hidden_layers=42,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        global_head_dim=512,
+        intermediate_size=10240,
+        vocab_size=262144,
+        vocab_size_per_layer_input=262144,
+        hidden_size_per_layer_input=256,
+        num_kv_shared_layers=18,
+        use_double_wide_mlp=False,
+        sliding_window=512,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+        final_logit_softcapping=30.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    ),
+    # openai/gpt-oss-20b's config.json (transformers 4.55 style): 24 layers alternating 128-key sliding and full
+    # attention with sinks, 32 experts (top 4) stored as MXFP4 as released (`quantization_config`): its experts are
+    # built as MLX mxfp4 banks whatever --bits says, which quantizes the other layers (attention, router, embeddings).
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss",
+        hidden_size=2880,
+        num_hidden_layers=24,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        sliding_window=128,
+        attention_bias=True,
+        swiglu_limit=7.0,
+        rope_theta=150000,
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        quantization_config={
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+        },
+    ),
+    # meta-llama/Llama-4-Scout-17B-16E(-Instruct)'s text_config (Llama4TextConfig's default sizes): 48 layers, every one
+    # MoE (16 experts, top 1, plus the shared expert; interleave_moe_layer_step 1), every 4th NoPE (full attention,
+    # temperature-tuned), the others chunked over 8192 positions with the q/k L2 norm; llama3 RoPE x16 from 8192.
+    "llama-4-scout": dict(
+        model_type="llama4_text",
+        hidden_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        intermediate_size_mlp=16384,
+        num_local_experts=16,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        no_rope_layer_interval=4,
+        attention_chunk_size=8192,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=8192,
+        attn_scale=0.1,
+        vocab_size=202048,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+        },
+        rms_norm_eps=1e-5,
+        max_position_embeddings=10485760,
+        tie_word_embeddings=False,
+    ),
     # For tests: head_dim 32 so quantized KV (--kv-bits) works too. Every matrix's input dimension spans at least
     # two 64-groups: MLX 0.32.4's CUDA quantized_matmul with K == group size and 2+ rows hangs (bf16) or returns
     # wrong values (float32) -- measured on the H200 (benchmarks/RESULTS.md).
@@ -245,7 +374,13 @@ def check_shape_options(name: str, bits: int | None, dtype: str) -> None:
 
 def describe_shape(name: str, bits: int | None, dtype: str) -> str:
     short = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
-    return f"{name} (random) " + (f"Q{bits} g{QUANT_GROUP_SIZE}" if bits else short)
+    experts = ", experts mxfp4" if _mxfp4_experts(SHAPES.get(name, {})) else ""
+    return f"{name} (random) " + (f"Q{bits} g{QUANT_GROUP_SIZE}" if bits else short) + experts
+
+
+def _mxfp4_experts(config: dict[str, Any]) -> bool:
+    """Whether the shape's checkpoints ship their MoE experts as MXFP4 (gpt-oss's `quantization_config`)."""
+    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
 def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat16", seed: int = 0, group=None):
@@ -257,13 +392,15 @@ def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat1
 
     RMSNorm weights are ones (as at initialisation), so activations keep a realistic scale.
     With `bits`, every Linear and Embedding is quantized with nn.quantize (group size 64, affine),
-    the way MLX-quantized checkpoints are; norms stay in `dtype`.
+    the way MLX-quantized checkpoints are; norms stay in `dtype`. A shape whose checkpoints ship MXFP4 experts
+    (gpt-oss) gets its expert banks in MLX's mxfp4 mode (group 32), with or without `bits`.
     """
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_unflatten
 
     from ..models import model_class_for
+    from ..models.moe import SwitchLinear
     from ..paths import use_kernel_cache
 
     use_kernel_cache()  # before anything compiles
@@ -282,6 +419,13 @@ def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat1
     def quantizable(path: str, module: nn.Module) -> bool:
         return hasattr(module, "to_quantized") and module.weight.shape[-1] % QUANT_GROUP_SIZE == 0
 
+    mxfp4 = _mxfp4_experts(config)
+
+    def quantization(path: str, module: nn.Module) -> bool | dict:
+        if mxfp4 and isinstance(module, SwitchLinear):
+            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        return bool(bits) and quantizable(path, module)
+
     def randomize(module: nn.Module, skip: str | None = None) -> None:
         nonlocal key
         new = []
@@ -297,12 +441,12 @@ def build_random_model(name: str, bits: int | None = None, dtype: str = "bfloat1
                 value = mx.ones(value.shape, dtype=mx_dtype)
             new.append((path, value))
         module.update(tree_unflatten(new), strict=False)
-        if bits:
+        if bits or mxfp4:
             nn.quantize(
                 module,
                 group_size=QUANT_GROUP_SIZE,
                 bits=bits,
-                class_predicate=lambda p, m: (not skip or not p.startswith(skip)) and quantizable(p, m),
+                class_predicate=lambda p, m: (not skip or not p.startswith(skip)) and quantization(p, m),
             )
         mx.eval(module.parameters())
 
@@ -327,13 +471,14 @@ def count_parameters(model) -> tuple[int, int]:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
+    from ..models.moe import QuantizedSwitchLinear
+
+    quantized = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
     n_params = 0
     n_bytes = 0
     for _, module in model.named_modules():
         own = {k: v for k, v in module.items() if hasattr(v, "size") and hasattr(v, "nbytes")}
-        bits = (
-            getattr(module, "bits", None) if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) else None
-        )
+        bits = getattr(module, "bits", None) if isinstance(module, quantized) else None
         for name, value in own.items():
             n_bytes += value.nbytes
             if bits and name == "weight":

@@ -12,15 +12,25 @@ from ..errors import CorruptModelError
 from ..models import model_class_for
 from ..models.base import is_quantizable
 
+# MLX's quantization modes without biases, by (group size, bits): their scales are 8-bit floats (E8M0 or E4M3).
+_MODES_WITHOUT_BIASES = {(32, 4): "mxfp4", (16, 4): "nvfp4", (32, 8): "mxfp8"}
+
 
 def _quantization_of(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict | bool:
-    """Per-layer group size and bits, read off the packed shapes (works for GGUF and MLX checkpoints)."""
+    """Per-layer group size, bits and mode, read off the packed shapes (works for GGUF and MLX checkpoints): affine
+    where the layer has `.biases`, else the float mode of that group size and bits (gpt-oss's MXFP4 experts)."""
     scales = weights.get(f"{path}.scales")
     if scales is None or not is_quantizable(module):
         return False
     in_dims = module.weight.shape[-1]
     packed = weights[f"{path}.weight"].shape[-1]
-    return {"group_size": in_dims // scales.shape[-1], "bits": packed * 32 // in_dims}
+    found = {"group_size": in_dims // scales.shape[-1], "bits": packed * 32 // in_dims}
+    if f"{path}.biases" not in weights:
+        mode = _MODES_WITHOUT_BIASES.get((found["group_size"], found["bits"]))
+        if mode is None:
+            raise CorruptModelError(f"{path} is quantized without biases at {found}: no MLX mode stores that")
+        found["mode"] = mode
+    return found
 
 
 def _check_names(model: nn.Module, weights: dict[str, mx.array], model_type: str) -> None:

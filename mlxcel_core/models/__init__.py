@@ -18,13 +18,19 @@ REGISTRY: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3",
     "gemma3_text": "gemma3",
+    "gemma4": "gemma4",
+    "gemma4_text": "gemma4",
     "olmo3": "olmo3",
     "ministral3": "ministral3",
+    "llama4": "llama4",
+    "llama4_text": "llama4",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
     "mixtral": "mixtral",
+    "gpt_oss": "gpt_oss",
     "glm4_moe": "glm4_moe",
+    "deepseek_v3": "deepseek_v3",
 }
 
 

@@ -49,8 +49,21 @@ class LayerCache(Protocol):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: mx.array | None = None,
+        values_in_keys: int | None = None,
+        chunk: int | None = None,
     ) -> mx.array:
-        """Store the new keys/values [B, Hkv, L, D] and return attention output [B, Hq, L, D]."""
+        """Store the new keys/values [B, Hkv, L, D] and return attention output [B, Hq, L, D]. `sinks` [Hq]: a
+        learned logit per query head in the softmax's denominator (gpt-oss); attention() passes it only when set.
+        `values_in_keys` n (multi-head latent attention, DeepSeek-V3): the values are keys[..., :n], `values` is not
+        read and only the keys are stored; the output is [B, Hq, L, n]. attention() passes it only when set.
+        `chunk` (Llama 4): a query sees only the keys of its own chunk of positions (causal_mask); passed when set."""
+
+    def attend_stored(
+        self, queries: mx.array, scale: float, window: int | None = None, softcap: float | None = None
+    ) -> mx.array:
+        """Attention over the keys/values already stored (the current step's, which this layer's `attend` just
+        wrote, included), storing nothing: a KV-shared layer (Gemma 4) reads its source layer's cache this way."""
 
 
 class CausalLM(Protocol):
@@ -67,33 +80,56 @@ class CausalLM(Protocol):
 
 
 def causal_mask(
-    query_len: int, key_len: int, left_padding: mx.array | None = None, window: int | None = None
+    query_len: int,
+    key_len: int,
+    left_padding: mx.array | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> mx.array | str | None:
     """Mask for `query_len` new tokens attending to `key_len` keys (the last query_len are the new ones).
 
     Returns None or "causal" when MLX's fused attention can build it itself, else a boolean
     [B or 1, 1, L, S] array that also hides each row's left padding and keys outside the window
-    (a query sees keys with q - k < window, as transformers' sliding-window mask).
+    (a query sees keys with q - k < window, as transformers' sliding-window mask). `chunk` (Llama 4's chunked local
+    attention): a query sees only the keys of its own chunk of `chunk` positions (q // chunk == k // chunk, positions
+    counted from each row's first real column, as transformers' chunked mask).
     """
-    if left_padding is None and (window is None or window >= key_len):
+    within_chunk = chunk is None or chunk >= key_len
+    if left_padding is None and (window is None or window >= key_len) and within_chunk:
         return "causal" if query_len > 1 else None
     q_pos = mx.arange(key_len - query_len, key_len)[:, None]
     k_pos = mx.arange(key_len)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
         mask = mx.logical_and(mask, k_pos > q_pos - window)
+    if not within_chunk and left_padding is None:
+        mask = mx.logical_and(mask, k_pos // chunk == q_pos // chunk)
     mask = mask[None, None]
     if left_padding is not None:
-        mask = mx.logical_and(mask, k_pos[None, None] >= left_padding[:, None, None, None])
+        pad = left_padding[:, None, None, None]
+        mask = mx.logical_and(mask, k_pos[None, None] >= pad)
+        if not within_chunk:  # chunks start at each row's first real column
+            mask = mx.logical_and(mask, (k_pos - pad) // chunk == (q_pos - pad) // chunk)
     return mask
 
 
 def scaled_dot_product_attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, softcap: float | None = None
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    mask,
+    softcap: float | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    """MLX's fused attention, or the explicit form when logits are soft-capped (Gemma 2)."""
+    """MLX's fused attention, or the explicit form when logits are soft-capped (Gemma 2).
+
+    `sinks` [Hq] (gpt-oss): one more logit per query head in each softmax, whose probability is dropped (transformers'
+    eager_attention_forward concatenates it to the scores); MLX's fused attention takes it as `sinks=`."""
+    if sinks is not None:
+        sinks = sinks.astype(queries.dtype)  # MLX wants the sinks' type to promote to the output's
     if softcap is None:
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     n_rep = queries.shape[1] // keys.shape[1]
     if n_rep > 1:
         keys = mx.repeat(keys, n_rep, axis=1)
@@ -106,7 +142,11 @@ def scaled_dot_product_attention(
     if mask is not None:
         # A finite floor, not -inf: a query with no visible key (a pad row) must not turn into NaN.
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
+    if sinks is None:
+        return mx.softmax(scores.astype(mx.float32), axis=-1).astype(values.dtype) @ values
+    sink_column = mx.broadcast_to(sinks.reshape(1, -1, 1, 1), (*scores.shape[:-1], 1)).astype(mx.float32)
+    probs = mx.softmax(mx.concatenate([scores.astype(mx.float32), sink_column], axis=-1), axis=-1)
+    return probs[..., :-1].astype(values.dtype) @ values
 
 
 def attention(
@@ -117,12 +157,34 @@ def attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: mx.array | None = None,
+    values_in_keys: int | None = None,
+    chunk: int | None = None,
 ) -> mx.array:
-    """What every family's attention calls after projecting q/k/v and applying RoPE."""
+    """What every family's attention calls after projecting q/k/v and applying RoPE. `sinks` reaches the cache only
+    when set, so a LayerCache written before sinks existed still serves the families without them; so do
+    `values_in_keys` (LayerCache.attend: the values are keys[..., :n], `values` may be None) and `chunk` (Llama 4's
+    chunked local attention: causal_mask)."""
     if cache is not None:
-        return cache.attend(queries, keys, values, scale, window=window, softcap=softcap)
-    mask = causal_mask(queries.shape[2], keys.shape[2], None, window)
-    return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap)
+        optional = (("sinks", sinks), ("values_in_keys", values_in_keys), ("chunk", chunk))
+        extra = {name: value for name, value in optional if value is not None}
+        return cache.attend(queries, keys, values, scale, window=window, softcap=softcap, **extra)
+    if values_in_keys is not None:
+        values = keys[..., :values_in_keys]
+    mask = causal_mask(queries.shape[2], keys.shape[2], None, window, chunk)
+    return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap, sinks)
+
+
+def kv_layout(model) -> list[tuple[int, int] | None]:
+    """Per layer, (KV heads, head dim) of what its cache stores, None where it stores nothing (a KV-shared layer, which
+    reads another layer's cache): the model's own `kv_layout()` where its layers differ (Gemma 4), else every layer
+    stores the config's num_key_value_heads x head_dim."""
+    if hasattr(model, "kv_layout"):
+        return model.kv_layout()
+    args = model.args
+    heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    return [(heads, head_dim)] * len(model.layers)
 
 
 def cache_offset(cache: LayerCache | None) -> int | mx.array:

@@ -155,12 +155,18 @@ class GemmaCausalLM(TransformerLM):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Multimodal checkpoints: the text tower's weights renamed, the vision tower's dropped."""
-        out = {}
-        for name, value in weights.items():
-            for old, new in _RENAMES:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-                    break
-            if not name.startswith(_DROPPED):
-                out[name] = value
-        return super().sanitize(out)
+        return super().sanitize(text_tower_weights(weights))
+
+
+def text_tower_weights(weights: dict[str, mx.array], dropped: tuple[str, ...] = _DROPPED) -> dict[str, mx.array]:
+    """A multimodal checkpoint's text-model weights under the text model's names (`model.`, `lm_head.`), without
+    the weights whose (renamed) names start with a `dropped` prefix (the other towers); a text checkpoint as it is."""
+    out = {}
+    for name, value in weights.items():
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        if not name.startswith(dropped):
+            out[name] = value
+    return out

@@ -9,6 +9,7 @@ tensors (or transformers' fused `experts.gate_up_proj` / `experts.down_proj`) in
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -106,13 +107,22 @@ class QuantizedSwitchLinear(nn.Module):
 
 
 class SwitchGLU(nn.Module):
-    """SiLU-gated expert MLPs: down(silu(gate(x)) * up(x)) for each of a token's k experts."""
+    """Gated expert MLPs: down(act(gate(x), up(x))) for each of a token's k experts; act is SwiGLU (silu(gate) * up)
+    unless `activation` says otherwise (gpt-oss: its clamped SwiGLU), `bias`: each projection has a bias per expert."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        bias: bool = False,
+        activation: Callable[[mx.array, mx.array], mx.array] = swiglu,
+    ):
         super().__init__()
-        self.gate_proj = SwitchLinear(hidden_size, intermediate_size, num_experts)
-        self.up_proj = SwitchLinear(hidden_size, intermediate_size, num_experts)
-        self.down_proj = SwitchLinear(intermediate_size, hidden_size, num_experts)
+        self.gate_proj = SwitchLinear(hidden_size, intermediate_size, num_experts, bias=bias)
+        self.up_proj = SwitchLinear(hidden_size, intermediate_size, num_experts, bias=bias)
+        self.down_proj = SwitchLinear(intermediate_size, hidden_size, num_experts, bias=bias)
+        self.activation = activation
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., D], indices [..., k] -> [..., k, D]."""
@@ -125,7 +135,7 @@ class SwitchGLU(nn.Module):
             inverse = mx.argsort(order)
             x = x.reshape(-1, 1, x.shape[-1])[order // k]
             indices = flat[order]
-        h = swiglu(self.gate_proj(x, indices, do_sort), self.up_proj(x, indices, do_sort))
+        h = self.activation(self.gate_proj(x, indices, do_sort), self.up_proj(x, indices, do_sort))
         y = self.down_proj(h, indices, do_sort)
         if do_sort:
             y = y[inverse].reshape(*lead, k, 1, y.shape[-1])

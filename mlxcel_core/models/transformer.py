@@ -116,7 +116,8 @@ class Attention(nn.Module):
 
     What families vary is an argument: projection biases (`o_bias` defaults to `bias`), per-head q/k norms
     (`qk_norm`, a norm class, applied before RoPE), the scale (default head_dim**-0.5), a sliding `window`,
-    attention-logit `softcap`. A fused checkpoint layout (Phi-3) overrides `init_projections` and `project`.
+    attention-logit `softcap`, attention `sinks` (gpt-oss: a learned logit per query head in the softmax's denominator,
+    the checkpoint's `self_attn.sinks`). A fused checkpoint layout (Phi-3) overrides `init_projections` and `project`.
     `residual`: return residual + the block's output (add_projection); `norm`: the block's input is norm(x) (the
     pre-norm, handed down so that an override of `project` or `project_rotated` may apply it inside its own
     computation).
@@ -133,6 +134,7 @@ class Attention(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         qk_norm: type[nn.Module] | None = None,
+        sinks: bool = False,
     ):
         super().__init__()
         self.n_heads = args.num_attention_heads
@@ -147,6 +149,8 @@ class Attention(nn.Module):
         self.rope = rope
         self.window = window  # None = full attention
         self.softcap = softcap
+        if sinks:
+            self.sinks = mx.zeros((self.n_heads,))
 
     def init_projections(self, hidden_size: int, bias: bool, o_bias: bool) -> None:
         self.q_proj = nn.Linear(hidden_size, self.n_heads * self.head_dim, bias=bias)
@@ -184,7 +188,7 @@ class Attention(nn.Module):
         if last_only:  # one query, at the last position: the caches' masks align queries with the last keys
             q = q[:, :, -1:, :]
             residual = None if residual is None else residual[:, -1:, :]
-        out = attention(q, k, v, cache, self.scale, window=self.window, softcap=self.softcap)
+        out = attention(q, k, v, cache, self.scale, window=self.window, softcap=self.softcap, sinks=self.get("sinks"))
         return add_projection(self.o_proj, heads_last(out), residual)
 
 

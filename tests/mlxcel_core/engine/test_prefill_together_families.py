@@ -55,6 +55,12 @@ FAMILIES = {
         ),
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # attention sinks (std 0.3) on a sliding layer and a full one; biased router and experts
+    "gpt-oss-window": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, initializer_range=0.3),
+    ),
     # partial rotary, q/k norms and biases; layer 1 grouped MoE (2 groups of 4, the best one kept)
     "glm4-moe": (
         "Glm4MoeConfig",
@@ -123,6 +129,24 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    # sliding / full layers of head size 16 / 32 (proportional RoPE), per-layer embeddings; layers 2 and 3 read the
+    # KV of layers 0 and 1
+    "gemma4-kv-shared": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            head_dim=16,
+            global_head_dim=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=320,
+            sliding_window=8,
+            final_logit_softcapping=10.0,
+            pad_token_id=0,
+        ),
+    ),
     # post-norm layers, whole-projection q/k norms; layer 0 slides, layer 1 is full with YaRN
     "olmo3-window": (
         "Olmo3Config",
@@ -151,6 +175,53 @@ FAMILIES = {
                 "llama_4_scaling_beta": 0.5,
             },
             pad_token_id=0,
+        ),
+    ),
+    # layer 0 chunked over 8 positions (counted from each padded row's start) with the q/k L2 norm, layer 1 NoPE with
+    # the query temperature (stepping every 4 positions) and the sigmoid-routed MoE
+    "llama4-chunked": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            head_dim=16,
+            intermediate_size_mlp=128,
+            attention_chunk_size=8,
+            no_rope_layer_interval=2,
+            num_local_experts=4,
+            interleave_moe_layer_step=2,
+            floor_scale=4,
+            attn_scale=0.5,
+            pad_token_id=0,
+        ),
+    ),
+    # latent attention (one latent key a token, the values its prefix) with q LoRA and YaRN's mscale_all_dim; layer
+    # 1 grouped MoE (2 groups of 4, the best one kept)
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            moe_intermediate_size=64,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.7,
+            },
         ),
     ),
 }

@@ -1,0 +1,159 @@
+"""A backend's paged decode kernel knows sliding windows but not Llama 4's chunked attention: a chunked decode call runs
+the portable MLX-ops path (kv/paged_attention.py, `chunk=`), while the calls of the same model's full-attention layers
+still take the kernel. Shown on the CPU with stand-in backends (this process's backend swapped by monkeypatching
+`backends._current`); the portable path's chunked attention against a dense reference."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel_core import backends
+from mlxcel_core.backends.base import Backend
+from mlxcel_core.backends.cuda.backend import CudaBackend
+from mlxcel_core.engine.paged import PagedStorage
+from mlxcel_core.kv.paged_attention import RUNNER_OPS, paged_decode_attention
+from mlxcel_core.models.base import causal_mask, scaled_dot_product_attention
+
+HQ, HKV, D = 4, 2, 16
+CHUNK = 4
+
+
+def with_kernel(calls: list):
+    """A backend with a decode kernel of its own (as CUDA has), writing the step's keys and values in place; the kernel
+    and the portable path record their calls."""
+
+    def kernel(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None):
+        calls.append(("kernel", {}))
+        if new_kv is not None:
+            k, v, blocks, offsets = new_kv
+            k_pool[blocks, offsets] = k
+            v_pool[blocks, offsets] = v
+        return paged_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale)
+
+    def portable(*args, **kwargs):
+        calls.append(("ops", kwargs))
+        return paged_decode_attention(*args, **kwargs)
+
+    class StandIn(Backend):  # as the CUDA backend's paged decode is, with a kernel that runs here
+        kv_written_in_kernel = True
+        combine_counters = CudaBackend.combine_counters
+
+        def paged_runner(self, head_dim):
+            return "cuda-kernel-stand-in"
+
+        def paged_attention(self, runner):
+            return portable if runner == RUNNER_OPS else kernel
+
+    return StandIn()
+
+
+def decode_step(chunk, prompt_len: int = 6):
+    """A prompt_len-token prefill then one decode step on a fresh storage; the step's attention output."""
+    storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64)
+    storage.add(0, list(range(prompt_len)))
+    k1, k2, k3 = mx.random.split(mx.random.key(0), 3)
+    n = prompt_len + 1
+    q, k, v = (mx.random.normal((1, h, n, D), key=key) for h, key in ((HQ, k1), (HKV, k2), (HKV, k3)))
+    (view,) = storage.prefill_caches(0, 0, prompt_len)
+    view.attend(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], D**-0.5, chunk=chunk)
+    (view,) = storage.decode_caches([0])
+    got = view.attend(q[:, :, -1:], k[:, :, -1:], v[:, :, -1:], D**-0.5, chunk=chunk)
+    want = scaled_dot_product_attention(q, k, v, D**-0.5, causal_mask(n, n, None, None, chunk))[:, :, -1:]
+    return got, want
+
+
+@pytest.mark.parametrize("chunk", [None, CHUNK], ids=["full", "chunked"])
+def test_a_chunked_decode_call_leaves_the_kernel(monkeypatch, chunk):
+    monkeypatch.setattr(backends, "_current", Backend())
+    portable, dense = decode_step(chunk)
+    np.testing.assert_allclose(np.array(portable), np.array(dense), rtol=0, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(backends, "_current", with_kernel(calls))
+    got, _ = decode_step(chunk)
+    assert mx.allclose(got, portable, atol=1e-6).item()
+    if chunk is None:
+        assert [name for name, _ in calls] == ["kernel"]
+    else:  # the portable path, with the chunk and none of the kernel's keywords (the storage writes the pools)
+        assert [name for name, _ in calls] == ["ops"]
+        assert calls[0][1]["chunk"] == CHUNK and not {"new_kv", "counters"} & calls[0][1].keys()
+
+
+def test_the_cuda_backend_routes_chunks_to_the_portable_path(monkeypatch):
+    from mlxcel_core.backends.cuda import backend as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "runner_for", lambda head_dim: "cuda-kernel-v1")  # as on a CUDA device
+    cuda = CudaBackend()
+    assert cuda.paged_runner_for(64) == "cuda-kernel-v1"
+    assert cuda.paged_runner_for(64, chunk=True) == RUNNER_OPS
+    assert Backend().paged_runner_for(64, chunk=True) == RUNNER_OPS
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_portable_chunked_decode_matches_dense_attention(num_splits):
+    """Rows at positions in different chunks (the first of a chunk, its last, one past several chunks): each row's
+    query sees its own chunk's keys only, however the key axis is split."""
+    block_size, blocks = 4, 6
+    lens = [1, 4, 5, 8, 19, 24]  # context lengths: the query is at len - 1
+    B = len(lens)
+    keys = mx.random.split(mx.random.key(1), 3)
+    q = mx.random.normal((B, HQ, 1, D), key=keys[0])
+    k_pool = mx.random.normal((B * blocks, block_size, HKV, D), key=keys[1])
+    v_pool = mx.random.normal((B * blocks, block_size, HKV, D), key=keys[2])
+    tables = mx.arange(B * blocks).reshape(B, blocks)[:, ::-1]  # blocks in no particular order
+    got = paged_decode_attention(
+        q, k_pool, v_pool, tables, mx.array(lens), num_splits=num_splits, scale=D**-0.5, chunk=CHUNK
+    )
+    for row, n in enumerate(lens):
+        k = k_pool[tables[row]].reshape(-1, HKV, D)[:n].transpose(1, 0, 2)[None]
+        v = v_pool[tables[row]].reshape(-1, HKV, D)[:n].transpose(1, 0, 2)[None]
+        mask = causal_mask(1, n, None, None, CHUNK)
+        want = scaled_dot_product_attention(q[row : row + 1], k, v, D**-0.5, mask)
+        np.testing.assert_allclose(np.array(got[row : row + 1]), np.array(want), rtol=0, atol=1e-5)
+
+
+def test_a_llama4_model_takes_the_kernel_on_its_full_layers_only(monkeypatch):
+    """A random tiny Llama 4 through the paged engine under a kernel backend: the chunked (RoPE) layers' decode calls
+    run the portable path with their chunk, the NoPE (full-attention) layers' the kernel, and the greedy tokens are
+    the portable backend's."""
+    from mlxcel_core.bench import RandomIdTokenizer
+    from mlxcel_core.engine import Engine, EngineConfig
+    from mlxcel_core.models import llama4
+    from mlxcel_core.sampling import SamplingParams
+
+    args = llama4.ModelArgs.from_dict(
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            intermediate_size_mlp=64,
+            num_hidden_layers=2,
+            num_attention_heads=HQ,
+            num_key_value_heads=HKV,
+            head_dim=D,
+            num_local_experts=4,
+            attention_chunk_size=CHUNK,
+            no_rope_layer_interval=2,
+            floor_scale=4,
+            vocab_size=64,
+        )
+    )
+    mx.random.seed(0)
+    model = llama4.Model(args)
+    mx.eval(model.parameters())
+
+    def run():
+        engine = Engine(model, RandomIdTokenizer(64), EngineConfig(max_batch_size=2, storage="paged", block_size=4))
+        seqs = [engine.open(p, SamplingParams(max_tokens=8)) for p in ([5, 6, 7, 8, 9, 10], [11, 12])]
+        while engine.has_work():
+            engine.step()
+        return [engine.sequence(s).output_ids for s in seqs]
+
+    monkeypatch.setattr(backends, "_current", Backend())
+    want = run()
+    calls = []
+    monkeypatch.setattr(backends, "_current", with_kernel(calls))
+    assert run() == want
+    ops = [kwargs for name, kwargs in calls if name == "ops"]
+    assert ops and all(kwargs["chunk"] == CHUNK for kwargs in ops)
+    assert len(ops) == len(calls) - len(ops)  # one chunked and one full layer: as many kernel calls

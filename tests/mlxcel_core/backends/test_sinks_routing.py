@@ -1,0 +1,129 @@
+"""A backend's paged decode kernel takes no attention sinks: a decode call with sinks runs the portable MLX-ops path
+(kv/paged_attention.py, which takes them), while calls without sinks still take the kernel. Shown on the CPU with
+stand-in backends (this process's backend swapped by monkeypatching `backends._current`)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxcel_core import backends
+from mlxcel_core.backends.base import Backend
+from mlxcel_core.backends.cuda.backend import CudaBackend
+from mlxcel_core.engine.paged import PagedStorage
+from mlxcel_core.kv.paged_attention import RUNNER_OPS, paged_decode_attention
+
+HQ, HKV, D = 4, 2, 16
+SINKS = mx.array([3.0, -2.0, 1.0, 0.0])
+
+
+def with_kernel(calls: list):
+    """A backend with a decode kernel of its own (as CUDA has), writing the step's keys and values in place; the kernel
+    and the portable path record their calls."""
+
+    def kernel(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None):
+        calls.append(("kernel", {}))
+        if new_kv is not None:
+            k, v, blocks, offsets = new_kv
+            k_pool[blocks, offsets] = k
+            v_pool[blocks, offsets] = v
+        return paged_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale)
+
+    def portable(*args, **kwargs):
+        calls.append(("ops", kwargs))
+        return paged_decode_attention(*args, **kwargs)
+
+    class StandIn(Backend):  # as the CUDA backend's paged decode is, with a kernel that runs here
+        kv_written_in_kernel = True
+        combine_counters = CudaBackend.combine_counters
+
+        def paged_runner(self, head_dim):
+            return "cuda-kernel-stand-in"
+
+        def paged_attention(self, runner):
+            return portable if runner == RUNNER_OPS else kernel
+
+    return StandIn()
+
+
+def decode_step(sinks):
+    """A 6-token prefill then one decode step on a fresh storage; the step's attention output."""
+    storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64)
+    storage.add(0, list(range(6)))
+    k1, k2, k3 = mx.random.split(mx.random.key(0), 3)
+    q, k, v = (mx.random.normal((1, h, 7, D), key=key) for h, key in ((HQ, k1), (HKV, k2), (HKV, k3)))
+    (view,) = storage.prefill_caches(0, 0, 6)
+    view.attend(q[:, :, :6], k[:, :, :6], v[:, :, :6], D**-0.5, sinks=sinks)
+    (view,) = storage.decode_caches([0])
+    return view.attend(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], D**-0.5, sinks=sinks)
+
+
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["without-sinks", "with-sinks"])
+def test_a_decode_call_with_sinks_leaves_the_kernel(monkeypatch, sinks):
+    monkeypatch.setattr(backends, "_current", Backend())
+    want = decode_step(sinks)
+    calls = []
+    monkeypatch.setattr(backends, "_current", with_kernel(calls))
+    got = decode_step(sinks)
+    assert mx.allclose(got, want, atol=1e-6).item()
+    if sinks is None:
+        assert [name for name, _ in calls] == ["kernel"]
+    else:  # the portable path, with the sinks and none of the kernel's keywords (the storage writes the pools)
+        assert [name for name, _ in calls] == ["ops"]
+        assert calls[0][1]["sinks"] is SINKS and not {"new_kv", "counters"} & calls[0][1].keys()
+
+
+def test_the_cuda_backend_routes_sinks_to_the_portable_path(monkeypatch):
+    from mlxcel_core.backends.cuda import backend as cuda_backend
+
+    monkeypatch.setattr(cuda_backend, "runner_for", lambda head_dim: "cuda-kernel-v1")  # as on a CUDA device
+    cuda = CudaBackend()
+    assert cuda.paged_runner_for(64) == "cuda-kernel-v1"
+    assert cuda.paged_runner_for(64, sinks=True) == RUNNER_OPS
+    assert cuda.paged_attention(RUNNER_OPS) is paged_decode_attention
+    assert Backend().paged_runner_for(64, sinks=True) == RUNNER_OPS
+
+
+def test_a_gpt_oss_model_decodes_on_the_portable_path_under_a_kernel_backend(monkeypatch):
+    """A random tiny gpt-oss through the paged engine: every decode attention call leaves the kernel (all its layers
+    have sinks), and the greedy tokens are the portable backend's."""
+    from mlxcel_core.bench import RandomIdTokenizer
+    from mlxcel_core.engine import Engine, EngineConfig
+    from mlxcel_core.models import gpt_oss
+    from mlxcel_core.sampling import SamplingParams
+
+    args = gpt_oss.ModelArgs.from_dict(
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=HQ,
+            num_key_value_heads=HKV,
+            head_dim=D,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            layer_types=["full_attention", "sliding_attention"],
+            vocab_size=64,
+        )
+    )
+
+    def run():
+        # A model of its own per run: where decode steps compile (a GPU), a trace made by the reference run would
+        # replay the portable path without calling the stand-in.
+        mx.random.seed(0)
+        model = gpt_oss.Model(args)
+        for layer in model.layers:
+            layer.self_attn.sinks = mx.random.normal((HQ,)) * 3
+        engine = Engine(model, RandomIdTokenizer(64), EngineConfig(max_batch_size=2, storage="paged", block_size=4))
+        seqs = [engine.open(p, SamplingParams(max_tokens=8)) for p in ([5, 6, 7, 8, 9, 10], [11, 12])]
+        while engine.has_work():
+            engine.step()
+        return [engine.sequence(s).output_ids for s in seqs]
+
+    monkeypatch.setattr(backends, "_current", Backend())
+    want = run()
+    calls = []
+    monkeypatch.setattr(backends, "_current", with_kernel(calls))
+    assert run() == want
+    assert calls and all(name == "ops" and "sinks" in kwargs for name, kwargs in calls)
