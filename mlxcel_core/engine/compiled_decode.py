@@ -32,7 +32,8 @@ import mlx.core as mx
 from .. import backends
 from ..cache import KVCache
 from ..models.base import CausalLM, kv_layout, scaled_dot_product_attention
-from .paged import DecodeView, PagedStorage
+from .paged import PagedStorage
+from .paged_views import DecodeView
 
 
 def compile_enabled(requested: bool | None = None) -> bool:
