@@ -138,11 +138,13 @@ def test_a_llama4_model_takes_the_kernel_on_its_full_layers_only(monkeypatch):
             vocab_size=64,
         )
     )
-    mx.random.seed(0)
-    model = llama4.Model(args)
-    mx.eval(model.parameters())
 
     def run():
+        # A model per run, the same weights: a compiled decode step (the default on a GPU) is traced once per model,
+        # and a trace made under one backend would replay without calling the other's attention.
+        mx.random.seed(0)
+        model = llama4.Model(args)
+        mx.eval(model.parameters())
         engine = Engine(model, RandomIdTokenizer(64), EngineConfig(max_batch_size=2, storage="paged", block_size=4))
         seqs = [engine.open(p, SamplingParams(max_tokens=8)) for p in ([5, 6, 7, 8, 9, 10], [11, 12])]
         while engine.has_work():
