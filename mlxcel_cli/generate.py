@@ -62,6 +62,9 @@ def generate(
     dry_sequence_breaker: opt.DrySequenceBreaker = None,
     xtc_threshold: opt.XtcThreshold = 0.1,
     xtc_probability: opt.XtcProbability = 0.0,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
     no_chat_template: opt.NoChatTemplate = False,
     system: opt.System = None,
     kv_bits: opt.KvBits = None,
@@ -104,6 +107,7 @@ def generate(
             dry_sequence_breaker=dry_sequence_breaker,
             xtc_threshold=xtc_threshold,
             xtc_probability=xtc_probability,
+            constraint=opt.constraint(json_schema, regex, grammar),
         )
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
         engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size, speculative)
@@ -179,43 +183,43 @@ def _answer_once(text, model, params, engine_config, system, chat_template, as_j
         last = chunk
     stats = last.stats
     if as_json:
-        print(
-            json.dumps(
-                {
-                    "text": "".join(pieces),
-                    "token_ids": tokens,
-                    "finish_reason": last.finish_reason,
-                    "usage": {
-                        "prompt_tokens": stats.prompt_tokens,
-                        "completion_tokens": stats.generated_tokens,
-                        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-                    },
-                    "timings": {
-                        "prefill_s": stats.prefill_s,
-                        "decode_s": stats.decode_s,
-                        "prefill_tokens_per_s": stats.prefill_tps,
-                        "decode_tokens_per_s": stats.decode_tps,
-                        "peak_memory_gb": stats.peak_memory_gb,
-                    },
-                    **(
-                        {
-                            "speculative": {
-                                "rounds": stats.speculative.rounds,
-                                "proposed": stats.speculative.proposed,
-                                "accepted": stats.speculative.accepted,
-                                "acceptance_rate": stats.speculative.acceptance_rate,
-                                "mean_accepted_per_round": stats.speculative.mean_accepted,
-                            }
-                        }
-                        if stats.speculative is not None
-                        else {}
-                    ),
-                    "model": loaded.source.origin,
-                },
-                ensure_ascii=False,
-            )
-        )
+        print(json.dumps(_json_result("".join(pieces), tokens, last, loaded, params), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
     _print_stats(stats, verbose)
+
+
+def _json_result(text: str, tokens: list[int], last, loaded, params) -> dict:
+    """`--json`'s object. Output constrained to JSON (--json-schema) also carries it parsed ("parsed": null when
+    max tokens cut it short)."""
+    stats = last.stats
+    result = {"text": text, "token_ids": tokens, "finish_reason": last.finish_reason}
+    constraint = params.constraint
+    if constraint is not None and constraint.is_json:
+        from mlxcel_core.constraints import parse_json
+
+        result["parsed"] = parse_json(text)
+    result["usage"] = {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+    }
+    result["timings"] = {
+        "prefill_s": stats.prefill_s,
+        "decode_s": stats.decode_s,
+        "prefill_tokens_per_s": stats.prefill_tps,
+        "decode_tokens_per_s": stats.decode_tps,
+        "peak_memory_gb": stats.peak_memory_gb,
+    }
+    spec = stats.speculative
+    if spec is not None:
+        result["speculative"] = {
+            "rounds": spec.rounds,
+            "proposed": spec.proposed,
+            "accepted": spec.accepted,
+            "acceptance_rate": spec.acceptance_rate,
+            "mean_accepted_per_round": spec.mean_accepted,
+        }
+    result["model"] = loaded.source.origin
+    return result

@@ -101,6 +101,65 @@ XtcProbability = Annotated[
 ]
 
 
+# Structured output (mlxcel_core/constraints.py): the output must match one of these.
+JsonSchema = Annotated[
+    Optional[str],
+    typer.Option(
+        "--json-schema",
+        metavar="FILE|JSON",
+        help="Constrain the output to JSON valid against this JSON schema (a file, or the schema itself).",
+    ),
+]
+Regex = Annotated[
+    Optional[str], typer.Option("--regex", metavar="RE", help="Constrain the output to a full match of this regex.")
+]
+Grammar = Annotated[
+    Optional[str],
+    typer.Option(
+        "--grammar", metavar="FILE", help="Constrain the output to this grammar: Lark (llguidance) or GBNF (llama.cpp)."
+    ),
+]
+
+
+def constraint(json_schema: Optional[str], regex: Optional[str], grammar: Optional[str]):
+    """The Constraint of --json-schema / --regex / --grammar (at most one), checked now: InputError (exit 2) naming
+    the problem before any model loads. None without one. Imports llguidance only when one is given."""
+    from mlxcel_core.constraints import Constraint, ConstraintError, check
+    from mlxcel_core.errors import InputError
+
+    given = [
+        (flag, value) for flag, value in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar))
+    ]
+    given = [(flag, value) for flag, value in given if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InputError(f"give one output constraint, not {' and '.join(flag for flag, _ in given)}")
+    flag, value = given[0]
+    try:
+        if flag == "--json-schema":
+            inline = value.lstrip().startswith("{") or value.strip() == "true"
+            made = Constraint.json_schema(value if inline else _read(flag, value))
+        elif flag == "--regex":
+            made = Constraint.regex(value)
+        else:
+            made = Constraint.grammar(_read(flag, value))
+        check(made)
+    except ConstraintError as exc:
+        raise InputError(f"{flag}: {exc}") from None
+    return made
+
+
+def _read(flag: str, path: str) -> str:
+    from mlxcel_core.errors import InputError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{flag}: cannot read {path}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+
+
 def sampling_params(
     max_tokens: int,
     temp: float,
@@ -123,8 +182,10 @@ def sampling_params(
     dry_sequence_breaker: Optional[List[str]] = None,
     xtc_threshold: float = 0.1,
     xtc_probability: float = 0.0,
+    constraint=None,
 ):
-    """SamplingParams from the command line; out-of-range values raise InputError (exit 2)."""
+    """SamplingParams from the command line; out-of-range values raise InputError (exit 2). `constraint`: from
+    `constraint()` above."""
     from mlxcel_core.processors import DEFAULT_DRY_SEQUENCE_BREAKERS
     from mlxcel_core.sampling import SamplingParams
 
@@ -155,6 +216,7 @@ def sampling_params(
         dry_sequence_breakers=breakers,
         xtc_threshold=xtc_threshold,
         xtc_probability=xtc_probability,
+        constraint=constraint,
     )
 
 

@@ -70,6 +70,9 @@ def run(
     dry_sequence_breaker: opt.DrySequenceBreaker = None,
     xtc_threshold: opt.XtcThreshold = 0.1,
     xtc_probability: opt.XtcProbability = 0.0,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
     kv_bits: opt.KvBits = None,
     prefill_chunk_size: opt.PrefillChunk = 2048,
     draft_model: opt.DraftModel = None,
@@ -111,6 +114,7 @@ def run(
             dry_sequence_breaker=dry_sequence_breaker,
             xtc_threshold=xtc_threshold,
             xtc_probability=xtc_probability,
+            constraint=opt.constraint(json_schema, regex, grammar),
         )
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
         engine_config = opt.engine_config(1, kv_bits, "dense", prefill_chunk_size, speculative)

@@ -31,6 +31,7 @@ _EXPORTS = {
     "GenerationChunk": "mlxcel_core.api",
     "GenerationStats": "mlxcel_core.api",
     "SamplingParams": "mlxcel_core.sampling",
+    "Constraint": "mlxcel_core.constraints",
     "Engine": "mlxcel_core.engine",
 }
 

@@ -45,8 +45,11 @@ def run_requests(
     conversations=None,
     steady_tokens: int | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    params=None,
 ) -> RunTiming:
     """Submit every prompt at once, greedy, and step the engine; time what the host sees.
+
+    `params`: the rows' SamplingParams instead (benchmarks/structured_outputs.py: constrained rows).
 
     With `steady_tokens` = n, the run is timed until every row has its first token and then n more decode
     steps of the full batch have been read (`window_tokens` counts them); the rows are then cancelled and
@@ -54,7 +57,7 @@ def run_requests(
     """
     from .sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens)
+    params = params or SamplingParams(max_tokens=max_tokens)
     conversations = conversations or [None] * len(prompts)
     before = engine.stats().prefill_tokens
     submitted = clock()

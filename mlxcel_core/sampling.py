@@ -1,6 +1,7 @@
 """The per-row sampler: small pure functions over logits, applied in ONE fixed order.
 
      stage                                   function                              argmax-invariant
+  -. grammar mask (a constrained row)        apply_allowed (masks: engine/constrained.py) no
   0. custom logits_processors (Python API)   SamplingParams.logits_processors      -
   1. logit bias, token suppression           processors.apply_logit_bias/_suppression  no
   2. repetition penalty (last n tokens)      processors.apply_repetition_penalty   no
@@ -14,6 +15,8 @@
  10. draw: categorical; at temperature 0 the argmax
 
 Stages 0-4 (`RowSampler.process`) read the tokens so far; 5-10 (`RowSampler.draw`) only the logits.
+A constrained row (`SamplingParams.constraint`, mlxcel_core/constraints.py) first has every token its grammar does
+not allow set to -inf, so no later stage and no draw (argmax included) can pick one.
 Filters (6-9) set dropped tokens to -inf and leave the survivors' logits unchanged, so the order is what
 defines the result. At temperature 0 the draw is the argmax of stage 4's logits: stages 5-8 cannot
 change it, and XTC, a randomization of sampling, is skipped (greedy stays deterministic).
@@ -29,6 +32,7 @@ from typing import Callable, Mapping
 import mlx.core as mx
 
 from . import processors as proc
+from .constraints import Constraint
 from .errors import InputError
 
 NEG_INF = float("-inf")
@@ -64,6 +68,8 @@ class SamplingParams:
     # stage 9 (XTC, "exclude top choices")
     xtc_threshold: float = 0.1
     xtc_probability: float = 0.0  # 0 = off
+    # structured output: a JSON schema, JSON object, regex or grammar the output must match (before stage 0)
+    constraint: Constraint | None = None
 
     def __post_init__(self):
         _check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
@@ -123,6 +129,8 @@ class SamplingParams:
         )
         _check(0.0 <= self.xtc_threshold <= 1.0, "xtc-threshold", "in [0, 1]", self.xtc_threshold)
         _check(0.0 <= self.xtc_probability <= 1.0, "xtc-probability", "in [0, 1]", self.xtc_probability)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InputError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -141,13 +149,18 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Stages 0-4 do something (else the argmax of the model's logits is the greedy token)."""
-        return self.needs_history or bool(self.logit_bias) or bool(self.suppress_tokens)
+        """A mask or stages 0-4 do something (else the argmax of the model's logits is the greedy token)."""
+        return self.needs_history or bool(self.logit_bias) or bool(self.suppress_tokens) or self.constraint is not None
 
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing that needs the row on its own: rows like this share one argmax."""
         return self.greedy and not self.adjusts_logits
+
+    @property
+    def masked_greedy(self) -> bool:
+        """Greedy with at most a grammar mask: the argmax of the masked logits, still shared with the batch."""
+        return self.greedy and not (self.needs_history or self.logit_bias or self.suppress_tokens)
 
 
 def _is_int(value) -> bool:
@@ -157,6 +170,11 @@ def _is_int(value) -> bool:
 def _check(ok: bool, name: str, expected: str, value) -> None:
     if not ok:  # NaN fails every comparison, so it lands here too
         raise InputError(f"{name} must be {expected}, got {value}")
+
+
+def apply_allowed(logits: mx.array, allowed: mx.array) -> mx.array:
+    """A constrained row's grammar mask: tokens where `allowed` (bool, broadcast to the logits) is false get -inf."""
+    return mx.where(allowed, logits, mx.array(NEG_INF, logits.dtype))
 
 
 # -- stages 5-9 ----------------------------------------------------------------------------------------------
@@ -249,9 +267,12 @@ class RowSampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._key = mx.random.key(seed)
 
-    def process(self, logits: mx.array, tokens: list[int] | None = None) -> mx.array:
-        """Stages 0-4 for logits [1, V] given the tokens so far (prompt + generated)."""
+    def process(self, logits: mx.array, tokens: list[int] | None = None, allowed: mx.array | None = None) -> mx.array:
+        """Stages 0-4 for logits [1, V] given the tokens so far (prompt + generated); a constrained row's `allowed`
+        tokens (bool [V], engine/constrained.py) are applied first."""
         p, tokens = self.params, tokens or []
+        if allowed is not None:
+            logits = apply_allowed(logits, allowed)
         for processor in p.logits_processors:
             logits = processor(tokens, logits)
         if p.logit_bias:

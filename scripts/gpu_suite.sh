@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 case "${1:-}" in
   stage)
     ../shared/gpu/stage.sh platformdirs starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
-      pytest-xdist execnet mlx-lm==0.32.2 ruff import-linter grimp pexpect ptyprocess
+      pytest-xdist execnet mlx-lm==0.32.2 ruff import-linter grimp pexpect ptyprocess llguidance jsonschema \
+      jsonschema-specifications referencing rpds-py attrs
     # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
     mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
     ;;

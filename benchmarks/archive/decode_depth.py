@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.bench import environment, random_prompt  # noqa: E402
 from mlxcel_core.engine.compiled_decode import compile_enabled  # noqa: E402
-from mlxcel_core.engine.engine import make_storage  # noqa: E402
+from mlxcel_core.engine.storage import make_storage  # noqa: E402
 from mlxcel_core.engine.runner import ModelRunner  # noqa: E402
 from mlxcel_core.engine.types import EngineConfig  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.greedy import greedy_tokens  # noqa: E402

@@ -6,6 +6,9 @@ forward for every decoding row, plus one prefill chunk or several whole prompts 
 sampled by its own sampler, the step is submitted to the device, and the *previous* step's tokens are read on the
 host while the device computes this one (lookahead pipelining), stops applied.
 A failing row ends with finish_reason "error"; the others go on.
+A constrained row (structured output, constrained.py) has its grammar's token mask applied before its sampler's
+stages; the mask needs the row's last token, so its step reads the previous step right after submitting the forward
+and computes the mask on the host while the device runs that forward.
 With a drafter configured, a sequence that decodes alone runs a speculative round instead of its
 decode (speculative.py: draft, verify in one forward, trim); while batching, rows decode plainly.
 What differs by backend (the greedy readout, the decode-step replayer) comes from backends.current().
@@ -25,15 +28,16 @@ from ..backends.base import readout_of
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..distributed.group import is_launched
 from ..errors import InputError
-from ..models.base import CausalLM, kv_layout
+from ..models.base import CausalLM
 from ..processors import dry_sequence_breakers
-from ..sampling import RowSampler, SamplingParams
+from ..sampling import RowSampler, SamplingParams, apply_allowed
 from ..tokenizer import Tokenizer
+from . import constrained
 from .compiled_decode import compile_enabled
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, ScheduledBatch, SchedulerConfig
 from .speculative import Speculator, make_drafter, verify
-from .storage import Conversation, DenseStorage, KVStorage
+from .storage import Conversation, make_storage
 from .types import EngineConfig, EngineStats, FinishReason, Sequence, StepOutput
 
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees so the first word keeps its space
@@ -59,40 +63,6 @@ class StepPlan:
     speculate: bool = False  # the lone decoding row runs a speculative round instead of its decode
     graph_row: int | None = None  # the lone decoding row whose step the backend's recorded graph replays
     produced: dict[int, _Sampled] = field(default_factory=dict)  # each sampled row's token, filled as it runs
-
-
-def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
-    """`compiled`: decode steps will run compiled (compiled_decode.py), so paged block tables are padded."""
-    if config.kv_bits is not None:
-        _check_kv_quantizable(model)
-    if config.resolved_storage == "paged":
-        from .paged import PagedStorage
-
-        budget = config.kv_budget_for(model.max_context_length)
-        return PagedStorage(
-            len(model.layers),
-            block_size=config.block_size,
-            kv_budget_tokens=budget,
-            kv_bits=config.kv_bits,
-            prefix_cache=config.prefix_cache,
-            num_splits=config.num_splits,
-            max_batch_size=config.max_batch_size,
-            pad_block_tables=compiled,
-        )
-    return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
-
-
-def _check_kv_quantizable(model: CausalLM) -> None:
-    """Refuse quantized KV up front when the heads cannot be grouped (rather than failing the first step)."""
-    from ..cache import kv_group_size
-
-    # Every stored layer's head size (Gemma 4's sliding and full layers differ; its KV-shared layers store nothing).
-    head_dims = sorted({layout[1] for layout in kv_layout(model) if layout is not None})
-    try:
-        for head_dim in head_dims:
-            kv_group_size(head_dim)
-    except ValueError as exc:
-        raise InputError(f"--kv-bits: {exc}") from None
 
 
 class EngineMirror(Protocol):
@@ -143,6 +113,7 @@ class Engine:
         self._token_texts: list[str] | None = None  # each token's text, for DRY sequence breakers
         self._dry_breakers: dict[tuple[str, ...], dict] = {}
         self.speculator: Speculator | None = None
+        self._grammars: constrained.Grammars | None = None  # made at the first constrained row
         # Rank 0 under tensor parallelism: a LeaderMirror that sends this engine's inputs to the other ranks.
         self.mirror: EngineMirror | None = None
         if self.config.speculative is not None:
@@ -160,6 +131,11 @@ class Engine:
         self._check_token_ids(params)
         if self.mirror is not None:
             params = self.mirror.prepare(params)
+        row_constraint = None
+        if params.constraint is not None:  # ConstraintError (an InputError) when its grammar does not compile
+            if self._grammars is None:
+                self._grammars = constrained.Grammars(self.tokenizer, self.vocab_size)
+            row_constraint = self._grammars.open(params.constraint)
         seq = Sequence(
             seq_id=next(self._ids),
             prompt_ids=list(prompt_ids),
@@ -168,6 +144,7 @@ class Engine:
             sampler=RowSampler(params, len(prompt_ids), self._breakers(params)),
             detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
             stop_matcher=StopMatcher(params.stop),
+            constraint=row_constraint,
         )
         self.scheduler.add(seq.seq_id, len(prompt_ids), seq.max_tokens)
         self._sequences[seq.seq_id] = seq
@@ -343,17 +320,23 @@ class Engine:
             return [self._end(self._sequences[s], "error", None, f"{type(exc).__name__}: {exc}") for s in seq_ids]
         if not sample:
             return []
-        outputs = []
         seqs = [self._sequences[s] for s in seq_ids]
-        if all(s.params.plain_greedy and s.params.logprobs is None for s in seqs):
+        outputs, allowed = self._constrain(seqs, logits)
+        if all(s.params.masked_greedy and s.params.logprobs is None for s in seqs):
             # The whole batch's tokens and readout at once, each row a slice (a lone row's whole-array slice is no op:
             # each op in a step's graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
+            # A constrained row's token is the argmax of its allowed tokens.
+            if allowed:
+                logits = apply_allowed(logits, constrained.batch_mask([allowed.get(s.seq_id) for s in seqs]))
             tokens, readout = self.backend.greedy_tokens(logits)
-            produced.update({s.seq_id: _Sampled(tokens[i : i + 1], readout[i : i + 1]) for i, s in enumerate(seqs)})
+            live = ((i, s) for i, s in enumerate(seqs) if s.finish_reason is None)  # (_constrain may end rows)
+            produced.update({s.seq_id: _Sampled(tokens[i : i + 1], readout[i : i + 1]) for i, s in live})
             return outputs
         for i, seq in enumerate(seqs):
+            if seq.finish_reason is not None:
+                continue  # ended by the tokens read in _constrain
             try:
-                row = seq.sampler.process(logits[i : i + 1], seq.prompt_ids + seq.output_ids)
+                row = seq.sampler.process(logits[i : i + 1], seq.prompt_ids + seq.output_ids, allowed.get(seq.seq_id))
                 logprobs = None
                 if seq.params.logprobs is not None:  # of the model's distribution, before sampling filters
                     raw = logits[i].astype(mx.float32)
@@ -364,6 +347,20 @@ class Engine:
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
 
+    def _constrain(self, seqs: list[Sequence], logits: mx.array) -> tuple[list[StepOutput], dict[int, mx.array]]:
+        """The allowed tokens of the constrained rows among `seqs` (bool [V] by seq id), and the outputs of the steps
+        read to compute them. A mask depends on the row's last token: with lookahead that step is still unread, so the
+        forward goes to the device first and the host reads the unread steps and computes the masks meanwhile. A dead
+        end (no allowed token) ends its row with "error"."""
+        if not any(s.constraint is not None for s in seqs):
+            return [], {}
+        mx.async_eval(logits)
+        outputs = self._commit(keep=0)  # (this step's rows are not submitted yet: only earlier steps are read)
+        rows = {s.seq_id: s.constraint for s in seqs if s.constraint is not None and s.finish_reason is None}
+        allowed, dead = constrained.next_allowed(rows, logits.shape[-1])
+        outputs += [self._end(self._sequences[seq_id], "error", None, message) for seq_id, message in dead.items()]
+        return outputs, allowed
+
     def _speculate(self, seq: Sequence) -> list[StepOutput] | None:
         """One speculative round (draft, verify in one forward, trim); None when there is nothing to propose."""
         k = self.speculator.draft_size(seq)
@@ -373,7 +370,9 @@ class Engine:
             if not proposals:
                 return None
             logits = self.runner.score(seq.seq_id, [history[-1]] + proposals)
-            verdict = verify(seq.sampler, logits, proposals, history)
+            verdict = verify(seq.sampler, logits, proposals, history, seq.constraint)
+        except constrained.ConstraintDeadEnd as exc:
+            return [self._end(seq, "error", None, str(exc))]
         except Exception as exc:  # the drafter, the model or a logits processor failed: this row only
             return [self._end(seq, "error", None, f"speculative decoding failed: {type(exc).__name__}: {exc}")]
         if verdict.nan:
@@ -444,12 +443,19 @@ class Engine:
         return outputs
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
+        eos = token in self.tokenizer.eos_token_ids
+        if seq.constraint is not None and not eos:  # (the mask allows EOS only where the grammar may end)
+            refused = seq.constraint.advance(token)
+            if refused is not None:  # only when a logits processor left no allowed token a finite logit
+                return self._end(seq, "error", None, refused)
         seq.output_ids.append(token)
-        if token in self.tokenizer.eos_token_ids:
+        if eos:
             return self._end(seq, "stop", token, text=self._flush(seq))
         text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
         if stopped:  # the stop string and anything after it are never emitted
             return self._end(seq, "stop", token, text=text)
+        if seq.constraint is not None and seq.constraint.stopped:  # the grammar is complete
+            return self._end(seq, "stop", token, text=text + self._flush(seq))
         if len(seq.output_ids) >= seq.max_tokens:
             return self._end(seq, "length", token, text=text + self._flush(seq))
         return StepOutput(seq.seq_id, token, text)
@@ -458,6 +464,7 @@ class Engine:
         self, seq: Sequence, reason: FinishReason, token: int | None, error: str | None = None, text: str = ""
     ) -> StepOutput:
         seq.finish_reason, seq.error = reason, error
+        seq.constraint = None  # the matcher goes with the row
         self._conversations.pop(seq.seq_id, None)  # never admitted: nothing to keep
         seq.timings.finished = time.perf_counter()
         self.scheduler.finish(seq.seq_id)

@@ -30,6 +30,7 @@ import numpy as np
 from ..cache import KVCache, make_cache
 from ..errors import InputError
 from ..sampling import RowSampler
+from .constrained import allowed as unpack_allowed
 from .types import SpecStats, SpeculativeConfig
 
 
@@ -163,12 +164,18 @@ class Verdict:
     nan: bool
 
 
-def verify(sampler: RowSampler, logits: mx.array, proposals: list[int], history: list[int]) -> Verdict:
-    """Accept draft tokens while the row's sampler draws them from the target's logits [k + 1, V]."""
+def verify(sampler: RowSampler, logits: mx.array, proposals: list[int], history: list[int], constraint=None) -> Verdict:
+    """Accept draft tokens while the row's sampler draws them from the target's logits [k + 1, V].
+
+    A constrained row (`constraint`, a constrained.RowConstraint) masks each position with what its grammar allows
+    after the draft tokens before it: a draft token the grammar refuses is never accepted."""
     rows = logits
+    allowed = [None] * (len(proposals) + 1)
+    if constraint is not None:
+        allowed = unpack_allowed(constraint.draft_masks(proposals), logits.shape[-1])
     if sampler.params.adjusts_logits:  # every stage sees the history the token would really have
         rows = mx.concatenate(
-            [sampler.process(logits[i : i + 1], history + proposals[:i]) for i in range(len(proposals) + 1)]
+            [sampler.process(logits[i : i + 1], history + proposals[:i], allowed[i]) for i in range(len(proposals) + 1)]
         )
     drawn, keys = sampler.draw_many(rows)
     nan = mx.isnan(rows).any(axis=-1)

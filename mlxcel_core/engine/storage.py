@@ -3,6 +3,8 @@
 - DenseStorage: each prefilling sequence has its own caches; when its prompt is done its rows join
   one left-padded decode batch (cache.KVCache). Best at batch 1.
 - PagedStorage (engine/paged.py): fixed-size blocks in one pool with a prefix cache; best when batching.
+
+`make_storage` picks one for an EngineConfig and checks up front that quantized KV can group the model's heads.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from ..cache import KVCache, make_cache
-from ..models.base import LayerCache
+from ..cache import KVCache, kv_group_size, make_cache
+from ..errors import InputError
+from ..models.base import CausalLM, LayerCache, kv_layout
+from .types import EngineConfig
 
 
 @dataclass
@@ -135,3 +139,35 @@ class DenseStorage:
     def stats(self) -> dict[str, int]:
         caches = list(self._prefilling.values()) + [self._batch]
         return {"kv_bytes": sum(layer.nbytes for cache in caches for layer in cache), "rows": len(self._rows)}
+
+
+def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
+    """`compiled`: decode steps will run compiled (compiled_decode.py), so paged block tables are padded."""
+    if config.kv_bits is not None:
+        _check_kv_quantizable(model)
+    if config.resolved_storage == "paged":
+        from .paged import PagedStorage
+
+        budget = config.kv_budget_for(model.max_context_length)
+        return PagedStorage(
+            len(model.layers),
+            block_size=config.block_size,
+            kv_budget_tokens=budget,
+            kv_bits=config.kv_bits,
+            prefix_cache=config.prefix_cache,
+            num_splits=config.num_splits,
+            max_batch_size=config.max_batch_size,
+            pad_block_tables=compiled,
+        )
+    return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
+
+
+def _check_kv_quantizable(model: CausalLM) -> None:
+    """Refuse quantized KV up front when the heads cannot be grouped (rather than failing the first step)."""
+    # Every stored layer's head size (Gemma 4's sliding and full layers differ; its KV-shared layers store nothing).
+    head_dims = sorted({layout[1] for layout in kv_layout(model) if layout is not None})
+    try:
+        for head_dim in head_dims:
+            kv_group_size(head_dim)
+    except ValueError as exc:
+        raise InputError(f"--kv-bits: {exc}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..errors import InputError
@@ -175,3 +175,4 @@ class Sequence:
     error: str | None = None
     timings: SequenceTimings = field(default_factory=SequenceTimings)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, when the engine has a drafter
+    constraint: Any = None  # a constrained row's grammar state (constrained.RowConstraint); dropped when it ends

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ..constraints import Constraint, ConstraintError, check
 from ..engine import EngineConfig
 from ..processors import DEFAULT_DRY_SEQUENCE_BREAKERS
 from ..sampling import SamplingParams
@@ -147,8 +148,32 @@ def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
     return ids
 
 
+def response_constraint(response_format) -> Constraint | None:
+    """The request's response_format as a Constraint, compiled once here so a bad schema is a 400 naming it."""
+    if response_format is None or response_format.type == "text":
+        return None
+    try:
+        if response_format.type == "json_object":
+            constraint = Constraint.json_object()
+        elif response_format.json_schema is None:
+            raise bad_request("response_format of type json_schema needs a 'json_schema' object.", "response_format")
+        else:
+            schema = response_format.json_schema.schema_
+            constraint = Constraint.json_schema(True if schema is None else schema)
+        check(constraint)
+    except ConstraintError as exc:
+        raise bad_request(f"Invalid response_format: {exc}.", "response_format") from None
+    return constraint
+
+
 def sampling_params(
-    body, *, seed: int | None, max_tokens: int, logprobs: int | None, prompt_len: int
+    body,
+    *,
+    seed: int | None,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_len: int,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     """A request's SamplingParams (built on the engine thread: a request's logits processors may hold MLX arrays).
 
@@ -177,6 +202,7 @@ def sampling_params(
         dry_sequence_breakers=DEFAULT_DRY_SEQUENCE_BREAKERS if breakers is None else tuple(breakers),
         xtc_threshold=body.xtc_threshold,
         xtc_probability=body.xtc_probability,
+        constraint=constraint,
     )
 
 
@@ -272,10 +298,13 @@ async def generate(
     validate_logit_bias(body.logit_bias, server.vocab_size)
     check_token_ids(body.suppress_tokens or [], server.vocab_size, "suppress_tokens")
     body.penalty()  # both spellings of the repeat penalty agree
+    constraint = response_constraint(body.response_format)
 
     def make_params(index: int):
         seed = body.seed + index if body.seed is not None else None  # n choices must differ
-        return lambda: sampling_params(body, seed=seed, max_tokens=max_tokens, logprobs=logprobs, prompt_len=n_prompt)
+        return lambda: sampling_params(
+            body, seed=seed, max_tokens=max_tokens, logprobs=logprobs, prompt_len=n_prompt, constraint=constraint
+        )
 
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 

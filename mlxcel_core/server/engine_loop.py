@@ -24,6 +24,7 @@ from typing import Callable
 import mlx.core as mx
 
 from ..engine import Engine, EngineConfig, StepOutput
+from ..engine.constrained import prepare as prepare_constraints
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -184,6 +185,9 @@ class EngineLoop:
                 plan = warmup_plan(self.engine_config)
                 log.info("warm-up: %.1f s (%s)", warm_up(self._new_engine(), plan), plan.describe())
             self.engine = self._new_engine()
+            # The tokenizer in llguidance's form, built on a worker thread now so that the first request with a
+            # response_format does not wait for it (engine/constrained.py).
+            prepare_constraints(self.loaded.tokenizer, self.engine.vocab_size)
         except BaseException as exc:  # noqa: BLE001 - reported to the CLI, which exits
             self.state, self.error = "failed", exc
             log.error("model failed to load: %s", exc)

@@ -95,9 +95,10 @@ def from_validation_error(exc) -> APIError:
 
 
 def from_core_error(exc: Exception) -> APIError:
-    """mlxcel_core errors: the user's (InputError) -> 400, anything else -> 500."""
+    """mlxcel_core errors: the user's (InputError) -> 400 (a bad constraint names response_format), else 500."""
+    from ..constraints import ConstraintError
     from ..errors import InputError
 
     if isinstance(exc, InputError):
-        return bad_request(str(exc))
+        return bad_request(str(exc), "response_format" if isinstance(exc, ConstraintError) else None)
     return APIError(500, f"{type(exc).__name__}: {exc}")

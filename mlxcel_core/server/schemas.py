@@ -23,6 +23,22 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: OpenAI's structured outputs (the schema is enforced whatever `strict` says)."""
+
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Union[dict[str, Any], bool, None] = Field(None, alias="schema")  # absent: any JSON value
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Body):
+    """{"type": "text"} (free text), {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
 class SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -52,6 +68,7 @@ class SamplingFields(_Body):
     xtc_threshold: float = Field(0.1, ge=0, le=1)
     xtc_probability: float = Field(0.0, ge=0, le=1)  # 0 = off
     suppress_tokens: Optional[list[int]] = None  # token ids never generated
+    response_format: Optional[ResponseFormat] = None  # structured output (mlxcel_core/constraints.py)
     user: Optional[str] = None  # accepted, ignored
 
     @field_validator("dry_sequence_breakers")
@@ -137,15 +154,12 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
 
     def template_messages(self) -> list[dict]:
         if not self.messages:
             raise bad_request("'messages' must contain at least one message.", "messages")
         if self.tools:
             raise bad_request("Tools are not supported by this server.", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise bad_request('Only response_format {"type": "text"} is supported.', "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         out = []

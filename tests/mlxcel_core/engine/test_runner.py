@@ -7,8 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel_core.engine.engine import make_storage
 from mlxcel_core.engine.runner import ModelRunner
+from mlxcel_core.engine.storage import make_storage
 from mlxcel_core.engine.types import EngineConfig
 from mlxcel_core.loading.shapes import build_random_model
 

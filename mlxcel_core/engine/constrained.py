@@ -1,0 +1,224 @@
+"""Constrained decoding in the engine: each constrained row's grammar matcher and its allowed-token masks.
+
+The life of a constrained row (engine.py drives it; the Constraint spec and its grammar are
+mlxcel_core/constraints.py):
+
+- `Engine.open` makes the row's `RowConstraint`: an llguidance matcher for the constraint's grammar over the
+  model's tokenizer (the grammar itself was checked when the Constraint was: a bad one is refused there). The
+  matcher is compiled on a worker thread (llguidance drops the GIL), so it overlaps the prompt's prefill; the row's
+  first mask waits for it. The tokenizer's llguidance form (~1-2 s to build) is built once per tokenizer, ahead of
+  time where the caller knows it will be needed (`prepare`); a grammar seen before is a copy of a cached matcher.
+- Every step that samples the row: after the step's forward is submitted, the host computes the row's bitmask of
+  allowed tokens from the matcher (`masks`) while the device computes the logits; the sampler sets every other
+  token's logit to -inf before its first stage (sampling.apply_allowed), so a disallowed token is never drawn,
+  greedy or sampled. No allowed token, or a matcher in error, is a dead end: that row ends with "error".
+- Every committed token advances the matcher (`advance`); once the grammar is complete (`stopped`) the row ends
+  with "stop". EOS is allowed whenever the grammar accepts.
+- A speculative round verifies drafts against the masks: `draft_masks` gives each position the mask after the
+  draft tokens before it, and rolls the matcher back after.
+- The row ends: the matcher is dropped with the Sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import mlx.core as mx
+import numpy as np
+
+from ..constraints import Constraint, grammar_of
+
+MATCHER_CACHE_SIZE = 32  # compiled grammars kept per tokenizer (a deep copy costs ~10 us, a compile ms)
+
+_lock = threading.Lock()
+_tokenizers: dict[tuple[int, int], tuple[object, Future]] = {}  # (id(backend), n_vocab) -> (backend, LLTokenizer)
+_builder: ThreadPoolExecutor | None = None
+
+
+class ConstraintDeadEnd(RuntimeError):
+    """The grammar allows no next token (or its matcher failed): the row cannot go on."""
+
+
+def vocab_words(n_vocab: int) -> int:
+    """32-bit words of one row's bitmask."""
+    return (n_vocab + 31) // 32
+
+
+def prepare(tokenizer, n_vocab: int) -> Future:
+    """Start building the tokenizer's llguidance form (once per tokenizer and vocabulary size) on a worker thread.
+
+    A server calls this when its model loads, so the first constrained request does not wait ~1-2 s for it."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:  # e.g. the benchmarks' RandomIdTokenizer: no text, so no grammar
+        failed = Future()
+        failed.set_exception(ValueError(f"{type(tokenizer).__name__} has no `tokenizers` tokenizer"))
+        return failed
+    n_vocab = max(n_vocab, tokenizer.vocab_size)  # llguidance refuses fewer ids than the tokenizer has
+    key = (id(backend), n_vocab)
+    with _lock:
+        known = _tokenizers.get(key)
+        if known is not None and known[0] is backend:
+            return known[1]
+        eos = sorted(tokenizer.eos_token_ids) or None
+        future = _pool().submit(_build_tokenizer, backend, n_vocab, eos)
+        _tokenizers[key] = (backend, future)
+        return future
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The worker threads that build tokenizers and compile grammars (llguidance drops the GIL while it works).
+    Two: a matcher's compile waits for its tokenizer's build, which must not queue behind it."""
+    global _builder
+    if _builder is None:
+        _builder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mlxcel-grammar")
+    return _builder
+
+
+def _build_tokenizer(backend, n_vocab: int, eos: list[int] | None):
+    """llguidance reads the `tokenizers` tokenizer from its JSON form (what llguidance.hf does for transformers').
+
+    llguidance 1.7+ takes every EOS id; 1.6, the newest built for glibc 2.28 (RHEL 8 and many GPU hosts), takes one:
+    there the first, and the grammar's end allows that one alone."""
+    import llguidance
+
+    try:
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+    except TypeError:
+        if not eos:
+            raise
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos[0])
+
+
+class Grammars:
+    """One engine's source of matchers: its tokenizer in llguidance's form and recently compiled grammars."""
+
+    def __init__(self, tokenizer, n_vocab: int):
+        """`n_vocab`: the model's logits width (masks cover it and the tokenizer's ids, whichever is more)."""
+        self.tokenizer, self.n_vocab = tokenizer, n_vocab
+        self.mask_vocab = max(n_vocab, tokenizer.vocab_size)
+        self._cache: OrderedDict[str, Future] = OrderedDict()  # grammar -> its compiled matcher, copied per row
+
+    def open(self, constraint: Constraint) -> "RowConstraint":
+        """The row's grammar state, its matcher compiling on a worker thread (ConstraintError: a bad grammar)."""
+        grammar = grammar_of(constraint)
+        template = self._cache.get(grammar)
+        if template is None:
+            tokenizer = prepare(self.tokenizer, self.n_vocab)
+            template = self._cache[grammar] = _pool().submit(_compile, tokenizer, grammar)
+            if len(self._cache) > MATCHER_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(grammar)
+        return RowConstraint(constraint, template, self.mask_vocab)
+
+
+def _compile(tokenizer: Future, grammar: str):
+    """A fresh matcher for the grammar (on a worker thread); it is never advanced, only copied."""
+    import llguidance
+
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    return llguidance.LLMatcher(tokenizer.result(), grammar, log_level=0, limits=limits)
+
+
+class RowConstraint:
+    """A row's grammar state: its matcher (a copy of the compiled one), advanced by every committed token."""
+
+    def __init__(self, constraint: Constraint, template: Future, n_vocab: int):
+        self.constraint, self.n_vocab = constraint, n_vocab  # n_vocab: the ids a mask covers
+        self._template, self._matcher = template, None
+
+    @property
+    def matcher(self):
+        """The row's matcher, once compiled (waits for the compile); ConstraintDeadEnd if it could not be."""
+        if self._matcher is None:
+            try:
+                template = self._template.result()
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read
+                raise ConstraintDeadEnd(f"the {self.constraint.name} could not be compiled: {exc}") from None
+            if template.is_error():
+                raise ConstraintDeadEnd(f"invalid {self.constraint.name}: {template.get_error()}")
+            self._matcher = template.deep_copy()
+        return self._matcher
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow."""
+        return self.matcher.is_stopped()
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the allowed-token bitmask for the next token into `out` (int32 [words]); ConstraintDeadEnd if none."""
+        self.matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self.matcher.is_error():
+            raise ConstraintDeadEnd(f"the {self.constraint.name} matcher failed: {self.matcher.get_error()}")
+        if not out.any():
+            raise ConstraintDeadEnd(f"no token can continue the output under the {self.constraint.name}")
+
+    def advance(self, token: int) -> str | None:
+        """Consume a committed token; the reason it was refused, else None."""
+        if self.matcher.consume_token(token):
+            return None
+        return f"token {token} does not match the {self.constraint.name}: {self.matcher.get_error()}"
+
+    def draft_masks(self, proposals: list[int]) -> np.ndarray:
+        """Bitmasks [len(proposals) + 1, words]: row i allows what may follow proposals[:i]. Rows after the first
+        refused proposal allow everything (verification rejects the draft there, so they are never used). The
+        matcher ends where it began."""
+        masks = np.full((len(proposals) + 1, vocab_words(self.n_vocab)), -1, dtype=np.int32)
+        consumed = 0
+        try:
+            for i in range(len(proposals) + 1):
+                try:
+                    self.fill(masks[i])
+                except ConstraintDeadEnd:
+                    if i == 0:
+                        raise
+                    masks[i] = -1  # the draft led into a dead end: committing its tokens will report it
+                    break
+                if i == len(proposals) or not _allows(masks[i], proposals[i]):
+                    break
+                if not self.matcher.consume_token(proposals[i]):
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return masks
+
+
+def _allows(mask: np.ndarray, token: int) -> bool:
+    return 0 <= token < mask.size * 32 and bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+
+def next_allowed(rows: dict[int, RowConstraint], vocab_size: int) -> tuple[dict[int, mx.array], dict[int, str]]:
+    """Each row's allowed next tokens (bool [vocab_size] by row key), and the rows at a dead end (key -> message).
+
+    Host work (llguidance, ~0.1-1 ms a row): the engine calls it while the device computes the step's logits.
+    (llguidance's LLExecutor computes masks on several threads; one at a time measured faster on small hosts.)"""
+    keys = list(rows)
+    bitmask = np.zeros((len(keys), vocab_words(rows[keys[0]].n_vocab) if keys else 0), dtype=np.int32)
+    dead: dict[int, str] = {}
+    for i, key in enumerate(keys):
+        try:
+            rows[key].fill(bitmask[i])
+        except ConstraintDeadEnd as exc:
+            dead[key] = str(exc)
+    unpacked = allowed(bitmask, vocab_size) if keys else None
+    return {key: unpacked[i] for i, key in enumerate(keys) if key not in dead}, dead
+
+
+def allowed(bitmask: np.ndarray, vocab_size: int) -> mx.array:
+    """Bitmasks [n, words] as booleans [n, vocab_size] (unpacked on the device: 1/8 the bytes to move)."""
+    words = mx.array(bitmask)
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].astype(mx.bool_)
+
+
+def batch_mask(rows: list[mx.array | None]) -> mx.array:
+    """One bool mask [len(rows), V] for a batch's logits from each row's allowed tokens (None: a free row)."""
+    known = next(r for r in rows if r is not None)
+    every = None
+    if any(r is None for r in rows):
+        every = mx.ones(known.shape, mx.bool_)
+    return mx.stack([every if r is None else r for r in rows])

@@ -1,0 +1,161 @@
+"""Constrained decoding in the engine (engine/constrained.py) on the tiny random Llama: every output matches its
+grammar, a disallowed token is never drawn even as the argmax, grammar completion stops the row, dead ends end only
+their row, unconstrained neighbours get exactly their tokens alone, and lookahead or speculation change nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel_core.constraints import Constraint, ConstraintError
+from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig, constrained
+from mlxcel_core.loading import load_model
+from mlxcel_core.sampling import RowSampler, SamplingParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "color": {"enum": ["red", "green"]},
+    },
+    "required": ["ok", "n", "color"],
+    "additionalProperties": False,
+}
+DIGITS = Constraint.regex("[0-9]{2,6}")
+LARK = Constraint.grammar('start: "(" ITEM ("," ITEM)* ")"\nITEM: /[a-c]/\n')
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), log=lambda m: None)
+
+
+def run(loaded, rows, config=None, prompt="Hello world"):
+    """[(params)...] -> [(text, tokens, finish_reason, error)], all rows opened at once."""
+    engine = Engine(loaded.model, loaded.tokenizer, config or EngineConfig(max_batch_size=max(len(rows), 1)))
+    ids = [engine.open(loaded.tokenizer.encode(prompt), p) for p in rows]
+    tokens, ends = {i: [] for i in ids}, {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.token is not None:
+                tokens[out.seq_id].append(out.token)
+            if out.finished:
+                ends[out.seq_id] = (out.finish_reason, out.error)
+                assert engine.sequence(out.seq_id).constraint is None  # the matcher went with the row
+    return [(loaded.tokenizer.decode(tokens[i]), tokens[i], *ends[i]) for i in ids]
+
+
+def params(constraint=None, **kw):
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 40), constraint=constraint, **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_match_their_grammars(loaded, temperature):
+    rows = [params(Constraint.json_schema(SCHEMA), temperature=temperature, seed=1)]
+    rows += [params(DIGITS, temperature=temperature, seed=2), params(LARK, temperature=temperature, seed=3)]
+    (schema_text, _, reason, _), (digits, *_), (lark, *_) = run(loaded, rows)
+    assert reason == "stop"
+    jsonschema.validate(json.loads(schema_text), SCHEMA)
+    assert re.fullmatch("[0-9]{2,6}", digits)
+    assert re.fullmatch(r"\([a-c](,[a-c])*\)", lark) or re.fullmatch(r"\([a-c](,[a-c])*", lark)
+
+
+def test_grammar_completion_stops_the_row(loaded):
+    [(text, tokens, reason, error)] = run(loaded, [params(Constraint.regex("abc"), max_tokens=30)])
+    assert (text, reason, error) == ("abc", "stop", None)
+    assert len(tokens) <= 3
+
+
+def test_the_argmax_is_never_drawn_when_disallowed(loaded):
+    """Unconstrained, the tiny model's first greedy token is not a digit; constrained to digits it never appears."""
+    [(free_text, free_tokens, *_)] = run(loaded, [params(max_tokens=1)])
+    assert not free_text.isdigit()
+    [(text, tokens, *_)] = run(loaded, [params(DIGITS)])
+    assert free_tokens[0] not in tokens and text.isdigit()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_the_sampler_masks_before_every_stage(temperature):
+    """A row whose argmax (and almost all its mass) is on a disallowed token draws only allowed ones."""
+    logits = mx.array([[0.0, 50.0, 1.0, 0.5, 40.0]])
+    allowed = mx.array([True, False, True, True, False])
+    sampler = RowSampler(SamplingParams(temperature=temperature, seed=0, logit_bias={1: 100.0}, top_k=2))
+    drawn = {sampler.draw(sampler.process(logits, [], allowed)).item() for _ in range(50)}
+    assert drawn <= {0, 2, 3} and drawn
+
+
+@pytest.mark.parametrize("storage", ["dense", "paged"])
+def test_unconstrained_rows_get_their_tokens_alone(loaded, storage):
+    free = [params(max_tokens=12), params(temperature=1.0, top_p=0.9, seed=7, max_tokens=12)]
+    constrained_rows = [params(Constraint.json_schema(SCHEMA)), params(DIGITS, temperature=0.7, seed=5)]
+    mixed = run(loaded, [free[0], constrained_rows[0], free[1], constrained_rows[1]], EngineConfig(4, storage=storage))
+    for row, index in ((free[0], 0), (free[1], 2)):
+        [alone] = run(loaded, [row], EngineConfig(1, storage=storage))
+        assert mixed[index][1] == alone[1]
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_lookahead_changes_nothing(loaded, lookahead):
+    rows = [params(Constraint.json_object(), temperature=1.0, seed=4), params(LARK), params(max_tokens=20)]
+    reference = run(loaded, rows, EngineConfig(3, lookahead=False))
+    assert run(loaded, rows, EngineConfig(3, lookahead=lookahead)) == reference
+
+
+def test_speculative_rounds_verify_drafts_against_the_mask(loaded):
+    """Prompt lookup drafts from a prompt full of the grammar's own text: the output equals plain decoding."""
+    prompt = "(a,b,c,a,b) (a,b,c,a,b) 12345 12345 (a,b,c"
+    rows = [params(LARK), params(DIGITS, temperature=0.9, seed=3)]
+    spec = EngineConfig(1, speculative=SpeculativeConfig(num_draft_tokens=4, ngram=3))
+    for row in rows:
+        [plain] = run(loaded, [row], EngineConfig(1), prompt=prompt)
+        [speculated] = run(loaded, [row], spec, prompt=prompt)
+        assert speculated == plain
+
+
+def test_draft_masks_leave_the_matcher_where_it_was(loaded):
+    grammars = constrained.Grammars(loaded.tokenizer, loaded.model.args.vocab_size)
+    row = grammars.open(Constraint.regex("abc"))
+    a, b, c = (loaded.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abc")
+    masks = row.draft_masks([a, b, a])  # the third token is refused: verification stops there
+    bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")
+    assert bits[0, a] and bits[1, b] and bits[2, c] and not bits[2, a]
+    assert bits[3].all()  # after a refused draft token: never used
+    assert row.advance(a) is None and row.advance(b) is None and row.advance(c) is None and row.stopped
+
+
+def test_a_dead_end_ends_its_row_and_the_batch_goes_on(loaded, monkeypatch):
+    """Suppressing every token the grammar allows leaves no finite logit: the drawn token is refused at commit."""
+    only_x = Constraint.regex("x+")
+    x = loaded.tokenizer.encode("x", add_special_tokens=False)[0]
+    free = params(max_tokens=10)
+    rows = [free, params(only_x, suppress_tokens=(x,)), params(DIGITS)]
+    (free_text, free_tokens, *_), (_, tokens, reason, error), (digits, *_) = run(loaded, rows)
+    assert reason == "error" and "does not match the regex" in error and tokens == []
+    assert digits.isdigit() and free_tokens == run(loaded, [free])[0][1]
+
+
+def test_no_allowed_token_is_an_error_for_that_row(loaded, monkeypatch):
+    real = constrained.RowConstraint.fill
+
+    def fill(self, out):
+        if self.constraint == DIGITS:
+            raise constrained.ConstraintDeadEnd("no token can continue the output under the regex")
+        return real(self, out)
+
+    monkeypatch.setattr(constrained.RowConstraint, "fill", fill)
+    (_, _, reason, error), (text, *_) = run(loaded, [params(DIGITS), params(Constraint.regex("abc"))])
+    assert (reason, error) == ("error", "no token can continue the output under the regex")
+    assert text == "abc"
+
+
+def test_a_bad_grammar_is_refused_when_the_row_opens(loaded):
+    engine = Engine(loaded.model, loaded.tokenizer)
+    with pytest.raises(ConstraintError, match="unknown name"):
+        engine.open([1, 2, 3], params(Constraint.grammar("start: nothing_here")))
+    assert not engine.has_work()
