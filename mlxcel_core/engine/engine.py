@@ -358,7 +358,7 @@ class Engine:
         outputs = self._commit(keep=0)  # (this step's rows are not submitted yet: only earlier steps are read)
         rows = {s.seq_id: s.constraint for s in seqs if s.constraint is not None and s.finish_reason is None}
         allowed, dead = constrained.next_allowed(rows, logits.shape[-1])
-        outputs += [self._end(self._sequences[seq_id], "error", None, message) for seq_id, message in dead.items()]
+        outputs += [self._dead_end(self._sequences[seq_id], message) for seq_id, message in dead.items()]
         return outputs, allowed
 
     def _speculate(self, seq: Sequence) -> list[StepOutput] | None:
@@ -372,7 +372,7 @@ class Engine:
             logits = self.runner.score(seq.seq_id, [history[-1]] + proposals)
             verdict = verify(seq.sampler, logits, proposals, history, seq.constraint)
         except constrained.ConstraintDeadEnd as exc:
-            return [self._end(seq, "error", None, str(exc))]
+            return [self._dead_end(seq, str(exc))]
         except Exception as exc:  # the drafter, the model or a logits processor failed: this row only
             return [self._end(seq, "error", None, f"speculative decoding failed: {type(exc).__name__}: {exc}")]
         if verdict.nan:
@@ -447,7 +447,7 @@ class Engine:
         if seq.constraint is not None and not eos:  # (the mask allows EOS only where the grammar may end)
             refused = seq.constraint.advance(token)
             if refused is not None:  # only when a logits processor left no allowed token a finite logit
-                return self._end(seq, "error", None, refused)
+                return self._dead_end(seq, refused)
         seq.output_ids.append(token)
         if eos:
             return self._end(seq, "stop", token, text=self._flush(seq))
@@ -473,6 +473,12 @@ class Engine:
             self.speculator.drafter.free(seq.seq_id)
         self._latest.pop(seq.seq_id, None)
         return StepOutput(seq.seq_id, token, text, reason, error)
+
+    def _dead_end(self, seq: Sequence, message: str) -> StepOutput:
+        """End a constrained row whose grammar allows no further token: "error", marked as the output's failure."""
+        out = self._end(seq, "error", None, message)
+        out.dead_end = True
+        return out
 
     @staticmethod
     def _flush(seq: Sequence) -> str:

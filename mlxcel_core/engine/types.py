@@ -138,6 +138,8 @@ class StepOutput:
     error: str | None = None
     logprob: float | None = None  # of `token`, when the request asked for logprobs
     top_logprobs: list[tuple[int, float]] | None = None  # most likely alternatives, best first
+    # "error" because the row's constraint (structured output) reached a dead end: the output failed, not the server
+    dead_end: bool = False
 
     @property
     def finished(self) -> bool:

@@ -5,7 +5,9 @@ A Reply turns one request's engine events (engine_loop.Event, one job per choice
 - chat: choices[].message / delta, choices[].logprobs.content[{token, logprob, bytes, top_logprobs}];
 - usage {prompt_tokens, completion_tokens, total_tokens, prompt_tokens_details.cached_tokens}; with
   stream_options.include_usage, every chunk carries "usage": null and a last chunk has it with no choices.
-A choice that ends in error fails the whole reply: an APIError, or mid-stream an error event then [DONE].
+A choice that ends in error fails the whole reply: an APIError, or mid-stream an error event then [DONE]. Except a
+constrained choice whose grammar reached a dead end (StepOutput.dead_end): the output failed, not the server, so the
+reply goes on and that choice ends with finish_reason "error" and an "error" {"message"} beside it.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ class _Choice:
     entries: list[tuple] = field(default_factory=list)  # (token, logprob, top alternatives)
     finish_reason: str | None = None
     usage: object = None
+    error: str | None = None  # a dead end's message
+
+
+def _dead_end(message: str | None) -> dict:
+    """A choice's "error" field: present only on a choice whose constraint reached a dead end."""
+    return {} if message is None else {"error": {"message": message, "type": "constraint_dead_end"}}
 
 
 class Reply:
@@ -164,12 +172,13 @@ class Reply:
         while left:
             event = await events.get()
             out, choice = event.output, choices[event.index]
-            if event.kind == "final" and out.finish_reason not in ("stop", "length"):
+            if event.kind == "final" and out.finish_reason not in ("stop", "length") and not out.dead_end:
                 raise self._error(out)
             choice.text.append(out.text)
             choice.entries += self._entries(out)
             if event.kind == "final":
                 choice.finish_reason, choice.usage = out.finish_reason, event.usage
+                choice.error = out.error if out.dead_end else None
                 left -= 1
         shaped = []
         for i, c in enumerate(choices):
@@ -177,6 +186,7 @@ class Reply:
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
             shaped.append(
                 {"index": i, **body, "logprobs": self._logprobs(i, c.entries), "finish_reason": c.finish_reason}
+                | _dead_end(c.error)
             )
         return {**self._body(shaped), "usage": self.usage([c.usage for c in choices])}
 
@@ -194,7 +204,7 @@ class Reply:
             event = await events.get()
             out, i = event.output, event.index
             final = event.kind == "final"
-            if final and out.finish_reason not in ("stop", "length"):
+            if final and out.finish_reason not in ("stop", "length") and not out.dead_end:
                 yield self._error(out).sse()
                 yield DONE
                 return
@@ -206,7 +216,8 @@ class Reply:
                         [{"index": i, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None}]
                     )
                 if final:
-                    yield self._chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}])
+                    end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+                    yield self._chunk([end | _dead_end(out.error if out.dead_end else None)])
             elif out.text or has_logprobs or final:
                 yield self._chunk(
                     [
@@ -216,6 +227,7 @@ class Reply:
                             "logprobs": logprobs,
                             "finish_reason": out.finish_reason if final else None,
                         }
+                        | _dead_end(out.error if final and out.dead_end else None)
                     ]
                 )
             if final:

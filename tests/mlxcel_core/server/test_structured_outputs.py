@@ -153,21 +153,30 @@ def test_an_unknown_type_is_a_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type"
 
 
-def test_a_dead_end_fails_only_its_request(client, server, tokenizer):
-    """A grammar whose every token is suppressed: that request is a 500 naming the mismatch, the server goes on."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_dead_end_finishes_its_choice_with_error(client, server, tokenizer, stream):
+    """A grammar whose every token is suppressed: a 200 whose choice ends with finish_reason "error" and an error
+    message beside it (streamed: the last chunk), and the server goes on."""
     x = tokenizer.encode("x", add_special_tokens=False)[0]
+    body = {
+        "prompt": "Hi",
+        "max_tokens": 4,
+        "temperature": 0,
+        "suppress_tokens": [x],
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"const": "xxxx"}}},
+        "stream": stream,
+    }
     with server.client() as http:
-        r = http.post(
-            "/v1/completions",
-            json={
-                "prompt": "Hi",
-                "max_tokens": 4,
-                "temperature": 0,
-                "suppress_tokens": [x],
-                "response_format": {"type": "json_schema", "json_schema": {"schema": {"const": "xxxx"}}},
-            },
-        )
-    assert r.status_code == 500 and "does not match the JSON schema" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        choice = chunks[-1]["choices"][0]
+        assert r.text.rstrip().endswith("data: [DONE]")
+    else:
+        choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "error"
+    assert "does not match the JSON schema" in choice["error"]["message"]
     again = client.chat.completions.create(
         model=server.model_id, messages=MESSAGES, response_format=JSON_SCHEMA_FORMAT, max_tokens=60, temperature=0
     )
