@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -194,3 +195,17 @@ def cache_offset(cache: LayerCache | None) -> int | mx.array:
 def normed(x: mx.array, norm: Callable[[mx.array], mx.array] | None) -> mx.array:
     """norm(x), or x when there is no norm: a block whose input norm may be applied inside it (DecoderLayer's norm=)."""
     return x if norm is None else norm(x)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def drop_extra_layers(weights: dict[str, mx.array], num_layers: int) -> dict[str, mx.array]:
+    """Without the tensors of layers num_layers and above: the multi-token-prediction layers DeepSeek-V3 and GLM-4.5
+    checkpoints append, which plain decoding does not run."""
+
+    def kept(name: str) -> bool:
+        match = _LAYER.match(name)
+        return match is None or int(match.group(1)) < num_layers
+
+    return {k: v for k, v in weights.items() if kept(k)}

@@ -34,7 +34,6 @@ FP8 GPU.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,13 +41,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CorruptModelError, UnsupportedModelError
-from .base import LayerCache, attention, cache_offset, normed
-from .grouped_moe import GroupedMoeBlock, check_grouping
+from .base import LayerCache, attention, cache_offset, drop_extra_layers, normed
+from .grouped_moe import check_grouping, dense_or_grouped_mlp
 from .moe import stack_experts
 from .rope import RoPE, initialize_rope
-from .transformer import DecoderLayer, GatedMLP, TransformerArgs, TransformerLM, add_projection, heads_first, heads_last
+from .transformer import DecoderLayer, TransformerArgs, TransformerLM, add_projection, heads_first, heads_last
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepseekV3RMSNorm's default, not rms_norm_eps
 
 
@@ -233,22 +231,6 @@ class LatentAttention(nn.Module):
         return add_projection(self.o_proj, heads_last(self.unembed_out(out)), residual)
 
 
-def make_mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
-    if not args.is_sparse(layer_idx):
-        return GatedMLP(args.hidden_size, args.intermediate_size)
-    return GroupedMoeBlock(
-        args.hidden_size,
-        args.moe_intermediate_size,
-        args.n_routed_experts,
-        args.num_experts_per_tok,
-        n_group=args.n_group,
-        topk_group=args.topk_group,
-        norm_topk_prob=args.norm_topk_prob,
-        routed_scaling_factor=args.routed_scaling_factor,
-        n_shared_experts=args.n_shared_experts,
-    )
-
-
 class Model(TransformerLM):
     def __init__(self, args: ModelArgs):
         rope = initialize_rope(
@@ -259,7 +241,8 @@ class Model(TransformerLM):
             max_position_embeddings=args.max_position_embeddings,
         )
         layers = [
-            DecoderLayer(args, LatentAttention(args, rope), make_mlp(args, i)) for i in range(args.num_hidden_layers)
+            DecoderLayer(args, LatentAttention(args, rope), dense_or_grouped_mlp(args, i))
+            for i in range(args.num_hidden_layers)
         ]
         super().__init__(args, layers)
 
@@ -285,16 +268,6 @@ class Model(TransformerLM):
                 weights = stack_experts(weights, f"model.layers.{i}.mlp", args.n_routed_experts)
             split_kv_b(weights, f"model.layers.{i}.self_attn", args)
         return weights
-
-
-def drop_extra_layers(weights: dict[str, mx.array], num_layers: int) -> dict[str, mx.array]:
-    """Without the tensors of layers num_layers and above (the multi-token-prediction layers)."""
-
-    def kept(name: str) -> bool:
-        match = _LAYER.match(name)
-        return match is None or int(match.group(1)) < num_layers
-
-    return {k: v for k, v in weights.items() if kept(k)}
 
 
 def dequantize_fp8(weights: dict[str, mx.array], block: tuple[int, int]) -> dict[str, mx.array]:

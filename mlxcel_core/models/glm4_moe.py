@@ -15,19 +15,17 @@ num_hidden_layers, num_hidden_layers + 1, ...: plain decoding does not use them,
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
-from .grouped_moe import GroupedMoeBlock, check_grouping
+from .base import drop_extra_layers
+from .grouped_moe import check_grouping, dense_or_grouped_mlp
 from .moe import stack_experts
 from .rope import initialize_rope
-from .transformer import Attention, DecoderLayer, GatedMLP, TransformerArgs, TransformerLM
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+from .transformer import Attention, DecoderLayer, TransformerArgs, TransformerLM
 
 
 @dataclass
@@ -81,35 +79,12 @@ def make_attention(args: ModelArgs) -> Attention:
     return Attention(args, rope, bias=args.attention_bias, o_bias=False, qk_norm=qk_norm)
 
 
-def make_mlp(args: ModelArgs, layer_idx: int) -> nn.Module:
-    if not args.is_sparse(layer_idx):
-        return GatedMLP(args.hidden_size, args.intermediate_size)
-    return GroupedMoeBlock(
-        args.hidden_size,
-        args.moe_intermediate_size,
-        args.n_routed_experts,
-        args.num_experts_per_tok,
-        n_group=args.n_group,
-        topk_group=args.topk_group,
-        norm_topk_prob=args.norm_topk_prob,
-        routed_scaling_factor=args.routed_scaling_factor,
-        n_shared_experts=args.n_shared_experts,
-    )
-
-
-def drop_extra_layers(weights: dict[str, mx.array], num_layers: int) -> dict[str, mx.array]:
-    """Without the tensors of layers num_layers and above (the multi-token-prediction layers)."""
-
-    def kept(name: str) -> bool:
-        match = _LAYER.match(name)
-        return match is None or int(match.group(1)) < num_layers
-
-    return {k: v for k, v in weights.items() if kept(k)}
-
-
 class Model(TransformerLM):
     def __init__(self, args: ModelArgs):
-        layers = [DecoderLayer(args, make_attention(args), make_mlp(args, i)) for i in range(args.num_hidden_layers)]
+        layers = [
+            DecoderLayer(args, make_attention(args), dense_or_grouped_mlp(args, i))
+            for i in range(args.num_hidden_layers)
+        ]
         super().__init__(args, layers)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

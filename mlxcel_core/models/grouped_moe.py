@@ -121,3 +121,22 @@ class GroupedMoeBlock(nn.Module):
         if self.has_shared:
             y = y + self.shared_experts(x)
         return y if residual is None else residual + y
+
+
+def dense_or_grouped_mlp(args, layer_idx: int) -> nn.Module:
+    """Layer `layer_idx`'s feed-forward block in the DeepSeek-V3 layout (GLM-4.5 too): a GatedMLP of
+    `intermediate_size` where `args.is_sparse(layer_idx)` is false (the first_k_dense_replace layers), else a
+    GroupedMoeBlock from the args' routing fields."""
+    if not args.is_sparse(layer_idx):
+        return GatedMLP(args.hidden_size, args.intermediate_size)
+    return GroupedMoeBlock(
+        args.hidden_size,
+        args.moe_intermediate_size,
+        args.n_routed_experts,
+        args.num_experts_per_tok,
+        n_group=args.n_group,
+        topk_group=args.topk_group,
+        norm_topk_prob=args.norm_topk_prob,
+        routed_scaling_factor=args.routed_scaling_factor,
+        n_shared_experts=args.n_shared_experts,
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from stand_in_backends import with_kernel
 
 from mlxcel_core import backends
 from mlxcel_core.backends.base import Backend
@@ -18,35 +19,6 @@ from mlxcel_core.models.base import causal_mask, scaled_dot_product_attention
 
 HQ, HKV, D = 4, 2, 16
 CHUNK = 4
-
-
-def with_kernel(calls: list):
-    """A backend with a decode kernel of its own (as CUDA has), writing the step's keys and values in place; the kernel
-    and the portable path record their calls."""
-
-    def kernel(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None):
-        calls.append(("kernel", {}))
-        if new_kv is not None:
-            k, v, blocks, offsets = new_kv
-            k_pool[blocks, offsets] = k
-            v_pool[blocks, offsets] = v
-        return paged_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale)
-
-    def portable(*args, **kwargs):
-        calls.append(("ops", kwargs))
-        return paged_decode_attention(*args, **kwargs)
-
-    class StandIn(Backend):  # as the CUDA backend's paged decode is, with a kernel that runs here
-        kv_written_in_kernel = True
-        combine_counters = CudaBackend.combine_counters
-
-        def paged_runner(self, head_dim):
-            return "cuda-kernel-stand-in"
-
-        def paged_attention(self, runner):
-            return portable if runner == RUNNER_OPS else kernel
-
-    return StandIn()
 
 
 def decode_step(chunk, prompt_len: int = 6):
