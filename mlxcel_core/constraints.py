@@ -14,7 +14,7 @@ mlxcel_core/engine/constrained.py runs it against the tokenizer (a token mask pe
 with fixed separators (`{"a": 1, "b": [2, 3]}`): no free whitespace a small model could loop in, and the fewest
 tokens. A schema may override that with llguidance's top-level "x-guidance" key. Properties come in schema order.
 
-Tool calls (a later increment) reuse the same path: a Lark grammar with embedded JSON schemas is a `grammar`.
+Tool calls (server/tool_calls.py) reuse the same path: a Lark grammar with embedded JSON schemas is a `grammar`.
 Only this module and engine/constrained.py import llguidance, and only inside functions (`mlxcel --help` and
 code that never constrains output do not load it).
 """

@@ -35,13 +35,15 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> list[int]:
+        """`variables`: template variables such as `tools` (a list of {"type": "function", "function": {...}})."""
         text = render_chat(
             self.chat_template,
             messages,
             add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **variables,
         )
         # The template writes BOS itself when the model wants one.
         return self.encode(text, add_special_tokens=False)

@@ -32,6 +32,7 @@ from .errors import APIError, bad_request, context_exceeded, from_core_error, fr
 from .metrics import ServerMetrics
 from .replies import Reply, TokenFormatter
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .tool_calls import plan_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
@@ -240,8 +241,9 @@ async def chat_completions(request: Request) -> Response:
     messages = body.template_messages()
     if not loaded.tokenizer.chat_template:
         raise bad_request("This model has no chat template: use /v1/completions with a raw prompt.", "messages")
+    family, tools, constraint = plan_tools(body, loaded.tokenizer.chat_template)
     try:
-        ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **tools)
     except Exception as exc:  # noqa: BLE001 - a template rejecting the conversation is the client's input
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -255,6 +257,8 @@ async def chat_completions(request: Request) -> Response:
         limit_param=body.limit_param,
         prompt_param="messages",
         logprobs=logprobs,
+        constraint=constraint,
+        tool_family=family,
     )
 
 
@@ -269,7 +273,10 @@ async def generate(
     limit_param: str,
     prompt_param: str,
     logprobs: int | None,
+    constraint: Constraint | None = None,
+    tool_family: str | None = None,
 ) -> Response:
+    """`constraint`: the tool-call grammar (else response_format's); `tool_family`: parse tool calls so."""
     ctx, n_prompt = server.engine.max_context, len(prompt_ids)
     if n_prompt >= ctx:
         raise context_exceeded(
@@ -298,7 +305,7 @@ async def generate(
     validate_logit_bias(body.logit_bias, server.vocab_size)
     check_token_ids(body.suppress_tokens or [], server.vocab_size, "suppress_tokens")
     body.penalty()  # both spellings of the repeat penalty agree
-    constraint = response_constraint(body.response_format)
+    constraint = constraint or response_constraint(body.response_format)
 
     def make_params(index: int):
         seed = body.seed + index if body.seed is not None else None  # n choices must differ
@@ -321,7 +328,8 @@ async def generate(
     except BaseException:
         server.engine.cancel(jobs)
         raise
-    reply = Reply(server, chat, body.model or server.model_id, logprobs is not None, body.include_usage, len(jobs))
+    model = body.model or server.model_id
+    reply = Reply(server, chat, model, logprobs is not None, body.include_usage, len(jobs), tool_family)
     if body.stream:
         return EventStream(reply.stream(events), on_close=lambda: server.engine.cancel(jobs))
     try:

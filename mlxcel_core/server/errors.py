@@ -22,7 +22,7 @@ TYPES = {
     501: "not_supported_error",
     503: "unavailable_error",
 }
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "tuple", "namedtoolchoice"}
 
 
 class APIError(Exception):

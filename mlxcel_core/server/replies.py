@@ -8,6 +8,9 @@ A Reply turns one request's engine events (engine_loop.Event, one job per choice
 A choice that ends in error fails the whole reply: an APIError, or mid-stream an error event then [DONE]. Except a
 constrained choice whose grammar reached a dead end (StepOutput.dead_end): the output failed, not the server, so the
 reply goes on and that choice ends with finish_reason "error" and an "error" {"message"} beside it.
+With tools (a `tool_family`, server/tool_calls.py), a chat choice's calls become message.tool_calls (content: the text
+outside them, or null) and finish_reason "tool_calls"; streamed, text from where a call may begin is held back and
+the calls go out at the end as delta.tool_calls (per call: id, type and name, then the arguments).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .errors import APIError
+from .tool_calls import StreamSplitter, parse
 
 DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -93,8 +97,18 @@ def _dead_end(message: str | None) -> dict:
 
 
 class Reply:
-    def __init__(self, server, chat: bool, model: str, logprobs: bool, include_usage: bool, n: int):
+    def __init__(
+        self,
+        server,
+        chat: bool,
+        model: str,
+        logprobs: bool,
+        include_usage: bool,
+        n: int,
+        tool_family: str | None = None,
+    ):
         self.chat, self.model, self.logprobs, self.include_usage, self.n = chat, model, logprobs, include_usage, n
+        self.tool_family = tool_family if chat else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.fmt = server.formatter
@@ -184,15 +198,35 @@ class Reply:
         for i, c in enumerate(choices):
             text = "".join(c.text)
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+            finish = c.finish_reason
+            calls, outside = parse(self.tool_family, text) if self.tool_family else ([], text)
+            if calls:
+                calls = [call.to_openai(self.tool_family) for call in calls]
+                body["message"] = {"role": "assistant", "content": outside.strip() or None, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
             shaped.append(
-                {"index": i, **body, "logprobs": self._logprobs(i, c.entries), "finish_reason": c.finish_reason}
+                {"index": i, **body, "logprobs": self._logprobs(i, c.entries), "finish_reason": finish}
                 | _dead_end(c.error)
             )
         return {**self._body(shaped), "usage": self.usage([c.usage for c in choices])}
 
+    def _tool_chunks(self, i: int, splitter: StreamSplitter, finish: str) -> tuple[list[bytes], str]:
+        """At a streamed choice's end: chunks for its held-back content and its calls, and its finish_reason."""
+        calls, rest = splitter.finish()
+        chunks = [self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}])]
+        chunks = chunks if rest else []
+        for k, call in enumerate(calls):
+            shaped = call.to_openai(self.tool_family)
+            head = {**shaped, "function": {"name": call.name, "arguments": ""}}
+            for piece in (head, {"function": {"arguments": call.arguments}}):
+                delta = {"tool_calls": [{"index": k, **piece}]}
+                chunks.append(self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        return chunks, "tool_calls" if calls and finish == "stop" else finish
+
     async def stream(self, events):
         usages = [None] * self.n
         left = self.n
+        splitters = [StreamSplitter(self.tool_family) if self.tool_family else None for _ in range(self.n)]
         if self.chat:
             yield self._chunk(
                 [
@@ -211,12 +245,18 @@ class Reply:
             logprobs = self._logprobs(i, self._entries(out))
             has_logprobs = bool(logprobs and (logprobs.get("content") or logprobs.get("tokens")))
             if self.chat:
-                if out.text or has_logprobs:
+                text = splitters[i].feed(out.text) if splitters[i] else out.text
+                if text or has_logprobs:
                     yield self._chunk(
-                        [{"index": i, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None}]
+                        [{"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]
                     )
+                finish = out.finish_reason
+                if final and splitters[i]:
+                    chunks, finish = self._tool_chunks(i, splitters[i], finish)
+                    for chunk in chunks:
+                        yield chunk
                 if final:
-                    end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+                    end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish}
                     yield self._chunk([end | _dead_end(out.error if out.dead_end else None)])
             elif out.text or has_logprobs or final:
                 yield self._chunk(

@@ -6,6 +6,7 @@ Strict types (a string is never coerced into a number), finite floats only, unkn
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -127,6 +128,34 @@ class CompletionRequest(SamplingFields):
         return prompt
 
 
+_TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=_TOOL_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema; absent: no arguments
+    strict: Optional[bool] = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def as_template_dict(self) -> dict:
+        """{"type": "function", "function": {...}} as transformers hands tools to a chat template."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")  # name, tool_calls, ... pass through
 
@@ -153,21 +182,42 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     def template_messages(self) -> list[dict]:
         if not self.messages:
             raise bad_request("'messages' must contain at least one message.", "messages")
-        if self.tools:
-            raise bad_request("Tools are not supported by this server.", "tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         out = []
         for i, m in enumerate(self.messages):
             extra = {k: v for k, v in (m.model_extra or {}).items() if k in ("name", "tool_calls", "tool_call_id")}
+            if extra.get("tool_calls") is not None:  # (clients send null on every assistant message)
+                extra["tool_calls"] = _template_tool_calls(extra["tool_calls"], i, m.role)
+            if m.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+                raise bad_request("A tool message needs the 'tool_call_id' it answers.", f"messages[{i}].tool_call_id")
             role = "system" if m.role == "developer" else m.role
             out.append({"role": role, "content": m.text(i), **extra})
         return out
+
+    def tool_mode(self) -> tuple[str, Optional[str]]:
+        """("none" | "auto" | "required", None) or ("function", the name of the one function the reply must call);
+        "none" whenever there are no tools."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):  # (clients send "auto" with an empty list)
+                raise bad_request('tool_choice "required" or a named function needs tools.', "tool_choice")
+            return "none", None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise bad_request(f"tool_choice names {choice.function.name!r}, which is not in tools.", "tool_choice")
+            return "function", choice.function.name
+        return choice or "auto", None
+
+    def template_tools(self) -> list[dict]:
+        return [t.as_template_dict() for t in self.tools or []]
 
     @property
     def completion_limit(self) -> Optional[int]:
@@ -176,6 +226,27 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def limit_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+def _template_tool_calls(calls, index: int, role: str) -> list[dict]:
+    """An assistant message's tool_calls as templates read them: each call's arguments parsed from their JSON
+    string into an object (Qwen's and Llama's templates write `arguments | tojson`; vLLM does the same)."""
+    param = f"messages[{index}].tool_calls"
+    if role != "assistant" or not isinstance(calls, list):
+        raise bad_request("tool_calls must be a list, on an assistant message.", param)
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("Each tool call needs a function with a name.", f"{param}[{j}].function")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError:
+                raise bad_request("The arguments are not JSON.", f"{param}[{j}].function.arguments") from None
+        out.append({**call, "type": call.get("type", "function"), "function": {**fn, "arguments": args}})
+    return out
 
 
 class TokenizeRequest(_Body):

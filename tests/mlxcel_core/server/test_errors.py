@@ -179,7 +179,7 @@ def test_out_of_vocabulary_token_ids_are_400(http):
 
 def test_unsupported_features_are_400(http):
     error_of(http.post(COMPLETIONS, json={"prompt": "x", "echo": True}), 400, "echo")
-    error_of(http.post(CHAT, json={"messages": HI, "tools": [{"type": "function"}]}), 400, "tools")
+    error_of(http.post(CHAT, json={"messages": HI, "tools": [{"type": "function"}]}), 400, "tools[0].function")
     unsupported_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}
     error_of(http.post(CHAT, json={"messages": HI, "response_format": unsupported_schema}), 400, "response_format")
     error_of(http.post(CHAT, json={"messages": HI, "top_logprobs": 2}), 400, "top_logprobs")

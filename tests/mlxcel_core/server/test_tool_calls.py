@@ -1,0 +1,166 @@
+"""server/tool_calls.py on strings: the template family, each family's parser, the call grammar, and the splitter
+that holds back streamed text from where a call may begin. No model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxcel_core.constraints import Constraint, check, grammar_of
+from mlxcel_core.server.tool_calls import (
+    StreamSplitter,
+    ToolCall,
+    call_grammar,
+    call_id,
+    detect_family,
+    parse,
+    parse_hermes,
+    parse_llama3,
+    parse_mistral,
+)
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}},
+    {"type": "function", "function": {"name": "noop"}},
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "family"),
+    [
+        ("{% for t in tools %}...<tool_call>\n{{ t | tojson }}</tool_call>{% endfor %}", "hermes"),
+        ("{{ '[AVAILABLE_TOOLS]' }}...{{ '[TOOL_CALLS]' }}", "mistral"),
+        ("{{ '<|python_tag|>' }}...<|eot_id|>", "llama3"),
+        ('<|start_header_id|>... {"name": function name, "parameters": ...}<|eot_id|>', "llama3"),
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "hermes"),  # unknown: hermes
+        (None, "hermes"),
+    ],
+)
+def test_detect_family(template, family):
+    assert detect_family(template) == family
+
+
+def test_hermes_one_and_several_calls_with_text_outside():
+    calls, outside = parse_hermes(
+        'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+        '<tool_call>{"name": "g", "arguments": {}}</tool_call>'
+    )
+    assert calls == [ToolCall("f", '{"a": 1}'), ToolCall("g", "{}")]
+    assert outside.strip() == "Let me check."
+
+
+def test_hermes_unclosed_last_call_and_string_arguments():
+    calls, _ = parse_hermes('<tool_call>{"name": "f", "arguments": "{\\"x\\": [1, 2]}"}')
+    assert calls == [ToolCall("f", '{"x": [1, 2]}')]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no call here",
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": </tool_call>',  # all or nothing
+    ],
+)
+def test_hermes_text_that_is_not_calls_is_content(text):
+    assert parse_hermes(text) == ([], text)
+
+
+def test_llama3_whole_reply_with_and_without_python_tag():
+    assert parse_llama3('{"name": "f", "parameters": {"q": "x"}}') == ([ToolCall("f", '{"q": "x"}')], "")
+    calls, _ = parse_llama3('<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"b": true}}')
+    assert calls == [ToolCall("f", "{}"), ToolCall("g", '{"b": true}')]
+    text = 'Call {"name": "f", "parameters": {}}'  # not the whole reply: content
+    assert parse_llama3(text) == ([], text)
+    assert parse_llama3('{"answer": 42}') == ([], '{"answer": 42}')
+
+
+def test_mistral_with_marker_and_bare_list():
+    calls, before = parse_mistral(
+        'Sure [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]'
+    )
+    assert calls == [ToolCall("f", '{"a": 1}'), ToolCall("g", "{}")] and before == "Sure "
+    assert parse_mistral('[{"name": "f", "arguments": {}}]')[0] == [ToolCall("f", "{}")]
+    assert parse_mistral("[1, 2]") == ([], "[1, 2]")
+    assert parse_mistral("plain") == ([], "plain")
+
+
+def test_call_ids():
+    assert call_id("hermes").startswith("call_") and len(call_id("hermes")) == 29
+    mistral = call_id("mistral")
+    assert len(mistral) == 9 and mistral.isalnum()
+    shaped = ToolCall("f", "{}").to_openai("hermes")
+    assert shaped["type"] == "function" and shaped["function"] == {"name": "f", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_call_grammar_compiles(family, parallel):
+    check(Constraint.grammar(call_grammar(family, TOOLS, parallel)))
+
+
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3"])
+def test_the_grammar_takes_a_call_its_parser_reads(family, tiny_llama_dir):
+    """A call in the family's format is a whole sentence of its grammar (llguidance on the tiny tokenizer), and the
+    family's parser reads it back; a call of another function or with wrong arguments is not."""
+    import llguidance
+
+    from mlxcel_core.engine import constrained
+    from mlxcel_core.loading.hf import read_config
+    from mlxcel_core.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(tiny_llama_dir, read_config(tiny_llama_dir))
+    ll_tokenizer = constrained.prepare(tokenizer, tokenizer.vocab_size).result()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    grammar = grammar_of(Constraint.grammar(call_grammar(family, tools, True)))
+
+    def sentence(name: str, args: dict) -> str:
+        key = "parameters" if family == "llama3" else "arguments"
+        body = json.dumps({"name": name, key: args})
+        return {"hermes": f"<tool_call>\n{body}\n</tool_call>", "mistral": f"[{body}]", "llama3": body}[family]
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    good = sentence("get_weather", {"city": "Paris"})
+    assert accepts(good)
+    assert parse(family, good)[0] == [ToolCall("get_weather", '{"city": "Paris"}')]
+    assert not accepts(sentence("get_time", {"city": "Paris"}))
+    assert not accepts(sentence("get_weather", {"city": "Oslo"}))
+
+
+def feed_all(family: str, pieces: list[str]) -> tuple[str, list[ToolCall], str]:
+    splitter = StreamSplitter(family)
+    sent = "".join(splitter.feed(p) for p in pieces)
+    calls, rest = splitter.finish()
+    return sent, calls, rest
+
+
+def test_splitter_holds_back_from_the_marker_even_split_across_pieces():
+    pieces = ["Let me", " look.<tool", '_call>{"name": "f", ', '"arguments": {}}</tool_call>']
+    sent, calls, rest = feed_all("hermes", pieces)
+    assert sent == "Let me look." and calls == [ToolCall("f", "{}")] and rest == ""
+
+
+def test_splitter_releases_a_partial_marker_and_failed_calls_as_content():
+    assert feed_all("hermes", ["a <tool", "box> b"]) == ("a <toolbox> b", [], "")
+    sent, calls, rest = feed_all("hermes", ["x <tool_call>", "oops"])
+    assert (sent, calls, rest) == ("x ", [], "<tool_call>oops")
+
+
+def test_splitter_llama3_holds_a_json_reply_and_streams_text():
+    assert feed_all("llama3", ["Hello", " there"]) == ("Hello there", [], "")
+    sent, calls, _ = feed_all("llama3", [" {", '"name": "f", "parameters": {}}'])
+    assert sent == "" and calls == [ToolCall("f", "{}")]
+    assert feed_all("llama3", ['{"a"', ": 1}"]) == ("", [], '{"a": 1}')
