@@ -164,3 +164,52 @@ def assert_4bit_near_fp32(src: Path, dst: Path, max_abs: float, mean_abs: float,
     diff = np.abs(q4 - fp32)
     assert diff.max() <= max_abs and diff.mean() <= mean_abs, (diff.max(), diff.mean())
     assert np.corrcoef(q4.ravel(), fp32.ravel())[0, 1] >= min_corr
+
+
+def randomize_norms_and_biases(path: Path, seed: int = 0, mtp_layer: int | None = None) -> Path:
+    """transformers initializes norms to ones and biases (MoE correction biases too) to zeros: make them random, so
+    that parity checks where each is applied. `mtp_layer`: add a multi-token-prediction layer's tensors as released
+    DeepSeek-V3 / GLM-4.5 checkpoints carry them (a copy of the last decoder layer as layer `mtp_layer`, plus its
+    eh_proj, enorm, hnorm, shared_head), which loading must drop."""
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    for name, w in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
+        elif name.endswith((".bias", "e_score_correction_bias")):
+            weights[name] = rng.uniform(-0.3, 0.3, w.shape).astype(w.dtype)
+    if mtp_layer is not None:
+        last = f"model.layers.{mtp_layer - 1}."
+        for name in [n for n in weights if n.startswith(last)]:
+            weights[name.replace(last, f"model.layers.{mtp_layer}.")] = weights[name].copy()
+        hidden = weights["model.embed_tokens.weight"].shape[1]
+        weights[f"model.layers.{mtp_layer}.eh_proj.weight"] = rng.normal(0, 0.1, (hidden, 2 * hidden)).astype("f4")
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            weights[f"model.layers.{mtp_layer}.{norm}.weight"] = np.ones(hidden, "f4")
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+# transformers' image-text checkpoints (language_model.model.*) as transformers 5 saves them (model.language_model.*)
+WRAPPER_RENAMES = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("vision_tower.", "model.vision_tower."),
+    ("vision_model.", "model.vision_model."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+)
+
+
+def rename_weights(path: Path, renames=WRAPPER_RENAMES) -> Path:
+    """Rewrite model.safetensors in place with each name's first matching prefix replaced."""
+    renamed = {}
+    for name, value in mx.load(str(path / "model.safetensors")).items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = value
+    mx.save_safetensors(str(path / "model.safetensors"), renamed)
+    return path

@@ -17,7 +17,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from parity import assert_parity, checkpoint_logits, load_quiet, logits, prompt_ids, save_tiny_checkpoint
+from parity import (
+    assert_parity,
+    checkpoint_logits,
+    load_quiet,
+    logits,
+    prompt_ids,
+    randomize_norms_and_biases,
+    save_tiny_checkpoint,
+)
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from mlxcel_core import backends
@@ -89,27 +97,8 @@ MTP_LAYER = CONFIG["num_hidden_layers"]
 
 
 def randomize(path, seed=0, mtp=False):
-    """Random norms (transformers' are ones), biases and correction biases (zeros); `mtp`: a multi-token-prediction
-    layer's tensors as released checkpoints carry them (layer MTP_LAYER, its eh_proj, enorm, hnorm, shared_head)."""
-    from safetensors.numpy import load_file, save_file
-
-    weights = load_file(path / "model.safetensors")
-    rng = np.random.default_rng(seed)
-    for name, w in weights.items():
-        if name.endswith("norm.weight"):
-            weights[name] = rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
-        elif name.endswith((".bias", "e_score_correction_bias")):
-            weights[name] = rng.uniform(-0.3, 0.3, w.shape).astype(w.dtype)
-    if mtp:
-        last = f"model.layers.{MTP_LAYER - 1}."
-        for name in [n for n in weights if n.startswith(last)]:
-            weights[name.replace(last, f"model.layers.{MTP_LAYER}.")] = weights[name].copy()
-        hidden = CONFIG["hidden_size"]
-        weights[f"model.layers.{MTP_LAYER}.eh_proj.weight"] = rng.normal(0, 0.1, (hidden, 2 * hidden)).astype("f4")
-        for norm in ("enorm", "hnorm", "shared_head.norm"):
-            weights[f"model.layers.{MTP_LAYER}.{norm}.weight"] = np.ones(hidden, "f4")
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    """Random norms, biases and correction biases; `mtp`: with a multi-token-prediction layer as layer MTP_LAYER."""
+    return randomize_norms_and_biases(path, seed, MTP_LAYER if mtp else None)
 
 
 def save(path, variant, **overrides):

@@ -10,7 +10,15 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from parity import assert_4bit_near_fp32, assert_parity, checkpoint_logits, prompt_ids, reference, save_tiny_checkpoint
+from parity import (
+    assert_4bit_near_fp32,
+    assert_parity,
+    checkpoint_logits,
+    prompt_ids,
+    reference,
+    rename_weights,
+    save_tiny_checkpoint,
+)
 
 from mlxcel_cli.main import main
 from mlxcel_core.quantize import quantize_checkpoint
@@ -161,19 +169,7 @@ def test_multimodal_transformers5_layout_same_logits(multimodal, tmp_path):
         assert len(config["text_config"]) < len(text) - 5
 
     path = _edit_config(multimodal, tmp_path / "t5", hub_style)
-    renamed = {}
-    for name, value in mx.load(str(path / "model.safetensors")).items():
-        for old, new in (
-            ("language_model.model.", "model.language_model."),
-            ("language_model.lm_head.", "lm_head."),
-            ("vision_tower.", "model.vision_tower."),
-            ("multi_modal_projector.", "model.multi_modal_projector."),
-        ):
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        renamed[name] = value
-    mx.save_safetensors(str(path / "model.safetensors"), renamed)
+    rename_weights(path)
     prompt = prompt_ids(64)
     np.testing.assert_allclose(
         checkpoint_logits(path, prompt), checkpoint_logits(multimodal, prompt), rtol=0, atol=1e-6

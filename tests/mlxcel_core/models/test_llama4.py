@@ -14,7 +14,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from parity import assert_parity, checkpoint_logits, load_quiet, logits, ours, prompt_ids, save_tiny_checkpoint
+from parity import (
+    assert_parity,
+    checkpoint_logits,
+    load_quiet,
+    logits,
+    ours,
+    prompt_ids,
+    rename_weights,
+    save_tiny_checkpoint,
+)
 from test_qwen3 import set_norms
 from transformers import Llama4ForCausalLM, Llama4TextConfig
 
@@ -248,19 +257,7 @@ def test_multimodal_notice_and_other_layout(multimodal, tmp_path):
     from mlxcel_core.loading import load_model
 
     path = shutil.copytree(multimodal, tmp_path / "t5")
-    renamed = {}
-    for name, value in mx.load(str(path / "model.safetensors")).items():
-        for old, new in (
-            ("language_model.model.", "model.language_model."),
-            ("language_model.lm_head.", "lm_head."),
-            ("vision_model.", "model.vision_model."),
-            ("multi_modal_projector.", "model.multi_modal_projector."),
-        ):
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        renamed[name] = value
-    mx.save_safetensors(str(path / "model.safetensors"), renamed)
+    rename_weights(path)
     notices = []
     model = load_model(str(path), log=notices.append).model
     assert any("llama4 checkpoint" in n and "vision tower" in n for n in notices), notices

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from parity import assert_parity, checkpoint_logits, load_quiet, ours, prompt_ids, save_tiny_checkpoint
+from parity import assert_parity, checkpoint_logits, load_quiet, ours, prompt_ids, rename_weights, save_tiny_checkpoint
 from test_qwen3 import set_norms
 from transformers import Ministral3Config, Ministral3ForCausalLM
 from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
@@ -179,19 +179,7 @@ def test_multimodal_notice_and_transformers5_layout(multimodal, tmp_path, capsys
     from mlxcel_core.loading import load_model
 
     path = shutil.copytree(multimodal, tmp_path / "t5")
-    renamed = {}
-    for name, value in mx.load(str(path / "model.safetensors")).items():
-        for old, new in (
-            ("language_model.model.", "model.language_model."),
-            ("language_model.lm_head.", "lm_head."),
-            ("vision_tower.", "model.vision_tower."),
-            ("multi_modal_projector.", "model.multi_modal_projector."),
-        ):
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        renamed[name] = value
-    mx.save_safetensors(str(path / "model.safetensors"), renamed)
+    rename_weights(path)
     notices = []
     model = load_model(str(path), log=notices.append).model
     assert any("mistral3 checkpoint" in n and "vision tower" in n for n in notices), notices
