@@ -21,6 +21,16 @@ def load_quiet(path: Path):
     return load_model(str(path), log=lambda m: None)
 
 
+def load_unfused(path: Path):
+    """load_quiet with the blocks' own classes: on CUDA the backend's prepare step mixes fused projections into
+    attention and MLP blocks (backends/cuda/kernels/fused_projections.py); tests of a family's structure undo it."""
+    from mlxcel_core.backends.cuda.kernels.fused_projections import unfuse_projections
+
+    loaded = load_quiet(path)
+    unfuse_projections(loaded.model)
+    return loaded
+
+
 def logits(model, prompt: list[int] | None = None) -> np.ndarray:
     """Our fp32 logits [L, vocab] for `prompt` (default: prompt_ids(64)), one forward without a cache."""
     prompt = prompt_ids(64) if prompt is None else prompt

@@ -21,6 +21,7 @@ from parity import (
     assert_parity,
     checkpoint_logits,
     load_quiet,
+    load_unfused,
     logits,
     prompt_ids,
     randomize_norms_and_biases,
@@ -158,7 +159,7 @@ def test_older_config_style_parity(tiny_ds, tmp_path):
 def test_architecture_follows_config(tiny_ds):
     variant, path = tiny_ds
     spec = VARIANTS[variant]
-    model = load_quiet(path).model
+    model = load_unfused(path).model
     attn = model.layers[0].self_attn
     assert isinstance(attn, deepseek_v3.LatentAttention) and len(model.layers) == 3  # (the MTP layer: not built)
     if spec["q_lora_rank"] is None:
@@ -365,6 +366,8 @@ def test_fp8_checkpoint_dequantizes_as_transformers(checkpoints, tmp_path):
 
     path = fp8_copy(checkpoints["v3"], tmp_path / "fp8")
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    if ref["model.layers.0.self_attn.q_a_proj.weight"].dtype != torch.float32:
+        pytest.skip("this transformers keeps the FP8 weights undequantized (5.24 dequantizes them)")
     attn = load_quiet(path).model.layers[0].self_attn
     for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
         want = ref[f"model.layers.0.self_attn.{name}.weight"].numpy()
@@ -444,6 +447,7 @@ def test_quantized(tiny_ds, tmp_path):
     assert type(model.layers[1].mlp.gate) is GroupedTopKRouter
 
 
+@pytest.mark.skipif(backends.cuda_available(), reason="MLX's CUDA quantized matmul has no kernel for 32 outputs")
 def test_quantized_latent_maps(tmp_path):
     """qk_nope_head_dim 64: embed_q's input splits into groups of 64, so the 4-bit copy quantizes it
     (QuantizedMultiLinear) and computes the dequantized architecture."""

@@ -19,6 +19,7 @@ from parity import (
     assert_parity,
     checkpoint_logits,
     load_quiet,
+    load_unfused,
     logits,
     randomize_norms_and_biases,
     save_tiny_checkpoint,
@@ -121,7 +122,7 @@ def test_older_config_style_parity(tiny_glm, tmp_path):
 def test_architecture_follows_config(tiny_glm):
     variant, path = tiny_glm
     spec = VARIANTS[variant]
-    model = load_quiet(path).model
+    model = load_unfused(path).model
     attn = model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (4 * 32, 64) and "bias" in attn.q_proj and "bias" not in attn.o_proj
     assert attn.rope.dims == ROTARY_DIMS[variant] and attn.window is None

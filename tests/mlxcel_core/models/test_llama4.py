@@ -18,6 +18,7 @@ from parity import (
     assert_parity,
     checkpoint_logits,
     load_quiet,
+    load_unfused,
     logits,
     ours,
     prompt_ids,
@@ -142,7 +143,7 @@ def test_parity_explicit_lists_top2_bias_tied(tmp_path):
 
 
 def test_architecture_follows_config(tiny):
-    model = load_quiet(tiny).model
+    model = load_unfused(tiny).model
     attns = [layer.self_attn for layer in model.layers]
     assert [a.chunk for a in attns] == [8, None, 8, None]  # RoPE layers chunked, NoPE layers full
     assert [a.uses_rope for a in attns] == [True, False, True, False]

@@ -12,7 +12,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
-from parity import assert_parity, checkpoint_logits, load_quiet, ours, prompt_ids, rename_weights, save_tiny_checkpoint
+from parity import (
+    assert_parity,
+    checkpoint_logits,
+    load_quiet,
+    load_unfused,
+    ours,
+    prompt_ids,
+    rename_weights,
+    save_tiny_checkpoint,
+)
 from test_qwen3 import set_norms
 from transformers import Ministral3Config, Ministral3ForCausalLM
 from transformers.models.ministral3.modeling_ministral3 import get_llama_4_attn_scale
@@ -141,7 +150,7 @@ def test_fused_projections_keep_the_query_scaling(tiny):
     project_rotated (this scaling) does not take that launch: it would skip the scaling."""
     from mlxcel_core.backends.cuda.kernels.fused_projections import fuse_projections
 
-    model = load_quiet(tiny).model
+    model = load_unfused(tiny).model
     x = mx.random.normal((1, 1, 64), key=mx.random.key(0))
     attn = model.layers[0].self_attn
     want = [np.array(t) for t in attn.project_rotated(x, None, 40)]

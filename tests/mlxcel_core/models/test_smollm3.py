@@ -10,7 +10,7 @@ import shutil
 import family_checks
 import numpy as np
 import pytest
-from parity import assert_parity, checkpoint_logits, load_quiet, save_tiny_checkpoint
+from parity import assert_parity, checkpoint_logits, load_quiet, load_unfused, save_tiny_checkpoint
 from test_qwen3 import set_norms
 from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
@@ -172,7 +172,7 @@ def test_tensor_parallel_shards_it(sliding):
     """Stock layers (a NoPE layer only has another rope): sharding takes the model as it takes Llama."""
     from mlxcel_core.distributed.shard import check_shardable
 
-    check_shardable(load_quiet(sliding).model, 2)
+    check_shardable(load_unfused(sliding).model, 2)  # (sharding happens before the backend fuses)
 
 
 def test_engine_paths_quantized_cli_and_server(sliding, tmp_path):
