@@ -139,6 +139,9 @@ class Store:
         except OSError as exc:
             _warn(f"cannot read {path}: {exc.strerror or exc}; ignoring it")
             return None
+        except UnicodeDecodeError as exc:
+            _warn(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); ignoring it (rerun `mlxcel tune`)")
+            return None
         try:
             record = json.loads(text)
             if not isinstance(record, dict):

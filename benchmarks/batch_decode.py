@@ -3,9 +3,12 @@
     python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4
     python benchmarks/batch_decode.py --model-shape smollm2-135m --prompt-tokens 16 --gen-tokens 16 --reps 2
 
-Both runtimes get the same random weights (mlxcel builds them with mlxcel_core.loading.shapes; the mlx-lm
-Llama is built from the same config dict and loads those arrays, so nothing is copied) and the same
-prompts (b random 128-token prompts, seeded). EOS is ignored, decoding is greedy.
+Both runtimes get the same random weights (mlxcel builds them with mlxcel_core.loading.shapes; mlx-lm's model of
+the family is built from the same config dict and loads those arrays, so nothing is copied: benchmarks/mlx_lm_twin.py)
+and the same prompts (b random 128-token prompts, seeded). EOS is ignored, decoding is greedy. The two models' logits
+must agree (--logit-tolerance), and the family first at float32 on a scaled-down copy with random norms and biases;
+a family mlx-lm has no model for, or computes differently, is measured for mlxcel only, saying why.
+--scale-down runs the shape at test size (benchmarks/scaled_shapes.py): a smoke test, not the shape's speed.
 
 Aggregate decode tok/s = b * n / t, where t runs from the moment every row has its first token (read on the
 host) until n more tokens per row have been read: n decode steps of the full batch. Prefill is not in t.
@@ -23,12 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm_twin import (  # noqa: E402
+    TwinMismatch,
+    TwinUnavailable,
+    batch_generator_refusal,
+    build_twin,
+    check_twin,
+    mlx_lm_version,
+    spelling_for,
+    tolerance_for,
+    verify_architecture,
+)
+from scaled_shapes import scaled_down  # noqa: E402
 
 from mlxcel_core.bench import (  # noqa: E402
+    BenchModel,
     RandomIdTokenizer,
     bench_header,
     environment,
@@ -38,7 +53,14 @@ from mlxcel_core.bench import (  # noqa: E402
     run_requests,
 )
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.loading.shapes import QUANT_GROUP_SIZE, shape_config, shape_names  # noqa: E402
+from mlxcel_core.engine.budget import state_tokens_per_sequence  # noqa: E402
+from mlxcel_core.loading.shapes import (  # noqa: E402
+    build_random_model,
+    count_parameters,
+    describe_shape,
+    shape_config,
+    shape_names,
+)
 
 
 @dataclass
@@ -53,7 +75,8 @@ def mlxcel_run(model, vocab: int, prompts: list[list[int]], gen: int, engines: d
     b = len(prompts)
     margin = b + 2  # early rows keep decoding while the last ones prefill (one chunk each)
     if b not in engines:
-        per_row = len(prompts[0]) + gen + 1 + margin + 64
+        # + a recurrent state's share of the budget (hybrid models: budget.state_tokens_per_sequence)
+        per_row = len(prompts[0]) + gen + 1 + margin + 64 + state_tokens_per_sequence(model)
         config = EngineConfig(max_batch_size=b, kv_budget_tokens=b * per_row)
         engines[b] = Engine(model, RandomIdTokenizer(vocab), config)
     engine = engines[b]
@@ -66,23 +89,46 @@ def mlxcel_run(model, vocab: int, prompts: list[list[int]], gen: int, engines: d
 
 
 # -- mlx-lm ----------------------------------------------------------------------------------------------------
-def build_mlx_lm_model(ours, config: dict, bits: int | None):
-    """mlx-lm's model for the same config, holding our arrays (quantized the same way first when needed)."""
-    import importlib
+def peer_model(args, bench_model: BenchModel, config: dict, say) -> object | None:
+    """mlx-lm's model of the shape holding our arrays, checked to compute the same logits; None (said why) when
+    mlx-lm cannot build it. TwinMismatch: the two compute different logits."""
+    try:
+        theirs = build_twin(bench_model.model, config)
+    except TwinUnavailable as e:
+        say(f"mlx-lm comparison SKIPPED for {args.model_shape}: {e}; measuring mlxcel only")
+        return None
+    if refusal := batch_generator_refusal(theirs):
+        say(f"mlx-lm comparison SKIPPED for {args.model_shape}: {refusal}; measuring mlxcel only")
+        return None
+    say(f"mlx-lm {mlx_lm_version()}: BatchGenerator")
+    check_twin(bench_model.model, theirs, config, bench_model.vocab_size, say, args.logit_tolerance)
+    return theirs
 
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
-    if bits:
-        nn.quantize(
-            model,
-            group_size=QUANT_GROUP_SIZE,
-            bits=bits,
-            class_predicate=lambda p, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % QUANT_GROUP_SIZE == 0,
-        )
-    model.load_weights(tree_flatten(ours.parameters()), strict=True)
-    model.eval()
-    mx.eval(model.parameters())
-    return model
+
+def check_family(args, say) -> bool:
+    """Whether mlx-lm can compare the shape's family (said why not), after the float32 scaled-down check unless
+    --no-arch-check. TwinMismatch: the family computes different logits in mlx-lm."""
+    try:
+        mlx_lm_version()
+        spelling_for(shape_config(args.model_shape))
+        if not args.no_arch_check:
+            say(verify_architecture(args.model_shape, bits=args.bits, seed=args.seed))
+    except TwinUnavailable as e:
+        say(f"mlx-lm comparison SKIPPED for {args.model_shape}: {e}; measuring mlxcel only")
+        return False
+    return True
+
+
+def load_ours(args) -> tuple[BenchModel, dict]:
+    """mlxcel's random-weight model of the shape (--scale-down: at test size) and its config."""
+    if not args.scale_down:
+        bench_model = load_bench_model(shape=args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed)
+        return bench_model, shape_config(args.model_shape)
+    config, summary = scaled_down(shape_config(args.model_shape))
+    model, config = build_random_model(args.model_shape, args.bits, args.dtype, args.seed, config=config)
+    n_params, size = count_parameters(model)
+    description = f"{describe_shape(args.model_shape, args.bits, args.dtype)}, {summary}: a smoke test, not its speed"
+    return BenchModel(model, config["vocab_size"], description, args.model_shape, n_params, size), config
 
 
 def mlx_lm_run(model, prompts: list[list[int]], gen: int) -> tuple[float, float]:
@@ -122,12 +168,8 @@ def mlx_lm_run(model, prompts: list[list[int]], gen: int) -> tuple[float, float]
     return window_tokens / (end - window_start), statistics.fmean(t - submitted for t in first.values()) * 1000
 
 
-def same_logits(ours, theirs, vocab: int) -> float:
-    ids = mx.array([random_prompt(vocab, 8, "check")])
-    return float(mx.abs(ours(ids).astype(mx.float32) - theirs(ids).astype(mx.float32)).max())
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-shape", required=True, choices=shape_names())
     parser.add_argument("--bits", type=int, choices=(4, 8))
@@ -138,35 +180,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed runs per (runtime, batch), after one warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-mlx-lm", action="store_true", help="measure mlxcel only")
+    parser.add_argument(
+        "--scale-down", action="store_true", help="the shape at test size (a smoke test, not the shape's speed)"
+    )
+    parser.add_argument(
+        "--logit-tolerance",
+        type=float,
+        help=f"largest relative logit difference accepted (default {tolerance_for('float32')} for float32, "
+        f"{tolerance_for('bfloat16')} for 16-bit)",
+    )
+    parser.add_argument(
+        "--no-arch-check", action="store_true", help="skip the float32 scaled-down agreement check of the family"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
 
-    bench_model = load_bench_model(shape=args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed)
-    config = shape_config(args.model_shape)
-    vocab = bench_model.vocab_size
-    theirs, mlx_lm_version = None, None
-    if not args.no_mlx_lm:
-        try:
-            import mlx_lm
+    def say(line: str) -> None:
+        print(line, flush=True)
 
-            mlx_lm_version = getattr(mlx_lm, "__version__", "?")
-            theirs = build_mlx_lm_model(bench_model.model, config, args.bits)
-        except ImportError:
-            print("mlx-lm is not installed: measuring mlxcel only", file=sys.stderr)
+    try:
+        if not args.no_mlx_lm:  # before the model is built: whether mlx-lm can compare this family at all
+            args.no_mlx_lm = not check_family(args, say)
+        bench_model, config = load_ours(args)
+        vocab = bench_model.vocab_size
+        say(bench_header(bench_model))
+        theirs = None if args.no_mlx_lm else peer_model(args, bench_model, config, say)
+    except TwinMismatch as e:
+        print(f"batch_decode: error: {e}", file=sys.stderr)
+        return 1
     runtimes = ["mlxcel"] + (["mlx-lm"] if theirs is not None else [])
-
-    print(bench_header(bench_model))
-    print(
+    say(
         f"prompt {args.prompt_tokens} tokens, {args.gen_tokens} new tokens per sequence, greedy, EOS ignored; "
         f"{args.reps} timed run(s) after 1 warm-up per cell; "
-        + (
-            f"mlx-lm {mlx_lm_version} BatchGenerator, max |logit diff| vs mlxcel on the shared weights: "
-            f"{same_logits(bench_model.model, theirs, vocab):.2e}"
-            if theirs is not None
-            else "mlx-lm: not measured"
-        )
+        + ("mlxcel and mlx-lm" if theirs is not None else "mlx-lm: not measured")
     )
-    sys.stdout.flush()
 
     prompts = {
         b: [random_prompt(vocab, args.prompt_tokens, args.seed, "batch", row) for row in range(b)] for b in batches

@@ -7,7 +7,11 @@
 Models: mlxcel loads with `mlxcel_core.load_model`; mlx-lm loads a directory or Hub id with `mlx_lm.load`.
 mlx-lm cannot read GGUF files and has no random-weight shapes, so for a .gguf or --model-shape its Model
 class is built from mlxcel's config dict and loads mlxcel's arrays (quantized layers with the same group
-size and bits): the very same weights. The script prints the largest logit difference of the two models.
+size and bits): the very same weights, shared, not copied (benchmarks/mlx_lm_twin.py, per family). The script
+prints how far the two models' logits differ and stops unless they agree (--logit-tolerance); for a shape it first
+checks the family at float32 on a scaled-down copy with random norms and biases, where the two agree to rounding.
+A family mlx-lm has no model for, or computes differently, is skipped with the reason.
+--scale-down runs a shape at test size (benchmarks/scaled_shapes.py): a smoke test of the comparison, not a speed.
 
 Timing, identical for both: one prompt of --prompt-tokens random token ids (seeded), greedy, EOS ignored,
 no detokenization (mlxcel: an Engine whose tokenizer has no EOS and no text; mlx-lm: `generate_step`, which
@@ -20,16 +24,14 @@ alike.
 mlxcel keeps one Engine for the whole comparison, as `mlxcel serve` and `mlxcel bench` do, with its prefix cache
 emptied before every run (bench.forget_cached_prefixes: no run reuses the previous one's identical prompt). On CUDA
 that keeps the decode step's CUDA graph recorded in the warm-up (backends/cuda/graph_decode.py), as a server keeps it;
-the last line says how many steps were replayed (Engine.stats()). Before the twenty-first session each run made a new
-Engine, so every timed run also recorded its graph (benchmarks/archive/RESULTS-history.md says which runs were made
-which way).
+the last line says how many steps were replayed (Engine.stats()). (Older rows in
+benchmarks/archive/RESULTS-history.md made a new Engine a run: those timed runs also recorded their graph.)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
 import statistics
 import sys
@@ -38,14 +40,31 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm_twin import (  # noqa: E402
+    TwinMismatch,
+    TwinUnavailable,
+    build_twin,
+    check_twin,
+    mlx_lm_version,
+    spelling_for,
+    tolerance_for,
+    verify_architecture,
+)
+from scaled_shapes import scaled_down  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, environment, forget_cached_prefixes, random_prompt  # noqa: E402
 from mlxcel_core.engine import Engine, EngineConfig  # noqa: E402
-from mlxcel_core.loading.shapes import DTYPES, build_random_model, describe_shape, shape_names  # noqa: E402
+from mlxcel_core.loading.shapes import (  # noqa: E402
+    DTYPES,
+    build_random_model,
+    describe_shape,
+    shape_config,
+    shape_names,
+)
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 RUNTIMES = ("mlxcel", "mlx-lm")
@@ -106,41 +125,25 @@ def run_mlx_lm(model, prompt: list[int], gen: int) -> Run:
     return timed(seen, t0, len(prompt))
 
 
-def mlx_lm_twin(ours, config: dict):
-    """mlx-lm's Model for our config holding our arrays (for GGUF files and random shapes)."""
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
-    quantized = {
-        path: m for path, m in ours.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
-    }
-    if quantized:
-        nn.quantize(
-            model,
-            class_predicate=lambda path, m: (
-                path in quantized
-                and {
-                    "group_size": quantized[path].group_size,
-                    "bits": quantized[path].bits,
-                    "mode": quantized[path].mode,
-                }
-            ),
-        )
-    model.load_weights(tree_flatten(ours.parameters()), strict=True)
-    model.eval()
-    mx.eval(model.parameters())
-    return model
-
-
-def load_both(args) -> tuple[object, object, int, str, str]:
-    """(mlxcel model, mlx-lm model, vocab size, model description, how mlx-lm got its model)."""
+def load_both(args) -> tuple[object, object, int, str, str, dict]:
+    """(mlxcel model, mlx-lm model, vocab size, model description, how mlx-lm got its model, config)."""
     if args.model_shape:
-        ours, config = build_random_model(args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed)
+        config = shape_config(args.model_shape)
+        description = describe_shape(args.model_shape, args.bits, args.dtype)
+        if args.scale_down:
+            config, summary = scaled_down(config)
+            description += f", {summary}: a smoke test, not this shape's speed"
+        spelling_for(config)  # a family mlx-lm cannot compare: say so before building anything
+        ours, config = build_random_model(
+            args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed, config=config
+        )
         return (
             ours,
-            mlx_lm_twin(ours, config),
+            build_twin(ours, config),
             config["vocab_size"],
-            describe_shape(args.model_shape, args.bits, args.dtype),
-            "mlx-lm Model built from the shape's config, mlxcel's arrays",
+            description,
+            "mlx-lm Model built from the shape's config, holding mlxcel's arrays",
+            config,
         )
     from mlxcel_core import load_model
 
@@ -152,15 +155,33 @@ def load_both(args) -> tuple[object, object, int, str, str]:
     if loaded.source.kind == "gguf":
         return (
             ours,
-            mlx_lm_twin(ours, config),
+            build_twin(ours, config),
             vocab,
             description,
             "mlx-lm cannot read GGUF: its Model built from mlxcel's config, holding mlxcel's arrays",
+            config,
         )
     import mlx_lm
 
     theirs, _ = mlx_lm.load(str(loaded.source.path) if loaded.source.path else args.model)
-    return ours, theirs, vocab, description, "mlx_lm.load on the same directory"
+    return ours, theirs, vocab, description, "mlx_lm.load on the same directory", config
+
+
+def set_up(args, say, version: str):
+    """Both models, checked: (ours, theirs, vocab, description, how mlx-lm got its model, Agreement, environment).
+    TwinUnavailable: mlx-lm cannot compare this family; TwinMismatch: the two compute different logits."""
+    if args.model_shape and not args.no_arch_check:
+        spelling_for(shape_config(args.model_shape))
+        say(verify_architecture(args.model_shape, bits=args.bits, seed=args.seed))
+    ours, theirs, vocab, description, how, config = load_both(args)
+    env = environment()
+    say(
+        f"mlxcel {env['mlxcel_version']}, mlx-lm {version}, mlx {env['mlx_version']}, "
+        f"backend {env['backend']} ({env['device']})"
+    )
+    say(f"model: {description}; {how}")
+    agreement = check_twin(ours, theirs, config, vocab, say, args.logit_tolerance)
+    return ours, theirs, vocab, description, how, agreement, env
 
 
 def describe_graph(engine: Engine, warm_replayed: int, timed_steps: int) -> str:
@@ -173,11 +194,6 @@ def describe_graph(engine: Engine, warm_replayed: int, timed_steps: int) -> str:
     return f"{stats.graph_replayed - warm_replayed} of {timed_steps} timed decode steps replayed"
 
 
-def max_logit_diff(ours, theirs, vocab: int) -> float:
-    ids = mx.array([random_prompt(vocab, 8, "logit-check")])
-    return float(mx.abs(ours(ids).astype(mx.float32) - theirs(ids).astype(mx.float32)).max())
-
-
 def agreeing_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -185,7 +201,8 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The script's options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--model", help="directory, .gguf or Hub id (default: mlxcel's default model)")
@@ -203,26 +220,47 @@ def main(argv: list[str] | None = None) -> int:
         help="mlxcel's KV storage (auto: paged on CUDA, else dense at batch 1)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (progress on stderr)")
+    parser.add_argument(
+        "--scale-down", action="store_true", help="--model-shape at test size (a smoke test, not the shape's speed)"
+    )
+    parser.add_argument(
+        "--logit-tolerance",
+        type=float,
+        help=f"largest relative logit difference accepted (default {tolerance_for('float32')} for float32, "
+        f"{tolerance_for('bfloat16')} for 16-bit)",
+    )
+    parser.add_argument(
+        "--no-arch-check", action="store_true", help="skip the float32 scaled-down agreement check of a shape's family"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.prompt_tokens < 1 or args.gen_tokens < 1 or args.rounds < 1:
         parser.error("--prompt-tokens, --gen-tokens and --rounds must be >= 1")
-    if (args.bits or args.dtype != "bfloat16") and not args.model_shape:
-        parser.error("--bits and --dtype apply to --model-shape only")
+    if (args.bits or args.dtype != "bfloat16" or args.scale_down) and not args.model_shape:
+        parser.error("--bits, --dtype and --scale-down apply to --model-shape only")
     out = sys.stderr if args.json else sys.stdout
 
     def say(line: str) -> None:
         print(line, file=out, flush=True)
 
-    import mlx_lm
-
-    ours, theirs, vocab, description, how = load_both(args)
-    env = environment()
-    diff = max_logit_diff(ours, theirs, vocab)
-    say(
-        f"mlxcel {env['mlxcel_version']}, mlx-lm {mlx_lm.__version__}, mlx {env['mlx_version']}, "
-        f"backend {env['backend']} ({env['device']})"
-    )
-    say(f"model: {description}; {how}; max |logit diff| mlxcel vs mlx-lm: {diff:.3g}")
+    try:
+        peer_version = mlx_lm_version()
+    except TwinUnavailable as e:
+        parser.error(str(e))
+    try:
+        ours, theirs, vocab, description, how, agreement, env = set_up(args, say, peer_version)
+    except TwinUnavailable as e:
+        say(f"SKIPPED {args.model_shape or args.model}: {e}; no comparison is made")
+        if args.json:
+            print(json.dumps({"model": args.model_shape or args.model, "skipped": str(e)}))
+        return 0
+    except TwinMismatch as e:
+        print(f"compare_mlx_lm: error: {e}", file=sys.stderr)
+        return 1
     from mlxcel_core import backends
     from mlxcel_core.engine.compiled_decode import describe_decode_steps
 
@@ -301,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 {
                     **env,
-                    "mlx_lm_version": mlx_lm.__version__,
+                    "mlx_lm_version": peer_version,
                     "model": description,
                     "mlx_lm_model": how,
-                    "max_logit_diff": diff,
+                    "max_logit_diff": agreement.max_abs,
+                    "relative_logit_diff": agreement.rel,
                     "prompt_tokens": args.prompt_tokens,
                     "gen_tokens": args.gen_tokens,
                     "rounds": [

@@ -36,7 +36,7 @@ from mlxcel_core.loading.shapes import add_shape_arguments, build_random_model, 
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-import compare_mlx_lm as compare  # noqa: E402  (its mlx_lm_twin)
+import compare_mlx_lm as compare  # noqa: E402  (its build_twin)
 
 
 def mlxcel_tokens(model, vocab: int, prompt: list[int], warm: int, count: int, storage: str = "auto"):
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         report("mlxcel", profile_tokens(tokens, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
     if args.side in ("both", "mlx-lm"):
-        theirs = compare.mlx_lm_twin(ours, config)
+        theirs = compare.build_twin(ours, config)
         tokens_of = functools.partial(mlx_lm_tokens, theirs)
         tokens = (
             first_tokens(tokens_of, vocab, args.prompt_tokens)

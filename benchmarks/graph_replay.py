@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = ours.tokens
     print(f"mlxcel engine: {ours.decode_tps:.1f} tok/s decode, TTFT {ours.ttft_s * 1e3:.0f} ms")
     if not args.no_mlx_lm:
-        theirs = compare.mlx_lm_twin(model, config)
+        theirs = compare.build_twin(model, config)
         for _ in range(2):
             run = compare.run_mlx_lm(theirs, prompt, total)
         print(

@@ -38,7 +38,7 @@ from mlxcel_core.loading.shapes import add_shape_arguments, build_random_model, 
 from mlxcel_core.sampling import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-import compare_mlx_lm as compare  # noqa: E402  (its mlx_lm_twin)
+import compare_mlx_lm as compare  # noqa: E402  (its build_twin)
 import gpu_profile as gpu  # noqa: E402  (its token loops)
 
 PARTS = ("build", "launch", "read")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.side in ("both", "mlx-lm"):
-        theirs = compare.mlx_lm_twin(ours, config)
+        theirs = compare.build_twin(ours, config)
         sides.append(("mlx-lm", lambda n, clock: mlx_lm_loop(theirs, prompt, n, clock), mlx_lm_step_ops(theirs)))
     for side, loop, ops in sides:
         parts, wall = measure(side, loop, args.tokens, args.warm)

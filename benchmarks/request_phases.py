@@ -3,15 +3,12 @@
     python benchmarks/request_phases.py --model-shape llama-3.2-1b --dtype bfloat16 --prompt-tokens 512 --requests 4
     python benchmarks/request_phases.py --model-shape llama-3.2-1b --dtype bfloat16 --no-graph   # MLX's decode steps
 
-Why: on the H200 (twenty-second session) compare_mlx_lm's first timed mlxcel run read a TTFT of 1.3-2.5 s at every
-shape, its later runs 7-72 ms, although a warm-up of the same length ran first on the same engine. This sends the same
-prompt --requests times (the prefix cache emptied before each, as compare_mlx_lm does; --mlx-lm-between runs mlx-lm on
-it between requests, as compare's other turn) and prints, per request: TTFT, each
-of its first engine steps (what it did: prefill tokens, MLX decode, graph recordings / adoptions / replays) and the
-time spent inside the pieces most likely to stall once (kernel compiles, the graph's settle / pool check / adoption /
-recording, the runner's prefill and decode), and the kernel cache files it added. The cause, an address kernel
-variant compiled in a request's first replayed step after another request's recording, is fixed in b745c9d: request 2
-read a TTFT of 17 ms on the H200 in the twenty-third session, against 1300-2500 ms before.
+It sends the same prompt --requests times (the prefix cache emptied before each, as compare_mlx_lm does;
+--mlx-lm-between runs mlx-lm on it between requests, as compare's other turn) and prints, per request: TTFT, each of
+its first engine steps (what it did: prefill tokens, MLX decode, graph recordings / adoptions / replays) and the time
+spent inside the pieces most likely to stall once (kernel compiles, the graph's settle / pool check / adoption /
+recording, the runner's prefill and decode), and the kernel cache files it added: a first request that is slower than
+the later ones shows which piece stalled (benchmarks/RESULTS.md, "Serving: cold start and the first request").
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
-from compare_mlx_lm import mlx_lm_twin, mlxcel_engine  # noqa: E402
+from compare_mlx_lm import build_twin, mlxcel_engine  # noqa: E402
 
 from mlxcel_core import backends  # noqa: E402
 from mlxcel_core.bench import forget_cached_prefixes, random_prompt  # noqa: E402
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mlx_lm_between:
         from mlx_lm.generate import generate_step
 
-        twin = mlx_lm_twin(model, config)
+        twin = build_twin(model, config)
     prompt = random_prompt(vocab, args.prompt_tokens, 0, "compare")
     kernels = use_kernel_cache()
     print(f"kernel cache: {kernels} ({len(kernel_files(kernels))} files)")

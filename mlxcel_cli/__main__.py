@@ -1,6 +1,6 @@
 """`python -m mlxcel_cli ...` runs the `mlxcel` command (where the console script is not installed: a tree on
-PYTHONPATH)."""
+PYTHONPATH), with its exit status."""
 
 from .main import main
 
-main()
+raise SystemExit(main())

@@ -8,6 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from . import options as opt
+from .adapter_option import AdapterPath, check_adapter
 from .errors import fail, reported_errors
 from .tp import TpSize, join_ranks
 
@@ -98,9 +99,10 @@ def bench(
     output: Annotated[str, typer.Option("-o", "--output", help="Output format: md, json, jsonl or csv.")] = "md",
     kv_bits: opt.KvBits = None,
     storage: opt.StorageBackend = "auto",
-    prefill_chunk_size: opt.PrefillChunk = 2048,
+    prefill_chunk_size: opt.PrefillChunk = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random prompt token ids.")] = 0,
     tp_size: TpSize = 1,
+    adapter_path: AdapterPath = None,
     verbose: opt.Verbose = False,
 ) -> None:
     """Measure prefill and decode speed, llama-bench style.
@@ -147,20 +149,28 @@ def bench(
 
             shape_config(model_shape)  # unknown names fail before anything is built
 
+        check_adapter(adapter_path, tp_size)
         group, _ = join_ranks(tp_size, verbose=verbose)
         log = (lambda m: print(f"mlxcel: {m}", file=sys.stderr)) if verbose else (lambda m: None)
         from mlxcel_core.distributed import lost_peer_errors
 
         with lost_peer_errors(group):
-            _bench(model, model_shape, bits, dtype, seed, config, output, log, group)
+            _bench(model, model_shape, bits, dtype, seed, config, output, log, group, adapter_path)
 
 
-def _bench(model, model_shape, bits, dtype, seed, config, output, log, group) -> None:
+def _bench(model, model_shape, bits, dtype, seed, config, output, log, group, adapter_path=None) -> None:
     from mlxcel_core.bench import bench_header, load_bench_model, plan_tests, run_bench
     from mlxcel_core.bench_output import formatter
 
     bench_model = load_bench_model(
-        model, model_shape, bits, dtype, seed=seed, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group
+        model,
+        model_shape,
+        bits,
+        dtype,
+        seed=seed,
+        log=lambda m: print(f"mlxcel: {m}", file=sys.stderr),
+        group=group,
+        adapter_path=adapter_path,
     )
     header = bench_header(bench_model) + (f", tensor parallel over {group.size()} ranks" if group else "")
     fmt = formatter(output, bench_model.description, plan_tests(config))

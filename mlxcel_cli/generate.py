@@ -9,7 +9,10 @@ from typing import Annotated, Optional
 import typer
 
 from . import options as opt
+from .adapter_option import AdapterPath, check_adapter
 from .errors import fail, reported_errors
+from .prefill_notice import PrefillNotice
+from .reasoning_view import ReasoningView, check_mode
 from .tp import TpSize, join_ranks
 
 
@@ -42,6 +45,7 @@ def generate(
         Optional[str], typer.Option("-p", "--prompt", help="Prompt text; '-' reads stdin (so does a pipe).")
     ] = None,
     model: opt.Model = None,
+    adapter_path: AdapterPath = None,
     max_tokens: opt.MaxTokens = 256,
     temp: opt.Temp = 0.0,
     top_k: opt.TopK = 0,
@@ -67,9 +71,12 @@ def generate(
     grammar: opt.Grammar = None,
     no_chat_template: opt.NoChatTemplate = False,
     system: opt.System = None,
+    parse_special_in_content: opt.ParseSpecialInContent = False,
+    reasoning: opt.Reasoning = "show",
     kv_bits: opt.KvBits = None,
     storage: opt.StorageBackend = "auto",
-    prefill_chunk_size: opt.PrefillChunk = 2048,
+    prefill_chunk_size: opt.PrefillChunk = None,
+    ctx_size: opt.CtxSize = 0,
     tp_size: TpSize = 1,
     draft_model: opt.DraftModel = None,
     draft_ngram: opt.DraftNgram = 0,
@@ -85,6 +92,7 @@ def generate(
 ) -> None:
     """Generate text for one prompt. Text streams to stdout; statistics go to stderr."""
     with reported_errors(verbose):
+        check_adapter(adapter_path, tp_size)
         text = _read_prompt(prompt)
         params = opt.sampling_params(
             max_tokens,
@@ -110,7 +118,7 @@ def generate(
             constraint=opt.constraint(json_schema, regex, grammar),
         )
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
-        engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size, speculative)
+        engine_config = opt.engine_config(1, kv_bits, storage, prefill_chunk_size, speculative, ctx_size=ctx_size)
         if not text.strip():
             raise fail("prompt is empty")
         if system and no_chat_template:
@@ -129,6 +137,9 @@ def generate(
             as_json=as_json,
             verbose=verbose,
             group=group,
+            parse_special_in_content=parse_special_in_content,
+            reasoning=check_mode(reasoning),
+            adapter_path=adapter_path,
         )
 
 
@@ -143,23 +154,57 @@ def answer_once(
     as_json: bool = False,
     verbose: bool = False,
     group=None,
+    parse_special_in_content: bool = False,
+    reasoning: str = "show",
+    adapter_path: Optional[str] = None,
 ) -> None:
     """Load the model, answer one prompt (streamed, or one JSON object) and print statistics on stderr.
 
     The body of `mlxcel generate`; `mlxcel run -p` calls it too, so both print exactly the same.
     `group`: this process is one rank of a tensor-parallel group (every rank runs this same loop).
+    `parse_special_in_content`: special-token text in the prompt and system prompt becomes control tokens.
+    `reasoning`: "show" or "hide" a reasoning model's reasoning (reasoning_view.py).
     """
     from mlxcel_core.distributed import lost_peer_errors
 
     with lost_peer_errors(group):
-        _answer_once(text, model, params, engine_config, system, chat_template, as_json, verbose, group)
+        _answer_once(
+            text,
+            model,
+            params,
+            engine_config,
+            system,
+            chat_template,
+            as_json,
+            verbose,
+            group,
+            parse_special_in_content,
+            reasoning,
+            adapter_path=adapter_path,
+        )
 
 
-def _answer_once(text, model, params, engine_config, system, chat_template, as_json, verbose, group) -> None:
+def _answer_once(
+    text,
+    model,
+    params,
+    engine_config,
+    system,
+    chat_template,
+    as_json,
+    verbose,
+    group,
+    parse_special_in_content,
+    mode,
+    adapter_path=None,
+) -> None:
     from mlxcel_core.api import prepare_prompt, stream_generate
     from mlxcel_core.loading import load_model
 
-    loaded = load_model(model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)
+    loaded = load_model(
+        model, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group, adapter_path=adapter_path
+    )
+    loaded.tokenizer.parse_special_in_content = parse_special_in_content
     print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
     if group is not None:
         print(f"mlxcel: tensor parallel: {group.size()} ranks", file=sys.stderr)
@@ -172,22 +217,35 @@ def _answer_once(text, model, params, engine_config, system, chat_template, as_j
     if verbose:
         print(f"mlxcel: prompt tokens: {len(prompt_ids)}", file=sys.stderr)
 
-    pieces, tokens, last = [], [], None
-    for chunk in stream_generate(loaded, prompt_ids, params, engine_config, draft):
-        if chunk.token is not None:
-            tokens.append(chunk.token)
-        pieces.append(chunk.text)
-        if not as_json and chunk.text:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-        last = chunk
+    tokens, last = [], None
+    write = None if as_json else _stdout
+    view, run_params = ReasoningView.for_prompt(loaded.tokenizer, prompt_ids, params, chat_template, mode, write)
+    notice = PrefillNotice(len(prompt_ids), as_json=as_json)
+    try:
+        for chunk in stream_generate(loaded, prompt_ids, run_params, engine_config, draft):
+            notice.done()
+            if chunk.token is not None:
+                tokens.append(chunk.token)
+            view.feed(chunk.text)
+            last = chunk
+    finally:
+        notice.done()
+    view.finish()
     stats = last.stats
     if as_json:
-        print(json.dumps(_json_result("".join(pieces), tokens, last, loaded, params), ensure_ascii=False))
+        result = _json_result(view.answer, tokens, last, loaded, params)
+        if view.split is not None and view.show:
+            result = {"text": result.pop("text"), "reasoning": view.reasoning, **result}
+        print(json.dumps(result, ensure_ascii=False))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
     _print_stats(stats, verbose)
+
+
+def _stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def _json_result(text: str, tokens: list[int], last, loaded, params) -> dict:
@@ -221,5 +279,5 @@ def _json_result(text: str, tokens: list[int], last, loaded, params) -> dict:
             "acceptance_rate": spec.acceptance_rate,
             "mean_accepted_per_round": spec.mean_accepted,
         }
-    result["model"] = loaded.source.origin
+    result["model"] = str(loaded.source.path)  # the file or directory loaded (stderr says where it came from)
     return result

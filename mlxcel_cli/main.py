@@ -9,8 +9,12 @@ import typer
 
 from . import __version__
 from .bench import bench
+from .completion import completion
+from .convert import convert
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE
 from .generate import generate
+from .man import man
+from .models import ls, pull, rm, show
 from .run import run
 from .serve import serve
 from .tune import tune
@@ -19,7 +23,7 @@ app = typer.Typer(
     name="mlxcel",
     help="Run large language models on MLX.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (Typer's; `mlxcel completion SHELL` too)
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -29,6 +33,13 @@ app.command("serve")(serve)
 app.command("bench")(bench)
 app.command("run")(run)
 app.command("tune")(tune)
+app.command("pull")(pull)
+app.command("ls")(ls)
+app.command("rm")(rm)
+app.command("show")(show)
+app.command("completion")(completion)
+app.command("man")(man)
+app.command("convert")(convert)
 
 
 def _version(value: bool) -> None:

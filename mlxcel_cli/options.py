@@ -6,13 +6,17 @@ from typing import Annotated, List, Optional
 
 import typer
 
+from .completion import complete_model
+
 Model = Annotated[
     Optional[str],
     typer.Option(
         "-m",
         "--model",
         metavar="MODEL",
-        help="Model directory, .gguf file or Hugging Face repo id. Default: SmolLM2-135M-Instruct.",
+        help="Model directory, .gguf file, Hugging Face repo id or catalogue name (smollm2, qwen3:4b-4bit: "
+        "`mlxcel ls --catalog`). Default: SmolLM2-135M-Instruct.",
+        autocompletion=complete_model,
     ),
 ]
 MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", help="Most tokens to generate (>= 1).")]
@@ -31,6 +35,14 @@ NoChatTemplate = Annotated[
     ),
 ]
 System = Annotated[Optional[str], typer.Option("--system", help="System prompt (needs the chat template).")]
+ParseSpecialInContent = Annotated[
+    bool,
+    typer.Option(
+        "--parse-special-in-content",
+        help="Turn special-token text inside messages (e.g. '<|im_end|>') into control tokens. By default it is "
+        "plain text: control tokens come only from the chat template, so a message cannot forge a turn.",
+    ),
+]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="More detail on stderr; tracebacks on errors.")]
 
 
@@ -186,6 +198,7 @@ def sampling_params(
 ):
     """SamplingParams from the command line; out-of-range values raise InputError (exit 2). `constraint`: from
     `constraint()` above."""
+    from mlxcel_core.errors import InputError
     from mlxcel_core.processors import DEFAULT_DRY_SEQUENCE_BREAKERS
     from mlxcel_core.sampling import SamplingParams
 
@@ -195,29 +208,53 @@ def sampling_params(
         breakers = ()
     else:  # typed on a command line: \n means a newline
         breakers = tuple(b.encode("latin-1", "backslashreplace").decode("unicode_escape") for b in dry_sequence_breaker)
-    return SamplingParams(
-        temperature=temp,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        seed=seed,
-        max_tokens=max_tokens,
-        stop=tuple(stop or ()),
-        logit_bias=parse_logit_bias(logit_bias),
-        suppress_tokens=tuple(suppress_token or ()),
-        repetition_penalty=repeat_penalty,
-        repeat_last_n=repeat_last_n,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        dry_multiplier=dry_multiplier,
-        dry_base=dry_base,
-        dry_allowed_length=dry_allowed_length,
-        dry_penalty_last_n=dry_penalty_last_n,
-        dry_sequence_breakers=breakers,
-        xtc_threshold=xtc_threshold,
-        xtc_probability=xtc_probability,
-        constraint=constraint,
-    )
+    try:
+        return SamplingParams(
+            temperature=temp,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop=tuple(stop or ()),
+            logit_bias=parse_logit_bias(logit_bias),
+            suppress_tokens=tuple(suppress_token or ()),
+            repetition_penalty=repeat_penalty,
+            repeat_last_n=repeat_last_n,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            dry_multiplier=dry_multiplier,
+            dry_base=dry_base,
+            dry_allowed_length=dry_allowed_length,
+            dry_penalty_last_n=dry_penalty_last_n,
+            dry_sequence_breakers=breakers,
+            xtc_threshold=xtc_threshold,
+            xtc_probability=xtc_probability,
+            constraint=constraint,
+        )
+    except InputError as exc:
+        raise _as_typed(exc) from None
+
+
+# SamplingParams' range errors name its fields; the command line's name the option (`--temp`, `-n/--max-tokens`)
+_OPTION_NAMES = {
+    "temperature": "--temp",
+    "max-tokens": "-n/--max-tokens",
+    "suppress-tokens": "--suppress-token",
+    "repeat-penalty": "--repetition-penalty/--repeat-penalty",
+}
+_SAME_NAMED = (
+    "top-k top-p min-p seed repeat-last-n presence-penalty frequency-penalty dry-multiplier dry-base "
+    "dry-allowed-length dry-penalty-last-n xtc-threshold xtc-probability"
+).split()
+
+
+def _as_typed(exc):
+    from mlxcel_core.errors import InputError
+
+    name, sep, rest = str(exc).partition(" must be ")
+    option = _OPTION_NAMES.get(name) or (f"--{name}" if name in _SAME_NAMED else None)
+    return InputError(f"{option} must be {rest}") if sep and option else exc
 
 
 def parse_logit_bias(items: Optional[List[str]]) -> dict[int, float]:
@@ -246,6 +283,29 @@ KvBits = Annotated[
         help="Store the KV cache quantized to 8 or 4 bits (group size 64): less memory, slightly different numbers.",
     ),
 ]
+Reasoning = Annotated[
+    str,
+    typer.Option(
+        "--reasoning",
+        metavar="show|hide",
+        help="A reasoning model's reasoning (<think> tags, gpt-oss analysis): show it between <think> and </think> "
+        "lines before the answer, or hide it.",
+    ),
+]
+CtxSize = Annotated[
+    int,
+    typer.Option(
+        "-c",
+        "--ctx-size",
+        min=0,
+        help="Cap the context (prompt + completion tokens); 0 = the model's (as llama.cpp's -c).",
+    ),
+]
+# (the CPU value is backends/base.py's CPU_PREFILL_CHUNK: the CLI does not import the backends, which import MLX)
+PREFILL_CHUNK_HELP = (
+    "Prompt tokens computed per forward pass: a running stream waits for one chunk at most. "
+    "Default: 2048 at batch 1; batching, the backend's (8 on CPU, 2048 on a GPU)."
+)
 StorageBackend = Annotated[
     str,
     typer.Option(
@@ -254,10 +314,8 @@ StorageBackend = Annotated[
     ),
 ]
 PrefillChunk = Annotated[
-    int,
-    typer.Option(
-        "--prefill-chunk-size", help="Prompt tokens computed per forward pass (bounds memory on long prompts)."
-    ),
+    Optional[int],
+    typer.Option("--prefill-chunk-size", help=PREFILL_CHUNK_HELP),
 ]
 
 
@@ -267,6 +325,7 @@ DraftModel = Annotated[
         "--draft-model",
         metavar="MODEL",
         help="Speculative decoding with this smaller model (same tokenizer) drafting tokens the model verifies.",
+        autocompletion=complete_model,
     ),
 ]
 DraftNgram = Annotated[
@@ -295,10 +354,12 @@ def engine_config(
     max_batch_size: int,
     kv_bits: Optional[int],
     storage: str,
-    prefill_chunk_size: int,
+    prefill_chunk_size: Optional[int],
     speculative=None,
     prefill_batch: Optional[int] = None,
+    ctx_size: int = 0,
 ):
+    """`ctx_size`: --ctx-size (0: the model's context)."""
     from mlxcel_core.engine import EngineConfig
     from mlxcel_core.errors import InputError
 
@@ -306,7 +367,7 @@ def engine_config(
         raise InputError(f"--kv-bits must be 4 or 8, got {kv_bits}")
     if storage not in ("auto", "dense", "paged"):
         raise InputError(f"--decode-storage-backend must be auto, dense or paged, got '{storage}'")
-    if prefill_chunk_size < 1:
+    if prefill_chunk_size is not None and prefill_chunk_size < 1:
         raise InputError(f"--prefill-chunk-size must be >= 1, got {prefill_chunk_size}")
     if prefill_batch is not None and prefill_batch < 1:
         raise InputError(f"--prefill-batch must be >= 1, got {prefill_batch}")
@@ -317,4 +378,5 @@ def engine_config(
         prefill_chunk_size=prefill_chunk_size,
         speculative=speculative,
         prefill_batch_size=prefill_batch,
+        max_context=ctx_size or None,
     )

@@ -15,8 +15,11 @@ from typing import Annotated, Optional
 import typer
 
 from . import options as opt
+from .adapter_option import AdapterPath, check_adapter
+from .completion import complete_model
 from .errors import fail, reported_errors
 from .generate import _read_prompt, answer_once
+from .reasoning_view import ReasoningView, check_mode
 from .tp import TpSize, follow_leader, join_ranks
 
 PROMPT, CONTINUATION, FENCE = ">>> ", "... ", '"""'
@@ -39,10 +42,13 @@ def run(
         typer.Argument(
             metavar="[MODEL]",
             show_default=False,
-            help="Model directory, .gguf file or Hugging Face repo id (same as -m). Default: SmolLM2-135M-Instruct.",
+            help="Model directory, .gguf file, Hugging Face repo id or catalogue name (same as -m). "
+            "Default: SmolLM2-135M-Instruct.",
+            autocompletion=complete_model,
         ),
     ] = None,
     model: opt.Model = None,
+    adapter_path: AdapterPath = None,
     prompt: Annotated[
         Optional[str],
         typer.Option(
@@ -50,6 +56,8 @@ def run(
         ),
     ] = None,
     system: opt.System = None,
+    parse_special_in_content: opt.ParseSpecialInContent = False,
+    reasoning: opt.Reasoning = "show",
     max_tokens: opt.MaxTokens = 256,
     temp: opt.Temp = 0.0,
     top_k: opt.TopK = 0,
@@ -74,7 +82,8 @@ def run(
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
     kv_bits: opt.KvBits = None,
-    prefill_chunk_size: opt.PrefillChunk = 2048,
+    prefill_chunk_size: opt.PrefillChunk = None,
+    ctx_size: opt.CtxSize = 0,
     draft_model: opt.DraftModel = None,
     draft_ngram: opt.DraftNgram = 0,
     num_draft_tokens: opt.NumDraftTokens = 5,
@@ -93,6 +102,7 @@ def run(
         if model_arg and model and model_arg != model:
             raise fail("give the model once: as the MODEL argument or with -m, not both")
         spec = model_arg or model
+        check_adapter(adapter_path, tp_size)
         params = opt.sampling_params(
             max_tokens,
             temp,
@@ -117,7 +127,7 @@ def run(
             constraint=opt.constraint(json_schema, regex, grammar),
         )
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
-        engine_config = opt.engine_config(1, kv_bits, "dense", prefill_chunk_size, speculative)
+        engine_config = opt.engine_config(1, kv_bits, "dense", prefill_chunk_size, speculative, ctx_size=ctx_size)
         if prompt is not None:
             text = _read_prompt(prompt)
             if not text.strip():
@@ -125,7 +135,18 @@ def run(
             group, params = join_ranks(
                 tp_size, stdin_text=text if prompt == "-" else None, params=params, verbose=verbose
             )
-            answer_once(text, spec, params, engine_config, system, verbose=verbose, group=group)
+            answer_once(
+                text,
+                spec,
+                params,
+                engine_config,
+                system,
+                verbose=verbose,
+                group=group,
+                parse_special_in_content=parse_special_in_content,
+                reasoning=check_mode(reasoning),
+                adapter_path=adapter_path,
+            )
             return
 
         from mlxcel_core.chat import chat_engine_config
@@ -134,12 +155,32 @@ def run(
         if group is not None and group.rank() > 0:  # rank 0 chats; this rank mirrors its engine
             follow_leader(group, spec, chat_engine_config(engine_config))
             return
-        code = _chat(spec, params, system, engine_config, verbose, group)
+        code = _chat(
+            spec,
+            params,
+            system,
+            engine_config,
+            verbose,
+            group,
+            parse_special_in_content,
+            check_mode(reasoning),
+            adapter_path,
+        )
     if code:
         raise typer.Exit(code)
 
 
-def _chat(spec, params, system, engine_config, verbose: bool, group) -> int:
+def _chat(
+    spec,
+    params,
+    system,
+    engine_config,
+    verbose: bool,
+    group,
+    parse_special_in_content: bool,
+    reasoning,
+    adapter_path=None,
+) -> int:
     from mlxcel_core.chat import ChatSession
     from mlxcel_core.distributed import lost_peer_errors
     from mlxcel_core.loading import load_model
@@ -148,8 +189,11 @@ def _chat(spec, params, system, engine_config, verbose: bool, group) -> int:
     ui = _Ui(
         color=interactive and sys.stderr.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
     )
+    ui.reasoning = reasoning
     with lost_peer_errors(group):
-        loaded = load_model(spec, log=lambda m: print(f"mlxcel: {m}", file=sys.stderr), group=group)
+        log = lambda m: print(f"mlxcel: {m}", file=sys.stderr)  # noqa: E731
+        loaded = load_model(spec, log=log, group=group, adapter_path=adapter_path)
+        loaded.tokenizer.parse_special_in_content = parse_special_in_content
         print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
         session = ChatSession(
             loaded, params, system=system, engine_config=engine_config, notify=lambda m: ui.info(f"mlxcel: {m}")
@@ -172,6 +216,7 @@ class _Ui:
 
     def __init__(self, color: bool):
         self.color = color
+        self.reasoning = "show"  # --reasoning: a reasoning model's reasoning shown or hidden (reasoning_view.py)
 
     def info(self, text: str) -> None:
         print(f"\x1b[2m{text}\x1b[0m" if self.color else text, file=sys.stderr, flush=True)
@@ -226,13 +271,23 @@ def _reply(session, text: str, ui: _Ui, verbose: bool, interactive: bool) -> int
 
     out = sys.stdout
     failure, wrote = None, False
+
+    def write(piece: str) -> None:
+        nonlocal wrote
+        out.write(piece if interactive else _one_line(piece))
+        out.flush()
+        wrote = True
+
     if interactive:  # Ctrl-C stops this reply (between engine steps, never inside one) instead of raising
         previous = signal.signal(signal.SIGINT, lambda signum, frame: session.cancel())
     try:
+        view = None
         for piece in session.send(text):
-            out.write(piece if interactive else _one_line(piece))
-            out.flush()
-            wrote = True
+            if view is None:  # (the turn's prompt is rendered by now)
+                view = ReasoningView(session.reply_split(session.prompt_ids), ui.reasoning, write)
+            view.feed(piece)
+        if view is not None:
+            view.finish()
     except MlxcelError as exc:  # one line, and the chat goes on
         failure = exc
     finally:

@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 
 from . import options as opt
+from .adapter_option import AdapterPath, check_adapter
 from .errors import fail, reported_errors
 from .tp import TpSize, follow_leader, join_ranks
 
@@ -72,10 +73,8 @@ MaxQueue = Annotated[
     ),
 ]
 PrefillChunk = Annotated[
-    int,
-    _opt(
-        "--prefill-chunk-size", env="MLXCEL_PREFILL_CHUNK_SIZE", min=1, help="Prompt tokens computed per forward pass."
-    ),
+    Optional[int],
+    _opt("--prefill-chunk-size", env="MLXCEL_PREFILL_CHUNK_SIZE", min=1, help=opt.PREFILL_CHUNK_HELP),
 ]
 PrefillBatch = Annotated[
     Optional[int],
@@ -148,9 +147,79 @@ Warmup = Annotated[
         "so that no client waits for GPU kernels to compile.",
     ),
 ]
+ParseSpecialInContent = Annotated[
+    bool,
+    _opt(
+        "--parse-special-in-content",
+        env="MLXCEL_PARSE_SPECIAL_IN_CONTENT",
+        help="Chat: turn special-token text inside message content (e.g. '<|im_end|>') into control tokens. By "
+        "default it is plain text: control tokens come only from the chat template, so a client cannot forge a "
+        "turn. /v1/completions prompts are raw text and always parse special tokens.",
+    ),
+]
 LogFormat = Annotated[
     str,
     _opt("--log-format", env="MLXCEL_LOG_FORMAT", help="Log lines on stderr as text or json (one object per line)."),
+]
+MaxBodySize = Annotated[
+    str,
+    _opt(
+        "--max-body-size",
+        env="MLXCEL_MAX_BODY_SIZE",
+        metavar="SIZE",
+        help="Largest request body, in bytes or with a K, M or G suffix; a larger one gets 413.",
+    ),
+]
+HeaderTimeout = Annotated[
+    float,
+    _opt(
+        "--header-timeout",
+        env="MLXCEL_HEADER_TIMEOUT",
+        metavar="SECONDS",
+        help="Time a client has to send a request's headers; then 408 and the connection is closed.",
+    ),
+]
+BodyTimeout = Annotated[
+    float,
+    _opt(
+        "--body-timeout",
+        env="MLXCEL_BODY_TIMEOUT",
+        metavar="SECONDS",
+        help="Time a client has to send a request's body once its headers are in; then 408 and the "
+        "connection is closed.",
+    ),
+]
+MaxConnections = Annotated[
+    int,
+    _opt(
+        "--max-connections",
+        env="MLXCEL_MAX_CONNECTIONS",
+        min=1,
+        help="Open connections at most; one more gets 503 and is closed (fewer when the open-file limit "
+        "cannot be raised to fit them).",
+    ),
+]
+ShutdownGrace = Annotated[
+    float,
+    _opt(
+        "--shutdown-grace",
+        env="MLXCEL_SHUTDOWN_GRACE",
+        metavar="SECONDS",
+        min=0,
+        help="On Ctrl-C or SIGTERM, time running requests have to finish; then each ends with an error "
+        "(503, or in a stream an error event and [DONE]).",
+    ),
+]
+AllowedOrigins = Annotated[
+    Optional[str],
+    _opt(
+        "--allowed-origins",
+        env="MLXCEL_ALLOWED_ORIGINS",
+        metavar="LIST",
+        show_default=False,
+        help="Web page origins that may use the server besides localhost: a comma list, * as a wildcard, "
+        "'*' alone for any (as OLLAMA_ORIGINS). Without --api-key other origins get 403.",
+    ),
 ]
 
 
@@ -174,10 +243,13 @@ def _configure_logging(log_format: str, verbose: bool) -> None:
         if log_format == "json"
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
-    for name in ("mlxcel", "uvicorn", "uvicorn.error", "uvicorn.access"):
+    from mlxcel_core.server.log_limit import RepeatFilter
+
+    handler.addFilter(RepeatFilter())  # one warning repeated by a flood of clients: a few lines a minute
+    for name in ("mlxcel", "uvicorn", "uvicorn.error", "uvicorn.access", "asyncio"):
         logger = logging.getLogger(name)
-        logger.handlers[:] = [handler] if name in ("mlxcel", "uvicorn") else []
-        logger.propagate = name not in ("mlxcel", "uvicorn")
+        logger.handlers[:] = [handler] if name in ("mlxcel", "uvicorn", "asyncio") else []
+        logger.propagate = name not in ("mlxcel", "uvicorn", "asyncio")
         logger.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
@@ -199,6 +271,38 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _http_config(max_body_size: str, header_timeout: float, body_timeout: float, connections: int, grace: float):
+    from mlxcel_core.server.connections import fit_to_fd_limit
+    from mlxcel_core.server.http_config import HttpConfig, parse_size
+
+    try:
+        max_body = parse_size(max_body_size)
+    except ValueError as exc:
+        raise fail(f"--max-body-size: {exc}") from None
+    if max_body < 1:
+        raise fail("--max-body-size must be at least 1 byte")
+    for flag, value in (("--header-timeout", header_timeout), ("--body-timeout", body_timeout)):
+        if not 0 < value < float("inf"):
+            raise fail(f"{flag} must be a number of seconds > 0, got {value}")
+    fitted = fit_to_fd_limit(connections)
+    if fitted < connections:
+        print(f"mlxcel: --max-connections lowered to {fitted} to fit the open-file limit", file=sys.stderr)
+    return HttpConfig(max_body, header_timeout, body_timeout, fitted, grace)
+
+
+def _run_until_stopped(server, sock: socket.socket) -> None:
+    """Serve until Ctrl-C (exit 130 after the graceful shutdown, as any interrupted command) or SIGTERM (exit 0:
+    a stop asked for by a service manager). uvicorn handles both the same way, then raises the signal again once
+    it has shut down: SIGTERM's own handler here takes that, instead of the default one that kills the process."""
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def serve(
     model: Model = None,
     host: Host = "127.0.0.1",
@@ -207,7 +311,7 @@ def serve(
     parallel: Parallel = 4,
     max_batch_size: MaxBatch = None,
     max_queue_depth: MaxQueue = 32,
-    prefill_chunk_size: PrefillChunk = 2048,
+    prefill_chunk_size: PrefillChunk = None,
     prefill_batch: PrefillBatch = None,
     storage: Storage = "auto",
     ctx_size: CtxSize = 0,
@@ -217,8 +321,16 @@ def serve(
     draft_ngram: DraftNgram = 0,
     num_draft_tokens: NumDraftTokens = 5,
     warmup: Warmup = True,
+    parse_special_in_content: ParseSpecialInContent = False,
     log_format: LogFormat = "text",
+    max_body_size: MaxBodySize = "16M",
+    header_timeout: HeaderTimeout = 10.0,
+    body_timeout: BodyTimeout = 60.0,
+    max_connections: MaxConnections = 1024,
+    shutdown_grace: ShutdownGrace = 5.0,
+    allowed_origins: AllowedOrigins = None,
     tp_size: TpSize = 1,
+    adapter_path: AdapterPath = None,
     verbose: opt.Verbose = False,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API.
@@ -230,19 +342,23 @@ def serve(
     with reported_errors(verbose):
         if log_format not in ("text", "json"):
             raise fail(f"--log-format must be text or json, got '{log_format}'")
+        from mlxcel_core.server.http_config import parse_origins
+
+        http = _http_config(max_body_size, header_timeout, body_timeout, max_connections, shutdown_grace)
+        http.allowed_origins = parse_origins(allowed_origins or "")
         speculative = opt.speculative_config(draft_model, draft_ngram, num_draft_tokens)
         engine_config = opt.engine_config(
             max_batch_size or parallel, kv_bits, storage, prefill_chunk_size, speculative, prefill_batch
         )
+        check_adapter(adapter_path, tp_size)
         group, _ = join_ranks(tp_size, verbose=verbose)
         if group is not None and group.rank() > 0:  # only rank 0 serves HTTP; this rank mirrors its engine
             follow_leader(group, model, engine_config)
             return
         _configure_logging(log_format, verbose)
 
-        import uvicorn
-
         from mlxcel_core.server import ServerConfig, create_app
+        from mlxcel_core.server.connections import uvicorn_server
 
         config = ServerConfig(
             model=model,
@@ -253,6 +369,9 @@ def serve(
             ctx_size=ctx_size or None,
             group=group,
             warmup=warmup,
+            http=http,
+            parse_special_in_content=parse_special_in_content,
+            adapter_path=adapter_path,
         )
         failed: list[BaseException] = []
         holder: dict = {}
@@ -263,17 +382,16 @@ def serve(
 
         app = create_app(config, on_load_failed=on_load_failed)
         sock = _bind(host, port)
-        server = holder["server"] = uvicorn.Server(
-            uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=5, timeout_keep_alive=30)
-        )
+        server = holder["server"] = uvicorn_server(app)
         bound_host, bound_port = sock.getsockname()[:2]
+        http.bind_host = bound_host  # loopback: the Host header check is on (server/browsers.py)
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         print(
             f"mlxcel: listening on http://{shown}:{bound_port} (model loading in the background)",
             file=sys.stderr,
             flush=True,
         )
-        server.run(sockets=[sock])
+        _run_until_stopped(server, sock)
         if failed:
             from mlxcel_core.distributed import lost_peer_errors
 

@@ -57,6 +57,27 @@ def _read_model_config(model: str) -> dict:
     return config
 
 
+def _is_gguf(model: str) -> bool:
+    """A GGUF file, by its name or by its first four bytes."""
+    path = Path(model).expanduser()
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _gguf_geometry(model: str) -> dict[str, int]:
+    """head_dim / q_heads / kv_heads from a GGUF file's metadata (its header only; no tensor is read)."""
+    from mlxcel_core.loading.gguf_meta import attention_geometry, read_gguf_metadata
+
+    return attention_geometry(read_gguf_metadata(Path(model).expanduser()))
+
+
 def geometry_from_config(config: dict) -> dict[str, int]:
     """head_dim / q_heads / kv_heads from a config.json (its text_config first, when there is one).
     head_dim falls back to hidden_size / heads; kv heads fall back to the query heads."""
@@ -97,8 +118,8 @@ def tune(
             "-m",
             "--model",
             metavar="MODEL",
-            help="Take the head geometry from MODEL's config.json (a model directory, its config.json, or a "
-            "Hugging Face repo id already downloaded). No weights are loaded.",
+            help="Take the head geometry from MODEL: a GGUF file's metadata, or the config.json of a model "
+            "directory, of a Hugging Face repo id already downloaded, or given itself. No weights are loaded.",
         ),
     ] = None,
     head_dim: Annotated[
@@ -165,7 +186,7 @@ def tune(
         geo = {"head_dim": 128, "q_heads": 32, "kv_heads": 8}
         if model is not None:
             try:
-                geo = geometry_from_config(_read_model_config(model))
+                geo = _gguf_geometry(model) if _is_gguf(model) else geometry_from_config(_read_model_config(model))
             except ValueError as exc:
                 raise fail(f"-m {model}: {exc}")
         for name, value in (("head_dim", head_dim), ("q_heads", q_heads), ("kv_heads", kv_heads)):

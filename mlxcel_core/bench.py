@@ -26,8 +26,30 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
 
 from . import __version__
+from .bench_model import BenchModel, RandomIdTokenizer, bench_header, environment, human_count, load_bench_model
 from .bench_runs import forget_cached_prefixes, prefill_context, random_prompt, run_requests
 from .errors import InputError, RuntimeFailure
+
+__all__ = [  # the bench API (bench_model.py's and bench_runs.py's names re-exported: one import for its users)
+    "FIELDS",
+    "STORAGE_BACKENDS",
+    "BenchConfig",
+    "BenchModel",
+    "BenchResult",
+    "BenchTest",
+    "RandomIdTokenizer",
+    "bench_header",
+    "environment",
+    "forget_cached_prefixes",
+    "format_mean_std",
+    "human_count",
+    "load_bench_model",
+    "mean_std",
+    "plan_tests",
+    "random_prompt",
+    "run_bench",
+    "run_requests",
+]
 
 STORAGE_BACKENDS = ("auto", "dense", "paged")
 
@@ -103,7 +125,13 @@ class BenchConfig:
     seed: int = 0
     kv_bits: int | None = None
     storage: str = "auto"
-    prefill_chunk_size: int = 2048
+    prefill_chunk_size: int | None = None  # None: the engine's default (EngineConfig.resolved_prefill_chunk)
+
+    def chunk(self, n_batch: int) -> int:
+        """The prefill chunk of a test's engine (run at batch `n_batch`)."""
+        from .engine import EngineConfig
+
+        return EngineConfig(max_batch_size=n_batch, prefill_chunk_size=self.prefill_chunk_size).resolved_prefill_chunk
 
     def validate(self) -> None:
         def check(name: str, values, low: int) -> None:
@@ -126,7 +154,7 @@ class BenchConfig:
             raise InputError(f"--kv-bits must be 4 or 8, got {self.kv_bits}")
         if self.storage not in STORAGE_BACKENDS:
             raise InputError(f"--decode-storage-backend must be auto, dense or paged, got '{self.storage}'")
-        if self.prefill_chunk_size < 1:
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size < 1:
             raise InputError(f"--prefill-chunk-size must be >= 1, got {self.prefill_chunk_size}")
         if not plan_tests(self):
             raise InputError("nothing to run: -p and -n are all 0 and no --pg was given")
@@ -233,127 +261,6 @@ class BenchResult:
 
 
 # -- environment and model -------------------------------------------------------------------------------
-def environment() -> dict[str, str]:
-    """mlxcel and mlx versions, the backend ("mlx-cpu", "mlx-metal", "mlx-cuda") and the device in words."""
-    import mlx.core as mx
-
-    device = mx.default_device()
-    cuda = mx.cuda.is_available() if hasattr(mx, "cuda") else None
-    metal = mx.metal.is_available() if hasattr(mx, "metal") else None
-    if device.type == mx.DeviceType.gpu:
-        kind = "cuda" if cuda else "metal" if metal else "gpu"
-    else:
-        kind = "cpu"
-    words = (
-        f"{device}"
-        + (f", cuda available: {cuda}" if cuda is not None else "")
-        + (f", metal available: {metal}" if metal is not None else "")
-    )
-    return {"mlxcel_version": __version__, "mlx_version": mx.__version__, "backend": f"mlx-{kind}", "device": words}
-
-
-@dataclass
-class BenchModel:
-    model: Any  # the CausalLM
-    vocab_size: int
-    description: str
-    filename: str
-    n_params: int
-    size_bytes: int
-
-
-class RandomIdTokenizer:
-    """What the engine needs from a tokenizer when prompts are random ids: no EOS, no text."""
-
-    eos_token_ids: frozenset[int] = frozenset()
-    chat_template = None
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def decode(self, ids: list[int]) -> str:
-        return ""
-
-
-def load_bench_model(
-    model: str | None = None,
-    shape: str | None = None,
-    bits: int | None = None,
-    dtype: str | None = None,
-    seed: int = 0,
-    log: Callable[[str], None] = lambda m: None,
-    group=None,
-) -> BenchModel:
-    """A checkpoint (`model`, as for generate; None = the default model) or a random-weight `shape`.
-
-    `group` (size > 1): this rank's tensor-parallel shard (a shape is drawn layer by layer with the same seed on every
-    rank, each layer sliced before the next; parameter counts and sizes are then this rank's)."""
-    from .loading.shapes import (
-        build_random_model,
-        check_shape_options,
-        count_parameters,
-        describe_shape,
-    )
-
-    if model is not None and shape is not None:
-        raise InputError("give either -m/--model or --model-shape, not both")
-    if shape is None:
-        if bits is not None or dtype is not None:
-            raise InputError("--bits and --dtype apply to --model-shape only (a checkpoint keeps its own)")
-        from .loading import load_model
-
-        loaded = load_model(model, log=log, group=group)
-        n_params, size = count_parameters(loaded.model)
-        config = loaded.config
-        vocab = (
-            config.get("vocab_size")
-            or (config.get("text_config") or {}).get("vocab_size")
-            or loaded.tokenizer.vocab_size
-        )
-        description = f"{config.get('model_type', 'model')} {human_count(n_params)} {_weights_kind(loaded.model)}"
-        return BenchModel(loaded.model, int(vocab), description, loaded.source.origin, n_params, size)
-    dtype = dtype or "bfloat16"
-    check_shape_options(shape, bits, dtype)
-    log(f"building {shape} with random weights ({describe_shape(shape, bits, dtype)})")
-    built, config = build_random_model(shape, bits=bits, dtype=dtype, seed=seed, group=group)
-    n_params, size = count_parameters(built)
-    return BenchModel(built, config["vocab_size"], describe_shape(shape, bits, dtype), shape, n_params, size)
-
-
-def _weights_kind(model) -> str:
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    bits = {m.bits for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
-    if bits:
-        return "Q" + "/".join(str(b) for b in sorted(bits))
-    dtypes = {str(v.dtype).replace("mlx.core.", "") for _, v in tree_flatten(model.parameters())}
-    return "/".join(sorted(dtypes))
-
-
-def human_count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return str(n)
-
-
-def bench_header(bench_model: BenchModel, env: dict[str, str] | None = None) -> str:
-    from . import backends
-    from .engine.compiled_decode import describe_decode_steps
-
-    env = env or environment()
-    backend = backends.current()
-    return (
-        f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
-        f"model: {bench_model.description}, {human_count(bench_model.n_params)} params, "
-        f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename}); "
-        f"decode steps {describe_decode_steps()}; {backend.describe()}; "
-        f"waiting prompts prefilled together: up to {backend.prefill_batch()}"
-    )
-
-
-# -- timing (the engine runs themselves: bench_runs.py) -----------------------------------------------------
 def _tg_margin(prompt_len: int, batch: int, chunk: int) -> int:
     """Extra max_tokens so early rows are still decoding when the last row gets its first token."""
     chunks = -(-prompt_len // chunk)
@@ -402,12 +309,12 @@ def engine_for(bench_model: BenchModel, test: BenchTest, config: BenchConfig):
     from .engine import Engine, EngineConfig
 
     prompt_len = test.n_depth + test.test_tokens
-    per_row = prompt_len + test.n_gen + 1 + _tg_margin(prompt_len, test.n_batch, config.prefill_chunk_size) + 64
+    per_row = prompt_len + test.n_gen + 1 + _tg_margin(prompt_len, test.n_batch, config.chunk(test.n_batch)) + 64
     cfg = EngineConfig(
         max_batch_size=test.n_batch,
         kv_bits=config.kv_bits,
         storage=config.storage,
-        prefill_chunk_size=config.prefill_chunk_size,
+        prefill_chunk_size=config.chunk(test.n_batch),
         kv_budget_tokens=test.n_batch * per_row,
     )
     return Engine(bench_model.model, RandomIdTokenizer(bench_model.vocab_size), cfg)
@@ -458,13 +365,13 @@ def run_bench(
         if config.warmup:
             log(f"{test.label} (b={test.n_batch}): warm-up")
             start = clock()
-            measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
+            measure_test(engine, test, prompts, prefixes, clock, config.chunk(test.n_batch))
             warmup_ms = (clock() - start) * 1000
             log(f"{test.label} (b={test.n_batch}): warm-up took {warmup_ms:.1f} ms")
         replayed_before = engine.stats().graph_replayed
         samples = []
         for rep in range(config.repetitions):
-            sample = measure_test(engine, test, prompts, prefixes, clock, config.prefill_chunk_size)
+            sample = measure_test(engine, test, prompts, prefixes, clock, config.chunk(test.n_batch))
             log(
                 f"{test.label} (b={test.n_batch}): run {rep + 1}/{config.repetitions}: {sample.seconds * 1000:.1f} ms, "
                 f"{test.credited_tokens / sample.seconds:.2f} t/s, prefill computed {sample.prefill_computed}"

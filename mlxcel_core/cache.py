@@ -6,6 +6,11 @@ row's numbers are the same whether it decodes alone or in a batch.
 
 With `kv_bits` (8 or 4) keys and values are stored quantized (group size 64 along the head
 dimension) and dequantized when read: the memory shrinks, the attention maths stays in full precision.
+
+A recurrent layer's cache (models.base.RecurrentCache: gated delta-net, short convolution) holds no keys: its
+`recurrent` parts are one state per row, [B, ...], replaced by each forward; `columns` still counts the tokens it has
+seen, so batch membership (rows kept, joined, copied out) works alike. Such a state cannot be cut back to fewer
+tokens (`trimmable`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class KVCache:
         self.left_padding = mx.array(left_padding) if left_padding and any(left_padding) else None
         self.kv_bits = kv_bits
         self._scales: list[mx.array] | None = None  # k scales, k biases, v scales, v biases
+        self.recurrent: list[mx.array] | None = None  # a recurrent layer's state parts, [B, ...] each
 
     # -- LayerCache protocol -----------------------------------------------------------------------
     @property
@@ -64,6 +70,25 @@ class KVCache:
         else:
             keys, values = self.update_and_fetch(keys, values)
         return scaled_dot_product_attention(queries, keys, values, scale, mask, softcap, sinks)
+
+    # -- RecurrentCache protocol ---------------------------------------------------------------------
+    def recurrent_state(self) -> list[mx.array] | None:
+        return self.recurrent
+
+    def update_state(self, state: list[mx.array], length: int) -> None:
+        self.recurrent = list(state)
+        self.columns += length
+
+    @property
+    def state_padding(self) -> mx.array | None:
+        """A dense cache's inputs are one sequence's tokens or one token per row: the rows of its first forward are
+        left-padded by `left_padding` (make_cache), later ones not at all."""
+        return self.left_padding if self.columns == 0 else None
+
+    def trimmable(self, columns: int) -> bool:
+        """Whether `trim(columns)` can keep exactly the first `columns` tokens: not for a recurrent state that has
+        seen more (it cannot be cut back)."""
+        return self.recurrent is None or columns >= self.columns
 
     def attend_stored(
         self, queries: mx.array, scale: float, window: int | None = None, softcap: float | None = None
@@ -154,17 +179,26 @@ class KVCache:
 
     @property
     def state(self) -> list[mx.array]:
+        """What the cache holds: its keys/values (so far), or a recurrent layer's state parts."""
+        return self._kv_state() + (self.recurrent or [])
+
+    def _kv_state(self) -> list[mx.array]:
         return [a[..., : self.columns, :] for a in self._arrays()]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._arrays())
+        return sum(a.nbytes for a in self._arrays() + (self.recurrent or []))
+
+    def _rows(self) -> int:
+        return (self.keys if self.keys is not None else self.recurrent[0]).shape[0]
 
     # -- batch membership --------------------------------------------------------------------------
     def keep_rows(self, rows: list[int]) -> None:
         """Drop the batch rows not listed, then the pad columns no remaining row needs."""
         idx = mx.array(rows)
         self._set_arrays([a[idx] for a in self._arrays()])
+        if self.recurrent is not None:
+            self.recurrent = [s[idx] for s in self.recurrent]
         if self.left_padding is None:
             return
         self.left_padding = self.left_padding[idx]
@@ -178,7 +212,9 @@ class KVCache:
 
     def trim(self, columns: int) -> None:
         """Forget everything after the first `columns` columns (a single-row cache with no padding; an empty one, a
-        KV-shared layer's, stays empty)."""
+        KV-shared layer's, stays empty). A recurrent state cannot be cut back (`trimmable`)."""
+        if not self.trimmable(columns):
+            raise ValueError("a recurrent layer's state cannot be cut back to fewer tokens")
         self.columns = max(0, min(self.columns, columns))
 
     def row(self, row: int) -> "KVCache":
@@ -187,23 +223,27 @@ class KVCache:
         single = KVCache(kv_bits=self.kv_bits)
         single._set_arrays([a[row : row + 1, :, pad : self.columns, :] for a in self._arrays()])
         single.columns = self.columns - pad
+        if self.recurrent is not None:
+            single.recurrent = [s[row : row + 1] for s in self.recurrent]
         return single
 
     def append_rows(self, other: "KVCache") -> None:
         """Add `other`'s rows to this batch, left-padding whichever side is shorter."""
-        if self.keys is None:
-            self._set_arrays(other.state)
-            self.columns, self.left_padding = other.columns, other.left_padding
+        if self.keys is None and self.recurrent is None:
+            self._set_arrays(other._kv_state())
+            self.columns, self.left_padding, self.recurrent = other.columns, other.left_padding, other.recurrent
             return
         mine, theirs = self.columns, other.columns
         width = max(mine, theirs)
-        pad_mine = _padding(self.left_padding, self.keys.shape[0]) + (width - mine)
-        pad_theirs = _padding(other.left_padding, other.keys.shape[0]) + (width - theirs)
+        pad_mine = _padding(self.left_padding, self._rows()) + (width - mine)
+        pad_theirs = _padding(other.left_padding, other._rows()) + (width - theirs)
         merged = [
             mx.concatenate([_left_pad(a, width - mine), _left_pad(b, width - theirs)], axis=0)
-            for a, b in zip(self.state, other.state)
+            for a, b in zip(self._kv_state(), other._kv_state())
         ]
         self._set_arrays(merged)
+        if self.recurrent is not None:  # a state per row: no columns to align
+            self.recurrent = [mx.concatenate([a, b], axis=0) for a, b in zip(self.recurrent, other.recurrent)]
         self.columns = width
         padding = mx.concatenate([pad_mine, pad_theirs])
         self.left_padding = padding if mx.any(padding).item() else None

@@ -17,6 +17,10 @@ When the prompt plus `max_tokens` would not fit the model's context, the oldest 
 are dropped (the system prompt is kept) and `notify` is told. An interrupted reply stays in the
 history with the text produced so far, flagged `"interrupted": True` in `messages` (the template only
 ever sees role and content, so the model reads it as an ordinary, shorter reply).
+
+A reasoning model's reply (mlxcel_core/reasoning.py) is kept in the history as its answer, the reasoning under
+"reasoning_content" (what chat templates drop from earlier turns); gpt-oss's replies are generated with their
+harmony markers kept in the streamed text, to be split. Output under a constraint is kept whole.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Callable, Iterator
 
 from .engine import Conversation, Engine, EngineConfig, FinishReason
 from .errors import InputError, RuntimeFailure
+from .reasoning import detect, opens_inside, reply_stream
 from .sampling import SamplingParams
 
 # setting name (as typed after /set, or given to ChatSession.set) -> (SamplingParams field, value kind)
@@ -110,6 +115,10 @@ class ChatSession:
             )
         self.engine = Engine(loaded.model, loaded.tokenizer, chat_engine_config(engine_config))
         self.params = params or SamplingParams()
+        self.reasoning_kind = detect(self.tokenizer.chat_template)
+        if self.reasoning_kind == "harmony":
+            self.params = dataclasses.replace(self.params, skip_special_tokens=False)
+        self.prompt_ids: list[int] = []  # the turn's rendered prompt (set before its first piece)
         self.notify = notify or (lambda message: None)
         self.conversation = Conversation()
         self._system = system or None
@@ -185,7 +194,7 @@ class ChatSession:
         if not text.strip():
             raise InputError("message is empty")
         messages, dropped = self._fit(self._messages + [{"role": "user", "content": text}])
-        prompt_ids = self._render(messages)
+        prompt_ids = self.prompt_ids = self._render(messages)
         if dropped:
             kept = "; the system prompt is kept" if self._system else ""
             turns = dropped // 2
@@ -219,7 +228,7 @@ class ChatSession:
                 self.engine.step()
             seq = self.engine.sequence(seq_id)
             self.engine.release(seq_id)
-            reply["content"] = "".join(pieces)
+            reply.update(self._split("".join(pieces), prompt_ids))
             if seq.finish_reason == "cancelled":
                 reply["interrupted"] = True
             self.last_turn = TurnStats(
@@ -240,6 +249,19 @@ class ChatSession:
     # -- internals ----------------------------------------------------------------------------------
     def _initial_messages(self) -> list[dict]:
         return [{"role": "system", "content": self._system}] if self._system else []
+
+    def reply_split(self, prompt_ids: list[int]):
+        """The streamed split of a reply to `prompt_ids` (reasoning.SplitStream), or None: no reasoning to split."""
+        kind = self.reasoning_kind if self.params.constraint is None else None
+        return reply_stream(kind, kind == "think" and opens_inside(self.tokenizer, prompt_ids))
+
+    def _split(self, text: str, prompt_ids: list[int]) -> dict:
+        """A reply's history fields: its answer as content, its reasoning apart."""
+        split = self.reply_split(prompt_ids)
+        if split is None:
+            return {"content": text}
+        (r1, a1), (r2, a2) = split.feed(text), split.finish()
+        return {"content": a1 + a2} | ({"reasoning_content": r1 + r2} if r1 + r2 else {})
 
     def _render(self, messages: list[dict]) -> list[int]:
         plain = [{"role": m["role"], "content": m["content"]} for m in messages]

@@ -26,8 +26,10 @@ from .errors import InputError
 LogitsProcessor = Callable[[list[int], mx.array], mx.array]
 NEG_INF = float("-inf")
 
-# llama.cpp's defaults and limits for DRY sequence breakers (common/common.h, llama-sampling.cpp)
+# llama.cpp's defaults and limits for DRY sequence breakers (common/common.h, llama-sampling.cpp); the count
+# limit is mlxcel's: each breaker costs a scan of the vocabulary (engine/dry_cache.py)
 DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
+DRY_MAX_BREAKERS = 16
 DRY_MAX_BREAKER_CHARS = 40
 DRY_MAX_BREAKER_TAIL_TOKENS = 20
 _FLOAT_MAX_LOG = 88.7228391  # log(float32 max): DRY's exponent is clamped so base ** exponent stays finite

@@ -70,9 +70,17 @@ class SamplingParams:
     xtc_probability: float = 0.0  # 0 = off
     # structured output: a JSON schema, JSON object, regex or grammar the output must match (before stage 0)
     constraint: Constraint | None = None
+    # the output text keeps special tokens (gpt-oss's harmony markers: mlxcel_core/harmony.py); EOS is never text
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         _check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
+        _check(
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+            "seed",
+            "an integer in [0, 2**64 - 1] (or none: random)",
+            self.seed,
+        )
         _check(_is_int(self.top_k) and self.top_k >= 0, "top-k", "an integer >= 0", self.top_k)
         _check(0.0 < self.top_p <= 1.0, "top-p", "in (0, 1]", self.top_p)
         _check(0.0 <= self.min_p <= 1.0, "min-p", "in [0, 1]", self.min_p)
@@ -126,6 +134,13 @@ class SamplingParams:
             "dry-sequence-breakers",
             "non-empty strings",
             list(self.dry_sequence_breakers),
+        )
+        breakers = self.dry_sequence_breakers
+        _check(
+            len(breakers) <= proc.DRY_MAX_BREAKERS and all(len(b) <= proc.DRY_MAX_BREAKER_CHARS for b in breakers),
+            "dry-sequence-breakers",
+            f"at most {proc.DRY_MAX_BREAKERS} strings of at most {proc.DRY_MAX_BREAKER_CHARS} characters",
+            f"{len(breakers)}, the longest of {max(map(len, breakers), default=0)} characters",
         )
         _check(0.0 <= self.xtc_threshold <= 1.0, "xtc-threshold", "in [0, 1]", self.xtc_threshold)
         _check(0.0 <= self.xtc_probability <= 1.0, "xtc-probability", "in [0, 1]", self.xtc_probability)

@@ -44,6 +44,13 @@ def _float(raw: str) -> float:
     return float(raw)
 
 
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("must be a number > 0")
+    return value
+
+
 def _switch(raw: str) -> bool:
     if raw not in ("0", "1"):
         raise ValueError("must be 0 or 1")
@@ -82,6 +89,14 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "Split-K factor of paged decode attention for every shape, over the autotune cache and the heuristic.",
         _positive_int,
+    ),
+    Setting(
+        "MLXCEL_NET_TIMEOUT",
+        "float",
+        30.0,
+        "Seconds one network step of fetching a model may take (connecting, or waiting for the next bytes from the "
+        "Hugging Face Hub or the package index) before mlxcel gives up on that source and tries the next.",
+        _positive_float,
     ),
     Setting(
         "MLXCEL_TP_BACKEND",

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat_template import render_chat
+from .chat_tokens import GIL_FREE_CHARS, encode_chat
 from .errors import CorruptModelError
 
 
@@ -19,34 +20,56 @@ class Tokenizer:
     eos_token: str | None = None
     chat_template: str | None = None
     add_bos_token: bool = False  # only when the backend's post-processor does not already add it
+    # Chat prompts: special-token text inside message content becomes control tokens (the old behaviour) instead of
+    # text (mlxcel_core/chat_tokens.py); `--parse-special-in-content` sets it.
+    parse_special_in_content: bool = False
+    content_tokenizer: Any = field(default=None, init=False, repr=False, compare=False)  # chat_tokens.py's, lazily
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > GIL_FREE_CHARS:  # the same ids; the batch call lets other threads run meanwhile
+            ids = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:
             bos = self.backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos] + ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > GIL_FREE_CHARS:
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> list[int]:
-        """`variables`: template variables such as `tools` (a list of {"type": "function", "function": {...}})."""
-        text = render_chat(
-            self.chat_template,
-            messages,
-            add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **variables,
-        )
-        # The template writes BOS itself when the model wants one.
-        return self.encode(text, add_special_tokens=False)
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        parse_special_in_content: bool | None = None,
+        **variables,
+    ) -> list[int]:
+        """`variables`: template variables such as `tools` (a list of {"type": "function", "function": {...}}).
+        Message content is tokenized as text, so control tokens come only from the template itself, unless
+        `parse_special_in_content` (default: the tokenizer's attribute) is set (mlxcel_core/chat_tokens.py)."""
+
+        def render(messages: list[dict]) -> str:
+            return render_chat(
+                self.chat_template,
+                messages,
+                add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **variables,
+            )
+
+        if parse_special_in_content is None:
+            parse_special_in_content = self.parse_special_in_content
+        # The template writes BOS itself when the model wants one: no special tokens are added.
+        return encode_chat(self, render, messages, parse_special_in_content)
 
 
 def _token_content(value) -> str | None:

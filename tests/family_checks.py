@@ -49,14 +49,15 @@ def engine_paths_tokens(loaded, prompts: list[list[int]], steps: int = STEPS) ->
     """Each engine path's greedy tokens for `prompts`; "plain" runs one prompt at a time on dense storage."""
     loaded.tokenizer.eos_token_ids = set()
     plain = [_run(loaded, [p], steps, max_batch_size=1, storage="dense", compile_decode=False)[0] for p in prompts]
-    batch = dict(max_batch_size=len(prompts), compile_decode=False)
+    # whole prompts a forward on the batched paths (whatever the backend's chunk); the chunked path sets its own
+    batch = dict(max_batch_size=len(prompts), compile_decode=False, prefill_chunk_size=2048)
     paged = dict(storage="paged", block_size=8, prefix_cache=False, **batch)
     one_by_one = dict(prefill_batch_size=1, **paged)
     return {
         "plain": plain,
         "dense batched": _run(loaded, prompts, steps, storage="dense", **batch),
         "paged batched": _run(loaded, prompts, steps, **one_by_one),
-        "paged chunked prefill": _run(loaded, prompts, steps, prefill_chunk_size=8, **one_by_one),
+        "paged chunked prefill": _run(loaded, prompts, steps, **{**one_by_one, "prefill_chunk_size": 8}),
         "paged prefilled together": _run(loaded, prompts, steps, prefill_batch_size=len(prompts), **paged),
         "paged compiled": _run(loaded, prompts, steps, **{**one_by_one, "compile_decode": True}),
     }

@@ -16,6 +16,8 @@ import httpx
 
 from mlxcel_core.engine import EngineConfig
 from mlxcel_core.server import ServerConfig, create_app
+from mlxcel_core.server.connections import uvicorn_server
+from mlxcel_core.server.http_config import HttpConfig
 
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
@@ -72,15 +74,15 @@ def _labels(labels: dict) -> str:
 
 
 def start_server(model_dir, *, max_batch_size: int = 8, wait_ready: bool = True, load=None, **config) -> RunningServer:
-    import uvicorn
-
+    """`config`: ServerConfig's fields; `http` (HttpConfig) defaults to a 2 s shutdown grace."""
     engine = config.pop("engine", None) or EngineConfig(max_batch_size=max_batch_size)
+    config.setdefault("http", HttpConfig(shutdown_grace=2.0))
     server_config = ServerConfig(model=str(model_dir), engine=engine, **config)
     app = create_app(server_config, load=load)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=2))
+    server = uvicorn_server(app)  # the protocol, limits and graceful shutdown of `mlxcel serve`
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="uvicorn-test")
     thread.start()
     running = RunningServer(f"http://127.0.0.1:{port}", app, server, thread)

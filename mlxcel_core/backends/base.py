@@ -12,7 +12,7 @@ What differs by backend:
 - the greedy readout of a decode step (`greedy_tokens`);
 - a decode-step replayer (`graph_decoder`: a lone greedy row's steps as one recorded graph);
 - the step inputs' placement (`own_step_inputs`) and per-backend defaults (`compile_by_default`,
-  `prefill_batch`, `dense_mask_is_slow`, `warmup_rows`).
+  `prefill_batch`, `prefill_chunk`, `dense_mask_is_slow`, `warmup_rows`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ import mlx.core as mx
 from ..kv.paged_attention import RUNNER_OPS, paged_decode_attention
 
 GPU_PREFILL_BATCH = 8  # waiting prompts one prefill forward takes on a GPU (bandwidth-bound: one pass of the weights)
+# Prompt tokens one prefill forward computes while other rows decode (engine/scheduler.py), so that a long prompt
+# holds the running rows for about a second at most. On CPU prefill is compute-bound: a token costs the same at any
+# chunk size, so a small chunk bounds the running rows' wait without slowing the prompt (benchmarks/RESULTS.md,
+# "CPU: the prefill chunk beside running rows"). On a GPU one forward takes a whole prompt of up to 2048 tokens.
+GPU_PREFILL_CHUNK = 2048
+CPU_PREFILL_CHUNK = 8
 
 
 def on_gpu() -> bool:
@@ -99,6 +105,10 @@ class Backend:
         """Waiting prompts one prefill forward takes: on a GPU several (one pass of the weights for all); on CPU,
         compute-bound, one (each prompt would wait for the whole forward)."""
         return GPU_PREFILL_BATCH if on_gpu() else 1
+
+    def prefill_chunk(self) -> int:
+        """Prompt tokens one prefill forward computes when batching (a running row waits for one chunk at most)."""
+        return GPU_PREFILL_CHUNK if on_gpu() else CPU_PREFILL_CHUNK
 
     def warmup_rows(self) -> int:
         """Rows up to which decode steps compile one kernel variant a row count (serve's warm-up runs each)."""

@@ -11,20 +11,22 @@ seeds are fixed by the leader, so every rank's scheduler makes the same decision
 need the scheduled batch itself, only the inputs it was made from.
 
 A step with nothing new costs one all-sum of a single int32; the leader sends ("stop",) when it is done.
-Requests with custom Python logits processors cannot be mirrored and are refused.
+Records travel as JSON with a fixed schema (distributed/wire.py), checked on arrival: whoever reaches a
+follower's socket can at most stop it, never run code in it. Requests with custom Python logits processors
+cannot be mirrored and are refused.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import pickle
 import weakref
 from dataclasses import replace
 
 import mlx.core as mx
 
 from ..errors import InputError, RuntimeFailure
+from . import wire
 
 
 def broadcast_bytes(group, payload: bytes | None) -> bytes:
@@ -68,13 +70,13 @@ class LeaderMirror:
 
     def before_step(self) -> None:
         records, self._pending = self._pending, []
-        broadcast_bytes(self.group, pickle.dumps(records) if records else b"")
+        broadcast_bytes(self.group, wire.encode(records) if records else b"")
 
     def stop(self) -> None:
         """Tell the followers to return (once; safe to call again)."""
         if not self.stopped:
             self.stopped = True
-            broadcast_bytes(self.group, pickle.dumps(self._pending + [("stop",)]))
+            broadcast_bytes(self.group, wire.encode(self._pending + [("stop",)]))
             self._pending = []
 
     def _key(self, conversation) -> int | None:
@@ -99,7 +101,11 @@ def follow(engine, group) -> None:
     conversations: dict[int, Conversation] = {}
     while True:
         payload = broadcast_bytes(group, None)
-        for record in pickle.loads(payload) if payload else ():
+        try:
+            records = wire.decode(payload) if payload else []
+        except wire.WireError as exc:
+            raise wire.WireError(f"rank {group.rank()} refused a step from rank 0: {exc}") from None
+        for record in records:
             kind = record[0]
             if kind == "stop":
                 return

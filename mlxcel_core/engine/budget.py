@@ -8,7 +8,7 @@ import re
 import mlx.core as mx
 
 from ..errors import InputError
-from ..models.base import kv_layout
+from ..models.base import kv_layout, state_layout
 
 _UNITS = {
     "": 1,
@@ -48,6 +48,26 @@ def kv_bytes_per_token(model, kv_bits: int | None = None, dtype_bytes: int = 2) 
     # Per stored layer, its own heads x head size (models.base.kv_layout: Gemma 4's KV-shared layers store none)
     widths = [heads * head_dim for heads, head_dim in filter(None, kv_layout(model))]
     return int(2 * sum(widths) * per_value) or 1
+
+
+def state_bytes_per_sequence(model, dtype_bytes: int = 2) -> int:
+    """The recurrent state one sequence holds in every recurrent layer (base.state_layout): each part's elements
+    times its dtype's size (`dtype_bytes` for parts in the activations' dtype); 0 for a model without such layers."""
+    total = 0
+    for parts in filter(None, state_layout(model)):
+        for shape, dtype in parts:
+            count = 1
+            for n in shape:
+                count *= n
+            total += count * (dtype.size if dtype is not None else dtype_bytes)
+    return total
+
+
+def state_tokens_per_sequence(model, kv_bits: int | None = None, dtype_bytes: int = 2) -> int:
+    """A sequence's recurrent state in tokens of the KV budget (rounded up): what admission reserves for it besides
+    its prompt and output tokens, so that the budget counts the state's memory too."""
+    state = state_bytes_per_sequence(model, dtype_bytes)
+    return -(-state // kv_bytes_per_token(model, kv_bits, dtype_bytes)) if state else 0
 
 
 def parse_kv_budget(text: str, bytes_per_token: int) -> int:

@@ -19,7 +19,9 @@ tables to a power-of-two width so one trace serves many steps.
 On by default where the backend says so (a GPU: compile_enabled; EngineConfig.compile_decode decides otherwise).
 Not compiled: quantized KV caches (kv_bits; their dequantization reads only the used columns), and dense
 caches where attention with an array mask leaves MLX's fused kernel (CUDA: see CompiledDecoder.supports), which
-costs more than compiling saves.
+costs more than compiling saves; dense caches of models with recurrent layers (their rows' states are not among
+the dense trace's inputs). Over paged storage, such a model's step takes the state pool's arrays and the rows' slots
+as inputs and returns the updated arrays (engine/state_pool.py).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import mlx.core as mx
 
 from .. import backends
 from ..cache import KVCache
-from ..models.base import CausalLM, kv_layout, scaled_dot_product_attention
+from ..models.base import CausalLM, has_recurrent_layers, kv_layout, scaled_dot_product_attention
 from .paged import PagedStorage
 from .paged_views import DecodeView
+from .state_pool import StateView
 
 
 def compile_enabled(requested: bool | None = None) -> bool:
@@ -119,6 +122,7 @@ class StepTraces:
         self._model = weakref.ref(model)
         self.dense = mx.compile(self._dense_forward)
         self.paged = mx.compile(self._paged_forward)
+        self.paged_states = mx.compile(self._paged_states_forward)
         self.storage: PagedStorage | None = None  # the storage a paged trace runs against (set before each call)
         self.traced = 0  # how often a step function's Python body ran, i.e. traces made
 
@@ -145,20 +149,52 @@ class StepTraces:
         context_lens: mx.array,
         pools: list[list[mx.array]],
     ):
+        logits, pools, _ = self._paged_step(
+            tokens, slot_blocks, slot_offsets, block_tables, positions, context_lens, pools
+        )
+        return logits, pools
+
+    def _paged_states_forward(self, *inputs, state_slots: mx.array, states: list[list[mx.array] | None]):
+        """A paged step of a model with recurrent layers: `states` are the state pool's arrays (None where a layer
+        keeps none), `state_slots` [B] the rows' slots; returns the updated arrays too."""
+        return self._paged_step(*inputs, state_slots=state_slots, states=states)
+
+    def _paged_step(
+        self,
+        tokens: mx.array,
+        slot_blocks: mx.array,
+        slot_offsets: mx.array,
+        block_tables: mx.array,
+        positions: mx.array,
+        context_lens: mx.array,
+        pools: list[list[mx.array]],
+        state_slots: mx.array | None = None,
+        states: list[list[mx.array] | None] | None = None,
+    ):
         self.traced += 1
         storage = self.storage
+        state_pool = storage.states if states is not None else None
         # The views write into these (None: a layer that stores nothing, a KV-shared layer's).
         kept, storage.pools = storage.pools, [None if p is None else list(p) for p in pools]
         kept_writes, storage.written_in_place = storage.written_in_place, []  # the trace's are tracers: dropped
+        if state_pool is not None:
+            kept_states, state_pool.arrays = state_pool.arrays, [None if a is None else list(a) for a in states]
         try:
             views = [
                 DecodeView(storage, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
                 for layer in range(len(pools))
             ]
+            if state_pool is not None:
+                views = [
+                    StateView(state_pool, layer, state_slots, False, None, positions) if recurrent else view
+                    for layer, (view, recurrent) in enumerate(zip(views, state_pool.recurrent))
+                ]
             logits = self.model(tokens[:, None], views)[:, -1, :]
-            return logits, storage.pools
+            return logits, storage.pools, (state_pool.arrays if state_pool is not None else None)
         finally:
             storage.pools, storage.written_in_place = kept, kept_writes
+            if state_pool is not None:
+                state_pool.arrays = kept_states
 
 
 _TRACES: dict[int, StepTraces] = {}  # id(model) -> its StepTraces; an entry goes when its model does
@@ -190,11 +226,19 @@ class CompiledDecoder:
         self.steps = 0  # decode steps this engine ran compiled
         # Per layer, whether its cache stores keys (a KV-shared layer's stays empty: it reads another layer's).
         self.stores = [layout is not None for layout in kv_layout(model)]
+        # A model with recurrent layers (base.state_layout): its dense steps run op by op (module docstring).
+        self.recurrent = has_recurrent_layers(model)
 
     def supports(self, caches: Sequence[object]) -> bool:
-        if all(isinstance(c, DecodeView) for c in caches):
-            storage = caches[0].storage
-            return storage.kv_bits is None and all(p is not None for p, s in zip(storage.pools, self.stores) if s)
+        views = [c for c in caches if not isinstance(c, StateView)]
+        if views and all(isinstance(c, DecodeView) for c in views):
+            storage = views[0].storage
+            states = storage.states
+            ready = states is None or all(a is not None for a, r in zip(states.arrays, states.recurrent) if r)
+            pools = all(p is not None for p, s in zip(storage.pools, self.stores) if s)
+            return storage.kv_bits is None and ready and pools
+        if self.recurrent:
+            return False
         # Dense steps attend through a mask, and with an array mask MLX's CUDA attention leaves its fused
         # decode kernel: on the H200 that cost more than compiling saved on an 8B 4-bit model (0.86x).
         return not dense_mask_is_slow() and all(
@@ -206,7 +250,7 @@ class CompiledDecoder:
         """`tokens` [B] -> logits [B, V]; every row's cache gains its token."""
         logits = (
             self._decode_paged(tokens, caches)
-            if isinstance(caches[0], DecodeView)
+            if isinstance(caches[0], (DecodeView, StateView))
             else self._decode_dense(tokens, caches)
         )
         self.steps += 1
@@ -233,10 +277,17 @@ class CompiledDecoder:
         return logits
 
     def _decode_paged(self, tokens: mx.array, views: Sequence[DecodeView]) -> mx.array:
-        view = views[0]
+        view = next(v for v in views if isinstance(v, DecodeView))
         self.traces.storage = view.storage
         inputs = (tokens, *view.slots, view.block_tables, view.offset, view.context_lens)
-        logits, pools = self.traces.paged(*inputs, view.storage.pools)
+        states = view.storage.states
+        if states is None:
+            logits, pools = self.traces.paged(*inputs, view.storage.pools)
+        else:  # recurrent layers: the state pool's arrays in and out, the rows' slots in
+            slots = next(v.slots for v in views if isinstance(v, StateView))
+            logits, pools, states.arrays = self.traces.paged_states(
+                *inputs, view.storage.pools, state_slots=slots, states=states.arrays
+            )
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
         view.storage.pools_version += 1
         # Its attention kernels may have written the pools in place: later pool updates wait for it (paged.py).

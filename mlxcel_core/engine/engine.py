@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import mlx.core as mx
@@ -28,12 +29,13 @@ from ..backends.base import readout_of
 from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..distributed.group import is_launched
 from ..errors import InputError
-from ..models.base import CausalLM
-from ..processors import dry_sequence_breakers
+from ..models.base import CausalLM, has_recurrent_layers
 from ..sampling import RowSampler, SamplingParams, apply_allowed
 from ..tokenizer import Tokenizer
 from . import constrained
+from .budget import state_tokens_per_sequence
 from .compiled_decode import compile_enabled
+from .dry_cache import DryBreakerCache
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, ScheduledBatch, SchedulerConfig
 from .speculative import Speculator, make_drafter, verify
@@ -82,22 +84,31 @@ class EngineMirror(Protocol):
 
 
 class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig | None = None, draft=None):
-        """`draft`: the draft model (LoadedModel) when config.speculative names one and it is already loaded."""
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig | None = None,
+        draft=None,
+        dry_cache: DryBreakerCache | None = None,
+    ):
+        """`draft`: the draft model (LoadedModel) when config.speculative names one and it is already loaded.
+        `dry_cache`: tokenized DRY breakers shared with whoever fills it off this thread (the server)."""
         self.config = config or EngineConfig()
         self.backend = backends.current()
         self.tokenizer = tokenizer
-        self.max_context = model.max_context_length
+        self.max_context = min(model.max_context_length, self.config.max_context or model.max_context_length)
         compiled = compile_enabled(self.config.compile_decode)
         self.storage = make_storage(model, self.config, compiled)
         self.runner = ModelRunner(model, self.storage, compiled)
         self.scheduler = BatchScheduler(
             SchedulerConfig(
                 max_batch_size=self.config.max_batch_size,
-                prefill_chunk_size=self.config.prefill_chunk_size,
+                prefill_chunk_size=self.config.resolved_prefill_chunk,
                 prefill_grant_interval=self.config.prefill_grant_interval,
                 kv_budget_tokens=self.config.kv_budget_for(self.max_context),
                 prefill_batch_size=self._prefill_batch(),
+                state_tokens=state_tokens_per_sequence(model, self.config.kv_bits),
             ),
             on_admit=self._admit,
         )
@@ -110,14 +121,13 @@ class Engine:
         self._unread: list[tuple[dict[int, _Sampled], mx.array]] = []
         self._conversations: dict[int, Conversation | None] = {}
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
-        self._token_texts: list[str] | None = None  # each token's text, for DRY sequence breakers
-        self._dry_breakers: dict[tuple[str, ...], dict] = {}
+        self.dry_cache = dry_cache if dry_cache is not None else DryBreakerCache(tokenizer)
         self.speculator: Speculator | None = None
         self._grammars: constrained.Grammars | None = None  # made at the first constrained row
         # Rank 0 under tensor parallelism: a LeaderMirror that sends this engine's inputs to the other ranks.
         self.mirror: EngineMirror | None = None
         if self.config.speculative is not None:
-            drafter = make_drafter(self.config.speculative, tokenizer, self.config.prefill_chunk_size, draft)
+            drafter = make_drafter(self.config.speculative, tokenizer, self.config.resolved_prefill_chunk, draft)
             self.speculator = Speculator(self.config.speculative, drafter)
 
     # -- public API -------------------------------------------------------------------------
@@ -127,7 +137,9 @@ class Engine:
             raise InputError("prompt is empty")
         room = self.max_context - len(prompt_ids)
         if room < 1:
-            raise InputError(f"prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
+            capped = self.config.max_context is not None and self.max_context == self.config.max_context
+            context = "the context is capped at" if capped else "the model's context is"
+            raise InputError(f"prompt has {len(prompt_ids)} tokens; {context} {self.max_context}")
         self._check_token_ids(params)
         if self.mirror is not None:
             params = self.mirror.prepare(params)
@@ -136,13 +148,15 @@ class Engine:
             if self._grammars is None:
                 self._grammars = constrained.Grammars(self.tokenizer, self.vocab_size)
             row_constraint = self._grammars.open(params.constraint)
+        keep = not params.skip_special_tokens  # (other tokenizers, e.g. the benchmarks', take ids alone)
+        decode = partial(self.tokenizer.decode, skip_special_tokens=False) if keep else self.tokenizer.decode
         seq = Sequence(
             seq_id=next(self._ids),
             prompt_ids=list(prompt_ids),
             params=params,
             max_tokens=min(params.max_tokens, room),
             sampler=RowSampler(params, len(prompt_ids), self._breakers(params)),
-            detokenizer=IncrementalDetokenizer(self.tokenizer.decode, prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
+            detokenizer=IncrementalDetokenizer(decode, prompt_ids[-PROMPT_CONTEXT_TOKENS:]),
             stop_matcher=StopMatcher(params.stop),
             constraint=row_constraint,
         )
@@ -267,7 +281,7 @@ class Engine:
         config = self.config
         if not config.decode_graph or config.resolved_storage != "paged" or config.kv_bits is not None:
             return None
-        if config.speculative is not None or is_launched():
+        if config.speculative is not None or is_launched() or has_recurrent_layers(model):  # (no state pool there)
             return None
         graph = self.backend.graph_decoder(model, self.storage, lambda seq_id: seq_id in self._latest)
         if graph is not None:
@@ -292,20 +306,10 @@ class Engine:
                 raise InputError(f"{name}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
 
     def _breakers(self, params: SamplingParams) -> dict | None:
-        """The request's DRY sequence breakers as token sequences (computed once per set of breakers)."""
+        """The request's DRY sequence breakers as token sequences (dry_cache.py: computed once per set of breakers)."""
         if not params.dry_multiplier:
             return None
-        key = params.dry_sequence_breakers
-        if key not in self._dry_breakers:
-            if self._token_texts is None:
-                backend = self.tokenizer.backend
-                self._token_texts = backend.decode_batch(
-                    [[i] for i in range(self.tokenizer.vocab_size)], skip_special_tokens=False
-                )
-            self._dry_breakers[key] = dry_sequence_breakers(
-                self._token_texts, lambda text: self.tokenizer.encode(text, add_special_tokens=False), key
-            )
-        return self._dry_breakers[key]
+        return self.dry_cache.get(params.dry_sequence_breakers)
 
     def _admit(self, seq_id: int) -> int:
         seq = self._sequences[seq_id]

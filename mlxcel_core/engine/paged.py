@@ -14,6 +14,9 @@ follow from its tokens, which come from the earlier step's logits.
 
 With `kv_bits`, each pool is stored quantized (packed values + scales + biases per slot, grouped
 along the head dimension) and dequantized after gathering a step's blocks.
+
+A model's recurrent layers (`state_layers`) get no pools: their views are a StatePool's (engine/state_pool.py), one
+state slot per sequence, taken at its first forward and given back in `free`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..cache import kv_group_size
 from ..kv.block_pool import BlockPool, BlockTable
 from ..kv.paged_attention import RUNNER_OPS
 from .paged_views import DecodeView, _PrefillView, _TogetherPrefillView
+from .state_pool import StatePool
 from .step_inputs import int_views
 
 DEFAULT_KV_BUDGET_TOKENS = 16384
@@ -44,8 +48,12 @@ class PagedStorage:
         num_splits: int | None = None,
         max_batch_size: int = 1,
         pad_block_tables: bool = False,
+        state_layers: list[bool] | None = None,
     ):
+        """`state_layers`: per layer, whether it keeps a recurrent state (base.state_layout) instead of keys and
+        values; such a model's storage must be made without a prefix cache (make_storage does)."""
         self.kv_bits = kv_bits
+        self.states = StatePool(state_layers, max_batch_size) if state_layers and any(state_layers) else None
         # Decode block tables padded to a power-of-two width: compiled decode steps trace once per shape.
         self.pad_block_tables = pad_block_tables
         budget = kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
@@ -90,9 +98,10 @@ class PagedStorage:
         slot_blocks, slot_offsets, blocks = int_views(
             *self._block_offsets([table.slot(p) for p in range(start, start + length)]), table.blocks
         )
-        return [
+        views = [
             _PrefillView(self, layer, (slot_blocks, slot_offsets), blocks, start) for layer in range(len(self.pools))
         ]
+        return self._with_states(views, [seq_id], fresh=start == 0)
 
     def prefill_together_caches(self, seq_ids, lengths: list[int]) -> list["_TogetherPrefillView"]:
         """Per-layer caches for whole prompts of several sequences in one forward, left-padded to the longest
@@ -112,16 +121,21 @@ class PagedStorage:
         padding = [longest - length for length in lengths]
         slot_blocks, slot_offsets, keep, offsets = int_views(*self._block_offsets(slots), keep, [-p for p in padding])
         pad = None if not any(padding) else mx.array(padding)
-        return [
+        views = [
             _TogetherPrefillView(self, layer, (slot_blocks, slot_offsets), keep, offsets, pad)
             for layer in range(len(self.pools))
         ]
+        return self._with_states(views, seq_ids, fresh=True, padding=pad)
 
     def finish_prefill(self, seq_id: int) -> None:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
 
     def decode_caches(self, seq_ids) -> list["DecodeView"]:
-        return self.decode_views(self.decode_inputs(seq_ids))
+        return self._with_states(self.decode_views(self.decode_inputs(seq_ids)), seq_ids, fresh=False)
+
+    def _with_states(self, views: list, seq_ids, fresh: bool, padding: mx.array | None = None) -> list:
+        """The recurrent layers' views replaced by state views over the rows' slots (state_pool.py)."""
+        return views if self.states is None else self.states.views(views, seq_ids, fresh, padding)
 
     def decode_views(self, parts: tuple) -> list["DecodeView"]:
         """Per-layer caches of a decode step whose rows `decode_inputs` advanced (`parts`: what it returned)."""
@@ -155,6 +169,8 @@ class PagedStorage:
 
     def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
         """Several new tokens of one decoding sequence (speculative verification): a prompt chunk's view."""
+        if self.states is not None:
+            raise ValueError("speculative decoding cannot take back a recurrent layer's state")
         return self.prefill_caches(seq_id, self.lengths[seq_id], length)
 
     def rollback(self, seq_id: int, count: int) -> None:
@@ -167,6 +183,8 @@ class PagedStorage:
             return
         written = self.lengths.pop(seq_id)
         self.prompts.pop(seq_id, None)
+        if self.states is not None:
+            self.states.release(seq_id)
         table.cache_full_blocks(tokens[:written])  # a later turn of the same conversation reuses them
         table.free()
 
@@ -184,6 +202,7 @@ class PagedStorage:
             "prefix_queries": s.queries,
             "cached_tokens": s.cached_tokens,
             "evictions": s.evictions,
+            **({} if self.states is None else {"state_slots_used": self.states.in_use}),
         }
 
     # -- pools -----------------------------------------------------------------------------------

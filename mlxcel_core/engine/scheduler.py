@@ -28,6 +28,7 @@ class SchedulerConfig:
     prefill_grant_interval: int = 16
     kv_budget_tokens: int | None = None  # None: no limit
     prefill_batch_size: int = 1  # whole prompts one prefill forward may take
+    state_tokens: int = 0  # a sequence's recurrent state in KV-budget tokens (budget.state_tokens_per_sequence)
 
     def __post_init__(self):
         if min(self.max_batch_size, self.prefill_chunk_size, self.prefill_grant_interval, self.prefill_batch_size) < 1:
@@ -71,10 +72,11 @@ class _Request:
     produced: int = 0  # tokens sampled so far, read or not
     started: bool = False
     cancelled: bool = False
+    state_tokens: int = 0  # the recurrent state's share of the KV budget
 
     @property
     def reservation(self) -> int:
-        return self.prompt_len + self.max_tokens
+        return self.prompt_len + self.max_tokens + self.state_tokens
 
 
 class BatchScheduler:
@@ -89,12 +91,13 @@ class BatchScheduler:
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_len: int, max_tokens: int) -> None:
-        request = _Request(seq_id, prompt_len, max_tokens)
+        request = _Request(seq_id, prompt_len, max_tokens, state_tokens=self.config.state_tokens)
         budget = self.config.kv_budget_tokens
         if budget is not None and request.reservation > budget:
+            state = f" + recurrent state {request.state_tokens}" if request.state_tokens else ""
             raise InputError(
                 f"request needs {request.reservation} KV tokens (prompt {prompt_len} + max_tokens "
-                f"{max_tokens}) but the KV budget holds {budget}"
+                f"{max_tokens}{state}) but the KV budget holds {budget}"
             )
         self._waiting.append(request)
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..cache import KVCache, make_cache
 from ..errors import InputError
+from ..models.base import has_recurrent_layers
 from ..sampling import RowSampler
 from .constrained import allowed as unpack_allowed
 from .types import SpecStats, SpeculativeConfig
@@ -155,6 +156,11 @@ def make_drafter(config: SpeculativeConfig, target_tokenizer, prefill_chunk_size
 
         draft = load_model(config.draft_model, log=lambda message: None)
     check_same_vocabulary(target_tokenizer, draft.tokenizer, config.draft_model)
+    if has_recurrent_layers(draft.model):  # its caches are cut back to the accepted tokens after every round
+        raise InputError(
+            f"--draft-model {config.draft_model}: a draft model with recurrent layers "
+            f"({getattr(draft.model, 'model_type', 'this model')}) cannot take back rejected draft tokens"
+        )
     return DraftModelDrafter(draft.model, prefill_chunk_size)
 
 

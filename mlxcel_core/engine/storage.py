@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 from ..cache import KVCache, kv_group_size, make_cache
 from ..errors import InputError
-from ..models.base import CausalLM, LayerCache, kv_layout
+from ..models.base import CausalLM, LayerCache, has_recurrent_layers, kv_layout, state_layout
 from .types import EngineConfig
 
 
@@ -84,7 +84,9 @@ class DenseStorage:
             self._conversations[seq_id] = conversation
             if conversation.caches is not None:
                 reused, caches, conversation.caches = conversation.reusable(prompt_ids), conversation.caches, None
-                for layer in caches:
+                if not all(layer.trimmable(reused) for layer in caches):
+                    reused, caches = 0, None  # a recurrent state holds more than the reused prefix: start afresh
+                for layer in caches or []:
                     layer.trim(reused)
         self._prefilling[seq_id] = caches or make_cache(self.num_layers, kv_bits=self.kv_bits)
         return reused
@@ -142,22 +144,31 @@ class DenseStorage:
 
 
 def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
-    """`compiled`: decode steps will run compiled (compiled_decode.py), so paged block tables are padded."""
+    """`compiled`: decode steps will run compiled (compiled_decode.py), so paged block tables are padded. A model
+    with recurrent layers gets paged storage with a state pool and no prefix cache (state_pool.py says why)."""
     if config.kv_bits is not None:
         _check_kv_quantizable(model)
+    if config.speculative is not None and has_recurrent_layers(model):
+        # Rejected draft tokens would have to be taken back out of the recurrent state (state_pool.py).
+        raise InputError(
+            f"speculative decoding is not supported for {getattr(model, 'model_type', 'this model')}: its "
+            "recurrent layers' state cannot take back rejected draft tokens"
+        )
     if config.resolved_storage == "paged":
         from .paged import PagedStorage
 
         budget = config.kv_budget_for(model.max_context_length)
+        recurrent = has_recurrent_layers(model)
         return PagedStorage(
             len(model.layers),
             block_size=config.block_size,
             kv_budget_tokens=budget,
             kv_bits=config.kv_bits,
-            prefix_cache=config.prefix_cache,
+            prefix_cache=config.prefix_cache and not recurrent,
             num_splits=config.num_splits,
             max_batch_size=config.max_batch_size,
             pad_block_tables=compiled,
+            state_layers=[layout is not None for layout in state_layout(model)] if recurrent else None,
         )
     return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
 

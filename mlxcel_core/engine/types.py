@@ -56,10 +56,13 @@ class SpecStats:
         self.accepted += accepted
 
 
+SOLO_PREFILL_CHUNK = 2048  # prompt tokens a batch-1 prefill forward computes (bounds memory on long prompts)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch_size: int = 1
-    prefill_chunk_size: int = 2048
+    prefill_chunk_size: int | None = None  # prompt tokens a prefill forward computes; None: the backend's
     prefill_grant_interval: int = 16
     storage: StorageKind = "auto"  # auto: paged when batching or when decode steps compile on CUDA, else dense
     kv_bits: int | None = None  # 8 or 4: quantized KV cache
@@ -78,6 +81,19 @@ class EngineConfig:
     # whole prompts one prefill forward may take (paged storage, unquantized KV; else one at a time); None: the
     # backend's default (several on a GPU, 1 on CPU)
     prefill_batch_size: int | None = None
+    max_context: int | None = None  # cap on the model's context (prompt + completion tokens); None: the model's
+
+    @property
+    def resolved_prefill_chunk(self) -> int:
+        """prefill_chunk_size; else, batching, the backend's (backends/base.py: a chunk holds the running rows about
+        a second at most); at batch 1, where no row runs beside a prefill, SOLO_PREFILL_CHUNK."""
+        if self.prefill_chunk_size is not None:
+            return self.prefill_chunk_size
+        if self.max_batch_size == 1:
+            return SOLO_PREFILL_CHUNK
+        from .. import backends
+
+        return backends.current().prefill_chunk()
 
     @property
     def resolved_prefill_batch(self) -> int:

@@ -10,6 +10,8 @@ from typing import Any, Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import InputError
+from ..model_store import record_use
 from ..paths import use_kernel_cache
 from ..tokenizer import Tokenizer, load_hf_tokenizer
 from .gguf import load_gguf
@@ -37,8 +39,12 @@ def _holds_nothing(directory: Path) -> bool:
         return True
 
 
-def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, group=None) -> LoadedModel:
+def load_model(
+    spec: str | None = None, log: Callable[[str], None] = _stderr, group=None, adapter_path: str | None = None
+) -> LoadedModel:
     """Load a model from a directory, a .gguf file, a Hub repo id, or (None) the default model.
+
+    `adapter_path`: an mlx-lm LoRA/DoRA adapter directory, fused into the weights (mlxcel_core/adapters.py).
 
     `group` (an mx.distributed group of size > 1): this rank's tensor-parallel shard of the model. From
     safetensors the rank reads only its slices' bytes (loading/sliced.py); from GGUF each sharded tensor is
@@ -49,9 +55,11 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
             f"first run with this GPU and MLX version: compiling CUDA kernels (about a minute for an 8B model); "
             f"later runs reuse them from {kernels}"
         )
+    if adapter_path is not None and group is not None and group.size() > 1:
+        raise InputError("--adapter-path cannot be combined with tensor parallelism (--tp-size > 1)")
     source = resolve_model(spec, log)
     if source.kind == "gguf":
-        config, weights, tokenizer = load_gguf(source.path)
+        config, weights, tokenizer = load_gguf(source.path, log)
         # GGUF scales are fp16; on the CPU fp32 is both faster and closer to the reference.
         dtype = mx.float32 if mx.default_device() == mx.cpu else None
     else:
@@ -60,7 +68,12 @@ def load_model(spec: str | None = None, log: Callable[[str], None] = _stderr, gr
         tokenizer = load_hf_tokenizer(source.path, config)
         dtype = None
     model = build_model(config, weights, dtype, group=group)
+    if adapter_path is not None:
+        from ..adapters import fuse_adapters
+
+        fuse_adapters(model, adapter_path, log)  # before the backend swaps in its kernel modules
     from .. import backends
 
     backends.current().prepare_model(model)  # the backend's kernel modules, where it has any
+    record_use(source.path)  # `mlxcel ls` shows when each model was last used
     return LoadedModel(model, tokenizer, config, source)

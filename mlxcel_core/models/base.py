@@ -67,6 +67,24 @@ class LayerCache(Protocol):
         wrote, included), storing nothing: a KV-shared layer (Gemma 4) reads its source layer's cache this way."""
 
 
+class RecurrentCache(Protocol):
+    """What a recurrent layer (gated delta-net, short convolution, Mamba) reads and writes instead of keys and values:
+    a fixed-size state per batch row that its forward carries from one call to the next. Every storage's per-layer
+    cache of such a layer implements it (cache.KVCache, the paged storage's state views, engine/state_pool.py)."""
+
+    def recurrent_state(self) -> list[mx.array] | None:
+        """The layer's state parts per row ([B, ...] each, in the order `update_state` stored them) before this
+        forward's tokens; None: every row starts from zeros (a sequence's first tokens)."""
+
+    def update_state(self, state: list[mx.array], length: int) -> None:
+        """Keep `state` (each part [B, ...]) as the rows' state after this forward's `length` new tokens."""
+
+    @property
+    def state_padding(self) -> mx.array | None:
+        """int [B]: the left-padding columns of each row in this forward's inputs (prompts prefilled together), which
+        must leave the state as it is (the layer zeroes their inputs); None when no row is padded."""
+
+
 class CausalLM(Protocol):
     """The contract the engine relies on: logits for `inputs` [B, L] given per-layer caches."""
 
@@ -186,6 +204,23 @@ def kv_layout(model) -> list[tuple[int, int] | None]:
     heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
     return [(heads, head_dim)] * len(model.layers)
+
+
+# A part of a recurrent layer's per-row state: its shape per row and its dtype (None: the model's activations' dtype).
+StatePart = tuple[tuple[int, ...], Any]
+
+
+def state_layout(model) -> list[tuple[StatePart, ...] | None]:
+    """Per layer, the parts of the recurrent state it keeps per sequence (RecurrentCache), None for a layer that keeps
+    none (attention): the model's own `state_layout()` where it has recurrent layers, else None everywhere."""
+    if hasattr(model, "state_layout"):
+        return model.state_layout()
+    return [None] * len(model.layers)
+
+
+def has_recurrent_layers(model) -> bool:
+    """Whether any layer keeps a recurrent state (such a model's state cannot be cut back to fewer tokens)."""
+    return any(layout is not None for layout in state_layout(model))
 
 
 def cache_offset(cache: LayerCache | None) -> int | mx.array:

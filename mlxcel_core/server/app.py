@@ -2,7 +2,8 @@
 engine jobs (engine_loop.py) -> OpenAI-shaped JSON or server-sent events. No MLX here.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics,
-POST /tokenize, POST /detokenize. With an API key every route but /health needs `Authorization: Bearer KEY`.
+POST /tokenize, POST /detokenize, GET /openapi.json (openapi.py). With an API key every route but /health needs
+`Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -19,19 +20,26 @@ import anyio
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..constraints import Constraint, ConstraintError, check
+from .. import __version__
+from ..constraints import Constraint
 from ..engine import EngineConfig
 from ..processors import DEFAULT_DRY_SEQUENCE_BREAKERS
-from ..sampling import SamplingParams
 from .engine_loop import EngineLoop, Event, Job, log
 from .errors import APIError, bad_request, context_exceeded, from_core_error, from_validation_error
+from .guards import middleware
+from .http_config import HttpConfig
 from .metrics import ServerMetrics
+from .offload import Offload
+from .openapi import openapi_document
 from .replies import Reply, TokenFormatter
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .reply_text import TextPlan, plan_text
+from .request_params import check_token_ids, response_constraint, sampling_params, validate_logit_bias
+from .schemas import SEED_LIMIT, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .shutdown import Drain
 from .tool_calls import plan_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -47,6 +55,9 @@ class ServerConfig:
     ctx_size: int | None = None  # cap on the model's context
     group: Any = None  # rank 0 of a tensor-parallel group (mx.distributed), else None
     warmup: bool = True  # short requests on a throwaway engine before /health turns 200 (server/warmup.py)
+    http: HttpConfig = field(default_factory=HttpConfig)  # body size, deadlines, browsers, shutdown grace
+    parse_special_in_content: bool = False  # chat: special-token text in content -> control tokens (chat_tokens.py)
+    adapter_path: str | None = None  # an mlx-lm LoRA/DoRA adapter directory, fused at load (adapters.py)
 
 
 class Server:
@@ -57,11 +68,14 @@ class Server:
 
         self.config = config
         self.metrics = ServerMetrics()
+        self.offload = Offload()  # parsing, templates, tokenizing: off the event loop (offload.py)
         if load is None:
             from ..loading import load_model
 
             def load():
-                return load_model(config.model, log=lambda m: log.info("%s", m), group=config.group)
+                return load_model(
+                    config.model, log=lambda m: log.info("%s", m), group=config.group, adapter_path=config.adapter_path
+                )
 
         capacity = config.engine.max_batch_size + config.max_queue_depth
         self.engine = EngineLoop(
@@ -126,85 +140,14 @@ class Server:
 
 # -- request parsing --------------------------------------------------------------------------------
 async def parse(request: Request, schema):
-    raw = await request.body()
     try:
-        return schema.model_validate_json(raw)
+        raw = await request.body()
+    except ClientDisconnect:  # (the body deadline, connections.py, answers it)
+        raise APIError(400, "The client disconnected before the whole body arrived.") from None
+    try:
+        return await request.app.state.server.offload.run(schema.model_validate_json, raw)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
-
-
-def validate_logit_bias(bias: dict | None, vocab_size: int) -> dict | None:
-    for key, value in (bias or {}).items():
-        if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
-            raise bad_request(f"logit_bias key {key!r} is not a token id in [0, {vocab_size}).", "logit_bias")
-        if not -100 <= value <= 100:
-            raise bad_request(f"logit_bias value for token {key} must be in [-100, 100].", "logit_bias")
-    return bias
-
-
-def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"Token id {bad} is outside the vocabulary [0, {vocab_size}).", param)
-    return ids
-
-
-def response_constraint(response_format) -> Constraint | None:
-    """The request's response_format as a Constraint, compiled once here so a bad schema is a 400 naming it."""
-    if response_format is None or response_format.type == "text":
-        return None
-    try:
-        if response_format.type == "json_object":
-            constraint = Constraint.json_object()
-        elif response_format.json_schema is None:
-            raise bad_request("response_format of type json_schema needs a 'json_schema' object.", "response_format")
-        else:
-            schema = response_format.json_schema.schema_
-            constraint = Constraint.json_schema(True if schema is None else schema)
-        check(constraint)
-    except ConstraintError as exc:
-        raise bad_request(f"Invalid response_format: {exc}.", "response_format") from None
-    return constraint
-
-
-def sampling_params(
-    body,
-    *,
-    seed: int | None,
-    max_tokens: int,
-    logprobs: int | None,
-    prompt_len: int,
-    constraint: Constraint | None = None,
-) -> SamplingParams:
-    """A request's SamplingParams (built on the engine thread: a request's logits processors may hold MLX arrays).
-
-    `prompt_len` is unused by the built-in stages (the engine knows the prompt) but lets tests wrap this.
-    """
-    breakers = body.dry_sequence_breakers
-    return SamplingParams(
-        temperature=body.temperature,
-        top_k=max(body.top_k, 0),
-        top_p=body.top_p,
-        min_p=body.min_p,
-        seed=seed,
-        max_tokens=max_tokens,
-        stop=tuple(body.stop),
-        logprobs=logprobs,
-        logit_bias=body.logit_bias or None,
-        suppress_tokens=tuple(body.suppress_tokens or ()),
-        repetition_penalty=body.penalty(),
-        repeat_last_n=body.repeat_last_n,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        dry_multiplier=body.dry_multiplier,
-        dry_base=body.dry_base,
-        dry_allowed_length=body.dry_allowed_length,
-        dry_penalty_last_n=body.dry_penalty_last_n,
-        dry_sequence_breakers=DEFAULT_DRY_SEQUENCE_BREAKERS if breakers is None else tuple(breakers),
-        xtc_threshold=body.xtc_threshold,
-        xtc_probability=body.xtc_probability,
-        constraint=constraint,
-    )
 
 
 # -- routes -----------------------------------------------------------------------------------------
@@ -217,7 +160,7 @@ async def completions(request: Request) -> Response:
         raise bad_request("echo is not supported.", "echo")
     prompt = body.single_prompt()
     if isinstance(prompt, str):
-        ids = loaded.tokenizer.encode(prompt)
+        ids = await server.offload.run(loaded.tokenizer.encode, prompt)
     else:
         ids = check_token_ids(prompt, server.vocab_size, "prompt")
     return await generate(
@@ -243,7 +186,13 @@ async def chat_completions(request: Request) -> Response:
         raise bad_request("This model has no chat template: use /v1/completions with a raw prompt.", "messages")
     family, tools, constraint = plan_tools(body, loaded.tokenizer.chat_template)
     try:
-        ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **tools)
+        ids = await server.offload.run(
+            loaded.tokenizer.apply_chat_template,
+            messages,
+            add_generation_prompt=True,
+            parse_special_in_content=server.config.parse_special_in_content,
+            **tools,
+        )
     except Exception as exc:  # noqa: BLE001 - a template rejecting the conversation is the client's input
         raise bad_request(f"The chat template rejected the messages: {exc}", "messages") from None
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -258,7 +207,7 @@ async def chat_completions(request: Request) -> Response:
         prompt_param="messages",
         logprobs=logprobs,
         constraint=constraint,
-        tool_family=family,
+        text_plan=plan_text(body, loaded.tokenizer, ids, family, constraint),
     )
 
 
@@ -274,9 +223,9 @@ async def generate(
     prompt_param: str,
     logprobs: int | None,
     constraint: Constraint | None = None,
-    tool_family: str | None = None,
+    text_plan: TextPlan | None = None,
 ) -> Response:
-    """`constraint`: the tool-call grammar (else response_format's); `tool_family`: parse tool calls so."""
+    """`constraint`: the tool-call grammar (else response_format's); `text_plan`: server/reply_text.py's."""
     ctx, n_prompt = server.engine.max_context, len(prompt_ids)
     if n_prompt >= ctx:
         raise context_exceeded(
@@ -305,13 +254,18 @@ async def generate(
     validate_logit_bias(body.logit_bias, server.vocab_size)
     check_token_ids(body.suppress_tokens or [], server.vocab_size, "suppress_tokens")
     body.penalty()  # both spellings of the repeat penalty agree
-    constraint = constraint or response_constraint(body.response_format)
+    constraint = constraint or await server.offload.run(response_constraint, body.response_format)
+    if body.dry_multiplier:  # the breakers tokenized here, not on the engine thread (engine/dry_cache.py)
+        breakers = body.dry_sequence_breakers
+        breakers = DEFAULT_DRY_SEQUENCE_BREAKERS if breakers is None else tuple(breakers)
+        await server.offload.run(server.engine.dry_cache.get, breakers)
+
+    fixed = dict(max_tokens=max_tokens, logprobs=logprobs, prompt_len=n_prompt, constraint=constraint)
+    fixed["skip_special_tokens"] = not (text_plan is not None and text_plan.keep_special)
 
     def make_params(index: int):
-        seed = body.seed + index if body.seed is not None else None  # n choices must differ
-        return lambda: sampling_params(
-            body, seed=seed, max_tokens=max_tokens, logprobs=logprobs, prompt_len=n_prompt, constraint=constraint
-        )
+        seed = (body.seed + index) % SEED_LIMIT if body.seed is not None else None  # n choices must differ
+        return lambda: sampling_params(body, seed=seed, **fixed)
 
     loop, events = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -329,7 +283,7 @@ async def generate(
         server.engine.cancel(jobs)
         raise
     model = body.model or server.model_id
-    reply = Reply(server, chat, model, logprobs is not None, body.include_usage, len(jobs), tool_family)
+    reply = Reply(server, chat, model, logprobs is not None, body.include_usage, len(jobs), text_plan)
     if body.stream:
         return EventStream(reply.stream(events), on_close=lambda: server.engine.cancel(jobs))
     try:
@@ -441,7 +395,13 @@ async def tokenize(request: Request) -> Response:
     server: Server = request.app.state.server
     loaded = server.ready(request)
     body = await parse(request, TokenizeRequest)
-    return JSONResponse({"tokens": loaded.tokenizer.encode(body.content, add_special_tokens=body.add_special)})
+    tokens = await server.offload.run(loaded.tokenizer.encode, body.content, add_special_tokens=body.add_special)
+    return JSONResponse({"tokens": tokens})
+
+
+async def openapi(request: Request) -> Response:
+    request.app.state.server.authorize(request)
+    return JSONResponse(request.app.state.openapi)
 
 
 async def detokenize(request: Request) -> Response:
@@ -449,7 +409,7 @@ async def detokenize(request: Request) -> Response:
     loaded = server.ready(request)
     body = await parse(request, DetokenizeRequest)
     ids = check_token_ids(body.tokens, loaded.tokenizer.vocab_size, "tokens")
-    return JSONResponse({"content": loaded.tokenizer.decode(ids)})
+    return JSONResponse({"content": await server.offload.run(loaded.tokenizer.decode, ids)})
 
 
 # -- errors -----------------------------------------------------------------------------------------
@@ -470,6 +430,7 @@ async def server_error(request: Request, exc: Exception) -> Response:
 def create_app(config: ServerConfig, load=None, on_load_failed=None) -> Starlette:
     """The ASGI app. The engine thread starts (and loads the model) when the app starts serving."""
     server = Server(config, load, on_load_failed)
+    drain = Drain(config.http.shutdown_grace)  # started by connections.py's MlxcelServer
 
     @asynccontextmanager
     async def lifespan(app):
@@ -477,6 +438,7 @@ def create_app(config: ServerConfig, load=None, on_load_failed=None) -> Starlett
         try:
             yield
         finally:
+            server.offload.close()
             await asyncio.get_running_loop().run_in_executor(None, server.engine.stop)
 
     routes = [
@@ -487,11 +449,14 @@ def create_app(config: ServerConfig, load=None, on_load_failed=None) -> Starlett
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
     ]
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error},
+        middleware=middleware(config, drain),
     )
-    app.state.server = server
+    app.state.server, app.state.drain = server, drain
+    app.state.openapi = openapi_document(app.routes, __version__, bool(config.api_key))
     return app

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from ..engine import Engine, EngineConfig, StepOutput
 from ..engine.constrained import prepare as prepare_constraints
+from ..engine.dry_cache import DryBreakerCache
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import ServerMetrics
@@ -90,6 +91,7 @@ class EngineLoop:
         self.loaded = None  # LoadedModel, once loaded
         self.draft = None  # the draft model (LoadedModel) of speculative decoding, when configured
         self.engine: Engine | None = None
+        self.dry_cache: DryBreakerCache | None = None  # shared by every Engine of this model (engine/dry_cache.py)
         self.max_context = 0
         self.heartbeat = time.monotonic()  # the engine loop's last turn: a wedged engine turns health 503
         self.stall_timeout = 600.0
@@ -159,7 +161,11 @@ class EngineLoop:
 
     # -- the engine thread -----------------------------------------------------------------------
     def _new_engine(self) -> Engine:
-        engine = Engine(self.loaded.model, self.loaded.tokenizer, self.engine_config, draft=self.draft)
+        if self.dry_cache is None:
+            self.dry_cache = DryBreakerCache(self.loaded.tokenizer)
+        engine = Engine(
+            self.loaded.model, self.loaded.tokenizer, self.engine_config, draft=self.draft, dry_cache=self.dry_cache
+        )
         ctx = engine.max_context
         if self.ctx_size:
             ctx = min(ctx, self.ctx_size)

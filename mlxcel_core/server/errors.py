@@ -1,7 +1,8 @@
 """The OpenAI error envelope: {"error": {"message", "type", "param", "code"}}, `code` being the HTTP status.
 
-`type` uses llama.cpp's names (invalid_request_error 400, authentication_error 401, not_found_error 404,
-server_error 500, unavailable_error 503, exceed_context_size_error 400 with n_prompt_tokens / n_ctx).
+`type` uses llama.cpp's names (invalid_request_error 400, 408 and 413, authentication_error 401, permission_error
+403, not_found_error 404, server_error 500, unavailable_error 503, exceed_context_size_error 400 with
+n_prompt_tokens / n_ctx).
 Every client mistake becomes an APIError with a 4xx status before anything reaches the engine.
 """
 
@@ -15,7 +16,9 @@ from starlette.responses import JSONResponse
 TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",

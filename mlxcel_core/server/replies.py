@@ -8,9 +8,10 @@ A Reply turns one request's engine events (engine_loop.Event, one job per choice
 A choice that ends in error fails the whole reply: an APIError, or mid-stream an error event then [DONE]. Except a
 constrained choice whose grammar reached a dead end (StepOutput.dead_end): the output failed, not the server, so the
 reply goes on and that choice ends with finish_reason "error" and an "error" {"message"} beside it.
-With tools (a `tool_family`, server/tool_calls.py), a chat choice's calls become message.tool_calls (content: the text
-outside them, or null) and finish_reason "tool_calls"; streamed, text from where a call may begin is held back and
-the calls go out at the end as delta.tool_calls (per call: id, type and name, then the arguments).
+A chat choice's text goes through its TextPlan (server/reply_text.py): a reasoning model's reasoning becomes
+message.reasoning_content (streamed: delta.reasoning_content); with tools, its calls become message.tool_calls
+(content: the text outside them, or null) and finish_reason "tool_calls"; streamed, text from where a call may begin
+is held back and the calls go out at the end as delta.tool_calls (per call: id, type and name, then the arguments).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .errors import APIError
-from .tool_calls import StreamSplitter, parse
+from .reply_text import TextPlan, TextStream, whole
 
 DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # JSON has no -inf
@@ -105,10 +106,11 @@ class Reply:
         logprobs: bool,
         include_usage: bool,
         n: int,
-        tool_family: str | None = None,
+        text_plan: TextPlan | None = None,
     ):
         self.chat, self.model, self.logprobs, self.include_usage, self.n = chat, model, logprobs, include_usage, n
-        self.tool_family = tool_family if chat else None
+        self.text_plan = text_plan if chat else None
+        self.tool_family = text_plan.tool_family if self.text_plan else None
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.fmt = server.formatter
@@ -199,22 +201,34 @@ class Reply:
             text = "".join(c.text)
             body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
             finish = c.finish_reason
-            calls, outside = parse(self.tool_family, text) if self.tool_family else ([], text)
+            reasoning, content, calls = whole(self.text_plan, text) if self.text_plan else (None, text, [])
+            if self.chat:
+                body["message"]["content"] = content
             if calls:
                 calls = [call.to_openai(self.tool_family) for call in calls]
-                body["message"] = {"role": "assistant", "content": outside.strip() or None, "tool_calls": calls}
+                body["message"] = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
+            if reasoning:
+                body["message"]["reasoning_content"] = reasoning
             shaped.append(
                 {"index": i, **body, "logprobs": self._logprobs(i, c.entries), "finish_reason": finish}
                 | _dead_end(c.error)
             )
         return {**self._body(shaped), "usage": self.usage([c.usage for c in choices])}
 
-    def _tool_chunks(self, i: int, splitter: StreamSplitter, finish: str) -> tuple[list[bytes], str]:
-        """At a streamed choice's end: chunks for its held-back content and its calls, and its finish_reason."""
-        calls, rest = splitter.finish()
-        chunks = [self._chunk([{"index": i, "delta": {"content": rest}, "logprobs": None, "finish_reason": None}])]
-        chunks = chunks if rest else []
+    @staticmethod
+    def _delta(reasoning: str, content: str) -> dict:
+        """A chat chunk's delta: the reasoning when there is some, the content when there is some or no reasoning."""
+        return ({"reasoning_content": reasoning} if reasoning else {}) | (
+            {"content": content} if content or not reasoning else {}
+        )
+
+    def _tool_chunks(self, i: int, stream: TextStream, finish: str) -> tuple[list[bytes], str]:
+        """At a streamed choice's end: chunks for its held-back text and its calls, and its finish_reason."""
+        reasoning, rest, calls = stream.finish()
+        delta = self._delta(reasoning, rest)
+        chunks = [self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])]
+        chunks = chunks if reasoning or rest else []
         for k, call in enumerate(calls):
             shaped = call.to_openai(self.tool_family)
             head = {**shaped, "function": {"name": call.name, "arguments": ""}}
@@ -226,7 +240,7 @@ class Reply:
     async def stream(self, events):
         usages = [None] * self.n
         left = self.n
-        splitters = [StreamSplitter(self.tool_family) if self.tool_family else None for _ in range(self.n)]
+        splitters = [TextStream(self.text_plan) if self.text_plan else None for _ in range(self.n)]
         if self.chat:
             yield self._chunk(
                 [
@@ -245,11 +259,10 @@ class Reply:
             logprobs = self._logprobs(i, self._entries(out))
             has_logprobs = bool(logprobs and (logprobs.get("content") or logprobs.get("tokens")))
             if self.chat:
-                text = splitters[i].feed(out.text) if splitters[i] else out.text
-                if text or has_logprobs:
-                    yield self._chunk(
-                        [{"index": i, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None}]
-                    )
+                reasoning, text = splitters[i].feed(out.text) if splitters[i] else ("", out.text)
+                if reasoning or text or has_logprobs:
+                    delta = self._delta(reasoning, text)
+                    yield self._chunk([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
                 finish = out.finish_reason
                 if final and splitters[i]:
                     chunks, finish = self._tool_chunks(i, splitters[i], finish)

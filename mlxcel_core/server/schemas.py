@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible routes (pydantic v2, validated from the raw JSON bytes).
 
 Strict types (a string is never coerced into a number), finite floats only, unknown fields ignored
-(clients send extras such as `user`). Ranges follow OpenAI where it has one.
+(clients send extras such as `user`), `null` the same as an absent field (OpenAI's clients send `"temperature":
+null` for "the default"). Ranges follow OpenAI where it has one.
 """
 
 from __future__ import annotations
@@ -9,15 +10,29 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ..processors import DRY_MAX_BREAKER_CHARS, DRY_MAX_BREAKERS
 from .errors import bad_request
 
 MAX_STOP_STRINGS = 16
 
 
+SEED_RANDOM = -1  # llama.cpp's "pick a random seed"
+SEED_LIMIT = 2**64  # seeds are unsigned 64-bit integers
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value, info: ValidationInfo):
+        """`null` for a field that has a default means that default (a required field stays required)."""
+        field = cls.model_fields[info.field_name]
+        if value is None and not field.is_required():
+            return field.get_default(call_default_factory=True)
+        return value
 
 
 class StreamOptions(_Body):
@@ -77,6 +92,20 @@ class SamplingFields(_Body):
     def _breakers(cls, value):
         if value is not None and any(b == "" for b in value):
             raise ValueError("sequence breakers must not be empty strings")
+        if value is not None and len(value) > DRY_MAX_BREAKERS:
+            raise ValueError(f"at most {DRY_MAX_BREAKERS} sequence breakers (got {len(value)})")
+        if value is not None and any(len(b) > DRY_MAX_BREAKER_CHARS for b in value):
+            raise ValueError(f"a sequence breaker has at most {DRY_MAX_BREAKER_CHARS} characters")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value):
+        """-1: a random seed (None), as llama.cpp; else an unsigned 64-bit integer."""
+        if value == SEED_RANDOM:
+            return None
+        if value is not None and not 0 <= value < SEED_LIMIT:
+            raise ValueError("seed must be -1 (random) or an integer in [0, 2**64 - 1]")
         return value
 
     def penalty(self) -> float:
@@ -129,6 +158,8 @@ class CompletionRequest(SamplingFields):
 
 
 _TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+# a message's fields besides role and content that reach the chat template (reasoning: e.g. gpt-oss's analysis)
+_PASSED_THROUGH = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 
 
 class FunctionDef(_Body):
@@ -185,6 +216,10 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    # llama.cpp's switch for reasoning models (server/reply_text.py): "none" leaves the reasoning in the content;
+    # "auto" and "deepseek" (the default) return it apart as reasoning_content
+    reasoning_format: Literal["none", "auto", "deepseek"] = "auto"
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # template variables, e.g. {"enable_thinking": false}
 
     def template_messages(self) -> list[dict]:
         if not self.messages:
@@ -193,7 +228,7 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("top_logprobs needs logprobs set to true.", "top_logprobs")
         out = []
         for i, m in enumerate(self.messages):
-            extra = {k: v for k, v in (m.model_extra or {}).items() if k in ("name", "tool_calls", "tool_call_id")}
+            extra = {k: v for k, v in (m.model_extra or {}).items() if k in _PASSED_THROUGH}
             if extra.get("tool_calls") is not None:  # (clients send null on every assistant message)
                 extra["tool_calls"] = _template_tool_calls(extra["tool_calls"], i, m.role)
             if m.role == "tool" and not isinstance(extra.get("tool_call_id"), str):

@@ -5,8 +5,11 @@ Families, told apart by the chat template's text (the first that matches):
     hermes    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Qwen, Hermes, SmolLM3...)
     mistral   `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
     llama3    the whole reply is `{"name": ..., "parameters": {...}}`, maybe after `<|python_tag|>` (Llama 3.1+)
+    harmony   gpt-oss: a `commentary` message to `functions.NAME` (mlxcel_core/harmony.py; one call per turn)
 A template of none of these (or none at all) is parsed as hermes. Parsing is all or nothing: a reply whose call
-text does not parse as JSON calls is returned as content, as vLLM does. No MLX; llguidance only to check a grammar.
+text does not parse as JSON calls is returned as content, as vLLM does. With parallel_tool_calls false a reply's
+first call is kept and the reply is cut after it (later calls, and text after the first call, are dropped).
+No MLX; llguidance only to check a grammar.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import secrets
 import string
 from dataclasses import dataclass
 
-FAMILIES = ("hermes", "mistral", "llama3")
+FAMILIES = ("hermes", "mistral", "llama3", "harmony")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 MISTRAL_START = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
@@ -26,6 +29,8 @@ _ALNUM = string.ascii_letters + string.digits
 def detect_family(template: str | None) -> str:
     """The call format a chat template renders (see the module docstring); "hermes" when it names none."""
     template = template or ""
+    if "<|channel|>" in template:
+        return "harmony"
     if HERMES_START in template:
         return "hermes"
     if MISTRAL_START in template:
@@ -132,12 +137,27 @@ def parse_llama3(text: str) -> tuple[list[ToolCall], str]:
     return calls, ""
 
 
-PARSERS = {"hermes": parse_hermes, "mistral": parse_mistral, "llama3": parse_llama3}
+def parse_harmony(text: str) -> tuple[list[ToolCall], str]:
+    """Messages to `functions.NAME` (the text decoded with its special tokens): (calls, the answer's text)."""
+    from ..harmony import split
+
+    reply = split(text)
+    return [ToolCall(name, args) for name, args in reply.calls], reply.content
 
 
-def parse(family: str, text: str) -> tuple[list[ToolCall], str]:
-    """A reply's tool calls and the text outside them (the whole text, and no calls, when it holds none)."""
-    return PARSERS[family](text)
+PARSERS = {"hermes": parse_hermes, "mistral": parse_mistral, "llama3": parse_llama3, "harmony": parse_harmony}
+
+
+def parse(family: str, text: str, parallel: bool = True) -> tuple[list[ToolCall], str]:
+    """A reply's tool calls and the text outside them (the whole text, and no calls, when it holds none).
+    Not `parallel`: the first call only, the reply cut after it."""
+    calls, outside = PARSERS[family](text)
+    if parallel or len(calls) < 2:
+        return calls, outside
+    if family == "hermes":  # the text outside is what comes before the first call's end
+        end = text.find(HERMES_END, text.find(HERMES_START))
+        calls, outside = parse_hermes(text[: end + len(HERMES_END)])
+    return calls[:1], outside
 
 
 # -- forcing a call -------------------------------------------------------------------------------------------------
@@ -155,15 +175,22 @@ def call_grammar(family: str, tools: list[dict], parallel: bool) -> str:
     for i, tool in enumerate(tools):
         fn = tool["function"]
         schema = dict(fn.get("parameters") or {"type": "object"})
-        schema.setdefault("x-guidance", JSON_DEFAULTS)
-        head = '{"name": ' + _lit(fn["name"]) + ', "' + key + '": '
-        rules.append(f"call_{i}: {_lit(head)} args_{i} " + '"}"')
+        schema.setdefault("x-guidance", {"whitespace_flexible": True} if family == "harmony" else JSON_DEFAULTS)
+        if family == "harmony":  # the arguments are the whole message (special tokens are `<|...|>` in Lark)
+            head = _lit(f"commentary to=functions.{fn['name']} ")
+            rules.append(f'call_{i}: <|channel|> {head} <|constrain|> "json" <|message|> args_{i}')
+        else:
+            head = '{"name": ' + _lit(fn["name"]) + ', "' + key + '": '
+            rules.append(f"call_{i}: {_lit(head)} args_{i} " + '"}"')
         rules.append(f"args_{i}: %json " + json.dumps(schema, ensure_ascii=False))
         names.append(f"call_{i}")
     rules.append("call: " + " | ".join(names))
     if family == "hermes":
         rules.append(f"block: {_lit(HERMES_START + chr(10))} call {_lit(chr(10) + HERMES_END)}")
         start = 'start: block ("\\n" block)*' if parallel else "start: block"
+    elif family == "harmony":  # one call a turn; the analysis may come first
+        start = "start: analysis? call"
+        rules.append('analysis: <|channel|> "analysis" <|message|> /(.|\\n)*/ <|end|> <|start|> "assistant"')
     elif family == "mistral":
         start = 'start: "[" call (", " call)* "]"' if parallel else 'start: "[" call "]"'
     else:
@@ -173,17 +200,20 @@ def call_grammar(family: str, tools: list[dict], parallel: bool) -> str:
 
 def plan_tools(body, template: str | None) -> tuple[str | None, dict, object]:
     """A chat request's tools (schemas.ChatCompletionRequest): (the family its reply is parsed as, None for no
-    parsing; the chat template's variables; the Constraint of tool_choice "required" or a named function: calls in
-    the family's format, of any tool or of the named one). tool_choice "none" renders no tools, as vLLM does."""
+    parsing; the chat template's variables, chat_template_kwargs among them; the Constraint of tool_choice
+    "required" or a named function: calls in the family's format, of any tool or of the named one). tool_choice
+    "none" renders no tools, as vLLM does."""
     from ..constraints import Constraint, ConstraintError, check
     from .errors import bad_request
 
     mode, name = body.tool_mode()
+    variables = dict(body.chat_template_kwargs or {})
     if mode == "none":
-        return None, {}, None
+        return None, variables, None
     family, tools = detect_family(template), body.template_tools()
+    variables["tools"] = tools
     if mode == "auto":
-        return family, {"tools": tools}, None
+        return family, variables, None
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request("response_format cannot be combined with a required tool_choice.", "tool_choice")
     forced = [t for t in tools if name is None or t["function"]["name"] == name]
@@ -192,15 +222,15 @@ def plan_tools(body, template: str | None) -> tuple[str | None, dict, object]:
         check(constraint)
     except ConstraintError as exc:
         raise bad_request(f"Invalid tools: {exc}.", "tools") from None
-    return family, {"tools": tools}, constraint
+    return family, variables, constraint
 
 
 # -- streaming ------------------------------------------------------------------------------------------------------
 class StreamSplitter:
     """A streamed choice's text: the content that may go out now, holding back from where a call may begin."""
 
-    def __init__(self, family: str):
-        self.family, self.text, self.sent, self.held = family, "", 0, False
+    def __init__(self, family: str, parallel: bool = True):
+        self.family, self.parallel, self.text, self.sent, self.held = family, parallel, "", 0, False
 
     def _hold_from(self) -> int:
         text = self.text
@@ -231,7 +261,7 @@ class StreamSplitter:
 
     def finish(self) -> tuple[list[ToolCall], str]:
         """At the end: the calls, and the content not yet sent."""
-        calls, outside = parse(self.family, self.text)
+        calls, outside = parse(self.family, self.text, self.parallel)
         if not calls:
             return [], self.text[self.sent :]
         return calls, outside[self.sent :] if outside.startswith(self.text[: self.sent]) else ""

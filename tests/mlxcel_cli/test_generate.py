@@ -104,7 +104,7 @@ BAD_INPUT = {
     "empty prompt": (lambda d, t: ["-m", str(d), "-p", "   "], "prompt is empty"),
     "max-tokens 0": (lambda d, t: ["-m", str(d), "-n", "0"], "max-tokens must be >= 1"),
     "max-tokens negative": (lambda d, t: ["-m", str(d), "--max-tokens", "-5"], "max-tokens must be >= 1"),
-    "temp negative": (lambda d, t: ["-m", str(d), "--temp", "-1"], "temperature must be"),
+    "temp negative": (lambda d, t: ["-m", str(d), "--temp", "-1"], "--temp must be"),
     "top-p zero": (lambda d, t: ["-m", str(d), "--top-p", "0"], "top-p must be"),
     "system without template": (
         lambda d, t: ["-m", str(d), "--system", "be brief", "--no-chat-template"],

@@ -12,7 +12,7 @@ from mlxcel_core import settings
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("mlxcel_core", "mlxcel_cli", "autotune")
-NAME = re.compile(r"MLXCEL_[A-Z0-9_]+")
+NAME = re.compile(r"(?<![A-Z0-9_])MLXCEL_[A-Z0-9_]+")  # (not _MLXCEL_COMPLETE: click's completion variable)
 
 
 def _gen():

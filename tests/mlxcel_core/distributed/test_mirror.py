@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -111,9 +110,13 @@ def test_leader_records_opens_closes_and_forgotten_conversations(monkeypatch):
     mirror.stop()
     mirror.stop()  # once only
     first, empty, last = sent
-    assert [r[:3] + r[4:] for r in pickle.loads(first)] == [("open", 0, [5, 6], 0, 99), ("open", 1, [7], 0, 99)]
+    from mlxcel_core.distributed.wire import decode
+
+    opened = decode(first)
+    assert [r[:3] + r[4:] for r in opened] == [("open", 0, [5, 6], 0, 99), ("open", 1, [7], 0, 99)]
+    assert opened[0][3] == SamplingParams()
     assert empty == b""
-    assert pickle.loads(last) == [("close", 1), ("forget", 0), ("stop",)]
+    assert decode(last) == [("close", 1), ("forget", 0), ("stop",)]
 
 
 def test_local_ranks_use_one_gpu_each_with_nccl(monkeypatch):

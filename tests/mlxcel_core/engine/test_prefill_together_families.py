@@ -5,6 +5,7 @@ are its solo run's; bf16 and 4-bit random models (the GPU's decode kernels, ther
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -194,6 +195,61 @@ FAMILIES = {
             pad_token_id=0,
         ),
     ),
+    # a gated delta-net layer (its recurrent state: the padded columns must leave it untouched) and a gated full
+    # attention layer with partial rotary; MoE with a gated shared expert
+    "qwen3-next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+    ),
+    "qwen3.5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+        ),
+    ),
+    # a gated short-convolution layer (its state: the padded columns, biased, must leave it untouched) and an
+    # attention layer with q/k norms
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(layer_types=["conv", "full_attention"], conv_bias=True),
+    ),
+    # a Mamba2 block (its conv and scan state: the padded columns must leave them untouched), a grouped MoE block
+    # and a NoPE attention block
+    "nemotron-h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            layers_block_type=["linear_attention", "moe", "full_attention"],
+            head_dim=16,
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=16,
+            chunk_size=16,
+            n_routed_experts=4,
+            moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32,
+        ),
+    ),
     # latent attention (one latent key a token, the values its prefix) with q LoRA and YaRN's mscale_all_dim; layer
     # 1 grouped MoE (2 groups of 4, the best one kept)
     "deepseek-v3": (
@@ -245,11 +301,11 @@ def family(request, tmp_path_factory):
 
 
 def _engine(loaded, together: int) -> Engine:
-    return Engine(
-        loaded.model,
-        loaded.tokenizer,
-        EngineConfig(max_batch_size=4, storage="paged", block_size=8, prefix_cache=False, prefill_batch_size=together),
+    config = EngineConfig(
+        max_batch_size=4, storage="paged", block_size=8, prefix_cache=False, prefill_batch_size=together
     )
+    # (a chunk that takes every prompt padded, whatever the backend's default)
+    return Engine(loaded.model, loaded.tokenizer, dataclasses.replace(config, prefill_chunk_size=2048))
 
 
 def _prompts(vocab: int, lengths: str) -> list[list[int]]:

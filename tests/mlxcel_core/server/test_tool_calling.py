@@ -247,3 +247,33 @@ def test_auto_parses_the_family_format(make_server, tmp_path, family, stream):
                 arguments += delta.function.arguments or ""
             finish = choice.finish_reason or finish
     assert (content, names, arguments, finish) == ("", "get_time", "{}", "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_parse_reads_the_arguments_into_the_pydantic_model(client, tool_server, stream):
+    """openai's `chat.completions.parse` (and its streaming form) with a strict tool made from a pydantic model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        city: Literal["Paris", "Rome"]
+        days: int = Field(ge=1, le=3)
+
+    kw = dict(
+        model=tool_server.model_id,
+        messages=MESSAGES,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+    )
+    if stream:
+        with client.chat.completions.stream(**kw) as events:
+            message = events.get_final_completion().choices[0].message
+    else:
+        message = client.chat.completions.parse(**kw).choices[0].message
+    (call,) = message.tool_calls
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)

@@ -39,6 +39,7 @@ TOOLS = [
         ("{{ '[AVAILABLE_TOOLS]' }}...{{ '[TOOL_CALLS]' }}", "mistral"),
         ("{{ '<|python_tag|>' }}...<|eot_id|>", "llama3"),
         ('<|start_header_id|>... {"name": function name, "parameters": ...}<|eot_id|>', "llama3"),
+        ("{{ '<|start|>assistant<|channel|>commentary to=functions.' + name }}", "harmony"),
         ("{% for m in messages %}{{ m.content }}{% endfor %}", "hermes"),  # unknown: hermes
         (None, "hermes"),
     ],
@@ -102,7 +103,23 @@ def test_call_ids():
     assert shaped["type"] == "function" and shaped["function"] == {"name": "f", "arguments": "{}"}
 
 
-@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3"])
+def test_not_parallel_keeps_the_first_call_and_cuts_the_reply_after_it():
+    f, g = '{"name": "f", "arguments": {}}', '{"name": "g", "arguments": {}}'
+    hermes = f"Sure.<tool_call>{f}</tool_call> then <tool_call>{g}</tool_call> done"
+    assert parse("hermes", hermes, parallel=False) == ([ToolCall("f", "{}")], "Sure.")
+    assert len(parse("hermes", hermes)[0]) == 2
+    assert parse("mistral", f"[TOOL_CALLS][{f}, {g}]", parallel=False) == ([ToolCall("f", "{}")], "")
+    assert parse("llama3", f"{f}; {g}", parallel=False) == ([ToolCall("f", "{}")], "")
+    bad = f"<tool_call>oops</tool_call> and <tool_call>{g}</tool_call>"
+    assert parse("hermes", bad, parallel=False) == ([], bad)  # no calls: the whole text is content
+
+
+def test_harmony_calls_parse_from_the_reply_with_its_special_tokens():
+    text = "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>commentary to=functions.f json"
+    assert parse("harmony", text + '<|message|>{"a":1}') == ([ToolCall("f", '{"a": 1}')], "")
+
+
+@pytest.mark.parametrize("family", ["hermes", "mistral", "llama3", "harmony"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_call_grammar_compiles(family, parallel):
     check(Constraint.grammar(call_grammar(family, TOOLS, parallel)))

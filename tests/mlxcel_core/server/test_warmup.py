@@ -113,7 +113,8 @@ def test_the_warm_up_runs_a_lone_request_then_every_batch_size_then_each_short_p
     1..rows), the kernels per prompt length up to their rows (each prefilled alone and whole), and the CUDA graph of a
     lone greedy request (one first, decoding alone)."""
     loaded = _Loaded()
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
+    # (whole-prompt prefills, as on a GPU, where the warm-up runs)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, prefill_chunk_size=2048))
     sizes, prefills = [], []
     decode, prefill = engine.runner.decode, engine.runner.prefill
 

@@ -50,7 +50,8 @@ def loaded(tmp_path_factory):
 @pytest.mark.parametrize("logprobs_row", [None, 2])
 def test_the_stand_in_serves_lone_greedy_rows_and_gives_the_plain_tokens(loaded, logprobs_row):
     params = [SamplingParams(max_tokens=n, logprobs=2 if i == logprobs_row else None) for i, n in enumerate(MAX_TOKENS)]
-    config = EngineConfig(max_batch_size=4, storage="paged")
+    # (whole-prompt prefills, as on a GPU: a CPU chunk keeps a prefilling row live beside the lone decoding one)
+    config = EngineConfig(max_batch_size=4, storage="paged", prefill_chunk_size=2048)
     plain = drive(Engine(loaded.model, loaded.tokenizer, config), PROMPTS, ARRIVAL_STEP, params)
     engine = Engine(loaded.model, loaded.tokenizer, config)
     assert engine.graph is None  # (no_real_graph)

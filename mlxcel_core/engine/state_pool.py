@@ -1,0 +1,101 @@
+"""Recurrent state beside the paged KV pools: one slot per admitted sequence in every recurrent layer's state arrays.
+
+A recurrent layer (gated delta-net, short convolution, Mamba: models.base.RecurrentCache) keeps a fixed-size state per
+sequence instead of keys and values. `StatePool` holds, per such layer, one array per state part, [slots, ...]; an
+admitted sequence takes a slot at its first forward (its first prompt chunk: by then the engine has freed the rows
+that ended or were cancelled in the step that admitted it) and gives it back when it ends or is cancelled
+(`release`).
+The paged storage hands each recurrent layer a `StateView` over the rows' slots instead of a KV view: it reads the
+rows' state (or None, zeros, on a sequence's first tokens) and writes the new state back into the slots, so a prompt
+prefilled in chunks carries its state from chunk to chunk, and a decode step serves rows of any lengths.
+
+A state holds exactly the tokens it has seen: it cannot be cut back. So a model with recurrent layers reuses no cached
+prefix (the storage is built without a prefix cache: the state at a prefix's end is not kept) and cannot take back
+rejected draft tokens (speculative decoding is refused for it, engine.py).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+class StatePool:
+    def __init__(self, recurrent: list[bool], slots: int):
+        """`recurrent`: per layer, whether it keeps a state; `slots`: sequences held at once (the batch limit)."""
+        self.recurrent = recurrent
+        self.num_slots = slots
+        self.arrays: list[list[mx.array] | None] = [None] * len(recurrent)  # made at a layer's first write
+        self._free = list(range(slots))
+        self.slot_of: dict[int, int] = {}
+
+    def slot(self, seq_id: int) -> int:
+        """The sequence's slot, taken from the free ones at its first call."""
+        if seq_id not in self.slot_of:
+            if not self._free:
+                raise RuntimeError(f"no recurrent state slot left ({self.num_slots} sequences hold them)")
+            self.slot_of[seq_id] = self._free.pop(0)
+        return self.slot_of[seq_id]
+
+    def release(self, seq_id: int) -> None:
+        slot = self.slot_of.pop(seq_id, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._free.sort()
+
+    @property
+    def in_use(self) -> int:
+        return len(self.slot_of)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for parts in self.arrays if parts for a in parts)
+
+    def views(self, caches: list, seq_ids, fresh: bool, padding: mx.array | None = None) -> list:
+        """`caches` (the storage's per-layer views for these rows) with each recurrent layer's replaced by a
+        StateView over the rows' slots; `fresh`: the rows start from zeros (their prompts' first tokens); `padding`:
+        the rows' left padding in this forward's inputs (prompts prefilled together)."""
+        slots = mx.array([self.slot(s) for s in seq_ids], mx.int32)
+        return [
+            StateView(self, layer, slots, fresh, padding, getattr(cache, "offset", 0)) if recurrent else cache
+            for layer, (cache, recurrent) in enumerate(zip(caches, self.recurrent))
+        ]
+
+    def write(self, layer: int, slots: mx.array, state: list[mx.array]) -> None:
+        if self.arrays[layer] is None:
+            self.arrays[layer] = [mx.zeros((self.num_slots, *part.shape[1:]), part.dtype) for part in state]
+        updated = []
+        for array, part in zip(self.arrays[layer], state):
+            array = array[...]  # a new array: the assignment leaves arrays an earlier step read untouched
+            array[slots] = part.astype(array.dtype)
+            updated.append(array)
+        self.arrays[layer] = updated
+
+
+class StateView:
+    """models.base.RecurrentCache over some rows' slots of one recurrent layer."""
+
+    def __init__(self, pool: StatePool, layer: int, slots: mx.array, fresh: bool, padding: mx.array | None, offset=0):
+        self.pool, self.layer, self.slots, self.fresh = pool, layer, slots, fresh
+        self._padding = padding
+        self.offset = offset  # the rows' positions, as the storage's KV views give them (recurrent layers read none)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.pool.arrays[self.layer] or []
+
+    def recurrent_state(self) -> list[mx.array] | None:
+        if self.fresh or self.pool.arrays[self.layer] is None:
+            return None
+        return [array[self.slots] for array in self.pool.arrays[self.layer]]
+
+    def update_state(self, state: list[mx.array], length: int) -> None:
+        self.pool.write(self.layer, self.slots, state)
+
+    @property
+    def state_padding(self) -> mx.array | None:
+        return self._padding
+
+    def attend(self, *args, **kwargs):
+        raise TypeError(f"layer {self.layer} keeps a recurrent state: it has no keys and values to attend over")
+
+    attend_stored = attend

@@ -1,0 +1,311 @@
+"""GGUF architectures: what each `general.architecture` becomes in our registry, and its config from the metadata.
+
+llama.cpp's convert_hf_to_gguf.py writes the hyper-parameters as `<arch>.<key>` metadata and changes some
+tensors on the way (see gguf_names.py for the tensor side). An architecture listed here loads exactly; any
+other is refused with the list of these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import CorruptModelError, UnsupportedModelError
+
+GEMMA_SLIDING, GEMMA_FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """`model_type`: our registry's (the llama architecture becomes mixtral when it has experts); `extra` adds the
+    architecture's own hyper-parameters to the config."""
+
+    model_type: str
+    extra: Callable[[dict, "Meta"], None] | None = None
+
+
+class Meta:
+    """`<arch>.<key>` metadata lookups with one error for a missing hyper-parameter."""
+
+    def __init__(self, meta: dict[str, Any], arch: str, tensor_names: set[str]):
+        self.meta, self.arch, self.names = meta, arch, tensor_names
+
+    def has(self, key: str) -> bool:
+        return self.meta.get(f"{self.arch}.{key}") is not None
+
+    def get(self, key: str, default=None):
+        value = self.meta.get(f"{self.arch}.{key}")
+        if value is None:
+            return default
+        return as_scalar(value)
+
+    def array(self, key: str):
+        value = self.meta.get(f"{self.arch}.{key}")
+        return None if value is None else as_list(value)
+
+    def need(self, key: str):
+        value = self.get(key)
+        if value is None:
+            raise CorruptModelError(f"GGUF metadata has no '{self.arch}.{key}' (a {self.arch} hyper-parameter)")
+        return value
+
+
+def as_scalar(value):
+    """A metadata scalar as a Python value (mx.load gives 0-d arrays, the gguf package numpy scalars)."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if hasattr(value, "tolist") and getattr(value, "size", 2) == 1:
+        return value.tolist()[0]
+    return value
+
+
+def as_list(value) -> list:
+    if hasattr(value, "tolist"):
+        out = value.tolist()
+        return out if isinstance(out, list) else [out]
+    return list(value)
+
+
+def _uniform(m: Meta, key: str, name: str) -> int:
+    """A per-layer array (some converters write one) that must hold a single value for our models."""
+    value = m.meta.get(f"{m.arch}.{key}")
+    if value is None:
+        return int(m.need(key))
+    values = set(as_list(value)) if hasattr(value, "tolist") or isinstance(value, list) else {as_scalar(value)}
+    if len(values) != 1:
+        raise UnsupportedModelError(f"GGUF {m.arch} with a per-layer {name} is not supported")
+    return int(values.pop())
+
+
+def _base_config(m: Meta, spec: ArchSpec, eps_default: float) -> dict[str, Any]:
+    heads = _uniform(m, "attention.head_count", "head count")
+    config: dict[str, Any] = {
+        "model_type": spec.model_type,
+        "hidden_size": int(m.need("embedding_length")),
+        "num_hidden_layers": int(m.need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _uniform(m, "attention.head_count_kv", "KV head count")
+        if m.has("attention.head_count_kv")
+        else heads,
+        "rms_norm_eps": float(m.get("attention.layer_norm_rms_epsilon", eps_default)),
+        "rope_theta": float(m.get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(m.get("context_length", 4096)),
+        "vocab_size": int(m.get("vocab_size", len(m.meta.get("tokenizer.ggml.tokens", [])))),
+        "tie_word_embeddings": "output.weight" not in m.names,
+    }
+    if m.has("feed_forward_length"):
+        config["intermediate_size"] = _uniform(m, "feed_forward_length", "feed-forward length")
+    key_len, value_len = m.get("attention.key_length"), m.get("attention.value_length")
+    if key_len is not None:
+        if value_len is not None and int(value_len) != int(key_len):
+            raise UnsupportedModelError(f"GGUF {m.arch} with key length {key_len} != value length {value_len}")
+        config["head_dim"] = int(key_len)
+    head_dim = config.get("head_dim", config["hidden_size"] // heads)
+    rope_dims = m.get("rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        if spec.model_type != "phi3":
+            raise UnsupportedModelError(
+                f"GGUF {m.arch} with partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported"
+            )
+        config["partial_rotary_factor"] = int(rope_dims) / head_dim
+    scaling = _rope_scaling(m, config)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _rope_scaling(m: Meta, config: dict[str, Any]) -> dict[str, Any] | None:
+    kind = m.get("rope.scaling.type")
+    factor = m.get("rope.scaling.factor")
+    original = m.get("rope.scaling.original_context_length")
+    if "rope_freqs.weight" in m.names:
+        # llama.cpp stores Llama 3's rope scaling as per-dimension period factors (theta_i / f_i): exactly
+        # longrope with equal short and long factors and no attention factor.
+        return {"rope_type": "rope_freqs", "original_max_position_embeddings": config["max_position_embeddings"]}
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        out = {"rope_type": "yarn", "factor": float(factor)}
+        if original is not None:
+            out["original_max_position_embeddings"] = int(original)
+        for ours, key in (
+            ("beta_fast", "rope.scaling.yarn_beta_fast"),
+            ("beta_slow", "rope.scaling.yarn_beta_slow"),
+            ("attention_factor", "rope.scaling.attn_factor"),
+        ):
+            if m.get(key) is not None:
+                out[ours] = float(m.get(key))
+        return out
+    raise UnsupportedModelError(f"GGUF rope scaling '{kind}' is not supported (supported: linear, yarn, rope_freqs)")
+
+
+def _moe(config: dict, m: Meta, experts_key: str = "num_local_experts") -> None:
+    config[experts_key] = int(m.need("expert_count"))
+    config["num_experts_per_tok"] = int(m.need("expert_used_count"))
+
+
+def _llama(config: dict, m: Meta) -> None:
+    if m.get("expert_count", 0):  # Mixtral: the llama architecture with experts
+        config["model_type"] = "mixtral"
+        _moe(config, m)
+        if m.get("expert_feed_forward_length") is not None:
+            config["intermediate_size"] = int(m.get("expert_feed_forward_length"))
+
+
+def _qwen3_moe(config: dict, m: Meta) -> None:
+    _moe(config, m, "num_experts")
+    config["moe_intermediate_size"] = int(m.need("expert_feed_forward_length"))
+    config.setdefault("intermediate_size", config["moe_intermediate_size"])
+    # llama.cpp's qwen3moe graph renormalizes the top-k weights (the published Qwen3-MoE configs say so too).
+    config["norm_topk_prob"] = bool(m.get("expert_weights_norm", True))
+
+
+def sliding_layer_types(config: dict, m: Meta, period: int | None) -> None:
+    """`layer_types` from `attention.sliding_window_pattern` (one flag per layer, or a period), else from llama.cpp's
+    fixed period for the architecture (every `period`-th layer global; None: all global)."""
+    n = config["num_hidden_layers"]
+    value = m.meta.get(f"{m.arch}.attention.sliding_window_pattern")
+    if value is not None and not isinstance(as_scalar(value), int | float):
+        flags = [bool(f) for f in as_list(value)]
+        if len(flags) != n:
+            raise CorruptModelError(
+                f"GGUF {m.arch}.attention.sliding_window_pattern has {len(flags)} flags for {n} layers"
+            )
+        config["layer_types"] = [GEMMA_SLIDING if f else GEMMA_FULL for f in flags]
+        return
+    if value is not None:
+        period = int(as_scalar(value))
+    if period is None:
+        config["layer_types"] = [GEMMA_FULL] * n
+    else:
+        config["layer_types"] = [GEMMA_SLIDING if (i + 1) % period else GEMMA_FULL for i in range(n)]
+
+
+def _gemma_common(config: dict, m: Meta, layers_27b: int, final_softcap: float | None) -> None:
+    config["sliding_window"] = int(m.need("attention.sliding_window"))
+    head_dim = config.setdefault("head_dim", 256)
+    # llama.cpp scales queries by 1/sqrt(head_dim), except the 27B models: 1/sqrt(hidden / heads).
+    big = config["num_hidden_layers"] == layers_27b
+    config["query_pre_attn_scalar"] = config["hidden_size"] / config["num_attention_heads"] if big else head_dim
+    config["final_logit_softcapping"] = m.get("final_logit_softcapping", final_softcap)
+
+
+def _gemma2(config: dict, m: Meta) -> None:
+    _gemma_common(config, m, layers_27b=46, final_softcap=30.0)  # llama.cpp's (and Gemma2Config's) defaults
+    config["attn_logit_softcapping"] = m.get("attn_logit_softcapping", 50.0)
+    sliding_layer_types(config, m, 2)
+
+
+def _gemma3(config: dict, m: Meta) -> None:
+    _gemma_common(config, m, layers_27b=62, final_softcap=None)
+    sliding_layer_types(config, m, 6)
+    config["rope_local_base_freq"] = 10000.0  # llama.cpp's fixed base for the sliding layers
+
+
+def _phi3(config: dict, m: Meta) -> None:
+    window = m.get("attention.sliding_window")
+    config["sliding_window"] = int(window) if window else None
+    original = m.get("rope.scaling.original_context_length")
+    if "rope_factors_long.weight" in m.names:
+        config["rope_scaling"] = {"rope_type": "longrope_tensors"}  # factors come from the tensors (gguf_names)
+        config["original_max_position_embeddings"] = int(original or config["max_position_embeddings"])
+        if m.get("rope.scaling.attn_factor") is not None:
+            config["rope_scaling"]["attention_factor"] = float(m.get("rope.scaling.attn_factor"))
+
+
+def _granite(config: dict, m: Meta) -> None:
+    config["embedding_multiplier"] = float(m.get("embedding_scale", 1.0))
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    # llama.cpp's default when the key is absent: 1/sqrt(head_dim)
+    config["attention_multiplier"] = float(m.get("attention.scale", head_dim**-0.5))
+    config["residual_multiplier"] = float(m.get("residual_scale", 1.0))
+    config["logits_scaling"] = float(m.get("logit_scale", 1.0))
+
+
+def _smollm3(config: dict, m: Meta) -> None:
+    config["no_rope_layer_interval"] = 4  # llama.cpp's fixed step: every 4th layer applies no RoPE
+
+
+def _olmo2(config: dict, m: Meta) -> None:
+    """OLMo 2 (no sliding window) and OLMo 3 (sliding layers) share llama.cpp's olmo2 architecture; our olmo3
+    model with every layer global is OLMo 2."""
+    window = m.get("attention.sliding_window")
+    config["sliding_window"] = int(window) if window else None
+    if window:
+        sliding_layer_types(config, m, 4)
+    else:
+        config["layer_types"] = [GEMMA_FULL] * config["num_hidden_layers"]
+    # One base for both layer types (the file has one); the rope scaling (YaRN) is the global layers' alone.
+    theta = config["rope_theta"]
+    config["rope_parameters"] = {
+        GEMMA_SLIDING: {"rope_type": "default", "rope_theta": theta},
+        GEMMA_FULL: {"rope_type": "default", **config.pop("rope_scaling", {}), "rope_theta": theta},
+    }
+
+
+def _gpt_oss(config: dict, m: Meta) -> None:
+    _moe(config, m)
+    config["intermediate_size"] = int(m.need("expert_feed_forward_length"))
+    config["sliding_window"] = int(m.need("attention.sliding_window"))
+    sliding_layer_types(config, m, 2)
+    scaling = config.pop("rope_scaling", None)
+    if scaling is None:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    else:  # gpt-oss's YaRN: GptOssConfig's betas and no truncation (the file stores factor and context only)
+        config["rope_scaling"] = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, **scaling}
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", extra=_llama),
+    "qwen2": ArchSpec("qwen2"),
+    "qwen3": ArchSpec("qwen3"),
+    "qwen3moe": ArchSpec("qwen3_moe", extra=_qwen3_moe),
+    "gemma2": ArchSpec("gemma2", extra=_gemma2),
+    "gemma3": ArchSpec("gemma3_text", extra=_gemma3),
+    "phi3": ArchSpec("phi3", extra=_phi3),
+    "granite": ArchSpec("granite", extra=_granite),
+    "smollm3": ArchSpec("smollm3", extra=_smollm3),
+    "olmo2": ArchSpec("olmo3", extra=_olmo2),
+    "gpt-oss": ArchSpec("gpt_oss", extra=_gpt_oss),
+}
+EPS_DEFAULT = {"gemma2": 1e-6, "gemma3": 1e-6}
+
+
+def arch_spec(meta: dict[str, Any]) -> tuple[str, ArchSpec]:
+    arch = as_scalar(meta.get("general.architecture"))
+    spec = ARCHS.get(arch)
+    if spec is None:
+        raise UnsupportedModelError(
+            f"GGUF architecture '{arch}' is not supported (supported: {', '.join(sorted(ARCHS))})"
+        )
+    return arch, spec
+
+
+def gguf_config(meta: dict[str, Any], tensor_names) -> dict[str, Any]:
+    """Our config.json-style dict for a GGUF file's metadata and tensor names."""
+    arch, spec = arch_spec(meta)
+    m = Meta(meta, arch, set(tensor_names))
+    try:
+        config = _base_config(m, spec, EPS_DEFAULT.get(arch, 1e-5))
+        if spec.extra is not None:
+            spec.extra(config, m)
+    except (TypeError, ValueError) as exc:
+        raise CorruptModelError(f"GGUF metadata has a malformed {arch} hyper-parameter: {exc}") from exc
+    return config
+
+
+def rope_freqs_scaling(config: dict[str, Any], factors: np.ndarray) -> dict[str, Any]:
+    """The `rope_freqs` tensor (llama.cpp's per-dimension period factors) as our longrope parameters."""
+    values = [float(f) for f in np.asarray(factors, dtype=np.float32).reshape(-1)]
+    return {
+        "rope_type": "longrope",
+        "short_factor": values,
+        "long_factor": values,
+        "factor": 1.0,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": config["rope_scaling"]["original_max_position_embeddings"],
+    }

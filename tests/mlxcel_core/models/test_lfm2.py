@@ -1,0 +1,215 @@
+"""LFM2: parity with transformers (gated short convolutions with their recurrent state, attention with q/k norms, the
+adjusted feed-forward width, untied LM head) in both config styles, the engine's paths over the convolution state
+(batched, paged, chunked prefill, prompts prefilled together, a cancelled row), quantized copies, the CLI and the
+server, and what is refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import family_checks
+import numpy as np
+import pytest
+from parity import assert_parity, checkpoint_logits, load_quiet, prompt_ids, save_tiny_checkpoint
+from transformers import Lfm2Config, Lfm2ForCausalLM
+
+from mlxcel_core.errors import InputError, UnsupportedModelError
+from mlxcel_core.models.base import has_recurrent_layers
+
+# Layers: conv, conv, attention, conv (full_attn_idxs [2] in the older style). The feed-forward width is adjusted:
+# int(2 * 100 / 3) = 66, times 1.5 = 99, rounded up to a multiple of 32 = 128. Convolution biases on, so that they
+# are read; an untied LM head, so that the older style's `tie_embedding` is read.
+CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=100,
+    block_multiple_of=32,
+    block_ffn_dim_multiplier=1.5,
+    block_auto_adjust_ff_dim=True,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    conv_L_cache=3,
+    conv_bias=True,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+    layer_types=["conv", "conv", "full_attention", "conv"],
+    rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+)
+
+
+def set_norms(path, seed: int = 0):
+    """RMSNorm weights (transformers initializes them to ones) random in [0.5, 1.5), so that each norm is read."""
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    for name, w in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def older_style(src, dst):
+    """The released checkpoints' config.json: `full_attn_idxs` instead of layer_types, `block_ff_dim` for the
+    feed-forward width, `tie_embedding`, `rope_theta` at the top level."""
+    path = shutil.copytree(src, dst)
+    config = json.loads((path / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    types = config.pop("layer_types")
+    assert types == CONFIG["layer_types"]
+    config.update(
+        full_attn_idxs=[i for i, kind in enumerate(types) if kind == "full_attention"],
+        block_ff_dim=config.pop("intermediate_size"),
+        tie_embedding=config.pop("tie_word_embeddings"),
+        rope_theta=rope["rope_theta"],
+    )
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("lfm2"), Lfm2Config, Lfm2ForCausalLM, **CONFIG)
+    return set_norms(path)
+
+
+def _generate(loaded, prompts, steps=12, close_after=None, **config):
+    """Greedy tokens of `prompts` on one engine; `close_after` (step count, prompt index): cancel that row then."""
+    from mlxcel_core.engine import Engine, EngineConfig
+    from mlxcel_core.sampling import SamplingParams
+
+    loaded.tokenizer.eos_token_ids = set()
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(**{"compile_decode": False, **config}))
+    ids = [engine.open(p, SamplingParams(max_tokens=steps)) for p in prompts]
+    tokens = {i: [] for i in ids}
+    step = 0
+    while engine.has_work():
+        step += 1
+        if close_after is not None and step == close_after[0]:
+            engine.close(ids[close_after[1]])
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.token is not None:
+                tokens[out.seq_id].append(out.token)
+    return engine, [tokens[i] for i in ids]
+
+
+def test_parity_with_transformers(tiny):
+    assert_parity(tiny)
+
+
+def test_parity_older_config_style(tiny, tmp_path):
+    assert_parity(older_style(tiny, tmp_path / "older"))
+
+
+def test_architecture_follows_config(tiny):
+    model = load_quiet(tiny).model
+    assert [layer.layer_type for layer in model.layers] == CONFIG["layer_types"]
+    assert has_recurrent_layers(model) and not model.args.tie_word_embeddings
+    assert model.layers[0].feed_forward.gate_proj.weight.shape == (128, 64)
+    assert model.layers[0].conv.conv.weight.shape == (64, 1, 3) and "bias" in model.layers[0].conv.conv
+    assert model.layers[2].self_attn.rope.base == 5e4
+    assert model.kv_layout() == [None, None, (2, 16), None]
+    assert model.state_layout()[0] == (((2, 64), None),)
+
+
+def test_feed_forward_width_without_multiplier():
+    """transformers rounds to block_multiple_of only with a multiplier; without adjustment the width is as given."""
+    from mlxcel_core.models.lfm2 import ModelArgs
+
+    base = {**CONFIG, "vocab_size": 320}
+    assert ModelArgs.from_dict({**base, "block_ffn_dim_multiplier": None}).ff_dim == 66
+    assert ModelArgs.from_dict({**base, "block_auto_adjust_ff_dim": False}).ff_dim == 100
+    assert ModelArgs.from_dict({**base, "layer_types": None}).layer_types == ["full_attention"] * 4
+
+
+def test_the_convolution_state_carries_across_calls(tiny):
+    """A prompt in pieces of 1-3 tokens (shorter than the convolution's reach) gives the whole prompt's last logits:
+    the state carries the previous inputs; zeroing it between calls gives other logits."""
+    import mlx.core as mx
+
+    from mlxcel_core.cache import make_cache
+
+    model = load_quiet(tiny).model
+    prompt = prompt_ids(12, seed=7)
+    whole = np.array(model(mx.array([prompt]))[0, -1])
+    cache = make_cache(len(model.layers))
+    for start in range(0, 12, 2):
+        out = model(mx.array([prompt[start : start + 2]]), cache)
+    np.testing.assert_allclose(np.array(out[0, -1]), whole, atol=1e-4, rtol=0)
+    cache = make_cache(len(model.layers))
+    model(mx.array([prompt[:10]]), cache)
+    for layer_cache, layer in zip(cache, model.layers):
+        if layer.layer_type == "conv":
+            layer_cache.update_state([mx.zeros_like(layer_cache.recurrent_state()[0])], 0)
+    assert np.abs(np.array(model(mx.array([prompt[10:]]), cache)[0, -1]) - whole).max() > 1e-3
+
+
+def test_mlx_lm_layout_same_logits(tiny, tmp_path):
+    """mlx-lm's conversion (convolution weights in MLX's [C, K, 1] layout) loads to the same logits."""
+    import mlx.core as mx
+
+    path = shutil.copytree(tiny, tmp_path / "mlx-lm")
+    weights = mx.load(str(path / "model.safetensors"))
+    for name, value in weights.items():
+        if name.endswith("conv.conv.weight"):
+            weights[name] = mx.moveaxis(value, 2, 1)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    np.testing.assert_allclose(checkpoint_logits(path), checkpoint_logits(tiny), atol=1e-5, rtol=0)
+
+
+def test_unknown_layer_type_is_refused():
+    from mlxcel_core.models.lfm2 import ModelArgs
+
+    with pytest.raises(UnsupportedModelError, match="lfm2 layer_types.*sliding_attention"):
+        ModelArgs.from_dict({**CONFIG, "vocab_size": 320, "layer_types": ["sliding_attention"] * 4})
+
+
+def test_engine_paths(tiny):
+    family_checks.assert_engine_paths(tiny)
+
+
+def test_dense_chunked_prefill_equals_whole(tiny):
+    loaded = load_quiet(tiny)
+    prompt = prompt_ids(37, seed=3)
+    _, whole = _generate(loaded, [prompt], storage="dense")
+    _, chunked = _generate(loaded, [prompt], storage="dense", prefill_chunk_size=5)
+    assert chunked == whole
+
+
+def test_cancelled_and_finished_rows_free_their_state(tiny):
+    loaded = load_quiet(tiny)
+    prompts = [prompt_ids(n, seed=n) for n in (11, 5, 20)]
+    engine, tokens = _generate(
+        loaded, prompts, max_batch_size=3, storage="paged", block_size=8, prefill_chunk_size=8, close_after=(6, 1)
+    )
+    assert engine.storage.states.in_use == 0 and engine.storage.stats()["state_slots_used"] == 0
+    assert engine.storage.pool.num_available() == engine.storage.pool.num_blocks
+    assert len(tokens[0]) == len(tokens[2]) == 12 and len(tokens[1]) < 12
+    assert tokens[2] == _generate(loaded, [prompts[2]], storage="dense")[1][0]
+
+
+def test_speculative_decoding_is_refused(tiny):
+    from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig
+
+    loaded = load_quiet(tiny)
+    with pytest.raises(InputError, match="speculative decoding is not supported for lfm2"):
+        Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative=SpeculativeConfig(ngram=2)))
+
+
+def test_tensor_parallelism_is_refused(tiny):
+    from mlxcel_core.distributed.shard import check_shardable
+
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not support lfm2"):
+        check_shardable(load_quiet(tiny).model, 2)
+
+
+def test_quantized(tiny, tmp_path):
+    family_checks.assert_quantized(tiny, tmp_path)
+
+
+def test_cli_and_server(tiny):
+    family_checks.assert_cli_and_server(tiny)
