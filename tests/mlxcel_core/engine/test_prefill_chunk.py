@@ -59,6 +59,9 @@ def _whole_prefill_seconds(loaded, prompt) -> float:
     return best
 
 
+@pytest.mark.skipif(
+    on_gpu(), reason="the GPU chunk (whole prompts up to 2048 tokens) is not measured against this bound yet"
+)
 def test_a_running_stream_keeps_its_pace_while_a_long_prompt_prefills(loaded):
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, prefill_grant_interval=1))
     chunk = engine.scheduler.config.prefill_chunk_size

@@ -10,7 +10,7 @@ import family_checks
 import numpy as np
 import pytest
 import transformers as tf
-from parity import assert_parity, checkpoint_logits, load_quiet, save_tiny_checkpoint
+from parity import assert_parity, checkpoint_logits, load_unfused, save_tiny_checkpoint
 from test_qwen3_next import condition
 
 # Layers: linear, full, linear, full (full_attention_interval 2, as transformers derives layer_types from it); the
@@ -92,7 +92,7 @@ def test_released_image_text_layout_loads_its_text_model_with_a_notice(wrapper):
 
 
 def test_architecture_follows_config(checkpoints):
-    dense, moe = (load_quiet(checkpoints[name]).model for name in ("dense", "moe"))
+    dense, moe = (load_unfused(checkpoints[name]).model for name in ("dense", "moe"))
     assert [layer.layer_type for layer in dense.layers] == ["linear_attention", "full_attention"] * 2
     delta = dense.layers[0].linear_attn
     assert delta.in_proj_qkv.weight.shape == (2 * 32 + 64, 64) and delta.in_proj_z.weight.shape == (64, 64)
