@@ -92,8 +92,7 @@ class Engine:
         draft=None,
         dry_cache: DryBreakerCache | None = None,
     ):
-        """`draft`: the draft model (LoadedModel) when config.speculative names one and it is already loaded.
-        `dry_cache`: tokenized DRY breakers shared with whoever fills it off this thread (the server)."""
+        """`draft`: the loaded draft model config.speculative names; `dry_cache`: DRY breakers tokenized elsewhere."""
         self.config = config or EngineConfig()
         self.backend = backends.current()
         self.tokenizer = tokenizer
