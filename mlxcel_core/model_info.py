@@ -93,16 +93,15 @@ def _safetensors_header(path: Path) -> dict:
 
 
 def _gguf(path: Path) -> dict[str, Any]:
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    from .loading.gguf_meta import read_gguf_metadata
+    from .loading.gguf_header import read_header
 
-    meta = read_gguf_metadata(path)
-    arch = meta.get("general.architecture")
     try:
-        tensors = GGUFReader(path).tensors
+        meta, tensors = read_header(path)  # (the header only: tensor data stays mapped, unread)
     except (ValueError, OSError) as exc:
-        raise CorruptModelError(f"{path}: unreadable GGUF tensor table ({exc})") from None
+        raise CorruptModelError(f"{path}: unreadable GGUF file ({exc})") from None
+    arch = meta.get("general.architecture")
     types: dict[str, int] = {}
     for t in tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
