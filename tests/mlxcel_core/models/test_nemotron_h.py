@@ -11,10 +11,11 @@ import shutil
 import family_checks
 import numpy as np
 import pytest
+import recurrent_checks
 from parity import assert_parity, checkpoint_logits, load_quiet, prompt_ids, save_tiny_checkpoint
 from transformers import NemotronHConfig, NemotronHForCausalLM
 
-from mlxcel_core.errors import InputError, UnsupportedModelError
+from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.models.base import has_recurrent_layers
 
 BLOCKS = ["linear_attention", "moe", "full_attention", "linear_attention", "mlp"]
@@ -88,27 +89,6 @@ def older_style(src, dst):
 def tiny(tmp_path_factory):
     path = save_tiny_checkpoint(tmp_path_factory.mktemp("nemotron_h"), NemotronHConfig, NemotronHForCausalLM, **CONFIG)
     return condition(path)
-
-
-def _generate(loaded, prompts, steps=12, close_after=None, **config):
-    """Greedy tokens of `prompts` on one engine; `close_after` (step count, prompt index): cancel that row then."""
-    from mlxcel_core.engine import Engine, EngineConfig
-    from mlxcel_core.sampling import SamplingParams
-
-    loaded.tokenizer.eos_token_ids = set()
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(**{"compile_decode": False, **config}))
-    ids = [engine.open(p, SamplingParams(max_tokens=steps)) for p in prompts]
-    tokens = {i: [] for i in ids}
-    step = 0
-    while engine.has_work():
-        step += 1
-        if close_after is not None and step == close_after[0]:
-            engine.close(ids[close_after[1]])
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.token is not None:
-                tokens[out.seq_id].append(out.token)
-    return engine, [tokens[i] for i in ids]
 
 
 def test_parity_with_transformers(tiny):
@@ -213,39 +193,8 @@ def test_engine_paths(tiny):
     family_checks.assert_engine_paths(tiny)
 
 
-def test_dense_chunked_prefill_equals_whole(tiny):
-    loaded = load_quiet(tiny)
-    prompt = prompt_ids(37, seed=3)
-    _, whole = _generate(loaded, [prompt], storage="dense")
-    _, chunked = _generate(loaded, [prompt], storage="dense", prefill_chunk_size=5)
-    assert chunked == whole
-
-
-def test_cancelled_and_finished_rows_free_their_state(tiny):
-    loaded = load_quiet(tiny)
-    prompts = [prompt_ids(n, seed=n) for n in (11, 5, 20)]
-    engine, tokens = _generate(
-        loaded, prompts, max_batch_size=3, storage="paged", block_size=8, prefill_chunk_size=8, close_after=(6, 1)
-    )
-    assert engine.storage.states.in_use == 0 and engine.storage.stats()["state_slots_used"] == 0
-    assert engine.storage.pool.num_available() == engine.storage.pool.num_blocks
-    assert len(tokens[0]) == len(tokens[2]) == 12 and len(tokens[1]) < 12
-    assert tokens[2] == _generate(loaded, [prompts[2]], storage="dense")[1][0]
-
-
-def test_speculative_decoding_is_refused(tiny):
-    from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig
-
-    loaded = load_quiet(tiny)
-    with pytest.raises(InputError, match="speculative decoding is not supported for nemotron_h"):
-        Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative=SpeculativeConfig(ngram=2)))
-
-
-def test_tensor_parallelism_is_refused(tiny):
-    from mlxcel_core.distributed.shard import check_shardable
-
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not support nemotron_h"):
-        check_shardable(load_quiet(tiny).model, 2)
+def test_recurrent_state_paths(tiny):
+    recurrent_checks.assert_state_paths(tiny, "nemotron_h")
 
 
 def test_quantized(tiny, tmp_path):

@@ -12,6 +12,7 @@ import family_checks
 import numpy as np
 import pytest
 from parity import assert_parity, checkpoint_logits, load_quiet, prompt_ids, save_tiny_checkpoint
+from recurrent_checks import generate
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
 from mlxcel_core.errors import InputError, UnsupportedModelError
@@ -92,29 +93,6 @@ def tiny(tmp_path_factory):
     return condition(path)
 
 
-def _generate(loaded, prompts, steps=12, close_after=None, **config):
-    """Greedy tokens of `prompts` on one engine (`steps`: for all, or one count per prompt); `close_after` (step
-    count, seq index): cancel that row then."""
-    from mlxcel_core.engine import Engine, EngineConfig
-    from mlxcel_core.sampling import SamplingParams
-
-    loaded.tokenizer.eos_token_ids = set()
-    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(**{"compile_decode": False, **config}))
-    counts = steps if isinstance(steps, list) else [steps] * len(prompts)
-    ids = [engine.open(p, SamplingParams(max_tokens=n)) for p, n in zip(prompts, counts)]
-    tokens = {i: [] for i in ids}
-    step = 0
-    while engine.has_work():
-        step += 1
-        if close_after is not None and step == close_after[0]:
-            engine.close(ids[close_after[1]])
-        for out in engine.step():
-            assert out.error is None, out.error
-            if out.token is not None:
-                tokens[out.seq_id].append(out.token)
-    return engine, [tokens[i] for i in ids]
-
-
 def test_parity_with_transformers(tiny):
     assert_parity(tiny)
 
@@ -177,8 +155,8 @@ def test_compiled_paged_steps_carry_the_state(tiny):
     loaded = load_quiet(tiny)
     prompts = [prompt_ids(n, seed=n) for n in (5, 17, 30)]
     config = dict(max_batch_size=3, storage="paged", block_size=8)
-    _, eager = _generate(loaded, prompts, steps=[20, 9, 14], **config)
-    engine, compiled = _generate(loaded, prompts, steps=[20, 9, 14], **{**config, "compile_decode": True})
+    _, eager = generate(loaded, prompts, steps=[20, 9, 14], **config)
+    engine, compiled = generate(loaded, prompts, steps=[20, 9, 14], **{**config, "compile_decode": True})
     assert compiled == eager
     assert engine.runner.compiled is not None and engine.runner.compiled.steps >= 19
 
@@ -187,22 +165,22 @@ def test_dense_chunked_prefill_equals_whole(tiny):
     """The dense caches carry the recurrent state from chunk to chunk as the paged state pool does."""
     loaded = load_quiet(tiny)
     prompt = prompt_ids(37, seed=3)
-    _, whole = _generate(loaded, [prompt], storage="dense")
-    _, chunked = _generate(loaded, [prompt], storage="dense", prefill_chunk_size=5)
+    _, whole = generate(loaded, [prompt], storage="dense")
+    _, chunked = generate(loaded, [prompt], storage="dense", prefill_chunk_size=5)
     assert chunked == whole
 
 
 def test_cancelled_and_finished_rows_free_their_state(tiny):
     loaded = load_quiet(tiny)
     prompts = [prompt_ids(n, seed=n) for n in (11, 5, 20)]
-    engine, tokens = _generate(
+    engine, tokens = generate(
         loaded, prompts, max_batch_size=3, storage="paged", block_size=8, prefill_chunk_size=8, close_after=(6, 1)
     )
     pool = engine.storage.states
     assert pool.in_use == 0 and engine.storage.stats()["state_slots_used"] == 0
     assert engine.storage.pool.num_available() == engine.storage.pool.num_blocks
     assert len(tokens[0]) == len(tokens[2]) == 12 and len(tokens[1]) < 12
-    _, alone = _generate(loaded, [prompts[2]], storage="dense")
+    _, alone = generate(loaded, [prompts[2]], storage="dense")
     assert tokens[2] == alone[0]  # the cancelled neighbour left the other rows' states alone
 
 
@@ -211,9 +189,9 @@ def test_a_row_admitted_where_one_was_cancelled_gets_its_slot(tiny):
     the waiting one, whose state takes the freed slot; its tokens are its solo run's."""
     loaded = load_quiet(tiny)
     prompts = [prompt_ids(n, seed=n) for n in (9, 14, 6)]
-    engine, tokens = _generate(loaded, prompts, max_batch_size=2, storage="paged", block_size=8, close_after=(4, 0))
+    engine, tokens = generate(loaded, prompts, max_batch_size=2, storage="paged", block_size=8, close_after=(4, 0))
     assert engine.storage.states.num_slots == 2 and engine.storage.states.in_use == 0
-    assert tokens[2] == _generate(loaded, [prompts[2]], storage="dense")[1][0]
+    assert tokens[2] == generate(loaded, [prompts[2]], storage="dense")[1][0]
 
 
 def test_no_prefix_reuse_with_recurrent_layers(tiny):
@@ -221,7 +199,7 @@ def test_no_prefix_reuse_with_recurrent_layers(tiny):
     identical prompt is computed in full (prefix cache asked for, not used) and gives the same tokens."""
     loaded = load_quiet(tiny)
     prompt = prompt_ids(40, seed=5)
-    engine, first = _generate(loaded, [prompt], storage="paged", block_size=8, prefix_cache=True)
+    engine, first = generate(loaded, [prompt], storage="paged", block_size=8, prefix_cache=True)
     computed = engine.runner.prefill_tokens
     from mlxcel_core.sampling import SamplingParams
 
@@ -257,10 +235,10 @@ def test_conversation_reuses_the_state_of_a_whole_earlier_turn(tiny):
     first, _ = turn(prompt_ids(20, seed=1))
     extended = conversation.tokens + prompt_ids(6, seed=2)
     second, cached = turn(extended)
-    assert cached == len(extended) - 6 and second == _generate(loaded, [extended], steps=8, storage="dense")[1][0]
+    assert cached == len(extended) - 6 and second == generate(loaded, [extended], steps=8, storage="dense")[1][0]
     diverged = extended[:10] + prompt_ids(5, seed=4)
     third, cached = turn(diverged)
-    assert cached == 0 and third == _generate(loaded, [diverged], steps=8, storage="dense")[1][0]
+    assert cached == 0 and third == generate(loaded, [diverged], steps=8, storage="dense")[1][0]
 
 
 def test_speculative_decoding_is_refused(tiny):
