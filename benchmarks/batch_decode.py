@@ -32,12 +32,12 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm_twin import (  # noqa: E402
     TwinMismatch,
     TwinUnavailable,
+    add_twin_arguments,
     batch_generator_refusal,
     build_twin,
     check_twin,
     mlx_lm_version,
     spelling_for,
-    tolerance_for,
     verify_architecture,
 )
 from scaled_shapes import scaled_down  # noqa: E402
@@ -180,18 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=3, help="timed runs per (runtime, batch), after one warm-up")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-mlx-lm", action="store_true", help="measure mlxcel only")
-    parser.add_argument(
-        "--scale-down", action="store_true", help="the shape at test size (a smoke test, not the shape's speed)"
-    )
-    parser.add_argument(
-        "--logit-tolerance",
-        type=float,
-        help=f"largest relative logit difference accepted (default {tolerance_for('float32')} for float32, "
-        f"{tolerance_for('bfloat16')} for 16-bit)",
-    )
-    parser.add_argument(
-        "--no-arch-check", action="store_true", help="skip the float32 scaled-down agreement check of the family"
-    )
+    add_twin_arguments(parser)
     return parser
 
 

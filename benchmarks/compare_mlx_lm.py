@@ -47,11 +47,11 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm_twin import (  # noqa: E402
     TwinMismatch,
     TwinUnavailable,
+    add_twin_arguments,
     build_twin,
     check_twin,
     mlx_lm_version,
     spelling_for,
-    tolerance_for,
     verify_architecture,
 )
 from scaled_shapes import scaled_down  # noqa: E402
@@ -220,18 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="mlxcel's KV storage (auto: paged on CUDA, else dense at batch 1)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (progress on stderr)")
-    parser.add_argument(
-        "--scale-down", action="store_true", help="--model-shape at test size (a smoke test, not the shape's speed)"
-    )
-    parser.add_argument(
-        "--logit-tolerance",
-        type=float,
-        help=f"largest relative logit difference accepted (default {tolerance_for('float32')} for float32, "
-        f"{tolerance_for('bfloat16')} for 16-bit)",
-    )
-    parser.add_argument(
-        "--no-arch-check", action="store_true", help="skip the float32 scaled-down agreement check of a shape's family"
-    )
+    add_twin_arguments(parser)
     return parser
 
 

@@ -335,3 +335,19 @@ def verify_architecture(shape: str, bits: int | None = None, seed: int = 0) -> s
         f"float32 scaled-down {shape} (random norms and biases) agrees: prompt {prefill.rel:.1e}, "
         f"mlx-lm decode steps {decode.rel:.1e} relative (tolerance {ARCH_TOLERANCE:.0e})"
     )
+
+
+def add_twin_arguments(parser) -> None:
+    """The comparison scripts' shared options: --scale-down, --logit-tolerance, --no-arch-check (argparse)."""
+    parser.add_argument(
+        "--scale-down", action="store_true", help="the shape at test size (a smoke test, not the shape's speed)"
+    )
+    parser.add_argument(
+        "--logit-tolerance",
+        type=float,
+        help=f"largest relative logit difference accepted (default {tolerance_for('float32')} for float32, "
+        f"{tolerance_for('bfloat16')} for 16-bit)",
+    )
+    parser.add_argument(
+        "--no-arch-check", action="store_true", help="skip the float32 scaled-down agreement check of the family"
+    )
