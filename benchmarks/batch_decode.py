@@ -73,7 +73,11 @@ class Measured:
 # -- mlxcel ------------------------------------------------------------------------------------------------
 def mlxcel_run(model, vocab: int, prompts: list[list[int]], gen: int, engines: dict) -> tuple[float, float]:
     b = len(prompts)
-    margin = b + 2  # early rows keep decoding while the last ones prefill (one chunk each)
+    config = EngineConfig(max_batch_size=b)
+    chunks = b * -(-len(prompts[0]) // config.resolved_prefill_chunk)
+    # Early rows keep decoding while the last ones prefill, a chunk every prefill_grant_interval steps at worst (a
+    # recurrent model's prompts prefill one by one); untimed, so a generous bound.
+    margin = 2 * (chunks * config.prefill_grant_interval + b) + 8
     if b not in engines:
         # + a recurrent state's share of the budget (hybrid models: budget.state_tokens_per_sequence)
         per_row = len(prompts[0]) + gen + 1 + margin + 64 + state_tokens_per_sequence(model)

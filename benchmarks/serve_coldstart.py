@@ -60,11 +60,14 @@ def save_model(shape: str, bits: int | None, dtype: str, path: Path) -> Path:
     return path
 
 
-def start_server(model: Path, cache: Path, flags: list[str], log_lines: list[str]) -> tuple[subprocess.Popen, int]:
+def start_server(
+    model: Path | None, cache: Path, flags: list[str], log_lines: list[str]
+) -> tuple[subprocess.Popen, int]:
+    """`mlxcel serve` on `model` (None: its default model) and a free port; its stderr lines go to `log_lines`."""
     env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
     env["MLXCEL_CACHE_DIR"] = str(cache)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlxcel_cli", "serve", "-m", str(model), "--port", "0", *flags],
+        [sys.executable, "-m", "mlxcel_cli", "serve", *(["-m", str(model)] if model else []), "--port", "0", *flags],
         cwd=ROOT,
         env=env,
         stderr=subprocess.PIPE,

@@ -10,6 +10,7 @@ import typer
 from . import options as opt
 from .adapter_option import AdapterPath, check_adapter
 from .errors import fail, reported_errors
+from .progress_line import ProgressLine, hub_download_bars
 from .tp import TpSize, join_ranks
 
 OUTPUTS = ("md", "json", "jsonl", "csv")
@@ -109,8 +110,8 @@ def bench(
 
     Random token prompts (the same ids in every repetition), EOS ignored. Tests: ppP (prefill: time to first
     token of a P-token prompt), tgN (N decode steps after a 1-token prompt, timed from the first token),
-    ppP+tgN, each ' @ dD' with a D-token prefix already cached. Results go to stdout; with -v, progress
-    goes to stderr.
+    ppP+tgN, each ' @ dD' with a D-token prefix already cached. Results go to stdout; progress goes to stderr:
+    one line rewritten in place on a terminal, every step on its own line with -v.
     """
     with reported_errors(verbose):
         if model is not None and model_shape is not None:
@@ -151,7 +152,7 @@ def bench(
 
         check_adapter(adapter_path, tp_size)
         group, _ = join_ranks(tp_size, verbose=verbose)
-        log = (lambda m: print(f"mlxcel: {m}", file=sys.stderr)) if verbose else (lambda m: None)
+        log = (lambda m: print(f"mlxcel: {m}", file=sys.stderr)) if verbose else None  # None: the progress line
         from mlxcel_core.distributed import lost_peer_errors
 
         with lost_peer_errors(group):
@@ -159,9 +160,12 @@ def bench(
 
 
 def _bench(model, model_shape, bits, dtype, seed, config, output, log, group, adapter_path=None) -> None:
+    """Load, print the header, run every test, printing each row as it finishes. `log` None: the per-test progress
+    is one line on stderr (on a terminal only) instead of a line per step."""
     from mlxcel_core.bench import bench_header, load_bench_model, plan_tests, run_bench
     from mlxcel_core.bench_output import formatter
 
+    hub_download_bars()
     bench_model = load_bench_model(
         model,
         model_shape,
@@ -173,13 +177,25 @@ def _bench(model, model_shape, bits, dtype, seed, config, output, log, group, ad
         adapter_path=adapter_path,
     )
     header = bench_header(bench_model) + (f", tensor parallel over {group.size()} ranks" if group else "")
-    fmt = formatter(output, bench_model.description, plan_tests(config))
+    tests = plan_tests(config)
+    fmt = formatter(output, bench_model.description, tests)
     if output == "md":
         _write(header + "\n\n")
     else:
         print(f"mlxcel: {header}", file=sys.stderr)
     _write(fmt.begin())
-    run_bench(bench_model, config, on_result=lambda r: _write(fmt.row(r)), log=log)
+    line = ProgressLine(len(tests)) if log is None else None
+
+    def row(result) -> None:
+        if line is not None:
+            line.advance()
+        _write(fmt.row(result))
+
+    try:
+        run_bench(bench_model, config, on_result=row, log=line.show if line is not None else log)
+    finally:
+        if line is not None:
+            line.clear()
     _write(fmt.end())
 
 

@@ -10,6 +10,7 @@ import typer
 
 from .completion import complete_model
 from .errors import reported_errors
+from .progress_line import hub_download_bars
 
 
 def _stderr(message: str) -> None:
@@ -63,6 +64,7 @@ def convert(
             dtype=dtype,
             force=force,
         )
+        hub_download_bars(json_out)
         result = convert_model(source, out, options, log=(lambda _: None) if json_out else _stderr)
         summary = {
             "path": str(result.path),

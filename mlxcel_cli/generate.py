@@ -12,6 +12,7 @@ from . import options as opt
 from .adapter_option import AdapterPath, check_adapter
 from .errors import fail, reported_errors
 from .prefill_notice import PrefillNotice
+from .progress_line import hub_download_bars
 from .reasoning_view import ReasoningView, check_mode
 from .tp import TpSize, join_ranks
 
@@ -167,6 +168,7 @@ def answer_once(
     """
     from mlxcel_core.distributed import lost_peer_errors
 
+    hub_download_bars(as_json)
     with lost_peer_errors(group):
         _answer_once(
             text,

@@ -67,6 +67,18 @@ def root(
 _UsageError = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
+def nearest(typed: str, options) -> str:
+    """The real option nearest to a mistyped one: the same name with '-' for '_' or in other case first (`--top_k` is
+    `--top-k`), else the most similar (click lists its candidates alphabetically: `--stop` before `--top-k`)."""
+    import difflib
+
+    def key(option: str) -> tuple[bool, float]:
+        same = option.lower() == typed.lower().replace("_", "-")
+        return same, difflib.SequenceMatcher(None, typed.lower(), option.lower()).ratio()
+
+    return max(options, key=key)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: click errors become one line on stderr with exit code 2."""
     command = typer.main.get_command(app)
@@ -77,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             print(exc.ctx.get_help(), file=sys.stderr)
             return EXIT_USAGE
         where = exc.ctx.command_path if exc.ctx else "mlxcel"
-        print(f"mlxcel: error: {exc.format_message()} (see '{where} --help')", file=sys.stderr)
+        message = exc.format_message()
+        if type(exc).__name__ == "NoSuchOption" and getattr(exc, "possibilities", None):
+            message = f"No such option: {exc.option_name} (did you mean {nearest(exc.option_name, exc.possibilities)}?)"
+        print(f"mlxcel: error: {message} (see '{where} --help')", file=sys.stderr)
         return EXIT_USAGE
     except typer.Exit as exc:
         return exc.exit_code

@@ -1,6 +1,6 @@
-"""A line on stderr while a long prompt prefills (`generate`, `run -p`), erased when the first token arrives: so a
-prefill of seconds (a long prompt on CPU) is not silence. Only when stdout and stderr are both a terminal; never with
---json or a pipe, whose readers get exactly the output and statistics."""
+"""A line on stderr while a long prompt prefills (`generate`, `run -p`, a `run` chat turn's new tokens), erased when
+the first token arrives: so a prefill of seconds (a long prompt on CPU) is not silence. Only when stdout and stderr
+are both a terminal; never with --json or a pipe, whose readers get exactly the output and statistics."""
 
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ from .adapter_option import AdapterPath, check_adapter
 from .completion import complete_model
 from .errors import fail, reported_errors
 from .generate import _read_prompt, answer_once
+from .prefill_notice import PrefillNotice
+from .progress_line import hub_download_bars
 from .reasoning_view import ReasoningView, check_mode
 from .tp import TpSize, follow_leader, join_ranks
 
@@ -186,6 +188,7 @@ def _chat(
     from mlxcel_core.loading import load_model
 
     interactive = sys.stdin.isatty()
+    hub_download_bars()
     ui = _Ui(
         color=interactive and sys.stderr.isatty() and "NO_COLOR" not in os.environ and os.environ.get("TERM") != "dumb"
     )
@@ -196,7 +199,12 @@ def _chat(
         loaded.tokenizer.parse_special_in_content = parse_special_in_content
         print(f"mlxcel: model: {loaded.source.origin}", file=sys.stderr)
         session = ChatSession(
-            loaded, params, system=system, engine_config=engine_config, notify=lambda m: ui.info(f"mlxcel: {m}")
+            loaded,
+            params,
+            system=system,
+            engine_config=engine_config,
+            notify=lambda m: ui.info(f"mlxcel: {m}"),
+            on_prefill=ui.reading if interactive else None,
         )
         mirror = None
         if group is not None:  # the other ranks mirror this chat's engine until it stops
@@ -217,6 +225,17 @@ class _Ui:
     def __init__(self, color: bool):
         self.color = color
         self.reasoning = "show"  # --reasoning: a reasoning model's reasoning shown or hidden (reasoning_view.py)
+        self.notice: PrefillNotice | None = None
+
+    def reading(self, n_tokens: int) -> None:
+        """A turn starts computing `n_tokens` prompt tokens: the line while a long message is read (terminal only)."""
+        self.notice = PrefillNotice(n_tokens, as_json=False)
+
+    def read(self) -> None:
+        """The reply's first text is here, or the turn ended: the line goes."""
+        if self.notice is not None:
+            self.notice.done()
+            self.notice = None
 
     def info(self, text: str) -> None:
         print(f"\x1b[2m{text}\x1b[0m" if self.color else text, file=sys.stderr, flush=True)
@@ -283,6 +302,7 @@ def _reply(session, text: str, ui: _Ui, verbose: bool, interactive: bool) -> int
     try:
         view = None
         for piece in session.send(text):
+            ui.read()
             if view is None:  # (the turn's prompt is rendered by now)
                 view = ReasoningView(session.reply_split(session.prompt_ids), ui.reasoning, write)
             view.feed(piece)
@@ -291,6 +311,7 @@ def _reply(session, text: str, ui: _Ui, verbose: bool, interactive: bool) -> int
     except MlxcelError as exc:  # one line, and the chat goes on
         failure = exc
     finally:
+        ui.read()
         if interactive:
             signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
     if wrote or failure is None or not interactive:  # piped: a failed turn still writes its (empty) line

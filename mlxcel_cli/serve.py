@@ -16,7 +16,9 @@ import typer
 
 from . import options as opt
 from .adapter_option import AdapterPath, check_adapter
+from .completion import complete_model
 from .errors import fail, reported_errors
+from .progress_line import hub_download_bars
 from .tp import TpSize, follow_leader, join_ranks
 
 
@@ -31,7 +33,9 @@ Model = Annotated[
         "--model",
         env="MLXCEL_MODEL",
         metavar="MODEL",
-        help="Model directory, .gguf file or Hugging Face repo id. Default: SmolLM2-135M-Instruct.",
+        help="Model directory, .gguf file, Hugging Face repo id or catalogue name (`mlxcel ls --catalog`). "
+        "Default: SmolLM2-135M-Instruct.",
+        autocompletion=complete_model,
     ),
 ]
 Host = Annotated[str, _opt("--host", env="MLXCEL_HOST", help="Address to listen on.")]
@@ -116,6 +120,7 @@ DraftModel = Annotated[
         metavar="MODEL",
         help="Speculative decoding with this smaller model (same tokenizer). "
         "A request speculates while it decodes alone; batched rows decode plainly.",
+        autocompletion=complete_model,
     ),
 ]
 DraftNgram = Annotated[
@@ -351,6 +356,7 @@ def serve(
             max_batch_size or parallel, kv_bits, storage, prefill_chunk_size, speculative, prefill_batch
         )
         check_adapter(adapter_path, tp_size)
+        hub_download_bars(log_format == "json")  # JSON log lines: no bars between them
         group, _ = join_ranks(tp_size, verbose=verbose)
         if group is not None and group.rank() > 0:  # only rank 0 serves HTTP; this rank mirrors its engine
             follow_leader(group, model, engine_config)

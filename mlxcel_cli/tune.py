@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .completion import complete_model
 from .errors import fail, reported_errors
 
 ENABLE = "Set MLXCEL_AUTOTUNE=cache (or 1) to consume these tactics at runtime."
@@ -29,24 +30,30 @@ def _int_list(text: str, option: str) -> list[int]:
     return list(dict.fromkeys(values))
 
 
-def _read_model_config(model: str) -> dict:
-    """config.json of a model directory, a config.json path, or a Hugging Face repo id already cached."""
+def _model_path(model: str) -> Path:
+    """A local path as given; a catalogue name or a Hugging Face repo id: its files in the cache (from disk only:
+    ModelNotFoundError, exit 2, naming `mlxcel pull` when it is not downloaded)."""
+    from mlxcel_core import catalog
+    from mlxcel_core.loading.resolve import _REPO_ID
+
     path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")):
+        return path
+    if not (catalog.looks_like_name(model) or _REPO_ID.match(model)):
+        return path
+    from mlxcel_core.model_store import locate
+
+    return locate(model).path
+
+
+def _read_model_config(model: str, path: Path) -> dict:
+    """config.json of a model directory or a config.json path."""
     if path.is_dir():
         path = path / "config.json"
-    elif not path.exists() and "/" in model and not model.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(model, "config.json")
-        except Exception:
-            cached = None
-        if isinstance(cached, str):
-            path = Path(cached)
     if not path.is_file():
         raise fail(
             f"-m {model}: no config.json there (give a model directory, its config.json, "
-            "or a Hugging Face repo id that is already downloaded)"
+            "a GGUF file, or a catalogue name or Hugging Face repo id that is already downloaded)"
         )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -57,9 +64,8 @@ def _read_model_config(model: str) -> dict:
     return config
 
 
-def _is_gguf(model: str) -> bool:
+def _is_gguf(path: Path) -> bool:
     """A GGUF file, by its name or by its first four bytes."""
-    path = Path(model).expanduser()
     if not path.is_file():
         return False
     if path.suffix.lower() == ".gguf":
@@ -71,11 +77,18 @@ def _is_gguf(model: str) -> bool:
         return False
 
 
-def _gguf_geometry(model: str) -> dict[str, int]:
+def _gguf_geometry(path: Path) -> dict[str, int]:
     """head_dim / q_heads / kv_heads from a GGUF file's metadata (its header only; no tensor is read)."""
-    from mlxcel_core.loading.gguf_meta import attention_geometry, read_gguf_metadata
+    from mlxcel_core.loading.gguf_arch import attention_geometry
+    from mlxcel_core.loading.gguf_header import read_metadata
 
-    return attention_geometry(read_gguf_metadata(Path(model).expanduser()))
+    try:
+        meta = read_metadata(path, strings=False)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"not a readable GGUF file ({exc})") from None
+    return attention_geometry(meta)
 
 
 def geometry_from_config(config: dict) -> dict[str, int]:
@@ -119,7 +132,9 @@ def tune(
             "--model",
             metavar="MODEL",
             help="Take the head geometry from MODEL: a GGUF file's metadata, or the config.json of a model "
-            "directory, of a Hugging Face repo id already downloaded, or given itself. No weights are loaded.",
+            "directory or given itself; a catalogue name (`mlxcel ls --catalog`) or Hugging Face repo id already "
+            "downloaded reads its files in the cache. No weights are loaded.",
+            autocompletion=complete_model,
         ),
     ] = None,
     head_dim: Annotated[
@@ -185,8 +200,9 @@ def tune(
             raise fail(f"--op must be {OP}, got '{op}'")
         geo = {"head_dim": 128, "q_heads": 32, "kv_heads": 8}
         if model is not None:
+            path = _model_path(model)
             try:
-                geo = _gguf_geometry(model) if _is_gguf(model) else geometry_from_config(_read_model_config(model))
+                geo = _gguf_geometry(path) if _is_gguf(path) else geometry_from_config(_read_model_config(model, path))
             except ValueError as exc:
                 raise fail(f"-m {model}: {exc}")
         for name, value in (("head_dim", head_dim), ("q_heads", q_heads), ("kv_heads", kv_heads)):

@@ -120,17 +120,23 @@ def human_count(n: int) -> str:
 
 
 def bench_header(bench_model: BenchModel, env: dict[str, str] | None = None) -> str:
+    """Versions, device, model, and the backend's settings that apply here: the decode-step compilation and the
+    batched prefill are named only where the backend turns them on (a GPU), not on CPU, where steps run op by op
+    and waiting prompts prefill one at a time."""
     from . import backends
-    from .engine.compiled_decode import describe_decode_steps
+    from .engine.compiled_decode import compile_enabled, describe_decode_steps
 
     env = env or environment()
     backend = backends.current()
+    settings = [backend.describe()]
+    if compile_enabled():
+        settings.insert(0, f"decode steps {describe_decode_steps()}")
+    if backend.prefill_batch() > 1:
+        settings.append(f"waiting prompts prefilled together: up to {backend.prefill_batch()}")
     return (
         f"mlxcel {env['mlxcel_version']}, mlx {env['mlx_version']}, backend {env['backend']} ({env['device']}); "
         f"model: {bench_model.description}, {human_count(bench_model.n_params)} params, "
-        f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename}); "
-        f"decode steps {describe_decode_steps()}; {backend.describe()}; "
-        f"waiting prompts prefilled together: up to {backend.prefill_batch()}"
+        f"{bench_model.size_bytes / 2**30:.2f} GiB ({bench_model.filename}); " + "; ".join(settings)
     )
 
 

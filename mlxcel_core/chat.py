@@ -105,8 +105,11 @@ class ChatSession:
         system: str | None = None,
         engine_config: EngineConfig | None = None,
         notify: Callable[[str], None] | None = None,
+        on_prefill: Callable[[int], None] | None = None,
     ):
-        """`loaded`: a LoadedModel (anything with `.model` and `.tokenizer`). `notify` receives one-line notices."""
+        """`loaded`: a LoadedModel (anything with `.model` and `.tokenizer`). `notify` receives one-line notices;
+        `on_prefill`, at each turn, how many prompt tokens the turn computes (those not in the conversation's KV
+        cache), just before it computes them (a progress line while a long message is read)."""
         self.tokenizer = loaded.tokenizer
         if not self.tokenizer.chat_template:
             raise InputError(
@@ -120,6 +123,7 @@ class ChatSession:
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         self.prompt_ids: list[int] = []  # the turn's rendered prompt (set before its first piece)
         self.notify = notify or (lambda message: None)
+        self.on_prefill = on_prefill or (lambda n_tokens: None)
         self.conversation = Conversation()
         self._system = system or None
         self._messages: list[dict] = self._initial_messages()
@@ -203,6 +207,7 @@ class ChatSession:
                 f"turn{'s' if turns != 1 else ''}{kept}"
             )
         seq_id = self.engine.open(prompt_ids, self.params, self.conversation)
+        self.on_prefill(len(prompt_ids) - self.conversation.reused(prompt_ids))
         reply = {"role": "assistant", "content": ""}
         self._messages = messages + [reply]
         pieces: list[str] = []

@@ -42,7 +42,7 @@ class ConvertOptions:
 @dataclass(frozen=True)
 class ConvertResult:
     path: Path
-    source: str
+    source: str  # the source's files: its directory or GGUF file (a path, for scripts; the log line says more)
     quantization: dict | None
     size_bytes: int
     parameters: int
@@ -176,7 +176,7 @@ def convert(spec: str, out: Path | str, options: ConvertOptions = ConvertOptions
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return ConvertResult(out, source.origin, quantization, size, parameters)
+    return ConvertResult(out, str(source.path), quantization, size, parameters)
 
 
 def _replace(out: Path, partial: Path) -> None:

@@ -18,7 +18,7 @@ case "${1:-}" in
   stage)
     ../shared/gpu/stage.sh platformdirs starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
       pytest-xdist execnet mlx-lm==0.32.2 ruff import-linter grimp pexpect ptyprocess llguidance jsonschema \
-      jsonschema-specifications referencing rpds-py attrs
+      jsonschema-specifications referencing rpds-py attrs libgguf gguf pyyaml
     # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
     mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
     ;;
@@ -40,8 +40,8 @@ case "${1:-}" in
     esac
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n 14)
-    python3 -m pytest -q -p no:cacheprovider -rfE -m "not real_model" "${workers[@]}" "${paths[@]}" 2>&1 \
-      | grep -v -e PytestBenchmarkWarning -e 'warner(' | tee "${OUT:-/tmp}/gpu_suite_${2:-all}.txt" | tail -60
+    python3 -m pytest -v -p no:cacheprovider -rfE -m "not real_model" "${workers[@]}" "${paths[@]}" 2>&1 \
+      | grep -v -e PytestBenchmarkWarning -e "warner(" | tee "${OUT:-/tmp}/gpu_suite_${2:-all}.txt" | grep -v -e " PASSED " -e " SKIPPED " | tail -60
     ;;
   *)
     sed -n '2,15p' "$0"; exit 2

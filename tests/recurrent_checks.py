@@ -1,5 +1,6 @@
 """Shared checks of a family with recurrent layers (a per-sequence state beside or instead of KV caches): the engine
-carries the state across prefill chunks, frees it with its row, and refuses what cannot roll a state back."""
+carries the state across prefill chunks, frees it with its row, takes rejected draft tokens back out of it, and
+refuses tensor parallelism."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from parity import load_quiet, prompt_ids
 
-from mlxcel_core.errors import InputError, UnsupportedModelError
+from mlxcel_core.errors import UnsupportedModelError
 
 
 def generate(loaded, prompts, steps=12, close_after=None, **config):
@@ -36,10 +37,10 @@ def generate(loaded, prompts, steps=12, close_after=None, **config):
 
 def assert_state_paths(path: Path, model_type: str) -> None:
     """Dense chunked prefill equals the whole prompt's; a cancelled row and finished rows give their state slots and
-    blocks back while the other rows keep their solo tokens; speculative decoding and tensor parallelism are
-    refused, naming the model type."""
+    blocks back while the other rows keep their solo tokens; speculative decoding (prompt lookup) gives the plain
+    tokens; tensor parallelism is refused, naming the model type."""
     from mlxcel_core.distributed.shard import check_shardable
-    from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig
+    from mlxcel_core.engine import SpeculativeConfig
 
     loaded = load_quiet(path)
     prompt = prompt_ids(37, seed=3)
@@ -56,7 +57,7 @@ def assert_state_paths(path: Path, model_type: str) -> None:
     assert len(tokens[0]) == len(tokens[2]) == 12 and len(tokens[1]) < 12
     assert tokens[2] == generate(loaded, [prompts[2]], storage="dense")[1][0]
 
-    with pytest.raises(InputError, match=f"speculative decoding is not supported for {model_type}"):
-        Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative=SpeculativeConfig(ngram=2)))
+    engine, spec = generate(loaded, [prompt], storage="dense", speculative=SpeculativeConfig(ngram=2))
+    assert spec == whole and engine.speculator.stats.rounds > 0
     with pytest.raises(UnsupportedModelError, match=f"tensor parallelism does not support {model_type}"):
         check_shardable(loaded.model, 2)

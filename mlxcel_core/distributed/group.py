@@ -113,8 +113,18 @@ def init_group(tp_size: int, *, quiet_others: bool = True):
     return group
 
 
+_SAID_BY_RANK_0: set[str] = set()
+
+
+def said_by_rank_0(message: str) -> str:
+    """Mark an error message that every rank raises alike (a check of the model all ranks build): a rank > 0 leaves
+    it to rank 0, so the terminal shows it once instead of once per rank."""
+    _SAID_BY_RANK_0.add(message)
+    return message
+
+
 class _ErrorsOnly(io.TextIOBase):
-    """stderr of a rank > 0: only `mlxcel: error:` lines pass, tagged with the rank."""
+    """stderr of a rank > 0: only `mlxcel: error:` lines pass, tagged with the rank (but those rank 0 prints too)."""
 
     def __init__(self, target, rank: int):
         self.target, self.rank, self.buffer_text = target, rank, ""
@@ -126,8 +136,9 @@ class _ErrorsOnly(io.TextIOBase):
         self.buffer_text += text
         *lines, self.buffer_text = self.buffer_text.split("\n")
         for line in lines:
-            if line.startswith("mlxcel: error: "):
-                self.target.write(f"mlxcel: error: rank {self.rank}: {line[len('mlxcel: error: ') :]}\n")
+            message = line[len("mlxcel: error: ") :]
+            if line.startswith("mlxcel: error: ") and message not in _SAID_BY_RANK_0:
+                self.target.write(f"mlxcel: error: rank {self.rank}: {message}\n")
                 self.target.flush()
         return len(text)
 

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from ..errors import UnsupportedModelError
 from ..models.moe import SparseMoeBlock
 from ..models.transformer import Attention, DecoderLayer, GatedMLP, TransformerLM
+from .group import said_by_rank_0
 
 _PARAMS = ("weight", "scales", "biases", "bias")
 
@@ -64,7 +65,16 @@ class ShardedMoeBlock(SparseMoeBlock):
 
 
 def check_shardable(model: nn.Module, size: int) -> None:
-    """Raise UnsupportedModelError (a one-line reason) unless `model` splits evenly over `size` ranks."""
+    """Raise UnsupportedModelError (a one-line reason) unless `model` splits evenly over `size` ranks. Every rank
+    builds the same model and raises the same reason: rank 0 alone prints it (group.said_by_rank_0)."""
+    try:
+        _check_shardable(model, size)
+    except UnsupportedModelError as exc:
+        said_by_rank_0(str(exc))
+        raise
+
+
+def _check_shardable(model: nn.Module, size: int) -> None:
     model_type = getattr(model, "model_type", type(model).__name__)
     if not isinstance(model, TransformerLM):
         raise UnsupportedModelError(f"tensor parallelism does not support {model_type} models yet")

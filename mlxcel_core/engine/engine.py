@@ -30,7 +30,7 @@ from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..distributed.group import is_launched
 from ..errors import InputError
 from ..models.base import CausalLM, has_recurrent_layers
-from ..sampling import RowSampler, SamplingParams, apply_allowed
+from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import Tokenizer
 from . import constrained
 from .budget import state_tokens_per_sequence
@@ -313,7 +313,7 @@ class Engine:
     def _admit(self, seq_id: int) -> int:
         seq = self._sequences[seq_id]
         seq.cached_tokens = self.storage.add(seq_id, seq.prompt_ids, self._conversations.pop(seq_id, None))
-        return seq.cached_tokens
+        return seq.cached_tokens, self.storage.prefill_stops(seq_id)
 
     def _run(self, seq_ids, produced, forward, sample: bool = True) -> list[StepOutput]:
         """Run one forward and sample its rows; a raised error ends exactly the rows it concerns."""
@@ -324,14 +324,12 @@ class Engine:
         if not sample:
             return []
         seqs = [self._sequences[s] for s in seq_ids]
-        outputs, allowed = self._constrain(seqs, logits)
+        outputs, masks = self._constrain(seqs, logits)
+        masked = logits if masks is None else constrained.apply_bitmask(logits, masks)  # (a free row's: every token)
         if all(s.params.masked_greedy and s.params.logprobs is None for s in seqs):
             # The whole batch's tokens and readout at once, each row a slice (a lone row's whole-array slice is no op:
             # each op in a step's graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
-            # A constrained row's token is the argmax of its allowed tokens.
-            if allowed:
-                logits = apply_allowed(logits, constrained.batch_mask([allowed.get(s.seq_id) for s in seqs]))
-            tokens, readout = self.backend.greedy_tokens(logits)
+            tokens, readout = self.backend.greedy_tokens(masked)
             live = ((i, s) for i, s in enumerate(seqs) if s.finish_reason is None)  # (_constrain may end rows)
             produced.update({s.seq_id: _Sampled(tokens[i : i + 1], readout[i : i + 1]) for i, s in live})
             return outputs
@@ -339,7 +337,7 @@ class Engine:
             if seq.finish_reason is not None:
                 continue  # ended by the tokens read in _constrain
             try:
-                row = seq.sampler.process(logits[i : i + 1], seq.prompt_ids + seq.output_ids, allowed.get(seq.seq_id))
+                row = seq.sampler.process(masked[i : i + 1], seq.prompt_ids + seq.output_ids)
                 logprobs = None
                 if seq.params.logprobs is not None:  # of the model's distribution, before sampling filters
                     raw = logits[i].astype(mx.float32)
@@ -350,19 +348,21 @@ class Engine:
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
 
-    def _constrain(self, seqs: list[Sequence], logits: mx.array) -> tuple[list[StepOutput], dict[int, mx.array]]:
-        """The allowed tokens of the constrained rows among `seqs` (bool [V] by seq id), and the outputs of the steps
-        read to compute them. A mask depends on the row's last token: with lookahead that step is still unread, so the
-        forward goes to the device first and the host reads the unread steps and computes the masks meanwhile. A dead
-        end (no allowed token) ends its row with "error"."""
+    def _constrain(self, seqs: list[Sequence], logits: mx.array) -> tuple[list[StepOutput], mx.array | None]:
+        """The packed masks of `seqs`' allowed tokens (constrained.next_masks; None: no constrained row), and the
+        outputs of the steps read to compute them. A mask depends on the row's last token: with lookahead that step is
+        still unread, so the forward goes to the device first and the host reads the unread steps and computes the
+        masks meanwhile. A dead end (no allowed token) ends its row with "error"."""
         if not any(s.constraint is not None for s in seqs):
-            return [], {}
+            return [], None
         mx.async_eval(logits)
         outputs = self._commit(keep=0)  # (this step's rows are not submitted yet: only earlier steps are read)
-        rows = {s.seq_id: s.constraint for s in seqs if s.constraint is not None and s.finish_reason is None}
-        allowed, dead = constrained.next_allowed(rows, logits.shape[-1])
-        outputs += [self._dead_end(self._sequences[seq_id], message) for seq_id, message in dead.items()]
-        return outputs, allowed
+        rows = [s.constraint for s in seqs]  # (None for a row that has ended: _end drops its matcher)
+        if all(row is None for row in rows):
+            return outputs, None
+        bitmask, dead = constrained.next_masks(rows)
+        outputs += [self._dead_end(seqs[i], message) for i, message in dead.items()]
+        return outputs, mx.array(bitmask)
 
     def _speculate(self, seq: Sequence) -> list[StepOutput] | None:
         """One speculative round (draft, verify in one forward, trim); None when there is nothing to propose."""
@@ -381,7 +381,7 @@ class Engine:
         if verdict.nan:
             return [self._end(seq, "error", None, "NaN logits (from the model or a logits processor)")]
         accepted = len(verdict.tokens) - 1
-        self.storage.rollback(seq.seq_id, len(proposals) - accepted)
+        self.runner.take_back(seq.seq_id, len(proposals) - accepted)
         self.speculator.drafter.rollback(seq.seq_id, len(history) + accepted)
         self.speculator.record(seq, len(proposals), accepted)
         self.scheduler.advance(seq.seq_id, accepted)

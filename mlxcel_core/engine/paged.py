@@ -16,7 +16,9 @@ With `kv_bits`, each pool is stored quantized (packed values + scales + biases p
 along the head dimension) and dequantized after gathering a step's blocks.
 
 A model's recurrent layers (`state_layers`) get no pools: their views are a StatePool's (engine/state_pool.py), one
-state slot per sequence, taken at its first forward and given back in `free`.
+state slot per sequence, taken at its first forward and given back in `free`. Its prefix cache reuses a prefix only
+where a snapshot of the state at the prefix's end is kept (engine/state_snapshots.py: the storage tells it where
+forwards end and where sequences end).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..kv.block_pool import BlockPool, BlockTable
 from ..kv.paged_attention import RUNNER_OPS
 from .paged_views import DecodeView, _PrefillView, _TogetherPrefillView
 from .state_pool import StatePool
+from .state_snapshots import StateSnapshots
 from .step_inputs import int_views
 
 DEFAULT_KV_BUDGET_TOKENS = 16384
@@ -49,11 +52,21 @@ class PagedStorage:
         max_batch_size: int = 1,
         pad_block_tables: bool = False,
         state_layers: list[bool] | None = None,
+        state_snapshots: int = 0,
+        snapshot_tokens: int = 0,
+        cache_generated: bool = True,
     ):
         """`state_layers`: per layer, whether it keeps a recurrent state (base.state_layout) instead of keys and
-        values; such a model's storage must be made without a prefix cache (make_storage does)."""
+        values; such a model's prefix cache keeps up to `state_snapshots` copies of a state (none: no prefix cache),
+        each counted as `snapshot_tokens` tokens of the KV budget, in what the sequences leave of it.
+        `cache_generated` False: the prefix cache keeps prompts only (a model whose decode steps compute other maths
+        than its prompts: what a sequence generated is not what a prompt of the same tokens would hold)."""
         self.kv_bits = kv_bits
         self.states = StatePool(state_layers, max_batch_size) if state_layers and any(state_layers) else None
+        if self.states is None or not prefix_cache:
+            state_snapshots = 0
+        prefix_cache = prefix_cache and (self.states is None or state_snapshots > 0)
+        self.cache_generated = cache_generated
         # Decode block tables padded to a power-of-two width: compiled decode steps trace once per shape.
         self.pad_block_tables = pad_block_tables
         budget = kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
@@ -69,6 +82,7 @@ class PagedStorage:
         # lowest free id first -- so a short sequence never pays for the whole budget's allocation (on the H200,
         # allocating 2 GB of pools at the first prefill cost 13-17 ms of its TTFT on the 8B shape).
         self.pool_rows = 0
+        self._rows_grown = 0  # the pool_rows every made layer's pools were last grown to (grow_pools)
         # Counts replacements of any pool array (a write by MLX ops makes a new array; where MLX donates the old
         # one's memory, its address stays): engine/graph_decode.py re-checks the addresses it replays against.
         self.pools_version = 0
@@ -80,17 +94,30 @@ class PagedStorage:
         backend = backends.current()
         self.kv_in_kernel = backend.kv_written_in_kernel
         self.combine_counters = backend.combine_counters(num_layers) if kv_bits is None else [None] * num_layers
+        self.snapshots = None  # a recurrent model's prefix cache: the states kept at cached prefixes' ends
+        if state_snapshots:
+            self.snapshots = StateSnapshots(self.states, self.pool, state_snapshots, snapshot_tokens, budget)
 
     # -- KVStorage ----------------------------------------------------------------------------
     def add(self, seq_id: int, prompt_ids: list[int], conversation=None) -> int:
         """`conversation` is not needed here: the prefix cache finds earlier turns by their blocks."""
         table = BlockTable(self.pool)
-        cached = table.match_prefix(prompt_ids)
+        snapshots = self.snapshots
+        cached = table.match_prefix(prompt_ids) if snapshots is None else snapshots.match(seq_id, table, prompt_ids)
         self.tables[seq_id], self.lengths[seq_id], self.prompts[seq_id] = table, cached, prompt_ids
         return cached
 
+    def prefill_stops(self, seq_id: int) -> tuple[int, ...]:
+        """Prompt positions the sequence's prefill chunks must end at: where its recurrent state is kept."""
+        return () if self.snapshots is None else self.snapshots.stops(seq_id)
+
     def prefill_caches(self, seq_id: int, start: int, length: int) -> list["_PrefillView"]:
         self.submit_in_place_writes()
+        if self.snapshots is not None:
+            self.snapshots.capture()
+            self.snapshots.start(seq_id)
+            if start + length in self.snapshots.stops(seq_id):
+                self.snapshots.expect(seq_id, start + length)
         table = self.tables[seq_id]
         table.ensure_capacity(start + length)
         self.lengths[seq_id] = start + length
@@ -109,6 +136,8 @@ class PagedStorage:
         if self.kv_bits is not None:
             raise ValueError("prompts prefilled together need unquantized KV pools")
         self.submit_in_place_writes()
+        if self.snapshots is not None:
+            self.snapshots.capture()
         longest = max(lengths)
         slots, keep = [], []
         for row, (seq_id, length) in enumerate(zip(seq_ids, lengths)):
@@ -129,6 +158,8 @@ class PagedStorage:
 
     def finish_prefill(self, seq_id: int) -> None:
         self.tables[seq_id].cache_full_blocks(self.prompts[seq_id])
+        if self.snapshots is not None:
+            self.snapshots.keep(seq_id, self.prompts[seq_id])
 
     def decode_caches(self, seq_ids) -> list["DecodeView"]:
         return self._with_states(self.decode_views(self.decode_inputs(seq_ids)), seq_ids, fresh=False)
@@ -140,6 +171,7 @@ class PagedStorage:
     def decode_views(self, parts: tuple) -> list["DecodeView"]:
         """Per-layer caches of a decode step whose rows `decode_inputs` advanced (`parts`: what it returned)."""
         self.submit_in_place_writes()
+        self.grow_pools()
         slot_blocks, slot_offsets, block_tables, positions, context_lens = int_views(*parts)
         return [
             DecodeView(self, layer, (slot_blocks, slot_offsets), block_tables, positions, context_lens)
@@ -149,12 +181,16 @@ class PagedStorage:
     def decode_inputs(self, seq_ids) -> tuple:
         """Advance each row one position: the step's ints (slot blocks, slot offsets, block tables, positions,
         context lengths) as `int_views` takes them."""
+        if self.snapshots is not None:
+            self.snapshots.capture()
         positions = []
         for seq_id in seq_ids:
             position = self.lengths[seq_id]
             self.tables[seq_id].ensure_capacity(position + 1)
             self.lengths[seq_id] = position + 1
             positions.append(position)
+            if self.snapshots is not None and self.cache_generated and (position + 1) % self.pool.block_size == 0:
+                self.snapshots.expect(seq_id, position + 1)
         self._reserve()
         tables = [self.tables[s].blocks for s in seq_ids]
         width = max(len(t) for t in tables)
@@ -169,23 +205,42 @@ class PagedStorage:
 
     def extend_caches(self, seq_id: int, length: int) -> list["_PrefillView"]:
         """Several new tokens of one decoding sequence (speculative verification): a prompt chunk's view."""
-        if self.states is not None:
-            raise ValueError("speculative decoding cannot take back a recurrent layer's state")
         return self.prefill_caches(seq_id, self.lengths[seq_id], length)
 
     def rollback(self, seq_id: int, count: int) -> None:
         """The last `count` slots are stale (rejected draft tokens): the next writes go over them."""
         self.lengths[seq_id] -= count
 
+    def checkpoint(self, seq_id: int) -> tuple[int, list | None]:
+        """The sequence's length and the recurrent layers' state arrays (a write replaces them: keeping them is a
+        copy), for `restore`."""
+        return self.lengths[seq_id], None if self.states is None else list(self.states.arrays)
+
+    def restore(self, seq_id: int, saved: tuple[int, list | None]) -> None:
+        """The sequence's length and its state slot back to `saved` (later slots are stale, as after `rollback`)."""
+        self.lengths[seq_id], arrays = saved
+        if arrays is not None:
+            slots = mx.array([self.states.slot(seq_id)], mx.int32)
+            for layer, parts in enumerate(arrays):
+                if parts is not None:
+                    self.states.write(layer, slots, [part[slots] for part in parts])
+
     def free(self, seq_id: int, tokens: list[int]) -> None:
         table = self.tables.pop(seq_id, None)
         if table is None:
             return
         written = self.lengths.pop(seq_id)
-        self.prompts.pop(seq_id, None)
+        prompt = self.prompts.pop(seq_id, None)
+        if not self.cache_generated:
+            written = min(written, len(prompt))
+        if self.snapshots is not None:
+            self.snapshots.capture()
+        table.cache_full_blocks(tokens[:written])  # a later turn of the same conversation reuses them
+        if self.snapshots is not None:
+            self.snapshots.keep(seq_id, tokens[:written])
+            self.snapshots.release(seq_id)
         if self.states is not None:
             self.states.release(seq_id)
-        table.cache_full_blocks(tokens[:written])  # a later turn of the same conversation reuses them
         table.free()
 
     def forget_cached(self) -> None:
@@ -203,7 +258,11 @@ class PagedStorage:
             "cached_tokens": s.cached_tokens,
             "evictions": s.evictions,
             **({} if self.states is None else {"state_slots_used": self.states.in_use}),
+            **({} if self.snapshots is None else self._snapshot_stats()),
         }
+
+    def _snapshot_stats(self) -> dict[str, int]:
+        return {"state_snapshots": self.snapshots.count, "state_snapshot_bytes": self.snapshots.nbytes}
 
     # -- pools -----------------------------------------------------------------------------------
     def take_in_place_writes(self) -> list[mx.array]:
@@ -220,7 +279,10 @@ class PagedStorage:
 
     def _reserve(self) -> None:
         """Make the pools' next writes cover every block handed out so far (a power of two of blocks, at least
-        MIN_POOL_BLOCKS, at most the budget's); `write` grows each layer's arrays to match."""
+        MIN_POOL_BLOCKS, at most the budget's); `write` grows each layer's arrays to match. Called after every
+        allocation: the state snapshots fit in what the blocks leave of the budget."""
+        if self.snapshots is not None:
+            self.snapshots.fit()  # the sequences' new blocks first: kept states give way
         top = self.pool.high_water
         if top > self.pool_rows:
             want = max(MIN_POOL_BLOCKS, 1 << (top - 1).bit_length())
@@ -252,6 +314,19 @@ class PagedStorage:
         self.pools[layer] = updated
         self.pools_version += 1
         return updated
+
+    def grow_pools(self) -> None:
+        """Every made layer's pools grown to `pool_rows` blocks now, before the step's views exist. A compiled decode
+        step (engine/compiled_decode.py) is traced once per input shapes, and `pool_rows` is a Python int inside it:
+        growth traced into it is replayed only where the trace was first made growing, and a step whose blocks passed
+        the pools' end with shapes an earlier trace saw would index past it (CPU: a corrupted heap; CUDA: reads of
+        other memory, the KV write dropped). Grown here, the pools a compiled step gets always cover its blocks."""
+        if self._rows_grown == self.pool_rows:  # (a decode step's host time: no loop over the layers)
+            return
+        for layer, pools in enumerate(self.pools):
+            if pools is not None and pools[0].shape[0] < self.pool_rows:
+                self.layer_pools(layer, pools)
+        self._rows_grown = self.pool_rows
 
     def layer_pools(self, layer: int, parts: list[mx.array]) -> list[mx.array]:
         """The layer's pools, made (zeros) or grown to `pool_rows` blocks first; `parts` [N, ...] are what a write

@@ -27,6 +27,13 @@ def read_values(keys: mx.array, values: mx.array | None, values_in_keys: int | N
     return values if values_in_keys is None else keys[..., :values_in_keys]
 
 
+def values_seen(values: mx.array, mask: mx.array) -> mx.array:
+    """`values` [B, Hkv, T, Dv] with the positions `mask` [B, T] hides set to 0. Slots past a row's length (its last
+    block's tail, the block table's padding entries) hold what an earlier sequence left there, NaN included, and
+    attention's weight 0 times NaN is NaN."""
+    return mx.where(mask[:, None, :, None], values, mx.zeros((), values.dtype))
+
+
 class _PrefillView:
     """LayerCache for a chunk of one sequence's prompt (batch of one)."""
 
@@ -204,6 +211,7 @@ class DecodeView:
             mask = mx.logical_and(mask, k_pos > self.offset[:, None] - window)
         if chunk is not None:  # the keys of the row's own chunk (Llama 4)
             mask = mx.logical_and(mask, k_pos >= (self.offset // chunk * chunk)[:, None])
+        all_values = values_seen(all_values, mask)
         mask = mask[:, None, None, :]
         return scaled_dot_product_attention(queries, all_keys, all_values, scale, mask, softcap, sinks)
 
@@ -232,4 +240,5 @@ class DecodeView:
         mask = k_pos < self.context_lens[:, None]
         if window is not None:
             mask = mx.logical_and(mask, k_pos > self.offset[:, None] - window)
+        all_values = values_seen(all_values, mask)
         return scaled_dot_product_attention(queries, all_keys, all_values, scale, mask[:, None, None, :], softcap)

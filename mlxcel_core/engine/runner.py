@@ -6,8 +6,9 @@ import logging
 
 import mlx.core as mx
 
-from ..models.base import CausalLM
+from ..models.base import CausalLM, has_recurrent_layers
 from .compiled_decode import CompiledDecoder
+from .recurrent_rollback import decode_tokens, rerun
 from .storage import KVStorage
 
 log = logging.getLogger("mlxcel.engine")
@@ -20,6 +21,8 @@ class ModelRunner:
         self.prefill_tokens = 0  # prompt tokens actually computed (prefix-cache hits are not)
         # Decode steps as one compiled graph where the caches allow (compiled_decode.py); None: op by op.
         self.compiled = CompiledDecoder(model) if compile_decode else None
+        self.recurrent = has_recurrent_layers(model)
+        self._scored: tuple[list[int], object] | None = None  # the last score's tokens and checkpoint
 
     def prefill(self, seq_id: int, tokens: list[int], start: int, last: bool) -> mx.array | None:
         """Compute prompt positions [start, start + len(tokens)); return [1, V] logits if this ends the prompt.
@@ -50,9 +53,21 @@ class ModelRunner:
 
     def score(self, seq_id: int, tokens: list[int]) -> mx.array:
         """One decoding sequence, several tokens in one forward (speculative verification): logits [n, V],
-        row i predicting the token after tokens[i]."""
+        row i predicting the token after tokens[i]. With recurrent layers the sequence is checkpointed first, for
+        `take_back`, and the forward is one over generated tokens (recurrent_rollback.py)."""
+        self._scored = (tokens, self.storage.checkpoint(seq_id) if self.recurrent else None)
         caches = self.storage.extend_caches(seq_id, len(tokens))
-        return self.model(mx.array([tokens]), caches)[0]
+        return self.model(mx.array([tokens]), decode_tokens(caches) if self.recurrent else caches)[0]
+
+    def take_back(self, seq_id: int, count: int) -> None:
+        """Forget the last `count` tokens of the last `score` (rejected draft tokens): KV caches are cut back; a
+        recurrent state goes back to the checkpoint and the kept tokens run again (recurrent_rollback.py)."""
+        tokens, saved = self._scored
+        self._scored = None
+        if count > 0 and saved is not None:
+            rerun(self.model, self.storage, seq_id, tokens[:-count], saved)
+        elif count > 0:
+            self.storage.rollback(seq_id, count)
 
     def decode(self, seq_ids: tuple[int, ...], tokens: mx.array) -> mx.array:
         """One step for every row: `tokens` [B] -> logits [B, V]."""

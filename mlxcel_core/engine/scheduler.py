@@ -6,7 +6,8 @@ Each call to `schedule()` plans one engine step:
 - decode every row that has produced a token and has not reached its token limit, in one forward;
 - give at most one prefill chunk (`prefill_chunk_size` tokens) to the oldest unfinished prefill:
   always when nothing decodes or when the request has not started yet (so a new arrival stalls running
-  decodes for one chunk at most), otherwise once every `prefill_grant_interval` decode steps;
+  decodes for one chunk at most), otherwise once every `prefill_grant_interval` decode steps; a chunk ends at
+  each of the request's stops (positions the storage keeps a recurrent state at, engine/state_snapshots.py);
 - with `prefill_batch_size` > 1, when that chunk is a whole prompt from its start, add other admitted
   prompts that have not started (whole, from their start) to the same forward (`together`), up to that many
   prompts and `prefill_chunk_size` tokens counted padded (prompts x the longest).
@@ -73,6 +74,7 @@ class _Request:
     started: bool = False
     cancelled: bool = False
     state_tokens: int = 0  # the recurrent state's share of the KV budget
+    stops: tuple[int, ...] = ()  # prompt positions a prefill chunk must end at
 
     @property
     def reservation(self) -> int:
@@ -80,8 +82,11 @@ class _Request:
 
 
 class BatchScheduler:
-    def __init__(self, config: SchedulerConfig, on_admit: Callable[[int], int] = lambda seq_id: 0):
-        """`on_admit(seq_id)` sets up the sequence's storage and returns its prompt tokens already cached."""
+    def __init__(
+        self, config: SchedulerConfig, on_admit: Callable[[int], int | tuple[int, tuple[int, ...]]] = lambda seq_id: 0
+    ):
+        """`on_admit(seq_id)` sets up the sequence's storage and returns its prompt tokens already cached, or those and
+        the positions its prefill chunks must end at."""
         self.config = config
         self._on_admit = on_admit
         self._waiting: deque[_Request] = deque()
@@ -164,8 +169,10 @@ class BatchScheduler:
             self._waiting.popleft()
             self._active[head.seq_id] = head
             self._reserved += head.reservation
+            admitted_as = self._on_admit(head.seq_id)
+            cached, head.stops = admitted_as if isinstance(admitted_as, tuple) else (admitted_as, ())
             # Keep at least the last prompt token to compute: its logits give the first token.
-            head.computed = min(self._on_admit(head.seq_id), head.prompt_len - 1)
+            head.computed = min(cached, head.prompt_len - 1)
             admitted.append(head.seq_id)
         return tuple(admitted)
 
@@ -181,7 +188,8 @@ class BatchScheduler:
         if not granted:
             return None
         start = request.computed
-        end = min(request.prompt_len, start + self.config.prefill_chunk_size)
+        stops = (stop for stop in request.stops if stop > start)
+        end = min(request.prompt_len, start + self.config.prefill_chunk_size, *stops)
         request.computed, request.started = end, True
         last = end == request.prompt_len
         if last:
@@ -197,8 +205,8 @@ class BatchScheduler:
         for request in self._active.values():
             if len(together) + 1 == limit:
                 break
-            if request.started or request.computed != 0:
-                continue  # under way, or part of its prompt came from the prefix cache: prefilled on its own
+            if request.started or request.computed != 0 or request.stops:
+                continue  # under way, part of its prompt from the prefix cache, or chunks to end: prefilled on its own
             if (len(together) + 2) * max(longest, request.prompt_len) > budget:
                 continue  # a shorter one further on may still fit
             longest = max(longest, request.prompt_len)

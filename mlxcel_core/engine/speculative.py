@@ -13,7 +13,8 @@ One round for a decoding sequence whose tokens so far are `history` (the last on
    tokens the sampler would have drawn one step at a time from the same logits: at temperature 0 the output
    is the greedy output, and a seeded sampled output is the same sequence too;
 4. the rejected draft positions are dropped from the target's KV cache (dense: columns; paged: the
-   sequence's length) and from the draft model's cache.
+   sequence's length) and from the draft model's cache. A recurrent state (qwen3_5, qwen3_next, lfm2, nemotron_h:
+   target or draft) goes back to a checkpoint instead (recurrent_rollback.py).
 
 Only a sequence that decodes alone speculates (the engine falls back to plain decoding while it batches):
 rows accepting different counts would break the dense batch's shared column axis.
@@ -32,6 +33,7 @@ from ..errors import InputError
 from ..models.base import has_recurrent_layers
 from ..sampling import RowSampler
 from .constrained import allowed as unpack_allowed
+from .recurrent_rollback import CacheCheckpoint, checkpoint, restore
 from .types import SpecStats, SpeculativeConfig
 
 
@@ -84,6 +86,8 @@ def ngram_proposal(tokens: list[int], max_ngram: int, k: int) -> list[int]:
 class _DraftState:
     caches: list[KVCache]
     length: int = 0  # tokens of the sequence in the draft model's cache
+    # A recurrent draft model's caches after each of the last draft's forwards, by the length they held.
+    saved: dict[int, CacheCheckpoint] = field(default_factory=dict)
 
 
 class DraftModelDrafter:
@@ -91,13 +95,15 @@ class DraftModelDrafter:
 
     Its own dense KV cache follows each sequence: before drafting it takes in the tokens it has not seen
     (the prompt the first time, in chunks; then the last emitted tokens), and after verification it is
-    cut back to the accepted tokens.
+    cut back to the accepted tokens. A draft model with recurrent layers keeps its caches after each draft forward
+    and goes back to the one at the accepted length (recurrent_rollback.py).
     """
 
     def __init__(self, model, prefill_chunk_size: int = 2048):
         self.model = model
         self.prefill_chunk_size = prefill_chunk_size
         self.max_context = model.max_context_length
+        self.recurrent = has_recurrent_layers(model)
         self._states: dict[int, _DraftState] = {}
 
     def propose(self, seq_id: int, tokens: list[int], k: int) -> list[int]:
@@ -114,9 +120,12 @@ class DraftModelDrafter:
             mx.eval([c.state for c in state.caches])
         token = mx.argmax(self.model(mx.array([last]), state.caches)[:, -1, :], axis=-1)
         draft = [token]
-        for _ in range(k - 1):  # lazy: one evaluation for the whole draft
+        state.saved = {len(tokens): checkpoint(state.caches)} if self.recurrent else {}
+        for i in range(k - 1):  # lazy: one evaluation for the whole draft
             token = mx.argmax(self.model(token[:, None], state.caches)[:, -1, :], axis=-1)
             draft.append(token)
+            if self.recurrent:
+                state.saved[len(tokens) + i + 1] = checkpoint(state.caches)
         state.length = len(tokens) + k - 1  # the last draft token was never fed back
         return mx.concatenate(draft).tolist()
 
@@ -124,8 +133,11 @@ class DraftModelDrafter:
         state = self._states.get(seq_id)
         if state is not None and length < state.length:
             state.length = length
-            for layer in state.caches:
-                layer.trim(length)
+            if self.recurrent:
+                restore(state.caches, state.saved[length])
+            else:
+                for layer in state.caches:
+                    layer.trim(length)
 
     def free(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
@@ -156,11 +168,6 @@ def make_drafter(config: SpeculativeConfig, target_tokenizer, prefill_chunk_size
 
         draft = load_model(config.draft_model, log=lambda message: None)
     check_same_vocabulary(target_tokenizer, draft.tokenizer, config.draft_model)
-    if has_recurrent_layers(draft.model):  # its caches are cut back to the accepted tokens after every round
-        raise InputError(
-            f"--draft-model {config.draft_model}: a draft model with recurrent layers "
-            f"({getattr(draft.model, 'model_type', 'this model')}) cannot take back rejected draft tokens"
-        )
     return DraftModelDrafter(draft.model, prefill_chunk_size)
 
 

@@ -9,9 +9,10 @@ The paged storage hands each recurrent layer a `StateView` over the rows' slots 
 rows' state (or None, zeros, on a sequence's first tokens) and writes the new state back into the slots, so a prompt
 prefilled in chunks carries its state from chunk to chunk, and a decode step serves rows of any lengths.
 
-A state holds exactly the tokens it has seen: it cannot be cut back. So a model with recurrent layers reuses no cached
-prefix (the storage is built without a prefix cache: the state at a prefix's end is not kept) and cannot take back
-rejected draft tokens (speculative decoding is refused for it, engine.py).
+A state holds exactly the tokens it has seen: it cannot be cut back. So a model with recurrent layers reuses a cached
+prefix only where a copy of the state at its end was kept (`copy` and `load`; engine/state_snapshots.py), and
+speculative decoding takes rejected draft tokens back by going back to a checkpoint of the slot
+(engine/recurrent_rollback.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,21 @@ class StatePool:
     @property
     def in_use(self) -> int:
         return len(self.slot_of)
+
+    def copy(self, seq_id: int) -> list[list[mx.array] | None]:
+        """A copy of the sequence's state (per layer, its parts [1, ...]; None where a layer keeps none), submitted
+        for evaluation: it holds no reference to the pool's arrays."""
+        rows = mx.array([self.slot_of[seq_id]], mx.int32)
+        copied = [None if parts is None else [mx.take(a, rows, axis=0) for a in parts] for parts in self.arrays]
+        mx.async_eval([a for parts in copied if parts for a in parts])
+        return copied
+
+    def load(self, seq_id: int, state: list[list[mx.array] | None]) -> None:
+        """The sequence's slot (taken now if it has none) set to `state`, a `copy`."""
+        rows = mx.array([self.slot(seq_id)], mx.int32)
+        for layer, parts in enumerate(state):
+            if parts is not None:
+                self.write(layer, rows, parts)
 
     @property
     def nbytes(self) -> int:

@@ -15,7 +15,12 @@ from typing import Protocol, Sequence
 from ..cache import KVCache, kv_group_size, make_cache
 from ..errors import InputError
 from ..models.base import CausalLM, LayerCache, has_recurrent_layers, kv_layout, state_layout
+from .budget import state_tokens_per_sequence
+from .recurrent_rollback import CacheCheckpoint, checkpoint, restore
 from .types import EngineConfig
+
+# A recurrent model's prefix cache (state_snapshots.py): state snapshots held at most, per batch row.
+SNAPSHOTS_PER_ROW = 4
 
 
 @dataclass
@@ -38,6 +43,14 @@ class Conversation:
             n += 1
         return n
 
+    def reused(self, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens a turn takes from this conversation's KV cache: `reusable()`, or none where nothing
+        is cached or a layer cannot be cut back to them (a recurrent state that has seen more)."""
+        if self.caches is None:
+            return 0
+        n = self.reusable(prompt_ids)
+        return n if all(layer.trimmable(n) for layer in self.caches) else 0
+
 
 class KVStorage(Protocol):
     def add(self, seq_id: int, prompt_ids: list[int], conversation: Conversation | None = None) -> int:
@@ -59,8 +72,19 @@ class KVStorage(Protocol):
     def rollback(self, seq_id: int, count: int) -> None:
         """Forget the sequence's last `count` tokens (rejected draft tokens)."""
 
+    def checkpoint(self, seq_id: int) -> object:
+        """The decoding sequence's KV length and recurrent state as they are now, for `restore`."""
+
+    def restore(self, seq_id: int, saved: object) -> None:
+        """The sequence back to `checkpoint`'s moment (speculative decoding with recurrent layers:
+        engine/recurrent_rollback.py)."""
+
     def free(self, seq_id: int, tokens: list[int]) -> None:
         """Release a sequence; `tokens` (prompt + output) lets a prefix cache keep what was computed."""
+
+    def prefill_stops(self, seq_id: int) -> tuple[int, ...]:
+        """Prompt positions an added sequence's prefill chunks must end at (paged storage of a model with recurrent
+        layers: where it keeps states for its prefix cache, state_snapshots.py)."""
 
     def stats(self) -> dict[str, int]: ...
 
@@ -83,9 +107,9 @@ class DenseStorage:
         if conversation is not None:
             self._conversations[seq_id] = conversation
             if conversation.caches is not None:
-                reused, caches, conversation.caches = conversation.reusable(prompt_ids), conversation.caches, None
+                reused, caches, conversation.caches = conversation.reused(prompt_ids), conversation.caches, None
                 if not all(layer.trimmable(reused) for layer in caches):
-                    reused, caches = 0, None  # a recurrent state holds more than the reused prefix: start afresh
+                    caches = None  # a recurrent state holds more than the reused prefix: start afresh
                 for layer in caches or []:
                     layer.trim(reused)
         self._prefilling[seq_id] = caches or make_cache(self.num_layers, kv_bits=self.kv_bits)
@@ -115,6 +139,12 @@ class DenseStorage:
             for layer in self._batch:
                 layer.trim(layer.columns - count)
 
+    def checkpoint(self, seq_id: int) -> CacheCheckpoint:
+        return checkpoint(self.extend_caches(seq_id, 0))
+
+    def restore(self, seq_id: int, saved: CacheCheckpoint) -> None:
+        restore(self.extend_caches(seq_id, 0), saved)
+
     def free(self, seq_id: int, tokens: list[int]) -> None:
         conversation = self._conversations.pop(seq_id, None)
         caches = self._prefilling.pop(seq_id, None)
@@ -138,6 +168,9 @@ class DenseStorage:
     def forget_cached(self) -> None:
         """Dense storage keeps no prefix cache."""
 
+    def prefill_stops(self, seq_id: int) -> tuple[int, ...]:
+        return ()
+
     def stats(self) -> dict[str, int]:
         caches = list(self._prefilling.values()) + [self._batch]
         return {"kv_bytes": sum(layer.nbytes for cache in caches for layer in cache), "rows": len(self._rows)}
@@ -145,15 +178,10 @@ class DenseStorage:
 
 def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) -> KVStorage:
     """`compiled`: decode steps will run compiled (compiled_decode.py), so paged block tables are padded. A model
-    with recurrent layers gets paged storage with a state pool and no prefix cache (state_pool.py says why)."""
+    with recurrent layers gets paged storage with a state pool, and a prefix cache that keeps snapshots of the state
+    (state_snapshots.py): SNAPSHOTS_PER_ROW per batch row at most, in the KV budget that sequences do not use."""
     if config.kv_bits is not None:
         _check_kv_quantizable(model)
-    if config.speculative is not None and has_recurrent_layers(model):
-        # Rejected draft tokens would have to be taken back out of the recurrent state (state_pool.py).
-        raise InputError(
-            f"speculative decoding is not supported for {getattr(model, 'model_type', 'this model')}: its "
-            "recurrent layers' state cannot take back rejected draft tokens"
-        )
     if config.resolved_storage == "paged":
         from .paged import PagedStorage
 
@@ -164,11 +192,14 @@ def make_storage(model: CausalLM, config: EngineConfig, compiled: bool = False) 
             block_size=config.block_size,
             kv_budget_tokens=budget,
             kv_bits=config.kv_bits,
-            prefix_cache=config.prefix_cache and not recurrent,
+            prefix_cache=config.prefix_cache,
             num_splits=config.num_splits,
             max_batch_size=config.max_batch_size,
             pad_block_tables=compiled,
             state_layers=[layout is not None for layout in state_layout(model)] if recurrent else None,
+            state_snapshots=SNAPSHOTS_PER_ROW * config.max_batch_size if recurrent else 0,
+            snapshot_tokens=state_tokens_per_sequence(model, config.kv_bits),
+            cache_generated=not getattr(model, "decode_differs_from_prompt", False),
         )
     return DenseStorage(len(model.layers), kv_bits=config.kv_bits)
 

@@ -26,6 +26,7 @@ import heapq
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 BlockHash = bytes
 ROOT_HASH: BlockHash = b""  # the parent of a sequence's first block
@@ -66,6 +67,9 @@ class BlockPool:
         self._block_of: dict[BlockHash, int] = {}  # hash -> the one block registered under it
         # 1 + the highest id ever handed out: with lowest-first allocation, what the KV arrays must cover so far.
         self.high_water = 0
+        # Told each prefix hash the cache drops (its block evicted or forgotten): what is kept beside a cached block
+        # (engine/state_snapshots.py) goes with it.
+        self.on_forget: Callable[[BlockHash], None] | None = None
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -83,7 +87,7 @@ class BlockPool:
                 block = heapq.heappop(self._free)
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                self._drop_hash(block)
                 self.stats.evictions += 1
             self._refs[block] = 1
             self.high_water = max(self.high_water, block + 1)
@@ -122,16 +126,20 @@ class BlockPool:
         """Whether the block is registered under a prefix hash (held or evictable)."""
         return block_id in self._hash_of
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], usable: Callable[[list[BlockHash]], int] | None = None) -> list[int]:
         """Take a reference on the longest run of cached full blocks that prefixes token_ids.
 
         At most (len(token_ids) - 1) // block_size blocks match, so at least the last token is
         left for the model to compute (its logits are needed to sample the next token).
+        `usable(hashes)`: of the matching run (its blocks' hashes), how many leading blocks the caller can use (a
+        model with recurrent layers needs the state at the run's end: engine/state_snapshots.py); the statistics
+        count what is used.
         """
         if not self.enable_prefix_cache:
             return []
         bs = self.block_size
         matched: list[int] = []
+        hashes: list[BlockHash] = []
         parent = ROOT_HASH
         for i in range(max(len(token_ids) - 1, 0) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
@@ -139,6 +147,9 @@ class BlockPool:
             if block is None:
                 break
             matched.append(block)
+            hashes.append(parent)
+        if usable is not None:
+            matched = matched[: usable(hashes)]
         for block in matched:
             if self._refs[block] == 0:
                 del self._evictable[block]  # revived: no longer a candidate for eviction
@@ -148,6 +159,17 @@ class BlockPool:
             self.stats.hits += 1
             self.stats.cached_tokens += len(matched) * bs
         return matched
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether a block is cached under this prefix hash (held or evictable)."""
+        return block_hash in self._block_of
+
+    def prefix_hash(self, token_ids: list[int], num_blocks: int) -> BlockHash:
+        """The chained hash the first `num_blocks` full blocks of token_ids are cached under."""
+        parent = ROOT_HASH
+        for i in range(num_blocks):
+            parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+        return parent
 
     def cache_full_blocks(self, block_ids: list[int], token_ids: list[int]) -> None:
         """Register every full block of a sequence (block i holds token_ids[i*bs:(i+1)*bs]).
@@ -178,10 +200,16 @@ class BlockPool:
         hands nothing out, so `high_water` (how far the KV arrays must reach) does not move."""
         forgotten = len(self._evictable)
         for block in self._evictable:
-            del self._block_of[self._hash_of.pop(block)]
+            self._drop_hash(block)
             heapq.heappush(self._free, block)
         self._evictable.clear()
         return forgotten
+
+    def _drop_hash(self, block: int) -> None:
+        block_hash = self._hash_of.pop(block)
+        del self._block_of[block_hash]
+        if self.on_forget is not None:
+            self.on_forget(block_hash)
 
     def copy_on_write(self, block_id: int) -> tuple[int, bool]:
         """Make block_id safe for one sequence to write into.
@@ -209,11 +237,12 @@ class BlockTable:
         self.blocks: list[int] = []
         self.num_tokens = 0  # tokens this sequence has slots for (the largest size ensured)
 
-    def match_prefix(self, token_ids: list[int]) -> int:
-        """Start an empty table from the prompt's cached prefix; returns the cached token count."""
+    def match_prefix(self, token_ids: list[int], usable: Callable[[list[BlockHash]], int] | None = None) -> int:
+        """Start an empty table from the prompt's cached prefix; returns the cached token count (`usable`: as
+        BlockPool.match_prefix)."""
         if self.blocks:
             raise ValueError("match_prefix needs an empty block table")
-        self.blocks = self.pool.match_prefix(token_ids)
+        self.blocks = self.pool.match_prefix(token_ids, usable)
         self.num_tokens = len(self.blocks) * self.pool.block_size
         return self.num_tokens
 

@@ -118,6 +118,9 @@ def paged_decode_attention(
         first = (context_lens.astype(mx.int32) - 1) // chunk * chunk
         valid = mx.logical_and(valid, positions >= first.reshape(B, 1, 1))
     scores = mx.where(valid.reshape(B, 1, S, 1, span), scores, -mx.inf)
+    # Slots past a row's length (its last block's tail, the table's padding entries) hold whatever an earlier
+    # sequence left there, NaN included: their weight is 0, but 0 * NaN is NaN, so their values are zeroed.
+    v = mx.where(valid.reshape(B, 1, S, span, 1), v, 0.0)
 
     # Per-split partials. An all-masked split has max -inf; shift by 0 instead so exp() gives 0, not NaN.
     m = scores.max(axis=-1, keepdims=True)  # [B, Hkv, S, n_rep, 1]

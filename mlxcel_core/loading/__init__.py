@@ -1,6 +1,6 @@
 """Turn a model spec (path, .gguf, Hub id, or nothing for the default) into a ready model + tokenizer.
 
-`load_model` and `LoadedModel` are imported on first use: the package's MLX-free parts (resolve.py, gguf_meta.py)
+`load_model` and `LoadedModel` are imported on first use: the package's MLX-free parts (resolve.py, gguf_header.py)
 stay importable without MLX (`mlxcel tune --dry-run -m model.gguf` reads a GGUF header and nothing else).
 """
 

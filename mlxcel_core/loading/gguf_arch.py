@@ -309,3 +309,32 @@ def rope_freqs_scaling(config: dict[str, Any], factors: np.ndarray) -> dict[str,
         "attention_factor": 1.0,
         "original_max_position_embeddings": config["rope_scaling"]["original_max_position_embeddings"],
     }
+
+
+def attention_geometry(meta: dict[str, Any]) -> dict[str, int]:
+    """head_dim / q_heads / kv_heads from `<arch>.attention.*` (head_dim: key_length, else embedding / heads), for
+    any architecture (`mlxcel tune -m`). ValueError naming what is missing or what varies by layer."""
+    arch = as_scalar(meta.get("general.architecture"))
+    if not isinstance(arch, str):
+        raise ValueError("the GGUF metadata has no general.architecture")
+
+    def one(key: str):
+        value = meta.get(f"{arch}.{key}")
+        if isinstance(value, (list, np.ndarray)):  # per-layer values: one geometry only when they agree
+            values = sorted(set(as_list(value)))
+            if len(values) != 1:
+                raise ValueError(f"{arch}.{key} differs between layers ({values}); pass the geometry flags")
+            value = values[0]
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    q_heads = one("attention.head_count")
+    if q_heads is None:
+        raise ValueError(f"the GGUF metadata has no {arch}.attention.head_count")
+    kv_heads = one("attention.head_count_kv") or q_heads
+    head_dim = one("attention.key_length")
+    if head_dim is None:
+        hidden = one("embedding_length")
+        if hidden is None:
+            raise ValueError(f"the GGUF metadata has neither {arch}.attention.key_length nor {arch}.embedding_length")
+        head_dim = hidden // q_heads
+    return {"head_dim": head_dim, "q_heads": q_heads, "kv_heads": kv_heads}

@@ -5,7 +5,8 @@ The `gguf` package's GGUFReader builds one numpy view per array element, which t
 version, uint64 tensor and key/value counts, the key/values, the tensor infos, then the tensor data aligned to
 `general.alignment`, default 32) with struct and numpy.frombuffer in well under a second. Metadata values come
 back as `GGUFReader`'s users had them in `gguf_tensors._metadata`: scalars and strings as Python values, string
-arrays as lists, number arrays as numpy arrays.
+arrays as lists, number arrays as numpy arrays. `read_metadata` reads the key/values alone, for callers that need a
+model's hyper-parameters without its tensors (`mlxcel tune -m`); it needs neither MLX nor `gguf`.
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ class TensorEntry:
     data: np.ndarray
 
 
+class SkippedStrings(int):
+    """A string array's length, stood in for the strings themselves (`read_metadata(..., strings=False)`)."""
+
+
 class _Cursor:
-    def __init__(self, buf: memoryview):
-        self.buf, self.at = buf, 0
+    def __init__(self, buf: memoryview, strings: bool = True):
+        self.buf, self.at, self.strings = buf, 0, strings
 
     def take(self, fmt: str) -> tuple:
         size = struct.calcsize(fmt)
@@ -60,6 +65,13 @@ class _Cursor:
         return out
 
     def array(self, element: int, n: int):
+        if element == _STRING and not self.strings:
+            for _ in range(n):
+                (length,) = self.take("<Q")
+                self.at += length
+            if self.at > len(self.buf):
+                raise Truncated("the file ends inside its header")
+            return SkippedStrings(n)
         if element == _STRING:
             return [self.string() for _ in range(n)]
         if element in _NUMPY:
@@ -82,13 +94,16 @@ class _Cursor:
         raise ValueError(f"unknown metadata value type {kind}")
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
-    """(metadata, tensors) of the GGUF file at `path`. ValueError when it is not GGUF or is malformed (Truncated
-    when it ends early); OSError when it cannot be opened."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+def read_metadata(path: Path, strings: bool = True) -> dict[str, Any]:
+    """The key/value metadata of the GGUF file at `path`, no tensor read; with `strings=False` each string array
+    (the vocabulary, most of a header) comes back as its length, a SkippedStrings. Errors as `read_header`."""
+    return _read_metadata(path, strings)[0]
 
+
+def _read_metadata(path: Path, strings: bool) -> tuple[dict[str, Any], _Cursor, np.ndarray, int]:
+    """(metadata, the cursor just past it, the mapped file, the tensor count)."""
     data = np.memmap(path, mode="r") if Path(path).stat().st_size else np.zeros(0, np.uint8)
-    cur = _Cursor(memoryview(data))
+    cur = _Cursor(memoryview(data), strings)
     if len(data) < 4 or bytes(data[:4]) != b"GGUF":
         raise ValueError("no GGUF magic number (not a GGUF file)") if len(data) >= 4 else Truncated("empty file")
     cur.at = 4
@@ -99,6 +114,15 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
     for _ in range(kv_count):
         key = cur.string()
         meta[key] = cur.value(cur.take("<I")[0])
+    return meta, cur, data, tensor_count
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """(metadata, tensors) of the GGUF file at `path`. ValueError when it is not GGUF or is malformed (Truncated
+    when it ends early); OSError when it cannot be opened."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    meta, cur, data, tensor_count = _read_metadata(path, strings=True)
     infos = []
     for _ in range(tensor_count):
         name = cur.string()

@@ -82,7 +82,11 @@ class RecurrentCache(Protocol):
     @property
     def state_padding(self) -> mx.array | None:
         """int [B]: the left-padding columns of each row in this forward's inputs (prompts prefilled together), which
-        must leave the state as it is (the layer zeroes their inputs); None when no row is padded."""
+        must leave the state as it is (the layer zeroes their inputs); None when no row is padded.
+
+        A cache may also say `decode_tokens` (True): this forward's tokens are generated ones, several at a time
+        (speculative verification, engine/recurrent_rollback.py), which a model whose prompt maths differ from its
+        decode step's (Nemotron-H's dt clamp) computes as decode steps."""
 
 
 class CausalLM(Protocol):

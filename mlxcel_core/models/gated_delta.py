@@ -25,16 +25,30 @@ def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
 
 
+def depthwise_taps(padded: mx.array, weight: mx.array) -> mx.array:
+    """out[:, t] = sum_k padded[:, t + k] * weight[:, 0, k] for `padded` [B, L + K - 1, C] and `weight` [C, 1, K]:
+    a depthwise convolution as K multiply-adds in float32, cast back to the input's dtype. Short kernels (K = 2..4)
+    make this a few elementwise ops on every backend, where a grouped convolution is a library call with a plan per
+    shape (one for every prefill chunk length) and a decode step's single position is the same sum
+    (transformers' causal_conv1d_update)."""
+    K = weight.shape[-1]
+    length = padded.shape[1] - (K - 1)
+    taps = weight[:, 0, :].astype(mx.float32)
+    out = padded[:, 0:length, :].astype(mx.float32) * taps[:, 0]
+    for k in range(1, K):
+        out = out + padded[:, k : k + length, :].astype(mx.float32) * taps[:, k]
+    return out.astype(padded.dtype)
+
+
 def causal_conv(x: mx.array, state: mx.array | None, weight: mx.array) -> tuple[mx.array, mx.array]:
     """Depthwise causal convolution of x [B, L, C] with `weight` [C, 1, K] (torch's layout, as checkpoints store it)
     after the previous K - 1 inputs `state` [B, K - 1, C] (None: zeros), then SiLU; returns (output [B, L, C], the new
     state: the last K - 1 inputs)."""
     K = weight.shape[-1]
-    weight = weight.swapaxes(1, 2)  # MLX's conv layout [C, K, 1]
     if state is None:
         state = mx.zeros((x.shape[0], K - 1, x.shape[-1]), x.dtype)
     padded = mx.concatenate([state.astype(x.dtype), x], axis=1)
-    out = mx.conv1d(padded, weight.astype(x.dtype), groups=x.shape[-1])
+    out = depthwise_taps(padded, weight)
     return mx.sigmoid(out) * out, padded[:, padded.shape[1] - (K - 1) :, :]
 
 

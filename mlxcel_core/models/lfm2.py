@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
 from .base import RecurrentCache, normed
+from .gated_delta import depthwise_taps
 from .qwen2 import make_rope
 from .transformer import Attention, GatedMLP, TransformerArgs, TransformerLM, add_projection
 
@@ -115,7 +116,7 @@ def causal_conv1d(
     if state is None:
         state = mx.zeros((x.shape[0], K - 1, x.shape[-1]), x.dtype)
     padded = mx.concatenate([state.astype(x.dtype), x], axis=1)
-    out = mx.conv1d(padded, weight.swapaxes(1, 2).astype(x.dtype), groups=x.shape[-1])
+    out = depthwise_taps(padded, weight)
     if bias is not None:
         out = out + bias.astype(x.dtype)
     return out, padded[:, padded.shape[1] - (K - 1) :, :]

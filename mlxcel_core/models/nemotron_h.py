@@ -14,7 +14,8 @@ A stack of single-mixer residual blocks (x + mixer(norm(x))), the mixer of block
 - `mlp` (-): the relu^2 MLP, down(relu(up(x))^2).
 
 A prompt's tokens clamp dt at `time_step_min` (transformers' chunked scan, dt_limit); a decode step does not (its
-selective state update): a 1-token forward without `last_only` is a decode step here.
+selective state update): a 1-token forward without `last_only` is a decode step here, and so is a forward whose cache
+says `decode_tokens` (generated tokens several at a time: speculative verification, engine/recurrent_rollback.py).
 
 Checkpoint names: transformers' (`backbone.` or `model.` prefix, experts per expert or stacked as `experts.up_proj`
 [E, I, in]) and mlx-lm's (`switch_mlp.fc1` / `fc2`, conv1d weights in MLX's [C, K, 1] layout) load alike.
@@ -188,8 +189,11 @@ class Mamba2Mixer(nn.Module):
         B, C = (t.reshape(batch, L, self.n_groups, self.state_size) for t in (B, C))
         dt = nn.softplus(dt.astype(mx.float32) + self.dt_bias.astype(mx.float32))
         A = -mx.exp(self.A_log.astype(mx.float32))
-        if L == 1 and ssm_state is not None and not last_only:
+        decoding = ssm_state is not None and (getattr(cache, "decode_tokens", False) or (L == 1 and not last_only))
+        if decoding and L == 1:
             y, ssm_state = ssd_step(h, dt, A, B, C, self.D, ssm_state)
+        elif decoding:  # generated tokens: the decode step's maths, several positions at once
+            y, ssm_state = ssd_chunked(h, dt, A, B, C, self.D, ssm_state, self.chunk)
         else:  # prompt tokens: dt clamped at time_step_min, as transformers' chunked scan
             y, ssm_state = ssd_chunked(h, mx.maximum(dt, self.dt_min), A, B, C, self.D, ssm_state, self.chunk)
         if cache is not None:
@@ -321,6 +325,10 @@ class NemotronHModel(nn.Module):
 
 class Model(nn.Module):
     """The causal LM (base.CausalLM): `model` plus `lm_head` (or the tied embedding)."""
+
+    # Prompt tokens clamp dt, decode steps do not: what a sequence computed while generating is not what a prompt of
+    # the same tokens computes, so the paged prefix cache keeps prompts only (engine/state_snapshots.py).
+    decode_differs_from_prompt = True
 
     def __init__(self, args: ModelArgs):
         super().__init__()

@@ -170,8 +170,8 @@ class EngineLoop:
         if self.ctx_size:
             ctx = min(ctx, self.ctx_size)
         budget = self.engine_config.kv_budget_for(engine.max_context)
-        if budget:  # a request must fit the KV budget on its own
-            ctx = min(ctx, budget)
+        if budget:  # a request must fit the KV budget on its own, its recurrent state (if any) included
+            ctx = min(ctx, budget - engine.scheduler.config.state_tokens)
         engine.max_context = self.max_context = ctx
         if self.group is not None:
             from ..distributed.mirror import LeaderMirror

@@ -33,6 +33,15 @@ class ServerMetrics:
         self.prefix_hits = Counter(
             "mlxcel_prefix_cache_hits", "Requests that reused prefix-cached KV blocks", registry=r
         )
+        self.prefix_tokens = Counter(
+            "mlxcel_prefix_cache_tokens", "Prompt tokens served by the prefix cache instead of computed", registry=r
+        )
+        self.state_snapshots = Gauge(
+            "mlxcel_state_snapshots", "Recurrent-state snapshots held for the prefix cache", registry=r
+        )
+        self.state_snapshot_bytes = Gauge(
+            "mlxcel_state_snapshot_bytes", "Bytes of the recurrent-state snapshots the prefix cache holds", registry=r
+        )
         self.requests = Counter("mlxcel_requests", "Finished sequences by finish reason", ["finish_reason"], registry=r)
         self.rejected = Counter("mlxcel_requests_rejected", "Requests refused because the queue was full", registry=r)
         self.ttft = Histogram(
@@ -51,6 +60,7 @@ class ServerMetrics:
         )
         self._seen_prefill = 0
         self._seen_hits = 0
+        self._seen_cached = 0
         self._seen_spec = (0, 0, 0)
 
     def record_step(
@@ -79,10 +89,17 @@ class ServerMetrics:
             if hits > self._seen_hits:
                 self.prefix_hits.inc(hits - self._seen_hits)
             self._seen_hits = hits
+            cached = storage_stats.get("cached_tokens", 0)
+            if cached > self._seen_cached:
+                self.prefix_tokens.inc(cached - self._seen_cached)
+            self._seen_cached = cached
+        if "state_snapshots" in storage_stats:  # a model with recurrent layers (engine/state_snapshots.py)
+            self.state_snapshots.set(storage_stats["state_snapshots"])
+            self.state_snapshot_bytes.set(storage_stats["state_snapshot_bytes"])
 
     def reset_engine_counters(self) -> None:
         """A new Engine starts its cumulative counters from zero."""
-        self._seen_prefill = self._seen_hits = 0
+        self._seen_prefill = self._seen_hits = self._seen_cached = 0
         self._seen_spec = (0, 0, 0)
 
     def render(self) -> bytes:

@@ -168,3 +168,18 @@ def test_checkpoint_model(tiny_llama_dir, capsys):
     records = [json.loads(line) for line in out.splitlines()]
     assert [r["test"] for r in records] == ["pp8", "tg4"]
     assert records[0]["model_type"].startswith("llama ") and records[0]["model_n_params"] > 0
+
+
+def test_cpu_header_names_no_gpu_setting(capsys):
+    """On CPU decode steps are not compiled, nor replayed, nor waiting prompts prefilled together: the header
+    names the portable backend and none of those settings."""
+    import mlx.core as mx
+
+    if mx.default_device().type != mx.DeviceType.cpu:
+        pytest.skip("the CPU header")
+    code, out, err = run_cli(capsys, "bench", "--model-shape", "tiny", "-p", "8", "-n", "0", "-r", "1")
+    assert code == 0, err
+    header = out.splitlines()[0]
+    assert header.endswith("; MLX ops (the portable backend)")
+    for gpu_only in ("decode steps", "compiled", "recorded graph", "prefilled together"):
+        assert gpu_only not in header

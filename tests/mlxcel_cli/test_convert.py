@@ -175,6 +175,7 @@ def test_json_and_force(sources, tmp_path, capsys):
     assert code == 0 and err == ""
     result = json.loads(stdout)
     assert result["path"] == str(out) and result["quantization"] is None and result["parameters"] > 0
+    assert result["source"] == str(sources["llama"])  # a path, not a sentence
     code, _, err = _convert(capsys, sources["llama"], "-o", out, "-q")
     assert code == 2 and err == f"mlxcel: error: {out} already exists (pass --force to replace it)\n"
     assert "quantization" not in json.loads((out / "config.json").read_text())

@@ -4,6 +4,7 @@ erased before the answer; never with --json, never when the output is piped."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,54 @@ def test_no_line_for_a_short_prompt_or_with_json(tiny_llama_dir):
 def test_no_line_when_piped(tiny_llama_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "mlxcel_cli.main", "generate", "-m", str(tiny_llama_dir), "-p", LONG, "-n", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert NOTICE not in proc.stderr and ERASE not in proc.stderr
+
+
+TURN = re.compile(r"mlxcel: prompt (\d+) tokens: (\d+) computed \((\d+) cached\)")
+
+
+def test_a_chat_turn_shows_the_line_for_its_new_tokens_only(tiny_llama_dir):
+    """In the interactive chat, a long message shows the line with the tokens the turn computes; a short next message,
+    whose history comes from the KV cache, shows none."""
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "mlxcel_cli.main", "run", str(tiny_llama_dir), "-n", "3", "-v"],
+        cwd=str(ROOT),
+        env={**os.environ, "TERM": "xterm-256color"},
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=120,
+        dimensions=(40, 200),
+    )
+    child.expect_exact(">>> ")
+    child.sendline(LONG)
+    child.expect(TURN)
+    computed = int(child.match.group(2))
+    screen = child.before
+    assert NOTICE in screen and computed >= MIN_TOKENS
+    assert int(screen.split(NOTICE)[1].split(" tokens")[0]) == computed
+    assert screen.index(ERASE, screen.index(NOTICE)) > screen.index(NOTICE)  # erased before the reply
+    child.expect_exact(">>> ")
+    child.sendline("hi")
+    child.expect(TURN)
+    assert int(child.match.group(3)) > computed and NOTICE not in child.before  # a few new tokens: no line
+    child.expect_exact(">>> ")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_no_line_in_a_piped_chat(tiny_llama_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlxcel_cli.main", "run", str(tiny_llama_dir), "-n", "2"],
+        input=LONG + "\n",
         capture_output=True,
         text=True,
         timeout=120,

@@ -82,8 +82,8 @@ def test_a_gguf_without_the_suffix_is_recognised_by_its_magic(capsys, tmp_path):
     "content, message",
     [
         (None, "attention.head_count_kv differs between layers ([1, 2])"),
-        (b"GGUF\x03\x00\x00\x00", "malformed GGUF metadata"),
-        (b"NOPE" + bytes(40), "is not a GGUF file"),
+        (b"GGUF\x03\x00\x00\x00", "not a readable GGUF file (the file ends inside its header)"),
+        (b"NOPE" + bytes(40), "not a readable GGUF file (no GGUF magic number (not a GGUF file))"),
     ],
 )
 def test_bad_gguf_is_one_line_and_exit_2(capsys, tmp_path, content, message):

@@ -147,6 +147,7 @@ def test_heads_that_do_not_divide_are_refused(tmp_path):
     assert result.returncode == 2
     assert "--tp-size 2 must divide the attention heads evenly" in result.stderr
     assert "3 query heads and 3 KV heads" in result.stderr
+    assert result.stderr.count("must divide") == 1  # rank 0 says it; rank 1, which raised the same, does not
     assert "Traceback" not in result.stderr
 
 

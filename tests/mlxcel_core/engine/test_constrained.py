@@ -141,14 +141,12 @@ def test_a_dead_end_ends_its_row_and_the_batch_goes_on(loaded, monkeypatch):
 
 
 def test_no_allowed_token_is_an_error_for_that_row(loaded, monkeypatch):
-    real = constrained.RowConstraint.fill
+    real = constrained.RowConstraint.check
 
-    def fill(self, out):
-        if self.constraint == DIGITS:
-            raise constrained.ConstraintDeadEnd("no token can continue the output under the regex")
-        return real(self, out)
+    def check(self, allows_any):
+        return real(self, allows_any and self.constraint != DIGITS)  # as if the digits row's mask were empty
 
-    monkeypatch.setattr(constrained.RowConstraint, "fill", fill)
+    monkeypatch.setattr(constrained.RowConstraint, "check", check)
     (_, _, reason, error), (text, *_) = run(loaded, [params(DIGITS), params(Constraint.regex("abc"))])
     assert (reason, error) == ("error", "no token can continue the output under the regex")
     assert text == "abc"
@@ -159,3 +157,41 @@ def test_a_bad_grammar_is_refused_when_the_row_opens(loaded):
     with pytest.raises(ConstraintError, match="unknown name"):
         engine.open([1, 2, 3], params(Constraint.grammar("start: nothing_here")))
     assert not engine.has_work()
+
+
+def test_one_call_fills_the_masks_each_row_would(loaded):
+    """next_masks (every row in one llguidance call) equals each row's own fill; a free row allows every token."""
+    grammars = constrained.Grammars(loaded.tokenizer, loaded.model.args.vocab_size)
+    rows = [grammars.open(c) for c in (DIGITS, LARK, Constraint.json_schema(SCHEMA), Constraint.regex("abc"))]
+    a = loaded.tokenizer.encode("a", add_special_tokens=False)[0]
+    assert rows[3].advance(a) is None  # rows at different points of their grammars
+    bitmask, dead = constrained.next_masks([rows[0], None, *rows[1:]])
+    assert dead == {} and (bitmask[1] == -1).all()
+    for i, row in zip((0, 2, 3, 4), rows):
+        alone = np.zeros(bitmask.shape[1], dtype=np.int32)
+        row.fill(alone)
+        assert (bitmask[i] == alone).all() and not (alone == -1).all()
+
+
+@pytest.mark.parametrize("vocab", [96, 100])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_packed_masks_apply_as_the_unpacked_ones(monkeypatch, vocab, compiled):
+    """apply_bitmask (unpacked on the device, compiled or not; a vocabulary of whole words or not) sets exactly the
+    tokens the unpacked boolean mask leaves out to -inf."""
+    monkeypatch.setattr(constrained, "_masker", mx.compile(constrained._masked) if compiled else constrained._masked)
+    rng = np.random.default_rng(vocab)
+    bitmask = rng.integers(-(2**31), 2**31, size=(3, constrained.vocab_words(vocab)), dtype=np.int64).astype(np.int32)
+    bitmask[1] = -1
+    logits = mx.array(rng.normal(size=(3, vocab)).astype(np.float32))
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+    expected = np.where(bits, np.array(logits), -np.inf)
+    assert np.array_equal(np.array(constrained.apply_bitmask(logits, mx.array(bitmask))), expected)
+
+
+def test_a_batch_argmax_and_a_row_sampler_draw_the_same_tokens(loaded):
+    """Greedy constrained rows alone share the batch's argmax; with a logprobs row each goes through its own sampler
+    (the per-row path): the tokens are the same."""
+    rows = [params(Constraint.json_schema(SCHEMA)), params(LARK)]
+    shared = run(loaded, rows)
+    per_row = run(loaded, [*rows, params(DIGITS, logprobs=2)])
+    assert [r[1] for r in per_row[:2]] == [r[1] for r in shared] and all(r[2] == "stop" for r in shared)

@@ -117,3 +117,22 @@ def test_no_prompts_together_by_default_nor_after_a_partial_chunk_or_a_prefix_hi
     assert s.schedule().prefill == PrefillWork(1, 16, 20, True)
     with pytest.raises(InputError, match="prefill_batch_size"):
         SchedulerConfig(prefill_batch_size=0)
+
+
+def test_prefill_chunks_end_at_the_storage_stops_and_such_prompts_go_alone():
+    """A recurrent model's storage keeps the state at some prompt positions (engine/state_snapshots.py): a chunk ends
+    at each, and a prompt with stops is never prefilled whole together with others."""
+    stops = {0: (16, 40), 1: (), 2: (8,)}
+    s = BatchScheduler(
+        SchedulerConfig(prefill_chunk_size=64, prefill_batch_size=4), on_admit=lambda seq_id: (0, stops[seq_id])
+    )
+    s.add(0, prompt_len=45, max_tokens=2)
+    s.add(1, prompt_len=5, max_tokens=2)
+    s.add(2, prompt_len=12, max_tokens=2)
+    plan = s.schedule()
+    assert plan.prefill == PrefillWork(0, 0, 16, False) and plan.together == ()
+    assert s.schedule().prefill == PrefillWork(0, 16, 40, False)
+    assert s.schedule().prefill == PrefillWork(0, 40, 45, True)
+    plan = s.schedule()
+    assert plan.prefill == PrefillWork(1, 0, 5, True) and plan.together == ()  # 2 has a stop: not together
+    assert s.schedule().prefill == PrefillWork(2, 0, 8, False)

@@ -333,3 +333,27 @@ def test_block_hash_is_chained_sha256():
     )
     assert hash_block_tokens(ROOT_HASH, (1, 2, 3)) == h0
     assert hash_block_tokens(h0, [4]) != hash_block_tokens(hash_block_tokens(ROOT_HASH, [9]), [4])
+
+
+def test_a_caller_uses_part_of_a_match_and_hears_of_dropped_prefixes():
+    """`usable` keeps the leading blocks the caller can use (a recurrent model: those up to a kept state), and the
+    statistics count those; `on_forget` hears each prefix hash the cache drops (evicted or forgotten)."""
+    pool = BlockPool(6, block_size=4)
+    forgotten = []
+    pool.on_forget = forgotten.append
+    prompt = list(range(13))
+    cached_table(pool, prompt).free()
+    hashes = [pool.prefix_hash(prompt, n) for n in (1, 2, 3)]
+    assert all(pool.holds(h) for h in hashes) and not pool.holds(pool.prefix_hash(prompt, 4))
+    seen = []
+    table = BlockTable(pool)
+    assert table.match_prefix(prompt, lambda run: seen.append(run) or 2) == 8
+    assert seen == [hashes] and table.blocks == [0, 1]
+    assert (pool.stats.hits, pool.stats.cached_tokens) == (1, 8)
+    assert BlockTable(pool).match_prefix(prompt, lambda run: 0) == 0
+    assert pool.stats.hits == 1
+    table.free()
+    pool.allocate(4)  # 3 free blocks, then the least recently released cached one: block 2 (hashes[2])
+    assert forgotten == [hashes[2]] and not pool.holds(hashes[2])
+    pool.forget_cached()
+    assert sorted(forgotten) == sorted(hashes)

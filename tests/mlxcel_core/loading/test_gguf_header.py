@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 
-from mlxcel_core.loading.gguf_header import Truncated, read_header
+from mlxcel_core.loading.gguf_header import SkippedStrings, Truncated, read_header, read_metadata
 
 
 def _write(path, alignment=None, vocab=8):
@@ -73,3 +73,19 @@ def test_truncation_and_foreign_files_are_told_apart(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(ValueError, match="no GGUF magic"):
         read_header(tmp_path / "x.gguf")
+
+
+def test_metadata_alone_is_the_headers_with_strings_skipped_on_request(tmp_path):
+    path = _write(tmp_path / "m.gguf", vocab=300)
+    meta, _ = read_header(path)
+    assert read_metadata(path).keys() == meta.keys()
+    assert read_metadata(path)["tokenizer.ggml.tokens"] == meta["tokenizer.ggml.tokens"]
+    skipped = read_metadata(path, strings=False)
+    tokens = skipped["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, SkippedStrings) and tokens == 300
+    assert skipped["general.name"] == "tiny" and skipped["llama.per_layer"].tolist() == [3, 4]
+    np.testing.assert_array_equal(skipped["tokenizer.ggml.scores"], meta["tokenizer.ggml.scores"])
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:200])  # inside the vocabulary
+    with pytest.raises(Truncated):
+        read_metadata(tmp_path / "cut.gguf", strings=False)

@@ -125,11 +125,15 @@ def test_time_step_min_clamps_prompt_tokens(tiny, tmp_path):
 def test_decode_steps_do_not_clamp(tiny, tmp_path):
     """A decode step (one token after the prompt's state) takes dt unclamped, as transformers' selective state
     update: with time_step_min 0.5 (most steps below it) its logits are transformers' second forward's."""
+    import inspect
+
     import mlx.core as mx
     import torch
 
     from mlxcel_core.cache import make_cache
 
+    if "cache" not in inspect.signature(NemotronHForCausalLM.forward).parameters:
+        pytest.skip("this transformers' NemotronH forward takes no `cache` (a second forward would start afresh)")
     path = shutil.copytree(tiny, tmp_path / "floor")
     config = json.loads((path / "config.json").read_text())
     config["time_step_min"] = 0.5

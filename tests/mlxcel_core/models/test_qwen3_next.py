@@ -11,7 +11,7 @@ import shutil
 import family_checks
 import numpy as np
 import pytest
-from parity import assert_parity, checkpoint_logits, load_quiet, prompt_ids, save_tiny_checkpoint
+from parity import assert_parity, checkpoint_logits, load_quiet, load_unfused, prompt_ids, save_tiny_checkpoint
 from recurrent_checks import generate
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -102,7 +102,7 @@ def test_parity_older_config_style(tiny, tmp_path):
 
 
 def test_architecture_follows_config(tiny):
-    model = load_quiet(tiny).model
+    model = load_unfused(tiny).model
     assert [layer.layer_type for layer in model.layers] == CONFIG["layer_types"]
     assert has_recurrent_layers(model)
     attn = model.layers[1].self_attn
@@ -194,9 +194,10 @@ def test_a_row_admitted_where_one_was_cancelled_gets_its_slot(tiny):
     assert tokens[2] == generate(loaded, [prompts[2]], storage="dense")[1][0]
 
 
-def test_no_prefix_reuse_with_recurrent_layers(tiny):
-    """A cached prefix is reusable only with the state at its end, which the paged storage does not keep: a second
-    identical prompt is computed in full (prefix cache asked for, not used) and gives the same tokens."""
+def test_a_repeated_prompt_starts_from_its_kept_state(tiny):
+    """A cached prefix is reusable only with the state at its end: the paged storage keeps the state at the prompt's
+    last block boundary (engine/state_snapshots.py), so a second identical prompt computes only the tokens after it
+    and gives the same tokens."""
     loaded = load_quiet(tiny)
     prompt = prompt_ids(40, seed=5)
     engine, first = generate(loaded, [prompt], storage="paged", block_size=8, prefix_cache=True)
@@ -207,9 +208,9 @@ def test_no_prefix_reuse_with_recurrent_layers(tiny):
     second = []
     while engine.has_work():
         second += [out.token for out in engine.step() if out.token is not None]
-    assert engine.sequence(seq).cached_tokens == 0
-    assert engine.runner.prefill_tokens == 2 * computed == 2 * len(prompt)
-    assert engine.storage.stats()["prefix_hits"] == 0
+    assert engine.sequence(seq).cached_tokens == 32
+    assert engine.runner.prefill_tokens == computed + len(prompt) - 32 == 2 * len(prompt) - 32
+    assert engine.storage.stats()["prefix_hits"] == 1
     assert second == first[0]
 
 
@@ -241,12 +242,19 @@ def test_conversation_reuses_the_state_of_a_whole_earlier_turn(tiny):
     assert cached == 0 and third == generate(loaded, [diverged], steps=8, storage="dense")[1][0]
 
 
-def test_speculative_decoding_is_refused(tiny):
-    from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig
+@pytest.mark.parametrize("storage", ["dense", "paged"])
+def test_speculative_decoding_gives_the_plain_output(tiny, storage):
+    """Rejected draft tokens are taken back out of the recurrent state (engine/recurrent_rollback.py): the model
+    drafting for itself and prompt lookup both give the plain greedy tokens."""
+    from mlxcel_core.engine import SpeculativeConfig
 
     loaded = load_quiet(tiny)
-    with pytest.raises(InputError, match="speculative decoding is not supported for qwen3_next"):
-        Engine(loaded.model, loaded.tokenizer, EngineConfig(speculative=SpeculativeConfig(ngram=2)))
+    prompt = prompt_ids(15, seed=6)
+    plain = generate(loaded, [prompt], steps=24, storage=storage, block_size=8)[1][0]
+    for drafter in (dict(ngram=2), dict(draft_model=str(tiny))):
+        spec = SpeculativeConfig(num_draft_tokens=3, **drafter)
+        engine, tokens = generate(loaded, [prompt], steps=24, storage=storage, block_size=8, speculative=spec)
+        assert tokens[0] == plain and engine.speculator.stats.rounds > 0
 
 
 def test_kv_budget_counts_the_recurrent_state(tiny):
@@ -274,12 +282,15 @@ def test_cli_and_server(tiny):
     family_checks.assert_cli_and_server(tiny)
 
 
-def test_cli_refuses_speculative_decoding(tiny, capsys):
+def test_cli_speculative_decoding(tiny, capsys):
     from mlxcel_cli.main import main
 
-    code = main(["generate", "-m", str(tiny), "-p", "hi", "-n", "2", "--draft-ngram", "2"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err[-1].startswith("mlxcel: error: speculative decoding is not supported for qwen3_next")
+    base = ["generate", "-m", str(tiny), "-p", "hi hi hi hi", "-n", "16", "--no-chat-template", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(base + ["--draft-ngram", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["token_ids"] == plain["token_ids"] and result["speculative"]["rounds"] > 0
 
 
 def test_tensor_parallelism_is_refused(tiny):
@@ -289,13 +300,17 @@ def test_tensor_parallelism_is_refused(tiny):
         check_shardable(load_quiet(tiny).model, 2)
 
 
-def test_recurrent_draft_model_is_refused(tiny, tmp_path):
-    """A draft model's caches are cut back to the accepted tokens after every round: one with recurrent layers is
-    refused when the engine is made, for any target."""
+def test_recurrent_draft_model_for_a_transformer_target(tiny, tmp_path):
+    """A draft model with recurrent layers goes back to its state at the accepted length after every round: a Llama
+    target drafted for by this model gives the Llama's plain tokens."""
     from tiny_models import save_tiny_llama
 
-    from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig
+    from mlxcel_core.engine import SpeculativeConfig
 
     target = load_quiet(save_tiny_llama(tmp_path / "llama"))
-    with pytest.raises(InputError, match="draft model with recurrent layers \\(qwen3_next\\)"):
-        Engine(target.model, target.tokenizer, EngineConfig(speculative=SpeculativeConfig(draft_model=str(tiny))))
+    prompt = prompt_ids(10, seed=7)
+    plain = generate(target, [prompt], steps=24, storage="dense")[1][0]
+    spec = SpeculativeConfig(num_draft_tokens=4, draft_model=str(tiny))
+    engine, tokens = generate(target, [prompt], steps=24, storage="dense", speculative=spec)
+    stats = engine.speculator.stats
+    assert tokens[0] == plain and stats.proposed > stats.accepted  # rounds rejected draft tokens

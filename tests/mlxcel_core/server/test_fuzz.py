@@ -10,8 +10,18 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")  # (the test extra has it; the H200 image does not)
 from hypothesis import HealthCheck, settings  # noqa: E402
+from servers import start_server  # noqa: E402
 
 EXAMPLES_PER_ROUTE = 20
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir):
+    """The fuzzed server: the shared one's settings with a 48-token context and n up to 2, so that the examples that
+    ask for the most tokens stay cheap (what they probe is the request's handling, not long generations)."""
+    running = start_server(tiny_llama_dir, max_batch_size=8, ctx_size=48, max_n=2)
+    yield running
+    running.stop()
 
 
 @pytest.fixture(scope="module")

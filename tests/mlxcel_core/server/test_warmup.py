@@ -102,7 +102,9 @@ def test_a_failing_warm_up_fails_the_load(monkeypatch):
         _Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), warmup=True, on_load_failed=failed.append
     )
     loop.start()
-    while loop.state == "loading":
+    for _ in range(500):  # the state turns "failed" just before the callback runs
+        if loop.state != "loading" and failed:
+            break
         threading.Event().wait(0.02)
     assert loop.state == "failed" and "boom" in str(loop.error) and failed
     assert loop.health().startswith("The engine is not running: the warm-up request failed")
