@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pexpect
 import pytest
+from child_env import repo_pythonpath
 from stand_in_hub import stand_in_hub
 from tiny_models import save_tiny_llama
 
@@ -31,7 +32,7 @@ def env(hub, cache: Path) -> dict[str, str]:
         "HF_ENDPOINT": hub.url,
         "HF_HUB_CACHE": str(cache),
         "HF_HUB_OFFLINE": "0",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": repo_pythonpath(),
         "TERM": "xterm-256color",
     }
 

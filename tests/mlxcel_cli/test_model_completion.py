@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import typer
+from child_env import repo_pythonpath
 from typer.core import TyperArgument, TyperOption
 
 from mlxcel_cli.main import app
@@ -63,7 +64,7 @@ def test_serve_model_completes_in_the_shell_protocol(tmp_path):
         "COMP_WORDS": "mlxcel serve -m smollm2:135m-",
         "COMP_CWORD": "3",
         "HF_HUB_CACHE": str(tmp_path),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": repo_pythonpath(),
     }
     proc = subprocess.run(
         [sys.executable, "-m", "mlxcel_cli.main"], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_env import repo_pythonpath
 from stand_in_hub import stand_in_hub
 from stand_in_network import resetting_endpoint
 
@@ -238,7 +239,7 @@ def test_rm_asks_on_a_terminal(caches, monkeypatch):
     pexpect = pytest.importorskip("pexpect")
     repo = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"w" * 100}
     snapshot = download(monkeypatch, {"org/model": repo}, "org/model", ["*"])
-    env = {**os.environ, "HF_HUB_CACHE": str(caches), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HF_HUB_CACHE": str(caches), "PYTHONPATH": repo_pythonpath()}
     for answer, code in (("n", 1), ("y", 0)):
         child = pexpect.spawn(sys.executable, ["-m", "mlxcel_cli.main", "rm", "org/model"], env=env, encoding="utf-8")
         child.expect_exact("remove org/model (hf-cache, 123 B)? [y/N]: ", timeout=60)
@@ -258,7 +259,7 @@ def test_pull_shows_progress_on_a_terminal(tmp_path):
             "HF_ENDPOINT": hub.url,
             "HF_HUB_CACHE": str(tmp_path / "hf"),
             "HF_HUB_OFFLINE": "0",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": repo_pythonpath(),
         }
         child = pexpect.spawn(sys.executable, ["-m", "mlxcel_cli.main", "pull", "org/model"], env=env, encoding="utf-8")
         child.expect(pexpect.EOF, timeout=120)
