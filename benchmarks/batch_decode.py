@@ -49,6 +49,7 @@ from mlxcel_core.bench import (  # noqa: E402
     environment,
     forget_cached_prefixes,
     load_bench_model,
+    prefill_wait_steps,
     random_prompt,
     run_requests,
 )
@@ -73,11 +74,7 @@ class Measured:
 # -- mlxcel ------------------------------------------------------------------------------------------------
 def mlxcel_run(model, vocab: int, prompts: list[list[int]], gen: int, engines: dict) -> tuple[float, float]:
     b = len(prompts)
-    config = EngineConfig(max_batch_size=b)
-    chunks = b * -(-len(prompts[0]) // config.resolved_prefill_chunk)
-    # Early rows keep decoding while the last ones prefill, a chunk every prefill_grant_interval steps at worst (a
-    # recurrent model's prompts prefill one by one); untimed, so a generous bound.
-    margin = 2 * (chunks * config.prefill_grant_interval + b) + 8
+    margin = prefill_wait_steps(EngineConfig(max_batch_size=b), prompts)
     if b not in engines:
         # + a recurrent state's share of the budget (hybrid models: budget.state_tokens_per_sequence)
         per_row = len(prompts[0]) + gen + 1 + margin + 64 + state_tokens_per_sequence(model)

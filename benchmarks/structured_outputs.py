@@ -32,6 +32,7 @@ from mlxcel_core.bench import (  # noqa: E402
     environment,
     forget_cached_prefixes,
     load_bench_model,
+    prefill_wait_steps,
     random_prompt,
     run_requests,
 )
@@ -69,19 +70,11 @@ def load(args):
 def decode_run(engine, prompts, gen: int, constraint: Constraint | None) -> tuple[float, float]:
     """(aggregate decode tok/s, mean TTFT ms) of one run."""
     forget_cached_prefixes(engine)
-    params = SamplingParams(max_tokens=gen + 1 + prefill_steps(engine, prompts), constraint=constraint)
+    params = SamplingParams(max_tokens=gen + 1 + prefill_wait_steps(engine.config, prompts), constraint=constraint)
     run = run_requests(engine, prompts, params.max_tokens, steady_tokens=gen, params=params)
     if run.window_tokens != len(prompts) * gen:
         raise RuntimeError(f"{run.window_tokens} tokens in the window, expected {len(prompts) * gen}")
     return run.window_tokens / (run.end - run.window_start), statistics.fmean(run.ttft) * 1000
-
-
-def prefill_steps(engine, prompts) -> int:
-    """Steps the last prompt may wait for its first token, during which the early rows keep decoding: each prompt's
-    chunks after its first come one every prefill_grant_interval decode steps (a CPU's chunks are small)."""
-    config = engine.config
-    chunks = sum(-(-len(p) // config.resolved_prefill_chunk) for p in prompts)
-    return chunks * config.prefill_grant_interval + len(prompts) + 2
 
 
 def ttft_run(engine, prompt, constraint: Constraint | None) -> float:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 from . import __version__
 from .bench_model import BenchModel, RandomIdTokenizer, bench_header, environment, human_count, load_bench_model
-from .bench_runs import forget_cached_prefixes, prefill_context, random_prompt, run_requests
+from .bench_runs import forget_cached_prefixes, prefill_context, prefill_wait_steps, random_prompt, run_requests
 from .errors import InputError, RuntimeFailure
 
 __all__ = [  # the bench API (bench_model.py's and bench_runs.py's names re-exported: one import for its users)
@@ -48,6 +48,7 @@ __all__ = [  # the bench API (bench_model.py's and bench_runs.py's names re-expo
     "plan_tests",
     "random_prompt",
     "run_bench",
+    "prefill_wait_steps",
     "run_requests",
 ]
 
