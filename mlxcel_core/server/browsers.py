@@ -93,7 +93,7 @@ class BrowserPolicy:
         headers = Headers(scope=scope)
         host = headers.get("host")
         if self.open and self.http.loopback and host is not None and not host_allowed(host):
-            await send_error(send, _forbidden_host(host))
+            await self._refuse(receive, send, _forbidden_host(host))
             return
         origin = headers.get("origin")
         if origin is None:
@@ -102,7 +102,7 @@ class BrowserPolicy:
         preflight = scope["method"] == "OPTIONS" and "access-control-request-method" in headers
         if not origin_allowed(origin, self.http.allowed_origins):
             if self.open or preflight:
-                await send_error(send, _forbidden_origin(origin))
+                await self._refuse(receive, send, _forbidden_origin(origin))
             else:  # the key protects the routes; without CORS headers the page cannot read a reply
                 await self.app(scope, receive, send)
             return
@@ -117,6 +117,19 @@ class BrowserPolicy:
             await send(message)
 
         await self.app(scope, receive, send_with_cors)
+
+    async def _refuse(self, receive, send, error: APIError) -> None:
+        """The 403, after reading the request body (up to --max-body-size): closing the connection with the
+        body still arriving makes the kernel reset it, and the client may lose the 403 it was sent."""
+        seen = 0
+        while seen <= self.http.max_body_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        await send_error(send, error)
 
     @staticmethod
     async def _preflight(headers: Headers, cors: list, send) -> None:

@@ -4,6 +4,8 @@ headers and preflights; with a key neither check applies."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from mlxcel_core.server.browsers import host_allowed, origin_allowed
@@ -114,3 +116,21 @@ def test_origin_patterns():
     assert not origin_allowed("http://localhost.evil.test", ())
     assert not origin_allowed("https://a.b/c.corp.example", ("https://*.corp.example",))
     assert origin_allowed("chrome-extension://abcdef", ("chrome-extension://*",))
+
+
+def test_refusal_reaches_a_client_still_sending_its_body(server):
+    """The 403 waits for the body: closing with body bytes unread makes the kernel reset the connection under a
+    client still sending, and the client may lose the 403 it was sent."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = b" " * (4 << 20)  # more than uvicorn buffers before it stops reading
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nOrigin: https://evil.example\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + body)  # a ConnectionResetError here is the failure
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 403"), reply[:200]
+    assert b"evil.example" in reply
