@@ -139,6 +139,9 @@ class _Writer:
         if self.qtype is None or arr.ndim < 2 or not name.endswith(".weight"):  # llama-quantize: 2+-D weights only
             self.writer.add_tensor(name, arr)
             return
+        if arr.shape[-1] % gguf.GGML_QUANT_SIZES[self.qtype][0]:  # rows shorter than a block: llama-quantize falls back
+            self.writer.add_tensor(name, arr)
+            return
         packed = gguf.quants.quantize(arr, self.qtype)
         if self.dequantized:
             self.writer.add_tensor(name, gguf.quants.dequantize(packed, self.qtype).reshape(arr.shape))
@@ -186,7 +189,20 @@ def convert(
     with every weight of 2+ dimensions in `qtype` (a gguf.GGMLQuantizationType), or (`dequantized`) in F32 holding
     exactly the values that `qtype` file decodes to. `file_arch`: another `general.architecture` to write."""
     import gguf
+    from gguf_convert_hybrid import ARCHS as HYBRID_ARCHS
+    from gguf_convert_hybrid import convert_hybrid
     from safetensors.numpy import load_file
+
+    if arch in HYBRID_ARCHS:
+        return convert_hybrid(hf_dir, out_path, arch, name, pre, file_arch, qtype, dequantized)
+    from gguf_convert_mla import MLA_ARCHS, convert_mla
+
+    if arch in MLA_ARCHS:
+        return convert_mla(hf_dir, out_path, arch, name, pre, file_arch, qtype, dequantized)
+    import gguf_convert_gemma4
+
+    if arch in gguf_convert_gemma4.ARCHS:
+        return gguf_convert_gemma4.convert(hf_dir, out_path, arch, name, pre, file_arch, qtype, dequantized)
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]

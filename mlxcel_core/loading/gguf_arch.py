@@ -13,59 +13,25 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import CorruptModelError, UnsupportedModelError
+from . import gguf_gemma4, gguf_hybrid, gguf_mla
+from .gguf_hparams import GEMMA_FULL, GEMMA_SLIDING, Meta, as_list, as_scalar, sliding_layer_types
 
-GEMMA_SLIDING, GEMMA_FULL = "sliding_attention", "full_attention"
+# Our model types that rotate part of each head (`partial_rotary_factor`).
+PARTIAL_ROTARY = {"phi3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe"}
+# Our model types whose `extra` reads the head sizes and rotary dims itself (deepseek2's MLA: key_length is the
+# latent's, not a head's).
+OWN_GEOMETRY = {"deepseek_v3"}
 
 
 @dataclass(frozen=True)
 class ArchSpec:
     """`model_type`: our registry's (the llama architecture becomes mixtral when it has experts); `extra` adds the
-    architecture's own hyper-parameters to the config."""
+    architecture's own hyper-parameters to the config; `base_meta`, where given, is the metadata the generic config
+    reads (per-layer arrays that `extra` reads itself reduced)."""
 
     model_type: str
     extra: Callable[[dict, "Meta"], None] | None = None
-
-
-class Meta:
-    """`<arch>.<key>` metadata lookups with one error for a missing hyper-parameter."""
-
-    def __init__(self, meta: dict[str, Any], arch: str, tensor_names: set[str]):
-        self.meta, self.arch, self.names = meta, arch, tensor_names
-
-    def has(self, key: str) -> bool:
-        return self.meta.get(f"{self.arch}.{key}") is not None
-
-    def get(self, key: str, default=None):
-        value = self.meta.get(f"{self.arch}.{key}")
-        if value is None:
-            return default
-        return as_scalar(value)
-
-    def array(self, key: str):
-        value = self.meta.get(f"{self.arch}.{key}")
-        return None if value is None else as_list(value)
-
-    def need(self, key: str):
-        value = self.get(key)
-        if value is None:
-            raise CorruptModelError(f"GGUF metadata has no '{self.arch}.{key}' (a {self.arch} hyper-parameter)")
-        return value
-
-
-def as_scalar(value):
-    """A metadata scalar as a Python value (mx.load gives 0-d arrays, the gguf package numpy scalars)."""
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
-        return value.item()
-    if hasattr(value, "tolist") and getattr(value, "size", 2) == 1:
-        return value.tolist()[0]
-    return value
-
-
-def as_list(value) -> list:
-    if hasattr(value, "tolist"):
-        out = value.tolist()
-        return out if isinstance(out, list) else [out]
-    return list(value)
+    base_meta: Callable[["Meta"], "Meta"] | None = None
 
 
 def _uniform(m: Meta, key: str, name: str) -> int:
@@ -74,6 +40,7 @@ def _uniform(m: Meta, key: str, name: str) -> int:
     if value is None:
         return int(m.need(key))
     values = set(as_list(value)) if hasattr(value, "tolist") or isinstance(value, list) else {as_scalar(value)}
+    values = values - {0} or values  # 0: a layer without attention (LFM2's convolution layers)
     if len(values) != 1:
         raise UnsupportedModelError(f"GGUF {m.arch} with a per-layer {name} is not supported")
     return int(values.pop())
@@ -98,14 +65,14 @@ def _base_config(m: Meta, spec: ArchSpec, eps_default: float) -> dict[str, Any]:
     if m.has("feed_forward_length"):
         config["intermediate_size"] = _uniform(m, "feed_forward_length", "feed-forward length")
     key_len, value_len = m.get("attention.key_length"), m.get("attention.value_length")
-    if key_len is not None:
+    if key_len is not None and spec.model_type not in OWN_GEOMETRY:
         if value_len is not None and int(value_len) != int(key_len):
             raise UnsupportedModelError(f"GGUF {m.arch} with key length {key_len} != value length {value_len}")
         config["head_dim"] = int(key_len)
     head_dim = config.get("head_dim", config["hidden_size"] // heads)
     rope_dims = m.get("rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        if spec.model_type != "phi3":
+    if rope_dims is not None and int(rope_dims) != head_dim and spec.model_type not in OWN_GEOMETRY:
+        if spec.model_type not in PARTIAL_ROTARY:
             raise UnsupportedModelError(
                 f"GGUF {m.arch} with partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported"
             )
@@ -162,27 +129,6 @@ def _qwen3_moe(config: dict, m: Meta) -> None:
     config.setdefault("intermediate_size", config["moe_intermediate_size"])
     # llama.cpp's qwen3moe graph renormalizes the top-k weights (the published Qwen3-MoE configs say so too).
     config["norm_topk_prob"] = bool(m.get("expert_weights_norm", True))
-
-
-def sliding_layer_types(config: dict, m: Meta, period: int | None) -> None:
-    """`layer_types` from `attention.sliding_window_pattern` (one flag per layer, or a period), else from llama.cpp's
-    fixed period for the architecture (every `period`-th layer global; None: all global)."""
-    n = config["num_hidden_layers"]
-    value = m.meta.get(f"{m.arch}.attention.sliding_window_pattern")
-    if value is not None and not isinstance(as_scalar(value), int | float):
-        flags = [bool(f) for f in as_list(value)]
-        if len(flags) != n:
-            raise CorruptModelError(
-                f"GGUF {m.arch}.attention.sliding_window_pattern has {len(flags)} flags for {n} layers"
-            )
-        config["layer_types"] = [GEMMA_SLIDING if f else GEMMA_FULL for f in flags]
-        return
-    if value is not None:
-        period = int(as_scalar(value))
-    if period is None:
-        config["layer_types"] = [GEMMA_FULL] * n
-    else:
-        config["layer_types"] = [GEMMA_SLIDING if (i + 1) % period else GEMMA_FULL for i in range(n)]
 
 
 def _gemma_common(config: dict, m: Meta, layers_27b: int, final_softcap: float | None) -> None:
@@ -271,6 +217,16 @@ ARCHS: dict[str, ArchSpec] = {
     "smollm3": ArchSpec("smollm3", extra=_smollm3),
     "olmo2": ArchSpec("olmo3", extra=_olmo2),
     "gpt-oss": ArchSpec("gpt_oss", extra=_gpt_oss),
+    "qwen3next": ArchSpec("qwen3_next", extra=gguf_hybrid.qwen3_next_config),
+    "qwen35": ArchSpec("qwen3_5", extra=gguf_hybrid.qwen3_5_config),
+    "qwen35moe": ArchSpec("qwen3_5_moe", extra=gguf_hybrid.qwen3_5_moe_config),
+    "lfm2": ArchSpec("lfm2", extra=gguf_hybrid.lfm2_config),
+    "nemotron_h": ArchSpec("nemotron_h", extra=gguf_hybrid.nemotron_h_config),
+    "deepseek2": ArchSpec("deepseek_v3", extra=gguf_mla.deepseek2_config),
+    "glm4moe": ArchSpec("glm4_moe", extra=gguf_mla.glm4moe_config),
+    "gemma4": ArchSpec("gemma4_text", extra=gguf_gemma4.gemma4_extra, base_meta=gguf_gemma4.gemma4_base_meta),
+    "llama4": ArchSpec("llama4_text", extra=gguf_gemma4.llama4_extra),
+    "mistral3": ArchSpec("ministral3", extra=gguf_gemma4.ministral3_extra),
 }
 EPS_DEFAULT = {"gemma2": 1e-6, "gemma3": 1e-6}
 
@@ -290,7 +246,7 @@ def gguf_config(meta: dict[str, Any], tensor_names) -> dict[str, Any]:
     arch, spec = arch_spec(meta)
     m = Meta(meta, arch, set(tensor_names))
     try:
-        config = _base_config(m, spec, EPS_DEFAULT.get(arch, 1e-5))
+        config = _base_config(m if spec.base_meta is None else spec.base_meta(m), spec, EPS_DEFAULT.get(arch, 1e-5))
         if spec.extra is not None:
             spec.extra(config, m)
     except (TypeError, ValueError) as exc:

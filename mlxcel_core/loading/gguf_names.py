@@ -14,12 +14,13 @@ A value is an mx.array or a quantized tensor (an object with `weight`, `scales`,
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import CorruptModelError, UnsupportedModelError
+from . import gguf_gemma4, gguf_hybrid, gguf_mla
 from .gguf_arch import rope_freqs_scaling
 
 _ATTN = {
@@ -85,16 +86,28 @@ LAYER_NAMES: dict[str, dict[str, str]] = {
         "ffn_up": "mlp.gate_up_proj",  # gate and up fused, gate first, as in the checkpoint
         "ffn_down": "mlp.down_proj",
     },
+    **gguf_hybrid.LAYER_NAMES,
+    **gguf_gemma4.LAYER_NAMES,
+    **gguf_mla.LAYER_NAMES,
 }
 # Our model types whose converter interleaved the q/k rows (llama.cpp's LlamaModel.permute), and those whose
 # converter added 1 to every norm weight.
-PERMUTED_QK = {"llama", "mixtral", "granite", "smollm3"}
+PERMUTED_QK = {"llama", "mixtral", "granite", "smollm3", "ministral3", "nemotron_h"}
 # Parameters stored as `<part>.weight` in GGUF that are bare tensors in our models.
 BARE = {"attn_sinks"}
 NORM_SHIFT = {"gemma2": 1.0, "gemma3_text": 1.0}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Top-level tensors named otherwise by our model_type.
+TOP_NAMES: dict[str, dict[str, str]] = {**gguf_hybrid.TOP_NAMES, **gguf_gemma4.TOP_NAMES}
+# Per model_type: a fix-up of the mapped weights (`fix(out, config)`) for converter changes beyond a name map.
+FIXUPS: dict[str, Callable[[dict[str, Any], dict[str, Any]], None]] = {
+    **gguf_hybrid.FIXUPS,
+    **gguf_gemma4.FIXUPS,
+    **gguf_mla.FIXUPS,
+}
 _SUFFIXES = ("weight", "scales", "biases", "bias")
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|scales|biases|bias)$")
+# A block tensor's part may hold dots (`shortconv.in_proj`); one without a suffix (`ssm_a`) is a bare parameter.
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z0-9_.]+?)(?:\.(weight|scales|biases|bias))?$")
 _TOP_RE = re.compile(r"^([a-z0-9_]+)\.(weight|scales|biases|bias)$")
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -167,6 +180,7 @@ def gguf_weights(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, A
     """Our parameter names for every tensor of the file (`config` from gguf_config); `config` takes the rope
     factors the tensors hold."""
     names = LAYER_NAMES[config["model_type"]]
+    top = {**_TOP, **TOP_NAMES.get(config["model_type"], {})}
     shift = NORM_SHIFT.get(config["model_type"], 0.0)
     _rope_tensors(tensors, config)
     out: dict[str, Any] = {}
@@ -180,15 +194,18 @@ def gguf_weights(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, A
                 raise UnsupportedModelError(f"GGUF tensor '{name}' is not part of a {config['model_type']} model")
             value = _block_value(config, part, value)
             target = f"model.layers.{layer}.{target}"
-            if part in BARE and suffix == "weight":
+            if suffix is None or (part in BARE and suffix == "weight"):
                 out[target] = value
                 continue
-        elif (m := _TOP_RE.match(name)) and m.group(1) in _TOP:
+        elif (m := _TOP_RE.match(name)) and m.group(1) in top:
             part, suffix = m.groups()
-            target = _TOP[part]
+            target = top[part]
         else:
             raise UnsupportedModelError(f"GGUF tensor '{name}' is not part of a {config['model_type']} model")
         if shift and part.endswith("norm") and suffix == "weight":
             value = _float_array(value, name) - shift
         _emit(out, target, suffix, value)
+    fix = FIXUPS.get(config["model_type"])
+    if fix is not None:
+        fix(out, config)
     return out

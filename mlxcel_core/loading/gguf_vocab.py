@@ -32,6 +32,10 @@ _QWEN2 = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35 = (  # Qwen2's with combining marks (\p{M}) kept in words
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _GPT4O = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
@@ -41,6 +45,22 @@ _TEKKEN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek-V3's three splits: digits in threes, CJK runs, then words and punctuation.
+_DEEPSEEK3 = [
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+# Kimi-K2's split as llama.cpp's own splitter computes it (unicode_regex_split_custom_kimi_k2): runs of its Han
+# ranges, then words of non-Han letters (one run: no upper/lower case split, marks not letters) with an optional
+# contraction, digits in threes, punctuation, whitespace as Llama 3's.
+_HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
+_KIMI_K2 = (
+    f"[{_HAN}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{L}&&[^" + _HAN + r"]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 # Pre-tokenizer name -> split regexes; "gpt2" is GPT-2's own byte-level split, "digits+gpt2" that after
 # splitting every digit apart.
@@ -61,6 +81,11 @@ PRE_SPLITS: dict[str, list[str] | str] = {
     "qwen2": [_QWEN2],
     "deepseek-r1-qwen": [_QWEN2],
     "stablelm2": [_QWEN2],
+    "qwen35": [_QWEN35],
+    "lfm2": [_LLAMA3],
+    "deepseek-v3": _DEEPSEEK3,
+    "kimi-k2": [_KIMI_K2],
+    "glm4": [_LLAMA3],  # llama.cpp's CHATGLM4: Llama 3's regex
     "gpt-4o": [_GPT4O],
     "llama4": [_GPT4O],
     "minimax-m2": [_GPT4O],
@@ -79,6 +104,8 @@ EOG_TEXTS = {
     "<EOT>",
     "<|end_of_text|>",
     "<｜end▁of▁sentence｜>",
+    "<eos>",  # gemma4
+    "<turn|>",  # gemma4
 }
 # Architectures whose SentencePiece merge order is the file's token order, not the scores.
 _POSITION_ORDERED = {"gemma", "gemma2", "gemma3"}
@@ -195,13 +222,32 @@ def _post_processor(backend, tokens: list[str], bos: int | None, eos: int | None
         )
 
 
+def _gemma4_backend(meta: dict[str, Any], tokens: list[str]):
+    """llama.cpp's `gemma4` vocabulary (LLAMA_VOCAB_PRE_TYPE_GEMMA4): BPE with the file's merges over raw UTF-8
+    characters, spaces written as U+2581 (no prefix), the text split into runs of newlines and runs of anything
+    else, a newline run that is a token kept whole, <0xNN> byte fallback. The newline tokens are added tokens, so a
+    run longer than any of them splits longest token first where llama.cpp merges its newlines by rank."""
+    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    merges = [tuple(m.split(" ", 1)) for m in as_list(meta.get("tokenizer.ggml.merges", []))]
+    backend = HFTokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, fuse_unk=False, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    newlines = sorted({t for t in tokens if t and not t.strip("\n")}, key=len, reverse=True)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in newlines])
+    return backend
+
+
 def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     from tokenizers import AddedToken
 
     kind = as_scalar(meta.get("tokenizer.ggml.model"))
-    if kind not in ("gpt2", "llama"):
+    if kind not in ("gpt2", "llama", "gemma4"):
         raise UnsupportedModelError(
-            f"GGUF tokenizer model '{kind}' is not supported (supported: gpt2 byte-level BPE, llama SentencePiece)"
+            f"GGUF tokenizer model '{kind}' is not supported (supported: gpt2 byte-level BPE, llama SentencePiece, "
+            "gemma4 SentencePiece-style BPE)"
         )
     tokens = [str(t) for t in as_list(meta.get("tokenizer.ggml.tokens", []))]
     if not tokens:
@@ -211,6 +257,8 @@ def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     arch = str(as_scalar(meta.get("general.architecture", "")))
     if kind == "gpt2":
         backend = _gpt2_backend(meta, tokens)
+    elif kind == "gemma4":
+        backend = _gemma4_backend(meta, tokens)
     else:
         backend, tokens = _spm_backend(meta, tokens, types, arch)
     backend.add_special_tokens(
