@@ -244,22 +244,21 @@ class Engine:
         return self._run(decode, plan.produced, lambda: self.runner.decode(decode, tokens))
 
     def _prefill(self, plan: StepPlan) -> list[StepOutput]:
-        """Whole prompts in one forward, or one chunk of one prompt (sampled when it ends the prompt)."""
-        batch = plan.batch
-        if batch.together:
-            now = time.perf_counter()
-            for work in batch.prefills:
-                self._sequences[work.seq_id].timings.prefill_start = now
-            seq_ids = tuple(work.seq_id for work in batch.prefills)
-            run = lambda: self.runner.prefill_together(seq_ids, [self._sequences[s].prompt_ids for s in seq_ids])
-            return self._run(seq_ids, plan.produced, run)
-        if batch.prefill is None:
+        """Chunks of several prompts in one forward, or one chunk of one prompt (a row is sampled where its chunk ends
+        its prompt)."""
+        works = plan.batch.prefills
+        if not works:
             return []
-        work = batch.prefill
-        seq = self._sequences[work.seq_id]
-        seq.timings.prefill_start = seq.timings.prefill_start or time.perf_counter()
-        run = lambda: self.runner.prefill(work.seq_id, seq.prompt_ids[work.start : work.end], work.start, work.last)
-        return self._run((work.seq_id,), plan.produced, run, sample=work.last)
+        now = time.perf_counter()
+        for timings in (self._sequences[w.seq_id].timings for w in works):
+            timings.prefill_start = timings.prefill_start or now
+        seq_ids, sampled = tuple(w.seq_id for w in works), tuple(w.seq_id for w in works if w.last)
+        chunks = [self._sequences[w.seq_id].prompt_ids[w.start : w.end] for w in works]
+        if plan.batch.together:  # (their chunks start at 0, or all at one position: the scheduler's `together`)
+            run = lambda: self.runner.prefill_together(seq_ids, chunks, [w.last for w in works], works[0].start)
+        else:
+            run = lambda: self.runner.prefill(seq_ids[0], chunks[0], works[0].start, works[0].last)
+        return self._run(seq_ids, plan.produced, run, sampled)
 
     def _submit(self, produced: dict[int, _Sampled]) -> None:
         """Hand the step to the device. The host reads its rows as one vector (-1: NaN logits), built and submitted
@@ -315,15 +314,16 @@ class Engine:
         seq.cached_tokens = self.storage.add(seq_id, seq.prompt_ids, self._conversations.pop(seq_id, None))
         return seq.cached_tokens, self.storage.prefill_stops(seq_id)
 
-    def _run(self, seq_ids, produced, forward, sample: bool = True) -> list[StepOutput]:
-        """Run one forward and sample its rows; a raised error ends exactly the rows it concerns."""
+    def _run(self, seq_ids, produced, forward, sampled=None) -> list[StepOutput]:
+        """Run one forward and sample the rows its logits are of (`sampled`, in order; None: all); a raised error
+        ends exactly the rows it concerns."""
         try:
             logits = forward()
         except Exception as exc:  # the model or storage failed: every row of this forward is lost
             return [self._end(self._sequences[s], "error", None, f"{type(exc).__name__}: {exc}") for s in seq_ids]
-        if not sample:
+        if sampled is not None and not sampled:
             return []
-        seqs = [self._sequences[s] for s in seq_ids]
+        seqs = [self._sequences[s] for s in (seq_ids if sampled is None else sampled)]
         outputs, masks = self._constrain(seqs, logits)
         masked = logits if masks is None else constrained.apply_bitmask(logits, masks)  # (a free row's: every token)
         if all(s.params.masked_greedy and s.params.logprobs is None for s in seqs):

@@ -112,32 +112,47 @@ class PagedStorage:
         return () if self.snapshots is None else self.snapshots.stops(seq_id)
 
     def prefill_caches(self, seq_id: int, start: int, length: int) -> list["_PrefillView"]:
+        return self.prefill_rows_caches((seq_id,), start, length)
+
+    def prefill_rows_caches(self, seq_ids, start: int, length: int) -> list["_PrefillView"]:
+        """Per-layer caches for prompt positions [start, start + length) of each of `seq_ids` in one forward, a row
+        each (no padding: every row's chunk starts and ends at the same positions)."""
         self.submit_in_place_writes()
+        end = start + length
         if self.snapshots is not None:
             self.snapshots.capture()
-            self.snapshots.start(seq_id)
-            if start + length in self.snapshots.stops(seq_id):
-                self.snapshots.expect(seq_id, start + length)
-        table = self.tables[seq_id]
-        table.ensure_capacity(start + length)
-        self.lengths[seq_id] = start + length
+            for seq_id in seq_ids:
+                self.snapshots.start(seq_id)
+                if end in self.snapshots.stops(seq_id):
+                    self.snapshots.expect(seq_id, end)
+        tables = [self.tables[seq_id] for seq_id in seq_ids]
+        for seq_id, table in zip(seq_ids, tables):
+            table.ensure_capacity(end)
+            self.lengths[seq_id] = end
         self._reserve()
+        width = max(len(table.blocks) for table in tables)
         slot_blocks, slot_offsets, blocks = int_views(
-            *self._block_offsets([table.slot(p) for p in range(start, start + length)]), table.blocks
+            *self._block_offsets([table.slot(p) for table in tables for p in range(start, end)]),
+            [table.blocks + [0] * (width - len(table.blocks)) for table in tables],
         )
         views = [
             _PrefillView(self, layer, (slot_blocks, slot_offsets), blocks, start) for layer in range(len(self.pools))
         ]
-        return self._with_states(views, [seq_id], fresh=start == 0)
+        return self._with_states(views, seq_ids, fresh=start == 0)
 
     def prefill_together_caches(self, seq_ids, lengths: list[int]) -> list["_TogetherPrefillView"]:
-        """Per-layer caches for whole prompts of several sequences in one forward, left-padded to the longest
-        (unquantized pools: the views attend over the keys as computed, as a sequence's first chunk does)."""
+        """Per-layer caches for the first chunks (positions 0 to `lengths`) of several sequences' prompts in one
+        forward, left-padded to the longest (unquantized pools: the views attend over the keys as computed, as a
+        sequence's first chunk does). A chunk that ends at one of its sequence's stops leaves the state kept there, as
+        the chunk prefilled alone would (`prefill_caches`)."""
         if self.kv_bits is not None:
             raise ValueError("prompts prefilled together need unquantized KV pools")
         self.submit_in_place_writes()
         if self.snapshots is not None:
             self.snapshots.capture()
+            for seq_id, length in zip(seq_ids, lengths):
+                if length in self.snapshots.stops(seq_id):
+                    self.snapshots.expect(seq_id, length)
         longest = max(lengths)
         slots, keep = [], []
         for row, (seq_id, length) in enumerate(zip(seq_ids, lengths)):

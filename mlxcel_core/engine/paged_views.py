@@ -35,7 +35,8 @@ def values_seen(values: mx.array, mask: mx.array) -> mx.array:
 
 
 class _PrefillView:
-    """LayerCache for a chunk of one sequence's prompt (batch of one)."""
+    """LayerCache for a chunk of one sequence's prompt, or for chunks of several sequences' prompts that start at
+    the same position and have the same length (one row each; `blocks` [rows, width]: their block tables, padded)."""
 
     def __init__(
         self, storage: PagedStorage, layer: int, slots: tuple[mx.array, mx.array], blocks: mx.array, start: int
@@ -52,10 +53,11 @@ class _PrefillView:
         # queries may be the chunk's last positions only (a prompt's last layer, last_only): masks align them with
         # the last keys. values_in_keys n: the values are keys[..., :n] and the layer's value pool has width 0.
         # chunk (Llama 4): causal_mask's chunked attention (columns are the sequence's positions here).
-        length, queried = keys.shape[2], queries.shape[2]
+        rows, heads, length, _ = keys.shape
+        queried = queries.shape[2]
         values = stored_values(values, values_in_keys)
-        new_values = None if values is None else values[0].transpose(1, 0, 2)
-        pools = self.storage.write(self.layer, self.slots, keys[0].transpose(1, 0, 2), new_values)
+        new = [None if x is None else x.transpose(0, 2, 1, 3).reshape(rows * length, heads, -1) for x in (keys, values)]
+        pools = self.storage.write(self.layer, self.slots, *new)
         if self.offset == 0 and self.storage.kv_bits is None:
             # The sequence's first chunk: the blocks now hold exactly these keys/values, so attend over them
             # as they are instead of gathering them back (on the GPU the gather cost ~0.3 ms per layer of TTFT).
@@ -64,7 +66,7 @@ class _PrefillView:
                 queries, keys, values, scale, causal_mask(queried, length, None, window, chunk), softcap, sinks
             )
         total = self.offset + length
-        all_keys, all_values = self.storage.gather(pools, self.blocks[None], queries.dtype)
+        all_keys, all_values = self.storage.gather(pools, self.blocks, queries.dtype)
         all_values = read_values(all_keys, all_values, values_in_keys)
         mask = causal_mask(queried, total, None, window, chunk)
         return scaled_dot_product_attention(
@@ -72,10 +74,10 @@ class _PrefillView:
         )
 
     def attend_stored(self, queries, scale, window=None, softcap=None):
-        """LayerCache.attend_stored: the sequence's keys/values gathered back from the layer's blocks, through this
-        chunk's (`slots` has one entry per chunk position)."""
-        total = self.offset + self.slots[0].shape[0]
-        keys, values = self.storage.gather(self.storage.pools[self.layer], self.blocks[None], queries.dtype)
+        """LayerCache.attend_stored: the sequences' keys/values gathered back from the layer's blocks, through this
+        chunk's (`slots` has one entry per row and chunk position)."""
+        total = self.offset + self.slots[0].shape[0] // self.blocks.shape[0]
+        keys, values = self.storage.gather(self.storage.pools[self.layer], self.blocks, queries.dtype)
         mask = causal_mask(queries.shape[2], total, None, window)
         return scaled_dot_product_attention(queries, keys[:, :, :total], values[:, :, :total], scale, mask, softcap)
 

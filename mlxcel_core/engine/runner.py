@@ -39,17 +39,30 @@ class ModelRunner:
         self.storage.finish_prefill(seq_id)
         return logits
 
-    def prefill_together(self, seq_ids: tuple[int, ...], prompts: list[list[int]]) -> mx.array:
-        """Whole prompts of several sequences in one forward, left-padded to the longest (the storage hides the
-        padding from attention and gives each row its true positions); return [n, V] logits of each last token."""
-        self.prefill_tokens += sum(len(p) for p in prompts)
-        longest = max(len(p) for p in prompts)
-        caches = self.storage.prefill_together_caches(seq_ids, [len(p) for p in prompts])
-        tokens = mx.array([[0] * (longest - len(p)) + p for p in prompts])
+    def prefill_together(self, seq_ids: tuple[int, ...], chunks: list[list[int]], lasts=None, start: int = 0):
+        """Prompt chunks of several sequences in one forward: from position 0 (`start` 0), left-padded to the longest
+        (the storage hides the padding from attention and gives each row its true positions), or all of one length
+        from position `start`, unpadded; `lasts`: per row, whether its chunk ends its prompt (None: every row's does).
+        Returns [n, V] logits of the last token of the rows that end their prompts, in order (None where none does)."""
+        lasts = [True] * len(seq_ids) if lasts is None else list(lasts)
+        self.prefill_tokens += sum(len(c) for c in chunks)
+        if start == 0:
+            longest = max(len(c) for c in chunks)
+            caches = self.storage.prefill_together_caches(seq_ids, [len(c) for c in chunks])
+            tokens = mx.array([[0] * (longest - len(c)) + c for c in chunks])
+        else:
+            if any(len(c) != len(chunks[0]) for c in chunks):
+                raise ValueError("prompt chunks prefilled together past position 0 must have one length")
+            caches = self.storage.prefill_rows_caches(seq_ids, start, len(chunks[0]))
+            tokens = mx.array(chunks)
         logits = self.model(tokens, caches, last_only=True)[:, -1, :]
-        for seq_id in seq_ids:
-            self.storage.finish_prefill(seq_id)
-        return logits
+        rows = [i for i, last in enumerate(lasts) if last]
+        if not rows:
+            mx.eval([c.state for c in caches])
+            return None
+        for i in rows:
+            self.storage.finish_prefill(seq_ids[i])
+        return logits if len(rows) == len(lasts) else logits[mx.array(rows)]
 
     def score(self, seq_id: int, tokens: list[int]) -> mx.array:
         """One decoding sequence, several tokens in one forward (speculative verification): logits [n, V],

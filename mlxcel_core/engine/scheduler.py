@@ -8,9 +8,12 @@ Each call to `schedule()` plans one engine step:
   always when nothing decodes or when the request has not started yet (so a new arrival stalls running
   decodes for one chunk at most), otherwise once every `prefill_grant_interval` decode steps; a chunk ends at
   each of the request's stops (positions the storage keeps a recurrent state at, engine/state_snapshots.py);
-- with `prefill_batch_size` > 1, when that chunk is a whole prompt from its start, add other admitted
-  prompts that have not started (whole, from their start) to the same forward (`together`), up to that many
-  prompts and `prefill_chunk_size` tokens counted padded (prompts x the longest).
+- with `prefill_batch_size` > 1, when that chunk starts its prompt and ends it or its first stop, add other
+  admitted prompts that have not started to the same forward (`together`), each from its start to its first stop
+  (`last` False) or its end, up to that many prompts and `prefill_chunk_size` tokens counted padded (prompts x the
+  longest; a chunk that ends at a stop is never padded). The rest of a prompt that stopped early there goes before
+  other prefills and is granted as a prompt not started is, without waiting for the grant interval: its first token
+  comes as soon as it would have alone; such rests that start and end at the same positions share a forward too.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class _Request:
     cancelled: bool = False
     state_tokens: int = 0  # the recurrent state's share of the KV budget
     stops: tuple[int, ...] = ()  # prompt positions a prefill chunk must end at
+    eager: bool = False  # stopped early in a forward with others: its rest is granted without waiting
 
     @property
     def reservation(self) -> int:
@@ -177,39 +181,77 @@ class BatchScheduler:
         return tuple(admitted)
 
     def _next_prefill(self, decoding: bool) -> PrefillWork | None:
-        request = next((r for r in self._active.values() if r.computed < r.prompt_len), None)
-        if request is None:
+        unfinished = [r for r in self._active.values() if r.computed < r.prompt_len]
+        if not unfinished:
             return None
+        request = next((r for r in unfinished if r.eager), unfinished[0])  # the rest of a forward with others first
         granted = (
             not decoding
             or not request.started
+            or request.eager
             or self._decode_steps_since_prefill >= self.config.prefill_grant_interval
         )
         if not granted:
             return None
-        start = request.computed
-        stops = (stop for stop in request.stops if stop > start)
-        end = min(request.prompt_len, start + self.config.prefill_chunk_size, *stops)
+        start, end = request.computed, self._chunk_end(request)
         request.computed, request.started = end, True
         last = end == request.prompt_len
         if last:
             request.produced = 1
         return PrefillWork(request.seq_id, start, end, last)
 
+    def _chunk_end(self, request: _Request) -> int:
+        """Where the request's next prefill chunk ends: a chunk on, at its next stop, or at its prompt's end."""
+        start = request.computed
+        stops = (stop for stop in request.stops if stop > start)
+        return min(request.prompt_len, start + self.config.prefill_chunk_size, *stops)
+
     def _prefill_together(self, first: PrefillWork) -> tuple[PrefillWork, ...]:
-        """Whole prompts not started yet to prefill in `first`'s forward (itself a whole prompt from its start)."""
+        """Prompts not started yet to prefill in `first`'s forward (itself a prompt's first chunk, ending the prompt
+        or at its first stop), each up to its first stop or its end. A chunk that ends at a stop is never padded (the
+        forward is as long as it): the recurrent layers' chunked scans group positions from a row's first column, so
+        only an unpadded row computes its state at the stop as its chunk prefilled alone does (the same snapshot)."""
         limit, budget = self.config.prefill_batch_size, self.config.prefill_chunk_size
-        if limit == 1 or first.start != 0 or not first.last:
+        if limit > 1 and first.start != 0 and self._active[first.seq_id].eager:
+            return self._rests_together(first)
+        if limit == 1 or first.start != 0 or first.end != _first_end(self._active[first.seq_id]):
             return ()
-        longest, together = first.end, []
+        longest, fixed, together = first.end, first.end in self._active[first.seq_id].stops, []
         for request in self._active.values():
             if len(together) + 1 == limit:
                 break
-            if request.started or request.computed != 0 or request.stops:
-                continue  # under way, part of its prompt from the prefix cache, or chunks to end: prefilled on its own
-            if (len(together) + 2) * max(longest, request.prompt_len) > budget:
+            if request.started or request.computed != 0:
+                continue  # under way, or part of its prompt from the prefix cache: prefilled on its own
+            end = _first_end(request)
+            last, stop = end == request.prompt_len, end in request.stops
+            if (end > longest and fixed) or (end < longest and stop):
+                continue  # it would pad a chunk that ends at a stop
+            if (len(together) + 2) * max(longest, end) > budget:
                 continue  # a shorter one further on may still fit
-            longest = max(longest, request.prompt_len)
-            request.computed, request.started, request.produced = request.prompt_len, True, 1
-            together.append(PrefillWork(request.seq_id, 0, request.prompt_len, True))
+            longest, fixed = max(longest, end), fixed or stop
+            request.computed, request.started, request.produced = end, True, int(last)
+            together.append(PrefillWork(request.seq_id, 0, end, last))
+        if together:
+            for work in (first, *together):
+                self._active[work.seq_id].eager = not work.last
         return tuple(together)
+
+    def _rests_together(self, first: PrefillWork) -> tuple[PrefillWork, ...]:
+        """The next chunks of other prompts that stopped early in a forward with others, where they start and end
+        where `first` (such a chunk) does: one forward of unpadded rows at the same positions."""
+        limit, budget = self.config.prefill_batch_size, self.config.prefill_chunk_size
+        length, together = first.end - first.start, []
+        for request in self._active.values():
+            if len(together) + 1 == limit or (len(together) + 2) * length > budget:
+                break
+            if not request.eager or request.computed != first.start or self._chunk_end(request) != first.end:
+                continue
+            last = first.end == request.prompt_len
+            request.computed, request.produced = first.end, int(last)
+            together.append(PrefillWork(request.seq_id, first.start, first.end, last))
+        return tuple(together)
+
+
+def _first_end(request: _Request) -> int:
+    """Where a not started prompt's first chunk in a forward with others ends: its first stop, else its end."""
+    return min((request.prompt_len, *request.stops))

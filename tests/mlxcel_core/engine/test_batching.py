@@ -195,9 +195,9 @@ def _count_together(engine) -> list[int]:
     """Wrap the runner's prefill_together: the number of prompts of each call."""
     calls, real = [], engine.runner.prefill_together
 
-    def counted(seq_ids, prompts):
+    def counted(seq_ids, prompts, *lasts):
         calls.append(len(seq_ids))
-        return real(seq_ids, prompts)
+        return real(seq_ids, prompts, *lasts)
 
     engine.runner.prefill_together = counted
     return calls

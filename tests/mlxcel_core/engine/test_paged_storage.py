@@ -20,7 +20,7 @@ def _qkv(length, seed, heads=4, kv_heads=2, dim=8):
 
 def _gathered_reference(storage, view, queries, start, length, scale, window, softcap):
     """What a prefill chunk computed before the first-chunk shortcut: attend over the blocks read back."""
-    keys, values = storage.gather(storage.pools[view.layer], view.blocks[None], queries.dtype)
+    keys, values = storage.gather(storage.pools[view.layer], view.blocks, queries.dtype)
     total = start + length
     mask = causal_mask(length, total, None, window)
     return scaled_dot_product_attention(queries, keys[:, :, :total], values[:, :, :total], scale, mask, softcap)
@@ -36,7 +36,7 @@ def test_first_and_later_chunks_equal_attention_over_the_blocks(window, softcap)
         out = view.attend(q, k, v, 0.5, window=window, softcap=softcap)
         expected = _gathered_reference(storage, view, q, start, length, 0.5, window, softcap)
         assert mx.array_equal(out, expected), (start, mx.abs(out - expected).max())
-        keys, _ = storage.gather(storage.pools[0], view.blocks[None], q.dtype)
+        keys, _ = storage.gather(storage.pools[0], view.blocks, q.dtype)
         assert mx.array_equal(keys[:, :, start : start + length], k)  # the blocks hold the chunk either way
 
 
@@ -76,7 +76,7 @@ def test_pools_start_small_and_grow_by_doubling():
     q1, k1, v1 = _qkv(200, 4)
     view1.attend(q1, k1, v1, 0.5)
     assert storage.pool_rows == 128 and [p.shape[0] for p in storage.pools[0]] == [128, 128]
-    keys, _ = storage.gather(storage.pools[0], view.blocks[None], q.dtype)
+    keys, _ = storage.gather(storage.pools[0], view.blocks, q.dtype)
     assert mx.array_equal(keys[:, :, :10], k)  # the first sequence's keys survived the growth
     assert storage.pool.num_blocks < 1024 and storage.pool_rows <= storage.pool.num_blocks
 

@@ -353,7 +353,7 @@ def test_greedy_tokens_match_one_prompt_at_a_time(family, lengths):
     def run(together: int) -> dict[int, list[int]]:
         engine = _engine(family, together)
         real, calls = engine.runner.prefill_together, []
-        engine.runner.prefill_together = lambda seq_ids, prompts: calls.append(len(seq_ids)) or real(seq_ids, prompts)
+        engine.runner.prefill_together = lambda ids, chunks, *more: calls.append(len(ids)) or real(ids, chunks, *more)
         ids = {engine.open(prompt, SamplingParams(max_tokens=12)): i for i, prompt in enumerate(prompts)}
         tokens: dict[int, list[int]] = {i: [] for i in ids.values()}
         while engine.has_work():

@@ -119,20 +119,45 @@ def test_no_prompts_together_by_default_nor_after_a_partial_chunk_or_a_prefix_hi
         SchedulerConfig(prefill_batch_size=0)
 
 
-def test_prefill_chunks_end_at_the_storage_stops_and_such_prompts_go_alone():
+def test_prefill_chunks_end_at_the_storage_stops_and_first_chunks_go_together():
     """A recurrent model's storage keeps the state at some prompt positions (engine/state_snapshots.py): a chunk ends
-    at each, and a prompt with stops is never prefilled whole together with others."""
-    stops = {0: (16, 40), 1: (), 2: (8,)}
+    at each. Prompts not started go together up to their first stop (or whole), within the padded budget, where no
+    chunk that stops early is padded; the rests of those that stopped early there go next, granted at once while
+    others decode, together where they start and end at the same positions; the rest of a prompt that went alone
+    waits for the grant interval."""
+    stops = {0: (16, 40), 1: (), 2: (8,), 3: (16,), 4: (24,), 5: ()}
     s = BatchScheduler(
         SchedulerConfig(prefill_chunk_size=64, prefill_batch_size=4), on_admit=lambda seq_id: (0, stops[seq_id])
     )
-    s.add(0, prompt_len=45, max_tokens=2)
-    s.add(1, prompt_len=5, max_tokens=2)
-    s.add(2, prompt_len=12, max_tokens=2)
+    for seq_id, length in enumerate([45, 5, 12, 40, 26, 20]):
+        s.add(seq_id, prompt_len=length, max_tokens=10)
+    plan = s.schedule()  # 2 (8 tokens to its stop) would be padded, 4 (24) would pad 0 and 3, 5 (20) too
+    assert plan.prefill == PrefillWork(0, 0, 16, False)
+    assert plan.together == (PrefillWork(1, 0, 5, True), PrefillWork(3, 0, 16, False))
+    plan = s.schedule()  # 16 to 40: 0's next stop, 3's end
+    assert plan.decode == (1,) and plan.prefill == PrefillWork(0, 16, 40, False)
+    assert plan.together == (PrefillWork(3, 16, 40, True),)
     plan = s.schedule()
-    assert plan.prefill == PrefillWork(0, 0, 16, False) and plan.together == ()
-    assert s.schedule().prefill == PrefillWork(0, 16, 40, False)
-    assert s.schedule().prefill == PrefillWork(0, 40, 45, True)
+    assert plan.decode == (1, 3) and plan.prefill == PrefillWork(0, 40, 45, True) and plan.together == ()
+    plan = s.schedule()  # 4 (24) would pad 2; 5 (whole, 20 tokens) too
+    assert plan.decode == (0, 1, 3) and plan.prefill == PrefillWork(2, 0, 8, False) and plan.together == ()
+    plan = s.schedule()  # its rest waits for the grant interval
+    assert plan.decode == (0, 1, 3) and plan.prefill is None
+
+
+def test_no_chunk_that_ends_at_a_stop_is_padded():
+    """Whole prompts may be padded beside a chunk that ends at a stop, never the other way round, and a prompt whose
+    end is a stop (its state there is kept) is not padded either."""
+    stops = {0: (), 1: (16,), 2: (), 3: (12,), 4: (10,)}
+    s = BatchScheduler(
+        SchedulerConfig(prefill_chunk_size=100, prefill_batch_size=8), on_admit=lambda seq_id: (0, stops[seq_id])
+    )
+    for seq_id, length in enumerate([6, 20, 30, 12, 10]):
+        s.add(seq_id, prompt_len=length, max_tokens=10)
+    plan = s.schedule()  # 2 (whole, 30) would pad 1's chunk; 3 and 4 end at stops shorter than 16
+    assert plan.prefill == PrefillWork(0, 0, 6, True) and plan.together == (PrefillWork(1, 0, 16, False),)
+    assert s.schedule().prefill == PrefillWork(1, 16, 20, True)
     plan = s.schedule()
-    assert plan.prefill == PrefillWork(1, 0, 5, True) and plan.together == ()  # 2 has a stop: not together
-    assert s.schedule().prefill == PrefillWork(2, 0, 8, False)
+    assert plan.prefill == PrefillWork(2, 0, 30, True) and plan.together == ()
+    plan = s.schedule()
+    assert plan.prefill == PrefillWork(3, 0, 12, True) and plan.together == ()
