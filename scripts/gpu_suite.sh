@@ -6,8 +6,9 @@
 #   device call 1, carry [".devwheels/a"]:  scripts/gpu_suite.sh copy
 #   device call 2, carry [".devwheels/b"]:  scripts/gpu_suite.sh run PART     # right away (the machine idles out)
 #
-# PART splits the suite so each call stays under the device's 10-minute limit (about 3.5 and 7 minutes on 14 workers):
+# PART splits the suite so each call stays under the device's 10-minute limit (about 5 minutes each on 14 workers):
 #   device   tests/mlxcel_core/{backends,engine,server} tests/autotune (the CUDA kernels, the graph, the paged kernel)
+#   models   tests/mlxcel_core/models (the families' parity against transformers)
 #   rest     everything else
 #   all      the whole suite in one call
 # The install happens once a machine: a second `run PART` on the same warm machine reuses /tmp/site.
@@ -33,8 +34,9 @@ case "${1:-}" in
     fi
     case "${2:-all}" in
       device) paths=(tests/mlxcel_core/backends tests/mlxcel_core/engine tests/mlxcel_core/server tests/autotune) ;;
+      models) paths=(tests/mlxcel_core/models) ;;
       rest) paths=(tests --ignore=tests/mlxcel_core/backends --ignore=tests/mlxcel_core/engine
-                   --ignore=tests/mlxcel_core/server --ignore=tests/autotune) ;;
+                   --ignore=tests/mlxcel_core/server --ignore=tests/autotune --ignore=tests/mlxcel_core/models) ;;
       all) paths=(tests) ;;
       *) echo "unknown part: ${2}" >&2; exit 2 ;;
     esac

@@ -16,6 +16,40 @@ from tiny_models import save_tiny_llama  # noqa: E402  (imports mlx)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_configure(config):
+    """`-n N` schedules with xdist's worksteal: an idle worker takes tests queued on another, so a run ends with every
+    worker busy (the default `load` hands out fixed chunks and can leave one worker alone with a long tail)."""
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "worksteal"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, the real-model modules (minutes each on a CI core) go to the front of each worker's share.
+
+    pytest-xdist's worksteal scheduler hands worker i the next `remaining // workers_left` tests in collection
+    order and lets an idle worker steal from the end of another's queue; long tests at the start of each share
+    keep a long test from starting last. Whole modules stay together (their module-scoped servers start once)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    modules: dict[str, list] = {}
+    for item in items:
+        if item.get_closest_marker("real_model"):
+            modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    if workers < 2 or not modules:
+        return
+    slow = {id(item) for group in modules.values() for item in group}
+    fast = [item for item in items if id(item) not in slow]
+    shares: list[list] = [[] for _ in range(workers)]
+    for group in sorted(modules.values(), key=len, reverse=True):  # the largest module to the lightest share
+        min(shares, key=len).extend(group)
+    ordered, left = [], len(items)
+    for i, share in enumerate(shares):
+        size = max(left // (workers - i), len(share))
+        ordered += share + fast[: size - len(share)]
+        del fast[: size - len(share)]
+        left -= size
+    items[:] = ordered + fast
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
