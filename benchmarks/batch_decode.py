@@ -94,7 +94,7 @@ def peer_model(args, bench_model: BenchModel, config: dict, say) -> object | Non
     """mlx-lm's model of the shape holding our arrays, checked to compute the same logits; None (said why) when
     mlx-lm cannot build it. TwinMismatch: the two compute different logits."""
     try:
-        theirs = build_twin(bench_model.model, config)
+        theirs = build_twin(bench_model.model, config, dtype=args.dtype)
     except TwinUnavailable as e:
         say(f"mlx-lm comparison SKIPPED for {args.model_shape}: {e}; measuring mlxcel only")
         return None

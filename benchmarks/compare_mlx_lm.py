@@ -47,6 +47,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm_twin import (  # noqa: E402
     TwinMismatch,
     TwinUnavailable,
+    activation_dtype,
     add_twin_arguments,
     build_twin,
     check_twin,
@@ -137,14 +138,10 @@ def load_both(args) -> tuple[object, object, int, str, str, dict]:
         ours, config = build_random_model(
             args.model_shape, bits=args.bits, dtype=args.dtype, seed=args.seed, config=config
         )
-        return (
-            ours,
-            build_twin(ours, config),
-            config["vocab_size"],
-            description,
-            "mlx-lm Model built from the shape's config, holding mlxcel's arrays",
-            config,
-        )
+        theirs = build_twin(ours, config, dtype=args.dtype)
+        held = "mlxcel's arrays" if activation_dtype(ours) == activation_dtype(theirs) else f"{args.dtype} copies"
+        how = f"mlx-lm Model built from the shape's config, holding {held}"
+        return ours, theirs, config["vocab_size"], description, how, config
     from mlxcel_core import load_model
 
     loaded = load_model(args.model)

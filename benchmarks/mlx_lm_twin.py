@@ -128,8 +128,12 @@ def mlx_lm_version() -> str:
     return getattr(mlx_lm, "__version__", "?")
 
 
-def build_twin(ours: nn.Module, config: dict[str, Any]) -> nn.Module:
-    """mlx-lm's Model for `config`, its layers quantized as ours are, holding our arrays (strict: every one)."""
+def build_twin(ours: nn.Module, config: dict[str, Any], dtype: str | None = None) -> nn.Module:
+    """mlx-lm's Model for `config`, its layers quantized as ours are, holding our arrays (strict: every one).
+
+    `dtype`: the checkpoint's float dtype. Where ours computes in another (a half-precision quantized model on the
+    CPU computes in float32: loading/weights.py's float32_on_cpu), the twin holds copies in `dtype`, as mlx-lm
+    loading that checkpoint would."""
     version = mlx_lm_version()
     spelling = spelling_for(config)
     try:
@@ -149,9 +153,15 @@ def build_twin(ours: nn.Module, config: dict[str, Any]) -> nn.Module:
     quantized = {path_in_twin(path): m for path, m in ours.named_modules() if _is_quantized(m)}
     if quantized:
         nn.quantize(model, class_predicate=lambda path, m: path in quantized and _quantization(quantized[path]))
-    model.load_weights([(path_in_twin(k), layout(k, v)) for k, v in tree_flatten(ours.parameters())], strict=True)
+    cast = None if dtype is None or activation_dtype(ours) == getattr(mx, dtype) else getattr(mx, dtype)
+
+    def as_loaded(v: mx.array) -> mx.array:
+        return v.astype(cast) if cast is not None and mx.issubdtype(v.dtype, mx.floating) else v
+
+    weights = [(path_in_twin(k), layout(k, as_loaded(v))) for k, v in tree_flatten(ours.parameters())]
+    model.load_weights(weights, strict=True)
     model.eval()
-    mx.eval(model.parameters())  # ours, already computed: nothing new is allocated
+    mx.eval(model.parameters())  # ours, already computed: nothing new is allocated (unless cast)
     return model
 
 
@@ -219,7 +229,8 @@ def agreement_of(a: mx.array, b: mx.array) -> Agreement:
 
 def check_twin(ours: nn.Module, theirs: nn.Module, config: dict, vocab: int, say, tolerance: float | None = None):
     """Say how the twin agrees with ours (logits, a known difference of mlx-lm's), raise TwinMismatch beyond
-    `tolerance` (None: tolerance_for our dtype), then say the memory both hold and each one's KV bytes per token."""
+    `tolerance` (None: tolerance_for the coarser of the two dtypes), then say the memory both hold and each one's KV
+    bytes per token."""
     from mlxcel_core.engine.budget import kv_bytes_per_token
 
     agreement = compare_logits(ours, theirs, vocab)
@@ -227,7 +238,8 @@ def check_twin(ours: nn.Module, theirs: nn.Module, config: dict, vocab: int, say
     if note := spelling_for(config).note:
         say(f"mlx-lm differs, beyond rounding: {note}")
     dtype = activation_dtype(ours)
-    agreement.check(tolerance if tolerance is not None else tolerance_for(str(dtype).split(".")[-1]))
+    coarser = max((dtype, activation_dtype(theirs)), key=lambda d: tolerance_for(str(d).split(".")[-1]))
+    agreement.check(tolerance if tolerance is not None else tolerance_for(str(coarser).split(".")[-1]))
     say(describe_sharing(ours, theirs))
     say(
         f"KV cache bytes per token: mlxcel {kv_bytes_per_token(ours, dtype_bytes=dtype.size)}, "

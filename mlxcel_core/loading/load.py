@@ -17,7 +17,7 @@ from ..tokenizer import Tokenizer, load_hf_tokenizer
 from .gguf import load_gguf
 from .hf import load_hf_weights, read_config
 from .resolve import ModelSource, resolve_model
-from .weights import build_model
+from .weights import build_model, float32_on_cpu
 
 
 @dataclass
@@ -68,6 +68,7 @@ def load_model(
         tokenizer = load_hf_tokenizer(source.path, config)
         dtype = None
     model = build_model(config, weights, dtype, group=group)
+    float32_on_cpu(model)  # (not in build_model: `convert` keeps the source's dtypes)
     if adapter_path is not None:
         from ..adapters import fuse_adapters
 

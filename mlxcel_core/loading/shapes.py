@@ -83,6 +83,7 @@ def build_random_model(
     from ..models import model_class_for
     from ..models.moe import SwitchLinear
     from ..paths import use_kernel_cache
+    from .weights import float32_on_cpu
 
     use_kernel_cache()  # before anything compiles
     check_shape_options(name, bits, dtype)
@@ -140,6 +141,7 @@ def build_random_model(
             shard_layer(layer, f"model.layers.{i}", {}, group)
             mx.eval(layer.parameters())
     randomize(model, skip="model.layers.")  # embeddings, final norm, LM head
+    float32_on_cpu(model)  # as a loaded checkpoint does
     model.eval()
     from .. import backends
 
