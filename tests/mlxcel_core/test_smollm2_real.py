@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 
 from mlxcel_core.api import generate, prepare_prompt, stream_generate
@@ -26,12 +29,27 @@ def ours(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def reference(smollm2_gguf):
+    """Per prompt: transformers' chat-template ids and greedy tokens, cached beside the file (a minute to compute),
+    keyed by the file's bytes, the transformers version, the prompts and the steps."""
+    import transformers
+
+    digest = hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()
+    key = hashlib.sha256(json.dumps([digest, transformers.__version__, PROMPTS, STEPS]).encode()).hexdigest()[:16]
+    cached = smollm2_gguf.with_name(f"transformers-chat-reference-{key}.json")
+    if cached.is_file():
+        return {prompt: tuple(value) for prompt, value in json.loads(cached.read_text()).items()}
+    out = _transformers_reference(smollm2_gguf)
+    cached.write_text(json.dumps(out))
+    return out
+
+
+def _transformers_reference(path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": smollm2_gguf.name}
-    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, dtype=torch.float32, **kwargs).eval()
+    kwargs = {"gguf_file": path.name}
+    tok = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs).eval()
     out = {}
     for prompt in PROMPTS:
         ids = tok.apply_chat_template(
@@ -39,7 +57,7 @@ def reference(smollm2_gguf):
         )
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, do_sample=False)
-        out[prompt] = (ids, gen[0, len(ids) :].tolist())
+        out[prompt] = (list(ids), gen[0, len(ids) :].tolist())
     return out
 
 
