@@ -49,6 +49,13 @@ def reference(path: Path, prompt: list[int], steps: int):
     # Eager attention, asked for here and not only in config.json: it is the reference definition (Gemma 2's
     # attention soft-capping exists only there), whichever transformers the machine has and whatever it defaults to.
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return model_reference(model, prompt, steps)
+
+
+def model_reference(model, prompt: list[int], steps: int):
+    """`reference` for a transformers model already loaded."""
+    import torch
+
     ids = torch.tensor([prompt])
     with torch.no_grad():
         ref_logits = model(ids).logits[0].float().numpy()
@@ -56,6 +63,18 @@ def reference(path: Path, prompt: list[int], steps: int):
             ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0
         )
     return ref_logits, out[0, len(prompt) :].tolist()
+
+
+def loaded_greedy(loaded, prompt: list[int], steps: int):
+    """Our logits (one forward, no cache) and `steps` greedy tokens through stream_generate, EOS ignored (random
+    weights: every step compared), for a model already loaded (a GGUF file's, say)."""
+    from mlxcel_core.api import stream_generate
+    from mlxcel_core.sampling import SamplingParams
+
+    forward = np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
+    loaded.tokenizer.eos_token_ids = set()
+    chunks = stream_generate(loaded, prompt, SamplingParams(max_tokens=steps))
+    return forward, [c.token for c in chunks if c.token is not None]
 
 
 def ours(path: Path, prompt: list[int], steps: int):

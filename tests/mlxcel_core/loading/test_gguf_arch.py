@@ -7,21 +7,18 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 import transformers as tf
 from gguf_convert import convert
-from parity import prompt_ids
+from parity import loaded_greedy, model_reference, prompt_ids
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
 from mlxcel_cli.main import app
-from mlxcel_core.api import stream_generate
 from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.loading import load_model
-from mlxcel_core.sampling import SamplingParams
 
 gguf = pytest.importorskip("gguf")
 
@@ -208,23 +205,6 @@ def files(tmp_path_factory):
     return get
 
 
-def _reference(model, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float().numpy()
-        out = model.generate(
-            ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return logits, out[0, len(prompt) :].tolist()
-
-
-def _ours(loaded, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    logits = np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
-    loaded.tokenizer.eos_token_ids = set()  # random weights: compare all STEPS tokens
-    tokens = [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=STEPS)) if c.token is not None]
-    return logits, tokens
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_matches_the_original_checkpoint(files, case):
     hf_dir, path = files(case)
@@ -232,8 +212,8 @@ def test_gguf_matches_the_original_checkpoint(files, case):
     loaded = load_model(str(path), log=lambda m: None)
     prompts = [PROMPT, LONG_PROMPTS[case]] if case in LONG_PROMPTS else [PROMPT]
     for prompt in prompts:
-        ref_logits, ref_tokens = _reference(hf, prompt)
-        logits, tokens = _ours(loaded, prompt)
+        ref_logits, ref_tokens = model_reference(hf, prompt, STEPS)
+        logits, tokens = loaded_greedy(loaded, prompt, STEPS)
         diff = float(np.abs(logits - ref_logits).max())
         print(f"{case}: {len(prompt)}-token prompt, max-abs logit diff {diff:.3g}")
         assert diff <= TOL
@@ -261,8 +241,8 @@ def test_quantized_file_loads_as_its_decoded_values(files, tmp_path, case):
     quantized, decoded = load_model(str(q8), log=lambda m: None), load_model(str(f32), log=lambda m: None)
     kinds = {type(m).__name__ for _, m in quantized.model.named_modules()}
     assert "QuantizedLinear" in kinds and ("QuantizedSwitchLinear" in kinds) == (case != "gemma3" and case != "phi3")
-    q_logits, q_tokens = _ours(quantized, PROMPT)
-    f_logits, f_tokens = _ours(decoded, PROMPT)
+    q_logits, q_tokens = loaded_greedy(quantized, PROMPT, STEPS)
+    f_logits, f_tokens = loaded_greedy(decoded, PROMPT, STEPS)
     assert float(np.abs(q_logits - f_logits).max()) <= TOL
     assert q_tokens == f_tokens
 

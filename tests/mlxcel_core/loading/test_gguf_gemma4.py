@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 import transformers as tf
 from gguf_convert import convert
-from parity import prompt_ids
+from parity import loaded_greedy, prompt_ids, reference
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
 from mlxcel_cli.main import app
-from mlxcel_core.api import stream_generate
 from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.loading import load_model
 from mlxcel_core.loading.gguf import gguf_config
-from mlxcel_core.sampling import SamplingParams
 
 gguf = pytest.importorskip("gguf")
 
@@ -167,31 +164,13 @@ def files(tmp_path_factory):
     return get
 
 
-def _reference(hf_dir, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float().numpy()
-        out = model.generate(
-            ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return logits, out[0, len(prompt) :].tolist()
-
-
-def _ours(loaded, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    logits = np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
-    loaded.tokenizer.eos_token_ids = set()  # random weights: compare all STEPS tokens
-    tokens = [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=STEPS)) if c.token is not None]
-    return logits, tokens
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_gguf_matches_the_original_checkpoint(files, case):
     hf_dir, path = files(case)
     loaded = load_model(str(path), log=lambda m: None)
     assert loaded.config["model_type"] == CASES[case][1]
-    ref_logits, ref_tokens = _reference(hf_dir, PROMPT)
-    logits, tokens = _ours(loaded, PROMPT)
+    ref_logits, ref_tokens = reference(hf_dir, PROMPT, STEPS)
+    logits, tokens = loaded_greedy(loaded, PROMPT, STEPS)
     diff = float(np.abs(logits - ref_logits).max())
     print(f"{case}: max-abs logit diff {diff:.3g}")
     assert diff <= TOL
@@ -222,8 +201,8 @@ def test_quantized_file_loads_as_its_decoded_values(files, tmp_path, case):
     )
     kinds = {type(m).__name__ for _, m in quantized.model.named_modules()}
     assert "QuantizedLinear" in kinds and ("QuantizedSwitchLinear" in kinds) == (case in ("gemma4-moe", "llama4"))
-    q_logits, q_tokens = _ours(quantized, PROMPT)
-    f_logits, f_tokens = _ours(decoded, PROMPT)
+    q_logits, q_tokens = loaded_greedy(quantized, PROMPT, STEPS)
+    f_logits, f_tokens = loaded_greedy(decoded, PROMPT, STEPS)
     assert float(np.abs(q_logits - f_logits).max()) <= TOL
     assert q_tokens == f_tokens
 

@@ -14,15 +14,13 @@ import torch
 import transformers as tf
 from gguf_convert import convert
 from gguf_convert_hybrid import convert_hybrid
-from parity import prompt_ids
+from parity import loaded_greedy, prompt_ids
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
 from mlxcel_cli.main import app
-from mlxcel_core.api import stream_generate
 from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.loading import load_model
-from mlxcel_core.sampling import SamplingParams
 
 gguf = pytest.importorskip("gguf")
 
@@ -189,13 +187,6 @@ def _gguf(hf_dir, directory, case, **kwargs):
     return convert(hf_dir, directory / f"{case}.gguf", arch, pre=pre, **kwargs)
 
 
-def _ours(loaded, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    logits = np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
-    loaded.tokenizer.eos_token_ids = set()  # random weights: compare all STEPS tokens
-    tokens = [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=STEPS)) if c.token is not None]
-    return logits, tokens
-
-
 def _greedy(hf, ids: list[int], suppress: list[int]) -> list[int]:
     with torch.no_grad():
         out = hf.generate(
@@ -259,8 +250,8 @@ def test_quantized_file_loads_as_its_decoded_values(checkpoints, tmp_path, case)
         expected = "Linear" if case == "qwen35-dv16" and name == "out_proj" else "QuantizedLinear"
         assert kinds[f"{layer0}.{name}"] == expected, name
     assert ("QuantizedSwitchLinear" in kinds.values()) == ("moe" in case or case == "qwen3next")
-    q_logits, q_tokens = _ours(quantized, PROMPT)
-    f_logits, f_tokens = _ours(decoded, PROMPT)
+    q_logits, q_tokens = loaded_greedy(quantized, PROMPT, STEPS)
+    f_logits, f_tokens = loaded_greedy(decoded, PROMPT, STEPS)
     assert float(np.abs(q_logits - f_logits).max()) <= TOL
     assert q_tokens == f_tokens
 

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 import transformers as tf
 from gguf_convert import convert
 from gguf_convert_mla import convert_mla
-from parity import prompt_ids, randomize_norms_and_biases
+from parity import loaded_greedy, model_reference, prompt_ids, randomize_norms_and_biases
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
 from mlxcel_cli.main import app
-from mlxcel_core.api import stream_generate
 from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.loading import load_model
 from mlxcel_core.loading.gguf import gguf_config, read_gguf
-from mlxcel_core.sampling import SamplingParams
 
 gguf = pytest.importorskip("gguf")
 
@@ -178,27 +175,10 @@ def _transformers(hf_dir):
     return tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def _reference(model, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float().numpy()
-        out = model.generate(
-            ids, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
-    return logits, out[0, len(prompt) :].tolist()
-
-
-def _ours(loaded, prompt: list[int]) -> tuple[np.ndarray, list[int]]:
-    logits = np.array(loaded.model(mx.array([prompt])).astype(mx.float32))[0]
-    loaded.tokenizer.eos_token_ids = set()  # random weights: compare all STEPS tokens
-    tokens = [c.token for c in stream_generate(loaded, prompt, SamplingParams(max_tokens=STEPS)) if c.token is not None]
-    return logits, tokens
-
-
 def _assert_matches_transformers(hf_dir, path):
-    ref_logits, ref_tokens = _reference(_transformers(hf_dir), PROMPT)
+    ref_logits, ref_tokens = model_reference(_transformers(hf_dir), PROMPT, STEPS)
     loaded = load_model(str(path), log=lambda m: None)
-    logits, tokens = _ours(loaded, PROMPT)
+    logits, tokens = loaded_greedy(loaded, PROMPT, STEPS)
     assert float(np.abs(logits - ref_logits).max()) <= TOL
     assert tokens == ref_tokens
     return loaded
@@ -229,8 +209,8 @@ def test_older_deepseek2_file_with_attn_kv_b(checkpoints, tmp_path):
     decoded = _gguf(
         hf_dir, tmp_path / "dq", "deepseek-v3", legacy=True, qtype=gguf.GGMLQuantizationType.Q8_0, dequantized=True
     )
-    q_logits, q_tokens = _ours(load_model(str(q8), log=lambda m: None), PROMPT)
-    f_logits, f_tokens = _ours(load_model(str(decoded), log=lambda m: None), PROMPT)
+    q_logits, q_tokens = loaded_greedy(load_model(str(q8), log=lambda m: None), PROMPT, STEPS)
+    f_logits, f_tokens = loaded_greedy(load_model(str(decoded), log=lambda m: None), PROMPT, STEPS)
     assert float(np.abs(q_logits - f_logits).max()) <= TOL
     assert q_tokens == f_tokens
 
@@ -246,8 +226,8 @@ def test_quantized_file_loads_as_its_decoded_values(checkpoints, tmp_path, case)
     kinds = {type(m).__name__ for _, m in quantized.model.named_modules()}
     assert {"QuantizedLinear", "QuantizedSwitchLinear"} <= kinds
     assert ("QuantizedMultiLinear" in kinds) == (case == "deepseek-v3")
-    q_logits, q_tokens = _ours(quantized, PROMPT)
-    f_logits, f_tokens = _ours(load_model(str(decoded), log=lambda m: None), PROMPT)
+    q_logits, q_tokens = loaded_greedy(quantized, PROMPT, STEPS)
+    f_logits, f_tokens = loaded_greedy(load_model(str(decoded), log=lambda m: None), PROMPT, STEPS)
     assert float(np.abs(q_logits - f_logits).max()) <= TOL
     assert q_tokens == f_tokens
 
