@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 from gguf_convert import convert
 from parity import loaded_greedy, prompt_ids, reference
+from tiny_configs import GEMMA4_DENSE, GEMMA4_MOE, F, S
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
@@ -27,51 +28,7 @@ gguf = pytest.importorskip("gguf")
 STEPS = 40
 PROMPT = prompt_ids(12)
 TOL = 2e-4
-S, F = "sliding_attention", "full_attention"
 COMMON = dict(max_position_embeddings=512, initializer_range=0.1, eos_token_id=2, bos_token_id=None, pad_token_id=0)
-# Sliding and full layers of different head sizes, the last two reusing layers 2's and 1's keys, double-wide MLPs on
-# them, per-layer embeddings, proportional RoPE on half the full layers' head, final soft-capping (test_gemma4's).
-GEMMA4_DENSE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    global_head_dim=64,
-    layer_types=[S, F, S, S, F],
-    num_kv_shared_layers=2,
-    use_double_wide_mlp=True,
-    hidden_size_per_layer_input=8,
-    vocab_size_per_layer_input=320,
-    sliding_window=8,
-    final_logit_softcapping=15.0,
-    rope_parameters={
-        S: {"rope_type": "default", "rope_theta": 100.0},
-        F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10_000.0},
-    },
-    tie_word_embeddings=True,
-)
-# The 26B-A4B's kind: experts beside the dense MLP, K = V full layers with 1 KV head, no per-layer embeddings.
-GEMMA4_MOE = dict(
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    global_head_dim=64,
-    attention_k_eq_v=True,
-    num_global_key_value_heads=1,
-    hidden_size_per_layer_input=0,
-    enable_moe_block=True,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=32,
-    sliding_window=8,
-    final_logit_softcapping=30.0,
-    tie_word_embeddings=False,
-)
 # llama.cpp fixes llama4's chunk (8192), NoPE period (4) and temperature tuning (8192, 0.1): the checkpoint has them.
 LLAMA4 = dict(
     hidden_size=64,

@@ -15,6 +15,7 @@ import transformers as tf
 from gguf_convert import convert
 from gguf_convert_hybrid import convert_hybrid
 from parity import loaded_greedy, prompt_ids
+from tiny_configs import LFM2
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
@@ -94,23 +95,7 @@ CASES = {
         "lfm2",
         tf.Lfm2Config,
         tf.Lfm2ForCausalLM,
-        dict(
-            hidden_size=64,
-            intermediate_size=100,
-            block_multiple_of=32,
-            block_ffn_dim_multiplier=1.5,
-            block_auto_adjust_ff_dim=True,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            conv_L_cache=3,
-            conv_bias=False,
-            norm_eps=1e-5,
-            tie_word_embeddings=True,
-            initializer_range=0.1,
-            layer_types=["conv", "conv", "full_attention", "conv"],
-            rope_parameters={"rope_type": "default", "rope_theta": 5e4},
-        ),
+        {**LFM2, "conv_bias": False, "tie_word_embeddings": True},  # (test_lfm2's, as released checkpoints)
         "lfm2",
     ),
     # Blocks: Mamba2, attention, MLP (tests/recurrent_tiny.py's), time_step_min at transformers' default: the file

@@ -1,7 +1,7 @@
 """GGUF deepseek2 (our deepseek_v3) and glm4moe (our glm4_moe): tiny transformers checkpoints converted the way
 llama.cpp's converter does (tests/gguf_convert_mla.py: MLA declared as MQA over the latent, kv_b split into
 attn_k_b / attn_v_b or kept whole in older files, YaRN's mscale as yarn_log_multiplier, stacked experts, the
-selection bias as exp_probs_b, GLM's MTP layer kept) must load through our GGUF loader and give transformers'
+selection bias as exp_probs_b, GLM4_MOE's MTP layer kept) must load through our GGUF loader and give transformers'
 logits and greedy tokens on the original checkpoint; quantized files must compute what their decoded values do."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import transformers as tf
 from gguf_convert import convert
 from gguf_convert_mla import convert_mla
 from parity import loaded_greedy, model_reference, prompt_ids, randomize_norms_and_biases
+from tiny_configs import DEEPSEEK_V3, GLM4_MOE
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
@@ -28,33 +29,6 @@ gguf = pytest.importorskip("gguf")
 STEPS = 40
 PROMPT = prompt_ids(12)
 TOL = 2e-4  # F32 file, same weights: only summation order differs
-DEEPSEEK = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-    n_routed_experts=8,
-    first_k_dense_replace=1,
-    initializer_range=0.1,
-)
-GLM = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    n_routed_experts=8,
-    attention_bias=True,
-    initializer_range=0.1,
-)
 # YaRN as llama.cpp reads it back: mscale equal to mscale_all_dim (DeepSeek-V2-Lite's 0.707 each; V3's 1.0 each).
 YARN = dict(
     rope_type="yarn",
@@ -73,7 +47,7 @@ CASES = {
         tf.DeepseekV3Config,
         tf.DeepseekV3ForCausalLM,
         dict(
-            DEEPSEEK,
+            DEEPSEEK_V3,
             q_lora_rank=32,
             num_experts_per_tok=2,
             n_group=2,
@@ -91,7 +65,7 @@ CASES = {
         tf.DeepseekV3Config,
         tf.DeepseekV3ForCausalLM,
         dict(
-            DEEPSEEK,
+            DEEPSEEK_V3,
             q_lora_rank=None,
             num_experts_per_tok=3,
             n_group=1,
@@ -111,7 +85,7 @@ CASES = {
         tf.Glm4MoeConfig,
         tf.Glm4MoeForCausalLM,
         dict(
-            GLM,
+            GLM4_MOE,
             num_experts_per_tok=2,
             n_group=2,
             topk_group=1,
@@ -130,7 +104,7 @@ CASES = {
         tf.Glm4MoeConfig,
         tf.Glm4MoeForCausalLM,
         dict(
-            GLM,
+            GLM4_MOE,
             num_experts_per_tok=3,
             n_group=1,
             topk_group=1,
@@ -300,7 +274,7 @@ def _split(pre_tokenizer, text: str) -> list[str]:
 
 
 def test_pre_tokenizers_split_as_the_models_own_tokenizers():
-    """deepseek-v3 splits as DeepSeek-V3's tokenizer.json (three isolated splits), glm4 as GLM-4.5's (Llama 3's
+    """deepseek-v3 splits as DeepSeek-V3's tokenizer.json (three isolated splits), glm4 as GLM4_MOE-4.5's (Llama 3's
     regex, as transformers' GGUF reader has it)."""
     from tokenizers import Regex, pre_tokenizers
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS

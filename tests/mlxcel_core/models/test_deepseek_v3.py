@@ -27,6 +27,7 @@ from parity import (
     randomize_norms_and_biases,
     save_tiny_checkpoint,
 )
+from tiny_configs import DEEPSEEK_V3
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from mlxcel_core import backends
@@ -41,22 +42,6 @@ from mlxcel_core.models.grouped_moe import GroupedMoeBlock, GroupedTopKRouter
 from mlxcel_core.models.transformer import GatedMLP
 from mlxcel_core.sampling import SamplingParams
 
-# hidden 64, 4 heads; latent 32 + rope 16 (48 cached numbers a token and layer); experts of 64.
-CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    qk_rope_head_dim=16,
-    qk_nope_head_dim=32,
-    v_head_dim=32,
-    n_routed_experts=8,
-    first_k_dense_replace=1,
-    initializer_range=0.1,
-)
 YARN = {
     "rope_type": "yarn",
     "rope_theta": 10000.0,
@@ -93,8 +78,8 @@ VARIANTS = {
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
     ),
 }
-LATENT = CONFIG["kv_lora_rank"] + CONFIG["qk_rope_head_dim"]
-MTP_LAYER = CONFIG["num_hidden_layers"]
+LATENT = DEEPSEEK_V3["kv_lora_rank"] + DEEPSEEK_V3["qk_rope_head_dim"]
+MTP_LAYER = DEEPSEEK_V3["num_hidden_layers"]
 
 
 def randomize(path, seed=0, mtp=False):
@@ -104,7 +89,7 @@ def randomize(path, seed=0, mtp=False):
 
 def save(path, variant, **overrides):
     path = save_tiny_checkpoint(
-        path, DeepseekV3Config, DeepseekV3ForCausalLM, **{**CONFIG, **VARIANTS[variant], **overrides}
+        path, DeepseekV3Config, DeepseekV3ForCausalLM, **{**DEEPSEEK_V3, **VARIANTS[variant], **overrides}
     )
     return randomize(path, mtp=variant == "v3")
 
@@ -394,7 +379,9 @@ def test_fp8_blocks_cut_short_at_the_edges():
 
 def test_quantized_kv_b_proj_is_split_and_requantized():
     """An older mlx-lm conversion's quantized kv_b_proj: dequantized, split per head, quantized again."""
-    args = deepseek_v3.ModelArgs.from_dict({**CONFIG, **VARIANTS["moonlight"], "kv_lora_rank": 64, "vocab_size": 320})
+    args = deepseek_v3.ModelArgs.from_dict(
+        {**DEEPSEEK_V3, **VARIANTS["moonlight"], "kv_lora_rank": 64, "vocab_size": 320}
+    )
     weight = mx.random.normal((4 * 64, 64), key=mx.random.key(0)) * 0.1
     packed, scales, biases = mx.quantize(weight, group_size=32, bits=4)
     weights = {"p.kv_b_proj.weight": packed, "p.kv_b_proj.scales": scales, "p.kv_b_proj.biases": biases}
@@ -428,7 +415,7 @@ def test_quantized_kv_b_proj_is_split_and_requantized():
     ],
 )
 def test_refuses_what_it_cannot_compute(overrides, message):
-    config = {**CONFIG, **VARIANTS["v3"], "vocab_size": 320, "model_type": "deepseek_v3", **overrides}
+    config = {**DEEPSEEK_V3, **VARIANTS["v3"], "vocab_size": 320, "model_type": "deepseek_v3", **overrides}
     with pytest.raises(UnsupportedModelError, match=message):
         deepseek_v3.Model(deepseek_v3.ModelArgs.from_dict(config))
 

@@ -16,57 +16,13 @@ import numpy as np
 import pytest
 from parity import assert_parity, checkpoint_logits, load_quiet, prompt_ids, reference, save_tiny_checkpoint
 from test_qwen3 import set_norms
+from tiny_configs import GEMMA4_DENSE, GEMMA4_MOE, F, S
 from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
 from mlxcel_core.backends import cuda_available as backends_cuda
 from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.models.gemma4 import ModelArgs
 
-S, F = "sliding_attention", "full_attention"
-# 5 layers, both types; the last 2 reuse the keys of layers 2 (sliding) and 1 (full); full layers have twice the
-# head size; the window (8) is far shorter than the 64-token prompt. Non-default RoPE so that each one matters.
-DENSE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=5,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    global_head_dim=64,
-    layer_types=[S, F, S, S, F],
-    num_kv_shared_layers=2,
-    use_double_wide_mlp=True,
-    hidden_size_per_layer_input=8,
-    vocab_size_per_layer_input=320,
-    sliding_window=8,
-    final_logit_softcapping=15.0,
-    rope_parameters={
-        S: {"rope_type": "default", "rope_theta": 100.0},
-        F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10_000.0},
-    },
-    tie_word_embeddings=True,
-)
-# The 26B-A4B's kind of layers: experts beside the dense MLP, K = V full layers with 1 KV head, no per-layer
-# embeddings, no KV sharing; layer_types and rope_parameters left to transformers' defaults ([S, S, F]).
-MOE = dict(
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    global_head_dim=64,
-    attention_k_eq_v=True,
-    num_global_key_value_heads=1,
-    hidden_size_per_layer_input=0,
-    enable_moe_block=True,
-    num_experts=4,
-    top_k_experts=2,
-    moe_intermediate_size=32,
-    sliding_window=8,
-    final_logit_softcapping=30.0,
-    tie_word_embeddings=False,
-)
 COMMON = dict(max_position_embeddings=512, initializer_range=0.1, eos_token_id=2, bos_token_id=None, pad_token_id=0)
 RANDOM = ("norm.weight", "layer_scalar", "router.scale", "per_expert_scale")  # ones in transformers' init
 VISION = dict(
@@ -109,7 +65,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma4")
     return {
         name: randomize(save_tiny_checkpoint(root / name, Gemma4TextConfig, Gemma4ForCausalLM, **COMMON, **cfg))
-        for name, cfg in (("dense", DENSE), ("moe", MOE))
+        for name, cfg in (("dense", GEMMA4_DENSE), ("moe", GEMMA4_MOE))
     }
 
 
@@ -118,7 +74,7 @@ def wrapper(tmp_path_factory):
     """Gemma4ForConditionalGeneration as transformers saves it: text_config nested, the text weights under
     `model.language_model.`, vision and audio towers beside them."""
     path = tmp_path_factory.mktemp("gemma4-mm") / "mm"
-    text = {**DENSE, **COMMON, "vocab_size": 320, "use_bidirectional_attention": "vision"}
+    text = {**GEMMA4_DENSE, **COMMON, "vocab_size": 320, "use_bidirectional_attention": "vision"}
     save_tiny_checkpoint(
         path,
         Gemma4Config,
@@ -190,7 +146,7 @@ def test_config_knobs_all_matter(checkpoints, tmp_path):
     path = checkpoints["dense"]
     prompt = prompt_ids(64)
     ref, _ = reference(path, prompt, 1)
-    rope = DENSE["rope_parameters"]
+    rope = GEMMA4_DENSE["rope_parameters"]
     changes = {
         "softcap": {"final_logit_softcapping": None},
         "window": {"sliding_window": 4096},
@@ -437,7 +393,7 @@ def test_tensor_parallelism_is_refused(checkpoints):
         load_model(str(checkpoints["dense"]), log=lambda m: None, group=FakeGroup(0, 2))
 
 
-BASE = dict(DENSE, vocab_size=320)
+BASE = dict(GEMMA4_DENSE, vocab_size=320)
 
 
 @pytest.mark.parametrize(
@@ -445,7 +401,10 @@ BASE = dict(DENSE, vocab_size=320)
     [
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention 'all'"),
         ({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
-        ({"rope_parameters": {S: {"rope_type": "yarn", "rope_theta": 1.0}, F: DENSE["rope_parameters"][F]}}, "'yarn'"),
+        (
+            {"rope_parameters": {S: {"rope_type": "yarn", "rope_theta": 1.0}, F: GEMMA4_DENSE["rope_parameters"][F]}},
+            "'yarn'",
+        ),
         ({"per_layer_config": {"1": {"intermediate_size": 32}}}, "per_layer_config of layer 1 \\(intermediate_size"),
         ({"num_kv_shared_layers": 5}, "num_kv_shared_layers 5"),
         ({"layer_types": [S, S, S, F, F]}, "KV-shared full_attention layers have no earlier"),

@@ -24,6 +24,7 @@ from parity import (
     randomize_norms_and_biases,
     save_tiny_checkpoint,
 )
+from tiny_configs import GLM4_MOE
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
 from mlxcel_core.errors import UnsupportedModelError
@@ -32,19 +33,6 @@ from mlxcel_core.models.grouped_moe import GroupedMoeBlock, GroupedTopKRouter
 from mlxcel_core.models.moe import QuantizedSwitchLinear
 from mlxcel_core.models.transformer import GatedMLP
 
-# head_dim 32 != hidden / heads (16); experts of 64 (every matrix quantizable at group 64).
-CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    n_routed_experts=8,
-    attention_bias=True,
-    initializer_range=0.1,
-)
 VARIANTS = {
     # 2 groups of 4 experts, the router keeps the best group; renormalized top-2 times 2.5; layer 0 dense.
     "glm-4.5": dict(
@@ -73,7 +61,7 @@ VARIANTS = {
     ),
 }
 ROTARY_DIMS = {"glm-4.5": 16, "air": 8}
-MTP_LAYER = CONFIG["num_hidden_layers"]  # the multi-token-prediction layer's index in released checkpoints
+MTP_LAYER = GLM4_MOE["num_hidden_layers"]  # the multi-token-prediction layer's index in released checkpoints
 
 
 def randomize(path, seed=0, mtp=False):
@@ -82,7 +70,9 @@ def randomize(path, seed=0, mtp=False):
 
 
 def save(path, variant, **overrides):
-    path = save_tiny_checkpoint(path, Glm4MoeConfig, Glm4MoeForCausalLM, **{**CONFIG, **VARIANTS[variant], **overrides})
+    path = save_tiny_checkpoint(
+        path, Glm4MoeConfig, Glm4MoeForCausalLM, **{**GLM4_MOE, **VARIANTS[variant], **overrides}
+    )
     return randomize(path, mtp=variant == "glm-4.5")
 
 
@@ -214,7 +204,7 @@ def test_router_weights_follow_transformers_formula():
     ],
 )
 def test_refuses_what_it_cannot_compute(overrides, message):
-    config = {**CONFIG, "vocab_size": 320, "model_type": "glm4_moe", **overrides}
+    config = {**GLM4_MOE, "vocab_size": 320, "model_type": "glm4_moe", **overrides}
     with pytest.raises(UnsupportedModelError, match=message):
         glm4_moe.Model(glm4_moe.ModelArgs.from_dict(config))
 

@@ -13,31 +13,11 @@ import numpy as np
 import pytest
 import recurrent_checks
 from parity import assert_parity, checkpoint_logits, load_quiet, prompt_ids, save_tiny_checkpoint
+from tiny_configs import LFM2
 from transformers import Lfm2Config, Lfm2ForCausalLM
 
 from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.models.base import has_recurrent_layers
-
-# Layers: conv, conv, attention, conv (full_attn_idxs [2] in the older style). The feed-forward width is adjusted:
-# int(2 * 100 / 3) = 66, times 1.5 = 99, rounded up to a multiple of 32 = 128. Convolution biases on, so that they
-# are read; an untied LM head, so that the older style's `tie_embedding` is read.
-CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=100,
-    block_multiple_of=32,
-    block_ffn_dim_multiplier=1.5,
-    block_auto_adjust_ff_dim=True,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    conv_L_cache=3,
-    conv_bias=True,
-    norm_eps=1e-5,
-    tie_word_embeddings=False,
-    initializer_range=0.1,
-    layer_types=["conv", "conv", "full_attention", "conv"],
-    rope_parameters={"rope_type": "default", "rope_theta": 5e4},
-)
 
 
 def set_norms(path, seed: int = 0):
@@ -60,7 +40,7 @@ def older_style(src, dst):
     config = json.loads((path / "config.json").read_text())
     rope = config.pop("rope_parameters")
     types = config.pop("layer_types")
-    assert types == CONFIG["layer_types"]
+    assert types == LFM2["layer_types"]
     config.update(
         full_attn_idxs=[i for i, kind in enumerate(types) if kind == "full_attention"],
         block_ff_dim=config.pop("intermediate_size"),
@@ -73,7 +53,7 @@ def older_style(src, dst):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("lfm2"), Lfm2Config, Lfm2ForCausalLM, **CONFIG)
+    path = save_tiny_checkpoint(tmp_path_factory.mktemp("lfm2"), Lfm2Config, Lfm2ForCausalLM, **LFM2)
     return set_norms(path)
 
 
@@ -87,7 +67,7 @@ def test_parity_older_config_style(tiny, tmp_path):
 
 def test_architecture_follows_config(tiny):
     model = load_quiet(tiny).model
-    assert [layer.layer_type for layer in model.layers] == CONFIG["layer_types"]
+    assert [layer.layer_type for layer in model.layers] == LFM2["layer_types"]
     assert has_recurrent_layers(model) and not model.args.tie_word_embeddings
     assert model.layers[0].feed_forward.gate_proj.weight.shape == (128, 64)
     assert model.layers[0].conv.conv.weight.shape == (64, 1, 3) and "bias" in model.layers[0].conv.conv
@@ -100,7 +80,7 @@ def test_feed_forward_width_without_multiplier():
     """transformers rounds to block_multiple_of only with a multiplier; without adjustment the width is as given."""
     from mlxcel_core.models.lfm2 import ModelArgs
 
-    base = {**CONFIG, "vocab_size": 320}
+    base = {**LFM2, "vocab_size": 320}
     assert ModelArgs.from_dict({**base, "block_ffn_dim_multiplier": None}).ff_dim == 66
     assert ModelArgs.from_dict({**base, "block_auto_adjust_ff_dim": False}).ff_dim == 100
     assert ModelArgs.from_dict({**base, "layer_types": None}).layer_types == ["full_attention"] * 4
@@ -145,7 +125,7 @@ def test_unknown_layer_type_is_refused():
     from mlxcel_core.models.lfm2 import ModelArgs
 
     with pytest.raises(UnsupportedModelError, match="lfm2 layer_types.*sliding_attention"):
-        ModelArgs.from_dict({**CONFIG, "vocab_size": 320, "layer_types": ["sliding_attention"] * 4})
+        ModelArgs.from_dict({**LFM2, "vocab_size": 320, "layer_types": ["sliding_attention"] * 4})
 
 
 def test_engine_paths(tiny):

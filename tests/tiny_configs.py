@@ -1,0 +1,97 @@
+"""Tiny transformers configs several test files build the same family from: the family's own tests
+(tests/mlxcel_core/models/) and the GGUF tests that convert that checkpoint (tests/mlxcel_core/loading/)."""
+
+S, F = "sliding_attention", "full_attention"
+
+# Gemma 4: 5 layers, both types; the last 2 reuse the keys of layers 2 (sliding) and 1 (full); full layers have twice
+# the head size; the window (8) is far shorter than a 64-token prompt. Non-default RoPE so that each one matters.
+GEMMA4_DENSE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    layer_types=[S, F, S, S, F],
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=320,
+    sliding_window=8,
+    final_logit_softcapping=15.0,
+    rope_parameters={
+        S: {"rope_type": "default", "rope_theta": 100.0},
+        F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10_000.0},
+    },
+    tie_word_embeddings=True,
+)
+# The 26B-A4B's kind of layers: experts beside the dense MLP, K = V full layers with 1 KV head, no per-layer
+# embeddings, no KV sharing; layer_types and rope_parameters left to transformers' defaults ([S, S, F]).
+GEMMA4_MOE = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    attention_k_eq_v=True,
+    num_global_key_value_heads=1,
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=32,
+    sliding_window=8,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=False,
+)
+# DeepSeek-V3: hidden 64, 4 heads; latent 32 + rope 16 (48 cached numbers a token and layer); experts of 64.
+DEEPSEEK_V3 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    first_k_dense_replace=1,
+    initializer_range=0.1,
+)
+# GLM-4.5: head_dim 32 != hidden / heads (16); experts of 64 (every matrix quantizable at group 64).
+GLM4_MOE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    n_routed_experts=8,
+    attention_bias=True,
+    initializer_range=0.1,
+)
+# LFM2 layers: conv, conv, attention, conv. The feed-forward width is adjusted: int(2 * 100 / 3) = 66, times 1.5 = 99,
+# rounded up to a multiple of 32 = 128. Convolution biases on, an untied LM head.
+LFM2 = dict(
+    hidden_size=64,
+    intermediate_size=100,
+    block_multiple_of=32,
+    block_ffn_dim_multiplier=1.5,
+    block_auto_adjust_ff_dim=True,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    conv_L_cache=3,
+    conv_bias=True,
+    norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+    layer_types=["conv", "conv", "full_attention", "conv"],
+    rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+)
