@@ -4,7 +4,9 @@
 
 A copy keeps every key of its shape's config.json-style dict and so builds the same architecture class (the same
 attention kinds, MoE routing, MLA latent, per-layer embeddings, KV sharing, mxfp4 experts): only sizes shrink. Every
-matrix's input dimension stays a multiple of 64, so --bits quantizes the same modules as at full size. Sliding
+matrix's input dimension stays a multiple of 64, so --bits quantizes the same modules as at full size, and spans at
+least two 64-groups: MLX 0.32.4's CUDA quantized_matmul computes wrong (or has no kernel) where a layer's input is
+one group (backends/cuda/kernels/mlx_workarounds.py), and mlx-lm's twin layers get no such route around. Sliding
 windows and attention chunks shrink to 4 positions, so a 12-token check already crosses them.
 """
 
@@ -24,13 +26,13 @@ SMALL_SIZES: dict[str, int] = {
     "moe_intermediate_size": 128,
     "vocab_size": 512,
     "vocab_size_per_layer_input": 512,
-    "hidden_size_per_layer_input": 64,
+    "hidden_size_per_layer_input": 128,
     "n_routed_experts": 8,
     "num_local_experts": 4,
     "kv_lora_rank": 128,
     "qk_rope_head_dim": 32,
-    "qk_nope_head_dim": 64,
-    "v_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
     "sliding_window": 4,
     "attention_chunk_size": 4,
     "linear_num_key_heads": 2,

@@ -11,6 +11,7 @@
 #   models   tests/mlxcel_core/models (the families' parity against transformers)
 #   rest     everything else
 #   all      the whole suite in one call
+#   exec CMD ...  any command in the staged environment (a probe, a benchmark)
 # The install happens once a machine: a second `run PART` on the same warm machine reuses /tmp/site.
 # Real-model tests (marker real_model) need the SmolLM2 download, which that machine cannot make: CI runs them.
 set -euo pipefail
@@ -22,16 +23,30 @@ case "${1:-}" in
       jsonschema-specifications referencing rpds-py attrs libgguf gguf pyyaml
     # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
     mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
+    # The test extras' transformers (that machine's is older than the GGUF tests need) rides alone in a third call.
+    mkdir -p .devwheels/c
+    python3 -m pip download -q --no-deps -d .devwheels/c "transformers==$(python3 -c 'import transformers as t; print(t.__version__)')" \
+      "huggingface_hub>=1.31,<2"
     ;;
-  copy)
-    mkdir -p /tmp/dw && cp .devwheels/a/* /tmp/dw/
+  copy)  # once with carry [".devwheels/a"], then (if staged) once with carry [".devwheels/c"]
+    mkdir -p /tmp/dw /tmp/dwc
+    if [ -d .devwheels/a ]; then cp .devwheels/a/* /tmp/dw/; fi
+    if [ -d .devwheels/c ]; then cp .devwheels/c/* /tmp/dwc/; fi
     ;;
   run)
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
     if ! python3 -c "import mlx.core" 2>/dev/null; then
       cp .devwheels/b/*.whl /tmp/dw/ 2>/dev/null || true
       bash .devwheels/b/install.sh >/dev/null
+      if ls /tmp/dwc/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_tf /tmp/dwc/*.whl
+      fi
     fi
+    if [ -d /tmp/site_tf ] && PYTHONPATH="/tmp/site_tf:$PYTHONPATH" python3 -c "import transformers" 2>/dev/null; then
+      export PYTHONPATH="/tmp/site_tf:$PYTHONPATH"
+    fi
+    python3 -c "import mlx.core as mx, transformers; print('mlx', mx.__version__, 'transformers', transformers.__version__)"
+    if [ "${2:-}" = exec ]; then shift 2; exec "$@"; fi  # any command in the staged environment
     case "${2:-all}" in
       device) paths=(tests/mlxcel_core/backends tests/mlxcel_core/engine tests/mlxcel_core/server tests/autotune) ;;
       models) paths=(tests/mlxcel_core/models) ;;

@@ -242,3 +242,19 @@ def rename_weights(path: Path, renames=WRAPPER_RENAMES) -> Path:
         renamed[name] = value
     mx.save_safetensors(str(path / "model.safetensors"), renamed)
     return path
+
+
+def mlx_lm_model(path, **kwargs):
+    """mlx_lm.load's model of `path` (skip without mlx-lm). On CUDA, its layers whose input is one quantization
+    group wide are routed around MLX's CUDA quantized_matmul fault as mlxcel's backend routes its own
+    (backends/cuda/kernels/mlx_workarounds.py): the comparison is of the two models, not of that MLX fault."""
+    import pytest
+
+    mlx_lm = pytest.importorskip("mlx_lm")
+    model, _ = mlx_lm.load(str(path), **kwargs)
+    from mlxcel_core.backends.cuda.kernels import qmv
+    from mlxcel_core.backends.cuda.kernels.mlx_workarounds import route_around_qmm_fault
+
+    if qmv.cuda_kernel_available():
+        route_around_qmm_fault(model)
+    return model

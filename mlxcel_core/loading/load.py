@@ -50,11 +50,6 @@ def load_model(
     safetensors the rank reads only its slices' bytes (loading/sliced.py); from GGUF each sharded tensor is
     read whole once and sliced in memory."""
     kernels = use_kernel_cache()  # before anything compiles
-    if kernels is not None and _holds_nothing(kernels):
-        log(
-            f"first run with this GPU and MLX version: compiling CUDA kernels (about a minute for an 8B model); "
-            f"later runs reuse them from {kernels}"
-        )
     if adapter_path is not None and group is not None and group.size() > 1:
         raise InputError("--adapter-path cannot be combined with tensor parallelism (--tp-size > 1)")
     source = resolve_model(spec, log)
@@ -75,6 +70,11 @@ def load_model(
         fuse_adapters(model, adapter_path, log)  # before the backend swaps in its kernel modules
     from .. import backends
 
+    if kernels is not None and _holds_nothing(kernels):  # (said once the input is known good: errors stay one line)
+        log(
+            f"first run with this GPU and MLX version: compiling CUDA kernels (about a minute for an 8B model); "
+            f"later runs reuse them from {kernels}"
+        )
     backends.current().prepare_model(model)  # the backend's kernel modules, where it has any
     record_use(source.path)  # `mlxcel ls` shows when each model was last used
     return LoadedModel(model, tokenizer, config, source)

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from family_checks import SPECIAL, TEXT, cli_tokens
-from parity import load_quiet, logits, prompt_ids
+from parity import load_quiet, logits, mlx_lm_model, prompt_ids
 from safetensors.numpy import load_file, save_file
 from tiny_models import save_tiny_llama
 
@@ -85,8 +85,7 @@ def merged_checkpoint(base_dir, adapter_dir, out_dir, weights=None):
 
 
 def _mlx_lm_logits(model_dir, adapter_dir, prompt):
-    mlx_lm = pytest.importorskip("mlx_lm")
-    model, _ = mlx_lm.load(str(model_dir), adapter_path=str(adapter_dir))
+    model = mlx_lm_model(model_dir, adapter_path=str(adapter_dir))
     return np.array(model(mx.array([prompt])).astype(mx.float32))[0]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from family_checks import cli_tokens
 from gguf_convert import convert as write_gguf
-from parity import dequantized_logits, load_quiet, logits, prompt_ids
+from parity import dequantized_logits, load_quiet, logits, mlx_lm_model, prompt_ids
 from tiny_models import save_tiny_checkpoint, save_tiny_llama
 
 from mlxcel_cli.main import main
@@ -47,8 +47,7 @@ def _convert(capsys, *args) -> tuple[int, str, str]:
 
 
 def _mlx_lm_logits(path, prompt) -> np.ndarray:
-    mlx_lm = pytest.importorskip("mlx_lm")
-    model, _ = mlx_lm.load(str(path))
+    model = mlx_lm_model(path)
     return np.array(model(mx.array([prompt])).astype(mx.float32))[0]
 
 

@@ -142,3 +142,14 @@ def test_the_first_run_on_a_gpu_says_it_is_compiling_kernels(tiny_llama_dir, tmp
     monkeypatch.setattr(load, "use_kernel_cache", lambda: None)  # CPU, Metal: nothing to compile or keep
     quiet(tiny_llama_dir, said)
     assert not said
+
+
+def test_bad_input_on_a_first_gpu_run_says_only_the_error(tmp_path, monkeypatch):
+    """The compile notice comes once the model is read: a bad path stays the one-line error the CLI prints."""
+    import mlxcel_core.loading.load as load
+
+    monkeypatch.setattr(load, "use_kernel_cache", lambda: tmp_path / "kernels-not-yet")
+    said = []
+    with pytest.raises(InputError, match="does not exist"):
+        quiet(tmp_path / "nope", said)
+    assert not said
