@@ -62,8 +62,8 @@ SETTINGS: tuple[Setting, ...] = (
         "MLXCEL_CACHE_DIR",
         "path",
         None,
-        "Where mlxcel keeps fetched models, compiled kernels, autotune results and built GGUF tokenizers (default: "
-        "the platform's user cache dir, e.g. ~/.cache/mlxcel).",
+        "Where mlxcel keeps fetched models, compiled kernels and autotune results (default: the platform's user "
+        "cache dir, e.g. ~/.cache/mlxcel).",
         _path,
     ),
     Setting(

@@ -14,12 +14,10 @@ control tokens llama.cpp treats as end of generation.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptModelError, UnsupportedModelError
 from ..tokenizer import Tokenizer
-from . import gguf_vocab_cache
 from .gguf_arch import as_list, as_scalar
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -175,15 +173,12 @@ def spm_merges(tokens: list[str], priority: list[float], mergeable: list[bool]) 
     return merges
 
 
-def _spm_pieces(tokens: list[str]) -> list[str]:
-    """Gemma stores runs of spaces as real spaces; the text side writes them as U+2581."""
-    return [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
-
-
 def _spm_backend(meta: dict[str, Any], tokens: list[str], types: list[int], arch: str):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, normalizers
 
+    # Gemma stores runs of spaces as real spaces; the text side writes them as U+2581.
+    tokens = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     if arch in _POSITION_ORDERED:
         priority = [-float(i) for i in range(len(tokens))]
     else:
@@ -207,7 +202,7 @@ def _spm_backend(meta: dict[str, Any], tokens: list[str], types: list[int], arch
     backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), escape]) if prefix else escape
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
-    return backend
+    return backend, tokens
 
 
 def _post_processor(backend, tokens: list[str], bos: int | None, eos: int | None, add_bos: bool, add_eos: bool):
@@ -245,28 +240,9 @@ def _gemma4_backend(meta: dict[str, Any], tokens: list[str]):
     return backend
 
 
-def _backend(meta: dict[str, Any], kind: str, tokens: list[str], types: list[int], arch: str):
-    """The tokenizers backend of a GGUF vocabulary (SentencePiece `tokens` already through `_spm_pieces`)."""
+def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     from tokenizers import AddedToken
 
-    if kind == "gpt2":
-        backend = _gpt2_backend(meta, tokens)
-    elif kind == "gemma4":
-        backend = _gemma4_backend(meta, tokens)
-    else:
-        backend = _spm_backend(meta, tokens, types, arch)
-    backend.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == CONTROL]
-    )
-    user = [i for i, t in enumerate(types) if t == USER_DEFINED and set(tokens[i]) != {SPACE}]
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
-    bos, eos = _meta_id(meta, "bos_token_id"), _meta_id(meta, "eos_token_id")
-    add_bos = _meta_flag(meta, "add_bos_token", kind == "llama")  # llama.cpp's default for SentencePiece
-    _post_processor(backend, tokens, bos, eos, add_bos, _meta_flag(meta, "add_eos_token", False))
-    return backend
-
-
-def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     kind = as_scalar(meta.get("tokenizer.ggml.model"))
     if kind not in ("gpt2", "llama", "gemma4"):
         raise UnsupportedModelError(
@@ -279,13 +255,21 @@ def gguf_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     raw_types = meta.get("tokenizer.ggml.token_type")
     types = [int(t) for t in as_list(raw_types)] if raw_types is not None else [NORMAL] * len(tokens)
     arch = str(as_scalar(meta.get("general.architecture", "")))
-    if kind == "llama":
-        tokens = _spm_pieces(tokens)
-        build = lambda: _backend(meta, kind, tokens, types, arch)  # noqa: E731
-        backend = gguf_vocab_cache.cached(meta, len(tokens), build, Path(__file__))
+    if kind == "gpt2":
+        backend = _gpt2_backend(meta, tokens)
+    elif kind == "gemma4":
+        backend = _gemma4_backend(meta, tokens)
     else:
-        backend = _backend(meta, kind, tokens, types, arch)
+        backend, tokens = _spm_backend(meta, tokens, types, arch)
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == CONTROL]
+    )
+    user = [i for i, t in enumerate(types) if t == USER_DEFINED and set(tokens[i]) != {SPACE}]
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+
     bos, eos = _meta_id(meta, "bos_token_id"), _meta_id(meta, "eos_token_id")
+    add_bos = _meta_flag(meta, "add_bos_token", kind == "llama")  # llama.cpp's default for SentencePiece
+    _post_processor(backend, tokens, bos, eos, add_bos, _meta_flag(meta, "add_eos_token", False))
     eog = {i for i in (eos, _meta_id(meta, "eot_token_id"), _meta_id(meta, "eom_token_id")) if i is not None}
     eog |= {i for i, t in enumerate(types) if t == CONTROL and tokens[i] in EOG_TEXTS}
     template = meta.get("tokenizer.chat_template")
