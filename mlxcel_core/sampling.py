@@ -74,6 +74,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        """Each field checked against its range (InputError naming the option as the CLI spells it)."""
+        self._check_sampling()
+        self._check_penalties()
+        self._check_dry_and_xtc()
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InputError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
+
+    def _check_sampling(self) -> None:
         _check(0 <= self.temperature < math.inf, "temperature", "a finite number >= 0", self.temperature)
         _check(
             self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
@@ -98,6 +106,8 @@ class SamplingParams:
             "token ids (integers >= 0)",
             list(self.suppress_tokens),
         )
+
+    def _check_penalties(self) -> None:
         _check(
             0 < self.repetition_penalty < math.inf,
             "repeat-penalty",
@@ -112,6 +122,8 @@ class SamplingParams:
         )
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence-penalty", "in [-2, 2]", self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency-penalty", "in [-2, 2]", self.frequency_penalty)
+
+    def _check_dry_and_xtc(self) -> None:
         _check(
             0 <= self.dry_multiplier < math.inf, "dry-multiplier", "a finite number >= 0 (0 = off)", self.dry_multiplier
         )
@@ -144,8 +156,6 @@ class SamplingParams:
         )
         _check(0.0 <= self.xtc_threshold <= 1.0, "xtc-threshold", "in [0, 1]", self.xtc_threshold)
         _check(0.0 <= self.xtc_probability <= 1.0, "xtc-probability", "in [0, 1]", self.xtc_probability)
-        if self.constraint is not None and not isinstance(self.constraint, Constraint):
-            raise InputError(f"constraint must be a Constraint, got {type(self.constraint).__name__}")
 
     @property
     def greedy(self) -> bool:
