@@ -258,3 +258,30 @@ def mlx_lm_model(path, **kwargs):
     if qmv.cuda_kernel_available():
         route_around_qmm_fault(model)
     return model
+
+
+def assert_generate_cli_gives_greedy(path, hf_model, steps: int, prompt: str = "The capital of France is") -> None:
+    """`mlxcel generate -m PATH --json` (in this process, on a raw prompt) gives `hf_model`'s greedy tokens for
+    `steps` steps, up to and including the first end-of-generation token."""
+    import json
+
+    import torch
+    from typer.testing import CliRunner
+
+    from mlxcel_cli.main import app
+    from mlxcel_core.loading import load_model
+
+    tokenizer = load_model(str(path), log=lambda m: None).tokenizer
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0
+        )
+    expected = out[0, len(ids) :].tolist()
+    eos = tokenizer.eos_token_ids
+    expected = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))]
+    result = CliRunner().invoke(
+        app, ["generate", "-m", str(path), "-p", prompt, "-n", str(steps), "--no-chat-template", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["token_ids"] == expected

@@ -76,6 +76,34 @@ GLM4_MOE = dict(
     attention_bias=True,
     initializer_range=0.1,
 )
+# GLM-4.5 and GLM-4.5-Air as overrides of GLM4_MOE.
+GLM4_MOE_VARIANTS = {
+    # 2 groups of 4 experts, the router keeps the best group; renormalized top-2 times 2.5; layer 0 dense.
+    "glm-4.5": dict(
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        use_qk_norm=True,
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    # One group; raw sigmoid weights of the top 3; layers 0 and 1 dense; 2 shared experts; 8 of 32 dims rotated.
+    "air": dict(
+        num_experts_per_tok=3,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=False,
+        use_qk_norm=False,
+        first_k_dense_replace=2,
+        n_shared_experts=2,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+    ),
+}
 # LFM2 layers: conv, conv, attention, conv. The feed-forward width is adjusted: int(2 * 100 / 3) = 66, times 1.5 = 99,
 # rounded up to a multiple of 32 = 128. Convolution biases on, an untied LM head.
 LFM2 = dict(

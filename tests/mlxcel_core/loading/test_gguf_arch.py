@@ -5,14 +5,12 @@ checkpoint. transformers' own GGUF reader checks the converter's changes indepen
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
 import transformers as tf
 from gguf_convert import convert
-from parity import loaded_greedy, model_reference, prompt_ids
+from parity import assert_generate_cli_gives_greedy, loaded_greedy, model_reference, prompt_ids
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
@@ -266,21 +264,7 @@ def test_generate_cli_on_a_gguf_file(files):
     """`mlxcel generate -m file.gguf` gives transformers' greedy tokens on the original checkpoint."""
     hf_dir, path = files("qwen3moe")
     hf = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    loaded = load_model(str(path), log=lambda m: None)
-    prompt = "The capital of France is"
-    ids = loaded.tokenizer.encode(prompt)
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0
-        )
-    expected = out[0, len(ids) :].tolist()
-    eos = loaded.tokenizer.eos_token_ids
-    expected = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))]
-    result = CliRunner().invoke(
-        app, ["generate", "-m", str(path), "-p", prompt, "-n", str(STEPS), "--no-chat-template", "--json"]
-    )
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["token_ids"] == expected
+    assert_generate_cli_gives_greedy(path, hf, STEPS)
 
 
 def test_unsupported_architecture_is_one_line_naming_the_supported(files, tmp_path):

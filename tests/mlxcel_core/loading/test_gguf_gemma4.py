@@ -13,12 +13,10 @@ import pytest
 import torch
 import transformers as tf
 from gguf_convert import convert
-from parity import loaded_greedy, prompt_ids, reference
+from parity import assert_generate_cli_gives_greedy, loaded_greedy, prompt_ids, reference
 from tiny_configs import GEMMA4_DENSE, GEMMA4_MOE, F, S
 from tiny_models import save_tiny_checkpoint
-from typer.testing import CliRunner
 
-from mlxcel_cli.main import app
 from mlxcel_core.errors import UnsupportedModelError
 from mlxcel_core.loading import load_model
 from mlxcel_core.loading.gguf import gguf_config
@@ -168,22 +166,8 @@ def test_quantized_file_loads_as_its_decoded_values(files, tmp_path, case):
 def test_generate_cli_on_a_gguf_file(files, case):
     """`mlxcel generate -m file.gguf --json` gives transformers' greedy tokens on the original checkpoint."""
     hf_dir, path = files(case)
-    loaded = load_model(str(path), log=lambda m: None)
-    prompt = "The capital of France is"
-    ids = loaded.tokenizer.encode(prompt)
     hf = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0
-        )
-    expected = out[0, len(ids) :].tolist()
-    eos = loaded.tokenizer.eos_token_ids
-    expected = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))]
-    result = CliRunner().invoke(
-        app, ["generate", "-m", str(path), "-p", prompt, "-n", str(STEPS), "--no-chat-template", "--json"]
-    )
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["token_ids"] == expected
+    assert_generate_cli_gives_greedy(path, hf, STEPS)
 
 
 def _meta(arch: str, **keys) -> dict:

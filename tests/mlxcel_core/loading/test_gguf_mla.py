@@ -14,8 +14,14 @@ import torch
 import transformers as tf
 from gguf_convert import convert
 from gguf_convert_mla import convert_mla
-from parity import loaded_greedy, model_reference, prompt_ids, randomize_norms_and_biases
-from tiny_configs import DEEPSEEK_V3, GLM4_MOE
+from parity import (
+    assert_generate_cli_gives_greedy,
+    loaded_greedy,
+    model_reference,
+    prompt_ids,
+    randomize_norms_and_biases,
+)
+from tiny_configs import DEEPSEEK_V3, GLM4_MOE, GLM4_MOE_VARIANTS
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
@@ -84,40 +90,14 @@ CASES = {
         "glm4moe",
         tf.Glm4MoeConfig,
         tf.Glm4MoeForCausalLM,
-        dict(
-            GLM4_MOE,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            use_qk_norm=True,
-            first_k_dense_replace=1,
-            n_shared_experts=1,
-            max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        ),
+        dict(GLM4_MOE, **GLM4_MOE_VARIANTS["glm-4.5"], max_position_embeddings=512),
         True,
     ),
     "glm-4.5-air": (  # no q/k norms, raw sigmoid weights, 2 dense layers, 8 of 32 dims rotated, tied, no MTP
         "glm4moe",
         tf.Glm4MoeConfig,
         tf.Glm4MoeForCausalLM,
-        dict(
-            GLM4_MOE,
-            num_experts_per_tok=3,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=1.0,
-            norm_topk_prob=False,
-            use_qk_norm=False,
-            first_k_dense_replace=2,
-            n_shared_experts=2,
-            tie_word_embeddings=True,
-            num_nextn_predict_layers=0,
-            max_position_embeddings=512,
-            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
-        ),
+        dict(GLM4_MOE, **GLM4_MOE_VARIANTS["air"], num_nextn_predict_layers=0, max_position_embeddings=512),
         False,
     ),
 }
@@ -213,21 +193,7 @@ def test_generate_cli_on_a_gguf_file(checkpoints, tmp_path, case):
     path = convert(
         hf_dir, (tmp_path / "g").mkdir() or tmp_path / "g" / "m.gguf", CASES[case][0], pre=PRE[CASES[case][0]]
     )
-    tokenizer = load_model(str(path), log=lambda m: None).tokenizer
-    prompt = "The capital of France is"
-    ids = tokenizer.encode(prompt)
-    with torch.no_grad():
-        out = _transformers(hf_dir).generate(
-            torch.tensor([ids]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False, pad_token_id=0
-        )
-    expected = out[0, len(ids) :].tolist()
-    eos = tokenizer.eos_token_ids
-    expected = expected[: next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))]
-    result = CliRunner().invoke(
-        app, ["generate", "-m", str(path), "-p", prompt, "-n", str(STEPS), "--no-chat-template", "--json"]
-    )
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["token_ids"] == expected
+    assert_generate_cli_gives_greedy(path, _transformers(hf_dir), STEPS)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from parity import (
     randomize_norms_and_biases,
     save_tiny_checkpoint,
 )
-from tiny_configs import GLM4_MOE
+from tiny_configs import GLM4_MOE, GLM4_MOE_VARIANTS
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
 from mlxcel_core.errors import UnsupportedModelError
@@ -33,33 +33,7 @@ from mlxcel_core.models.grouped_moe import GroupedMoeBlock, GroupedTopKRouter
 from mlxcel_core.models.moe import QuantizedSwitchLinear
 from mlxcel_core.models.transformer import GatedMLP
 
-VARIANTS = {
-    # 2 groups of 4 experts, the router keeps the best group; renormalized top-2 times 2.5; layer 0 dense.
-    "glm-4.5": dict(
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
-        use_qk_norm=True,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    ),
-    # One group; raw sigmoid weights of the top 3; layers 0 and 1 dense; 2 shared experts; 8 of 32 dims rotated.
-    "air": dict(
-        num_experts_per_tok=3,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        norm_topk_prob=False,
-        use_qk_norm=False,
-        first_k_dense_replace=2,
-        n_shared_experts=2,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
-    ),
-}
+VARIANTS = GLM4_MOE_VARIANTS
 ROTARY_DIMS = {"glm-4.5": 16, "air": 8}
 MTP_LAYER = GLM4_MOE["num_hidden_layers"]  # the multi-token-prediction layer's index in released checkpoints
 
