@@ -31,9 +31,7 @@ from ..errors import CorruptModelError, UnsupportedModelError
 
 GROUP = 32
 _SLAB_VALUES = 1 << 20  # values converted per numpy slab: bounds the temporaries to a few tens of MB
-# Threads converting slabs (each holds at most two slabs' temporaries): all cores but one, which stays with the rest
-# of the process (a server answers /health while it loads), at most 8; one core: the loading thread alone.
-_LOAD_THREADS = max(1, min(8, (os.cpu_count() or 1) - 1))
+_LOAD_THREADS = min(8, os.cpu_count() or 1)  # threads converting slabs (each holds at most two slabs' temporaries)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
 
