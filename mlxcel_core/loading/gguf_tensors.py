@@ -1,9 +1,8 @@
 """GGUF tensors onto MLX: float tensors as arrays, quantized blocks as MLX quantized layouts.
 
 Read memory-mapped (the header by gguf_header.py) and converted block-wise in numpy, a slab of rows at a time, so
-loading never holds the model in fp32; the slabs convert on several threads and are written in file order. Each GGUF
-type maps onto MLX quantization (groups of 32 along the last axis, w = scale * q + bias, q packed as a little-endian
-bit stream into uint32 words) by `_LAYOUTS`:
+loading never holds the model in fp32. Each GGUF type maps onto MLX quantization (groups of 32 along the last axis,
+w = scale * q + bias, q packed as a little-endian bit stream into uint32 words) by `_LAYOUTS`:
 
 - exact, same bits: Q4_0/Q4_1/Q4_K (4-bit), Q5_0/Q5_1/Q5_K (5-bit), Q8_0 (8-bit), MXFP4 (MLX's mxfp4 mode);
 - exact, more bits: Q3_K, IQ4_NL and IQ4_XS hold integers times one scale per 32 values (Q3_K's
@@ -16,9 +15,6 @@ Scales and biases are computed in fp32, where every product d*sc above is exact;
 
 from __future__ import annotations
 
-import os
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +27,6 @@ from ..errors import CorruptModelError, UnsupportedModelError
 
 GROUP = 32
 _SLAB_VALUES = 1 << 20  # values converted per numpy slab: bounds the temporaries to a few tens of MB
-_LOAD_THREADS = min(8, os.cpu_count() or 1)  # threads converting slabs (each holds at most two slabs' temporaries)
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
 
@@ -249,19 +244,8 @@ def _slab(blocks: np.ndarray, t, layout: _Layout, rows: int, cols: int, block: i
     return _pack(q.reshape(rows, cols), layout.bits), s, b
 
 
-@dataclass(frozen=True, eq=False)
-class _SlabJob:
-    """Rows [start, start + count) of one tensor: `compute` gives their numpy parts, written into `outputs`."""
-
-    outputs: list[mx.array]
-    start: int
-    count: int
-    compute: Callable[[], tuple]
-
-
-def _quantized(t, type_name: str, layout: _Layout, scale_dtype: mx.Dtype):
-    """(the slab jobs that fill preallocated MLX arrays, a function giving the QuantizedTensor once they ran): no
-    second copy of the tensor at any time."""
+def _quantized(t, type_name: str, layout: _Layout, scale_dtype: mx.Dtype) -> QuantizedTensor:
+    """Slab by slab into preallocated MLX arrays (updated in place): no second copy of the tensor at any time."""
     from gguf import GGML_QUANT_SIZES
 
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -276,56 +260,26 @@ def _quantized(t, type_name: str, layout: _Layout, scale_dtype: mx.Dtype):
     outputs = [a for a in (weight, scales, biases) if a is not None]
     mx.eval(outputs)
     step = max(1, _SLAB_VALUES // cols)
-
-    def job(r: int, n: int) -> _SlabJob:
-        def compute() -> tuple:
-            return _slab(np.asarray(raw[r : r + n]).reshape(-1, type_size), t, layout, n, cols, block)
-
-        return _SlabJob(outputs, r, n, compute)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        parts = _slab(np.asarray(raw[r : r + n]).reshape(-1, type_size), t, layout, n, cols, block)
+        for out, part in zip(outputs, parts):
+            out[r : r + n] = mx.array(part).astype(out.dtype)
+        mx.eval(outputs)
 
     def final(a: mx.array | None) -> mx.array | None:
         return None if a is None else a.reshape(*shape[:-1], a.shape[-1])
 
-    def tensor() -> QuantizedTensor:  # (after the jobs: a slice assignment replaces the array it writes to)
-        return QuantizedTensor(
-            weight=final(outputs[0]),
-            scales=final(outputs[1]),
-            biases=final(outputs[2]) if affine else None,
-            bits=layout.bits,
-            group_size=GROUP,
-            source_type=type_name,
-            mode=layout.mode,
-            exact=layout.exact,
-        )
-
-    return [job(r, min(step, rows - r)) for r in range(0, rows, step)], tensor
-
-
-def _run(jobs: list[_SlabJob]) -> None:
-    """Every job's numpy conversion on `_LOAD_THREADS` threads (numpy releases the GIL while it computes), at most
-    two a thread ahead of the writes, which this thread makes in order."""
-    if _LOAD_THREADS <= 1:
-        for job in jobs:
-            _write(job, job.compute())
-        return
-    with ThreadPoolExecutor(_LOAD_THREADS, thread_name_prefix="gguf-slab") as pool:
-        ahead = deque()
-        for job in jobs:
-            ahead.append((job, pool.submit(job.compute)))
-            if len(ahead) > 2 * _LOAD_THREADS:
-                _write(*_result(ahead.popleft()))
-        while ahead:
-            _write(*_result(ahead.popleft()))
-
-
-def _result(pending: tuple[_SlabJob, Future]) -> tuple[_SlabJob, tuple]:
-    return pending[0], pending[1].result()
-
-
-def _write(job: _SlabJob, parts: tuple) -> None:
-    for out, part in zip(job.outputs, parts):
-        out[job.start : job.start + job.count] = mx.array(part).astype(out.dtype)
-    mx.eval(job.outputs)
+    return QuantizedTensor(
+        weight=final(weight),
+        scales=final(scales),
+        biases=final(biases),
+        bits=layout.bits,
+        group_size=GROUP,
+        source_type=type_name,
+        mode=layout.mode,
+        exact=layout.exact,
+    )
 
 
 def _float(t, type_name: str) -> mx.array:
@@ -378,17 +332,14 @@ def read_gguf_tensors(
     if scale_dtype is None:
         bf16 = any(t.tensor_type.name == "BF16" for t in reader.tensors)
         scale_dtype = mx.bfloat16 if bf16 else mx.float16
-    tensors: dict[str, Any] = {}
-    jobs: list[_SlabJob] = []
+    tensors: dict[str, mx.array | QuantizedTensor] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind in _FLOAT_TYPES:
             tensors[t.name] = _float(t, kind)
         else:
-            slabs, tensors[t.name] = _quantized(t, kind, _LAYOUTS[kind], scale_dtype)
-            jobs += slabs
-    _run(jobs)
-    return {name: value() if callable(value) else value for name, value in tensors.items()}, reader.meta
+            tensors[t.name] = _quantized(t, kind, _LAYOUTS[kind], scale_dtype)
+    return tensors, reader.meta
 
 
 def conversion_notice(tensors: dict[str, Any]) -> str | None:

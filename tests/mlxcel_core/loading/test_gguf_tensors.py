@@ -293,34 +293,6 @@ def test_loading_peak_memory_stays_within_one_and_a_half_file_sizes(tmp_path, mo
     assert len(loaded) == len(tensors) and numpy_peak + mlx_peak <= 1.5 * size
 
 
-def test_one_thread_and_several_convert_the_same_arrays(tmp_path, monkeypatch):
-    """Slabs convert on threads and are written in file order: the same arrays as one thread, slab after slab."""
-    from mlxcel_core.loading import gguf_tensors
-
-    monkeypatch.setattr(gguf_tensors, "_SLAB_VALUES", 2048)
-    rng = np.random.default_rng(3)
-    qtypes = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0, Q.MXFP4, Q.F16)
-    path = write(
-        tmp_path / "m.gguf",
-        {
-            f"t{i}.weight": (encode(rng.standard_normal((64, 512)).astype(np.float32), q), q)
-            for i, q in enumerate(qtypes)
-        },
-    )
-    loaded = {}
-    for threads in (1, 3):
-        monkeypatch.setattr(gguf_tensors, "_LOAD_THREADS", threads)
-        loaded[threads] = read_gguf_tensors(path)[0]
-    assert list(loaded[1]) == list(loaded[3]) == [f"t{i}.weight" for i in range(len(qtypes))]
-    for name, one in loaded[1].items():
-        several = loaded[3][name]
-        if isinstance(one, QuantizedTensor):
-            for a, b in ((one.weight, several.weight), (one.scales, several.scales), (one.biases, several.biases)):
-                assert (a is None and b is None) or np.array_equal(np.array(a), np.array(b)), name
-        else:
-            assert np.array_equal(np.array(one), np.array(several)), name
-
-
 def _one_line_error(capsys, path) -> str:
     code = main(["generate", "-m", str(path), "-p", "hello", "-n", "2"])
     out, err = capsys.readouterr()
