@@ -319,6 +319,8 @@ async def until_disconnect(request: Request, work):
         watcher.cancel()
         if not task.done():
             task.cancel()
+    if not task.done():  # the client left first: let the work's cancellation run (it frees the rows) before answering
+        await asyncio.wait({task})
     if task.cancelled():
         raise APIError(400, "The client disconnected.")
     return task.result()

@@ -132,7 +132,8 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server, special_processor
     assert server.metrics()['mlxcel_requests_total{finish_reason="cancelled"}'] == cancelled + 1
 
 
-def test_client_timeout_on_a_whole_request_cancels_it(server, special_processors):
+def test_client_timeout_on_a_whole_request_cancels_it(server, special_processors, caplog):
+    caplog.set_level("ERROR", logger="mlxcel.server")
     server.wait_for(lambda: _kv_idle(server), 10, "an idle engine")
     before = server.metrics().get('mlxcel_requests_total{finish_reason="cancelled"}', 0)
     body = {
@@ -151,6 +152,7 @@ def test_client_timeout_on_a_whole_request_cancels_it(server, special_processors
         "the abandoned request to be cancelled",
     )
     server.wait_for(lambda: _kv_idle(server), 10, "its blocks to be freed")
+    assert not [r.getMessage() for r in caplog.records if r.name == "mlxcel.server"]  # a goodbye, not an error
 
 
 def test_metrics_parse_and_have_the_documented_names(server):
