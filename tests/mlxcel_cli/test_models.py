@@ -4,18 +4,22 @@ against the stand-in Hub (HF_ENDPOINT): resumed transfers, checksums, repair, fa
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from child_env import repo_pythonpath
 from stand_in_hub import stand_in_hub
 from stand_in_network import resetting_endpoint
 
+from mlxcel_cli import models as models_cli
 from mlxcel_cli.main import main
 from mlxcel_core.pull import CARD_PATTERNS
 
@@ -88,6 +92,9 @@ def test_a_name_loads_offline_from_the_cache_and_ls_show_describe_it(caches, tin
     assert (row["source"], row["format"], row["path"]) == ("hf-cache", "mlx", str(snapshot))
     assert row["size"] == sum(len(b) for b in repo.values())
     assert row["last_used"] is not None  # the generate above loaded it
+    # "just now" is read 30 s after that use, however long the generate took (a first CUDA run compiles kernels)
+    used = calendar.timegm(time.strptime(row["last_used"], "%Y-%m-%dT%H:%M:%SZ"))
+    monkeypatch.setattr(models_cli, "time", SimpleNamespace(time=lambda: used + 30))
     code, out, _ = cli(capsys, "ls")
     assert out.splitlines()[0].split() == ["NAME", "SOURCE", "FORMAT", "SIZE", "LAST", "USED"]
     assert "llama3.2:1b-4bit" in out and "just now" in out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from recurrent_tiny import save_tiny_recurrent
 from servers import start_server
@@ -25,7 +26,8 @@ def qwen3_5_dir(tmp_path_factory):
 
 def complete(server, prompt: str, n: int = 1) -> list[str]:
     body = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "logit_bias": NO_EOS, "n": n}
-    with server.client() as client:
+    # without the warm-up, a first request on CUDA also compiles the kernels (a minute, beside other test workers)
+    with server.client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
         r = client.post(COMPLETIONS, json=body)
     assert r.status_code == 200, r.text
     return [choice["text"] for choice in sorted(r.json()["choices"], key=lambda c: c["index"])]
