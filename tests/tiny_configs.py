@@ -1,6 +1,9 @@
 """Tiny transformers configs several test files build the same family from: the family's own tests
 (tests/mlxcel_core/models/) and the GGUF tests that convert that checkpoint (tests/mlxcel_core/loading/)."""
 
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
 S, F = "sliding_attention", "full_attention"
 
 # Gemma 4: 5 layers, both types; the last 2 reuse the keys of layers 2 (sliding) and 1 (full); full layers have twice
@@ -123,3 +126,39 @@ LFM2 = dict(
     layer_types=["conv", "conv", "full_attention", "conv"],
     rope_parameters={"rope_type": "default", "rope_theta": 5e4},
 )
+
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+# 4 layers sliding over 8 keys at even indices (the default layer_types); 4 experts, top 2; a limit of 0.5 so the
+# clamps act on these activations; YaRN over 64 original positions (512 = 8 x 64). (swiglu_alpha keeps its default:
+# transformers before 5.24 -- the H200 image has 5.17 -- does not read it.)
+GPT_OSS = dict(
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    swiglu_limit=0.5,
+    max_position_embeddings=512,
+    rope_parameters={**GPT_OSS_YARN, "rope_theta": 10000.0, "original_max_position_embeddings": 64},
+    initializer_range=0.1,
+)
+
+
+def randomize_gpt_oss(path, seed=0, sinks_scale=3.0):
+    """A saved tiny gpt-oss checkpoint's biases, norms and sinks made random: transformers initializes biases to zeros
+    and norms to ones (random ones, so parity checks each is applied); sinks of a large magnitude move the attention."""
+    weights = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    for name, w in weights.items():
+        if name.endswith("sinks"):
+            weights[name] = (rng.normal(size=w.shape) * sinks_scale).astype(w.dtype)
+        elif name.endswith(("bias", "_bias")):
+            weights[name] = (rng.normal(size=w.shape) * 0.2).astype(w.dtype)
+        elif name.endswith("norm.weight"):
+            weights[name] = rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -16,6 +16,8 @@ import torch
 import transformers
 from parity import assert_parity, checkpoint_logits, load_quiet, save_tiny_checkpoint
 from safetensors.numpy import load_file, save_file
+from tiny_configs import GPT_OSS as CONFIG
+from tiny_configs import randomize_gpt_oss as randomize
 from transformers import GptOssConfig, GptOssForCausalLM
 
 from mlxcel_core.errors import CorruptModelError, UnsupportedModelError
@@ -28,25 +30,6 @@ REFERENCE = pytest.mark.skipif(
     tuple(map(int, transformers.__version__.split(".")[:2])) < (5, 24),
     reason="gpt-oss parity needs transformers >= 5.24",
 )
-YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
-# 4 layers sliding over 8 keys at even indices (the default layer_types); 4 experts, top 2; a limit of 0.5 so the
-# clamps act on these activations; YaRN over 64 original positions (512 = 8 x 64). (swiglu_alpha keeps its default:
-# transformers before 5.24 -- the H200 image has 5.17 -- does not read it.)
-CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    sliding_window=8,
-    swiglu_limit=0.5,
-    max_position_embeddings=512,
-    rope_parameters={**YARN, "rope_theta": 10000.0, "original_max_position_embeddings": 64},
-    initializer_range=0.1,
-)
 # What the released checkpoints' config.json names besides GptOssConfig's keys.
 MXFP4_CONFIG = {
     "quant_method": "mxfp4",
@@ -57,22 +40,6 @@ MXFP4_CONFIG = {
         "lm_head",
     ],
 }
-
-
-def randomize(path, seed=0, sinks_scale=3.0):
-    """transformers initializes biases to zeros and norms to ones: random ones, so parity checks each is applied;
-    sinks of a large magnitude, so they move the attention."""
-    weights = load_file(path / "model.safetensors")
-    rng = np.random.default_rng(seed)
-    for name, w in weights.items():
-        if name.endswith("sinks"):
-            weights[name] = (rng.normal(size=w.shape) * sinks_scale).astype(w.dtype)
-        elif name.endswith(("bias", "_bias")):
-            weights[name] = (rng.normal(size=w.shape) * 0.2).astype(w.dtype)
-        elif name.endswith("norm.weight"):
-            weights[name] = rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 
 def prepare_model(model) -> None:
-    """What the CUDA backend does to every built model, in order: quantized layers MLX's CUDA quantized_matmul
-    computes wrong routed around; the decode kernels' layer swaps; then, where MLX computes on the GPU, the fused
-    decode projections; and the final norm made recordable for the decode-step graph."""
+    """What the CUDA backend does to every built model, in order: the layers MLX's CUDA kernels compute wrong
+    (quantized_matmul at K == group size) or unreliably (float experts' sorted gather_mm) routed around; the decode
+    kernels' layer swaps; then, where MLX computes on the GPU, the fused decode projections; and the final norm made
+    recordable for the decode-step graph."""
     from mlxcel_core.backends.base import on_gpu
 
     from . import qmv
     from .fast_linear import maybe_use_fast_quantized_linear
     from .fused_projections import fuse_projections
-    from .mlx_workarounds import route_around_qmm_fault
+    from .mlx_workarounds import route_around_qmm_fault, route_around_sorted_gather_race
     from .rms_norm import make_final_norm_recordable
 
     if qmv.cuda_kernel_available():  # (the fault is CUDA's; tests prepare through this backend on any machine)
         route_around_qmm_fault(model)
+        route_around_sorted_gather_race(model)
     maybe_use_fast_quantized_linear(model)
     if on_gpu():  # (a matmul's launch is what fusing saves: nothing worth a copy of the weights on the CPU)
         fuse_projections(model)

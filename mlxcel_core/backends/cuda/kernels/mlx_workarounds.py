@@ -5,14 +5,22 @@ returns garbage in float32 once x has two or more rows (measured on the H200 at 
 group 32, and K = 128 with group 64, are right: benchmarks/RESULTS.md). No released model is that narrow, but a
 quantized tiny one is, and it must not hang. On CUDA such layers (and a quantized embedding serving as a tied LM head)
 change class at load, as kernels/fast_linear.py's swap does: their parameters stay packed, and their products use the
-dequantized weight, the values quantized_matmul would use. MoE expert banks (`gather_qmm`) are left as they are: not
-measured.
+dequantized weight, the values quantized_matmul would use.
+
+MLX 0.32.4's CUDA `gather_mm` told its rows are sorted by expert (`sorted_indices=True`, the MoE prefill's grouping
+after an `argsort` on the GPU) now and then returns other values for the same inputs: a tiny gpt-oss forward of 80
+tokens gave other logits (by up to 0.9) in 2-6 of 120-150 repeats, and in none with the same sorted rows passed as
+unsorted, or with the argsort on the CPU (benchmarks/archive/2026-12-02-gather-mm-race/). On CUDA, float expert banks
+change class at load to one that never passes the hint; the rows are still grouped, the products the same.
+Quantized banks (`gather_qmm`) keep the hint: not measured.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from mlxcel_core.models.moe import SwitchLinear
 
 
 def _dequantized_weight(layer: nn.Module) -> mx.array:
@@ -51,5 +59,23 @@ def route_around_qmm_fault(model: nn.Module) -> int:
     for _, module in model.named_modules():
         if hits_qmm_fault(module):
             module.__class__ = _SWAPS[type(module)]
+            count += 1
+    return count
+
+
+class UnsortedHintSwitchLinear(SwitchLinear):
+    """A float expert bank whose `gather_mm` never gets the sorted-rows hint (its rows may still come sorted)."""
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return super().__call__(x, indices, sorted_indices=False)
+
+
+def route_around_sorted_gather_race(model: nn.Module) -> int:
+    """Swap every float expert bank (exactly SwitchLinear) to UnsortedHintSwitchLinear; return how many
+    (unconditional: callers gate). Its parameters and their names stay as they are."""
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is SwitchLinear:
+            module.__class__ = UnsortedHintSwitchLinear
             count += 1
     return count

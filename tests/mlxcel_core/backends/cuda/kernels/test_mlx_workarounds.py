@@ -70,3 +70,27 @@ def test_prepare_model_routes_around_it_only_on_cuda():
     model = quantized_tiny()
     prepare_model(model)
     assert (type(model.narrow) is mlx_workarounds.OneGroupQuantizedLinear) == qmv.cuda_kernel_available()
+
+
+def test_float_expert_banks_drop_the_sorted_hint_and_compute_the_same():
+    from mlxcel_core.models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+
+    mx.random.seed(4)
+    glu, quantized = SwitchGLU(64, 32, 4, bias=True), SwitchGLU(64, 32, 4)
+    nn.quantize(quantized, group_size=32, bits=4)
+    x = mx.random.normal((40, 64))  # 80 routed pairs: the sorted path
+    indices = mx.random.randint(0, 4, (40, 2)).astype(mx.uint32)
+    before = np.array(glu(x, indices))
+    assert mlx_workarounds.route_around_sorted_gather_race(glu) == 3
+    assert mlx_workarounds.route_around_sorted_gather_race(quantized) == 0
+    assert type(glu.gate_proj) is mlx_workarounds.UnsortedHintSwitchLinear and isinstance(glu.up_proj, SwitchLinear)
+    assert type(quantized.down_proj) is QuantizedSwitchLinear
+    np.testing.assert_allclose(np.array(glu(x, indices)), before, rtol=0, atol=1e-5)
+
+
+def test_prepare_model_drops_the_hint_only_on_cuda():
+    from mlxcel_core.models.moe import SwitchGLU, SwitchLinear
+
+    glu = SwitchGLU(64, 32, 4)
+    prepare_model(glu)
+    assert (type(glu.gate_proj) is not SwitchLinear) == qmv.cuda_kernel_available()
