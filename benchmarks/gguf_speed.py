@@ -163,7 +163,8 @@ def write_gguf(config: dict, path: Path, seed: int, log) -> None:
 
 
 def gguf_scale_dtype() -> str:
-    """The dtype the GGUF load path keeps quantization scales in on this device (loading/gguf.py)."""
+    """The dtype the GGUF load path computes this file in on this device (loading/gguf.py: float32 on the CPU, the
+    file's half dtype elsewhere: float16 for this Q4_K llama)."""
     import mlx.core as mx
 
     return "float32" if mx.default_device() == mx.cpu else "float16"

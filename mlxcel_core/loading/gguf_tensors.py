@@ -319,24 +319,23 @@ def _check_types(reader, path: Path) -> None:
 
 
 def read_gguf_tensors(
-    path: Path | str, scale_dtype: mx.Dtype | None = mx.float32
+    path: Path | str, scale_dtype: mx.Dtype | Callable[[dict, set[str]], mx.Dtype] = mx.float32, cast_floats=False
 ) -> tuple[dict[str, mx.array | QuantizedTensor], dict[str, Any]]:
     """Every tensor of the GGUF file at `path`, by its GGUF name, and the file's metadata.
 
-    Float tensors come back as arrays in their own dtype, quantized ones as QuantizedTensor whose float scales and
-    biases are `scale_dtype` (fp32 keeps every ggml scale exact; None: the file's own half type, bf16 where its
-    float tensors are bf16, else fp16)."""
+    Quantized tensors come back as QuantizedTensor whose float scales and biases are `scale_dtype` (fp32 keeps every
+    ggml scale exact), or what `scale_dtype(metadata, the file's tensor type names)` picks. Float tensors come back
+    in their own dtype, or in that one too with `cast_floats`."""
     path = Path(path)
     reader = _open(path)
     _check_types(reader, path)
-    if scale_dtype is None:
-        bf16 = any(t.tensor_type.name == "BF16" for t in reader.tensors)
-        scale_dtype = mx.bfloat16 if bf16 else mx.float16
+    if callable(scale_dtype):
+        scale_dtype = scale_dtype(reader.meta, {t.tensor_type.name for t in reader.tensors})
     tensors: dict[str, mx.array | QuantizedTensor] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind in _FLOAT_TYPES:
-            tensors[t.name] = _float(t, kind)
+            tensors[t.name] = _float(t, kind).astype(scale_dtype) if cast_floats else _float(t, kind)
         else:
             tensors[t.name] = _quantized(t, kind, _LAYOUTS[kind], scale_dtype)
     return tensors, reader.meta

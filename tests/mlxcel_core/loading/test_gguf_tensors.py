@@ -319,3 +319,38 @@ def test_unsupported_type_through_the_cli_is_one_line(tmp_path, capsys):
     tensors["blk.0.ffn_up.weight"] = (np.zeros((FFN, HIDDEN // 256 * 66), np.uint8), Q.IQ2_XXS)
     line = _one_line_error(capsys, write(tmp_path / "iq2.gguf", tensors, _llama_meta))
     assert "blk.0.ffn_up.weight" in line and "IQ2_XXS" in line and "supported: F32, F16, BF16, Q4_0" in line
+
+
+@pytest.mark.parametrize(
+    "arch, kinds, want",
+    [
+        ("llama", {"F32", "Q4_K", "Q6_K"}, mx.float16),
+        ("qwen2", {"F32", "F16"}, mx.float16),
+        ("qwen2", {"F32", "BF16", "Q8_0"}, mx.bfloat16),
+        ("gemma3", {"F32", "Q4_K"}, mx.bfloat16),
+        ("gemma4", {"F32", "F16"}, mx.bfloat16),
+        ("llama", {"F32"}, mx.float32),
+    ],
+)
+def test_the_gpu_computes_a_file_in_its_half_dtype(arch, kinds, want):
+    from mlxcel_core.loading.gguf import gpu_dtype
+
+    assert gpu_dtype({"general.architecture": arch}, kinds) == want
+
+
+def test_a_chosen_dtype_reaches_scales_and_float_tensors(tmp_path):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    path = write(tmp_path / "t.gguf", {"q.weight": (encode(x, Q.Q4_0), Q.Q4_0), "n.weight": (x[0], Q.F32)})
+    seen = []
+
+    def pick(meta, kinds):
+        seen.append((str(meta["general.architecture"]), kinds))
+        return mx.bfloat16
+
+    tensors, _ = read_gguf_tensors(path, scale_dtype=pick, cast_floats=True)
+    assert seen == [("llama", {"Q4_0", "F32"})]
+    assert tensors["q.weight"].scales.dtype == mx.bfloat16 and tensors["n.weight"].dtype == mx.bfloat16
+    np.testing.assert_allclose(as_numpy(tensors["n.weight"]), x[0], rtol=2**-8)
+    kept, _ = read_gguf_tensors(path, scale_dtype=mx.float16)  # float tensors keep their own dtype
+    assert kept["q.weight"].scales.dtype == mx.float16 and kept["n.weight"].dtype == mx.float32

@@ -1,7 +1,8 @@
-"""GGUF files on CUDA. MLX's quantized kernels there round a float32 activation to the scales' dtype (float16 for
-a GGUF file on the GPU, as llama.cpp's CUDA matmuls take their inputs): a product's relative error is about 2e-4
-(benchmarks/archive/2026-12-02-h200-suite/). The file's decoding is checked on the CPU (tests/mlxcel_core/loading);
-here the GPU's logits of a Q4_0 file stay within that rounding of the CPU's, and its greedy CLI run completes."""
+"""GGUF files on CUDA. There a file computes in its half dtype (loading/gguf.py `gpu_dtype`: scales, norms and
+activations float16 here), as MLX's own checkpoints do; MLX's quantized kernels compute in the scales' dtype anyway
+(a float32 activation is rounded to it: about 2e-4 a product, benchmarks/archive/2026-12-02-h200-suite/). The file's
+decoding is checked on the CPU (tests/mlxcel_core/loading); here the GPU's logits of a Q4_0 file stay within half
+precision's rounding of the CPU's float32 ones, and its greedy CLI run completes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from family_checks import SPECIAL
 from gguf_convert import convert
+from mlx.utils import tree_flatten
 from parity import prompt_ids
 from tiny_models import save_tiny_llama
 
@@ -30,18 +32,21 @@ def q4_0_file(tmp_path_factory):
     return convert(hf, root / "tiny-q4_0.gguf", "llama", qtype=gguf.GGMLQuantizationType.Q4_0)
 
 
-def _logits(path, device) -> np.ndarray:
+def _logits(path, device) -> tuple[np.ndarray, set]:
+    """The logits of a 12-token prompt on `device`, and the float dtypes of the model's parameters there."""
     previous = mx.default_device()
     mx.set_default_device(device)
     try:
         model = load_model(str(path), log=lambda m: None).model
-        return np.array(model(mx.array([prompt_ids(12)])).astype(mx.float32))[0]
+        floats = {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
+        return np.array(model(mx.array([prompt_ids(12)])).astype(mx.float32))[0], floats
     finally:
         mx.set_default_device(previous)
 
 
 def test_gpu_logits_are_the_cpus_within_float16_rounding(q4_0_file):
-    gpu, cpu = _logits(q4_0_file, mx.gpu), _logits(q4_0_file, mx.cpu)
+    (gpu, gpu_dtypes), (cpu, cpu_dtypes) = _logits(q4_0_file, mx.gpu), _logits(q4_0_file, mx.cpu)
+    assert gpu_dtypes == {mx.float16} and cpu_dtypes == {mx.float32}
     rel = np.linalg.norm(gpu - cpu) / np.linalg.norm(cpu)
     assert rel <= 1e-2, rel
 
