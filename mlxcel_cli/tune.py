@@ -122,7 +122,8 @@ def tune(
         typer.Option(
             "--op",
             help="Op to tune. paged-decode-splits: the split-K factor of paged decode attention "
-            "(the CUDA kernel on CUDA, the MLX-ops path elsewhere).",
+            "(the CUDA kernel on CUDA, the MLX-ops path elsewhere). qmv-multirow: the launch configuration "
+            "(rows, warps, unroll) of the CUDA 4-bit matvec kernel, per weight shape and rows of x (CUDA only).",
         ),
     ] = "paged-decode-splits",
     model: Annotated[
@@ -148,8 +149,18 @@ def tune(
     ] = None,
     block_size: Annotated[int, typer.Option("--block-size", help="Paged KV block size in tokens.")] = 32,
     batch_sizes: Annotated[
-        str, typer.Option("--batch-sizes", help="Comma-separated batch sizes of the matrix.")
+        str,
+        typer.Option("--batch-sizes", help="Comma-separated batch sizes of the matrix (qmv-multirow: rows of x, 1-8)."),
     ] = "1,2,4,8",
+    shapes: Annotated[
+        Optional[str],
+        typer.Option(
+            "--shapes",
+            help="qmv-multirow: comma-separated weight shapes NxK. Default: the model's decode matvecs with -m, "
+            "else Llama-3-8B's.",
+        ),
+    ] = None,
+    group_size: Annotated[int, typer.Option("--group-size", help="qmv-multirow: the quantization group size.")] = 64,
     context_lengths: Annotated[
         str, typer.Option("--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")
     ] = "1024,4096,16384",
@@ -184,20 +195,27 @@ def tune(
 ) -> None:
     """Profile kernel tactics for a matrix of shapes and store the winners in the autotune cache.
 
-    Each cell (batch size x context length) runs a synthetic workload (no weights): every candidate is
-    checked against the default's output, warmed up, then timed round-robin with an adaptive rep count;
+    paged-decode-splits: each cell (batch size x context length) runs a synthetic workload (no weights): every
+    candidate is checked against the default's output, warmed up, then timed round-robin with an adaptive rep count;
     the default is kept unless a candidate wins by more than the guard. Winners go to
     $MLXCEL_CACHE_DIR/autotune/, one JSON file per (op, runner, device, shape bucket, dtype); the engine
     reads them when MLXCEL_AUTOTUNE=cache (or 1; 0 or unset ignores the cache). MLXCEL_PAGED_DECODE_SPLITS
     overrides everything. There is no Metal kernel: on Apple silicon, as on CPU, the MLX-ops path is tuned.
+    qmv-multirow: each cell (weight shape x rows of x) times the CUDA matvec kernel's launch configurations the
+    same way, on random 4-bit weights; the engine uses the winners with MLXCEL_AUTOTUNE=cache (or 1).
     """
     from autotune import autotune_dir
     from autotune.ops import OP, Bucket, Geometry, candidates, default_splits, describe_runner, label, predicted_runner
     from autotune.profiler import ProfileSettings
+    from autotune.qmv_op import OP as QMV_OP
 
     with reported_errors(verbose):
+        settings = ProfileSettings(warmup, warmup_ms, min_reps, max_reps, sample_ms, min_improvement)
+        if op == QMV_OP:
+            _qmv(model, shapes, batch_sizes, group_size, dtype, settings, dry_run, as_json)
+            return
         if op != OP:
-            raise fail(f"--op must be {OP}, got '{op}'")
+            raise fail(f"--op must be {OP} or {QMV_OP}, got '{op}'")
         geo = {"head_dim": 128, "q_heads": 32, "kv_heads": 8}
         if model is not None:
             path = _model_path(model)
@@ -209,7 +227,6 @@ def tune(
             if value is not None:
                 geo[name] = value
         geometry = Geometry(block_size=block_size, **geo)
-        settings = ProfileSettings(warmup, warmup_ms, min_reps, max_reps, sample_ms, min_improvement)
         try:
             geometry.validate()
             settings.validate()
@@ -267,6 +284,35 @@ def tune(
             return
 
         _run(cells, geometry, dtype, settings, directory, as_json)
+
+
+def _qmv(model, shapes, batch_sizes: str, group_size: int, dtype: str, settings, dry_run: bool, as_json: bool) -> None:
+    from autotune import autotune_dir
+    from autotune.qmv_op import LLAMA_3_8B_SHAPES, shapes_from_config
+
+    from . import tune_qmv
+
+    try:
+        settings.validate()
+    except ValueError as exc:
+        raise fail(str(exc))
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
+    if shapes is not None:
+        weights = tune_qmv.parse_shapes(shapes)
+    elif model is not None:
+        path = _model_path(model)
+        if _is_gguf(path):
+            raise fail(f"-m {model}: qmv-multirow reads the weight shapes from a config.json; give --shapes NxK,...")
+        try:
+            weights = shapes_from_config(_read_model_config(model, path))
+        except ValueError as exc:
+            raise fail(f"-m {model}: {exc}")
+    else:
+        weights = list(LLAMA_3_8B_SHAPES)
+    rows = _int_list(batch_sizes, "--batch-sizes")
+    request = tune_qmv.Request(weights, rows, group_size, dtype, settings, autotune_dir(), as_json)
+    (tune_qmv.dry_run if dry_run else tune_qmv.run)(request)
 
 
 def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) -> None:

@@ -78,8 +78,9 @@ SETTINGS: tuple[Setting, ...] = (
         "MLXCEL_AUTOTUNE",
         "0, cache, 1",
         "",
-        "Tuned paged-decode parameters: 0 (or unset) never reads the autotune cache, `cache` uses stored results, "
-        "1 also tunes a shape on its first use (`mlxcel tune` fills the cache ahead). autotune/__init__.py "
+        "Tuned kernel parameters (paged-decode splits, the CUDA matvec's launch): 0 (or unset) never reads the "
+        "autotune cache, `cache` uses stored results, 1 also tunes a paged-decode shape on its first use "
+        "(`mlxcel tune` fills the cache ahead). autotune/__init__.py "
         "parses it (and its synonyms).",
         str,
     ),

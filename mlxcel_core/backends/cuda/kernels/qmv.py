@@ -44,12 +44,12 @@ import mlx.core as mx
 from ..paged_attention import cuda_kernel_available
 from ..small_arrays import float32_bits
 from .cubin_cache import cuda_kernel
+from .qmv_config import CHUNK, launch_config  # noqa: F401  (launch_config: the untuned rule)
 from .qmv_source import _HEADER, KERNEL_NAME, MODES, base_mode, kernel_name, kernel_source  # noqa: F401
 
 MAX_ROWS = 8  # rows of x one launch handles (decode batch); more rows go to mx.quantized_matmul
 GROUP_SIZES = (32, 64, 128)
 BITS = 4
-CHUNK = 32  # elements of K per lane per chunk (one uint4 of packed weights)
 FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -116,24 +116,14 @@ def supports(
     )
 
 
-def launch_config(n: int, k: int, m: int) -> tuple[int, int, int]:
-    """(ROWS, WARPS, UNROLL) for an N x K weight and m rows of x.
+def chosen_config(n: int, k: int, m: int, group_size: int, x_dtype) -> tuple[int, int, int]:
+    """The launch configuration of a call without one: the autotune cache's winner for this cell where
+    MLXCEL_AUTOTUNE reads the cache and one is stored (`mlxcel tune --op qmv-multirow`, autotune/qmv_op.py), else
+    `launch_config`'s rule."""
+    from autotune.qmv_op import tuned_config
 
-    ROWS output rows per block: 8 for long rows (K > 4096) or very many of them (N > 16384), else 4. WARPS warps per
-    block split K (each warp keeps at least one whole 1024-element round of K) until the grid has about 2048 warps
-    (~16 per SM on an H200). UNROLL 1. This reproduces the fastest configuration benchmarks/qmv.py --sweep finds on
-    the H200 (M=1, measured on an earlier build of this kernel) for 4096x4096 (4,2,1), 14336x4096 (4,1,1),
-    4096x14336 (8,4,1) and 128256x4096 (8,1,1); for 1024x4096 it finds (8,2,1), 1.1x this rule's (4,4,1). UNROLL 2
-    never wins there (its registers cost occupancy). Re-run the sweep after changing the kernel. That sweep's calls
-    overlap in MLX's CUDA graphs; timed one after another the best configurations are 1.0-1.2x this rule's, and in a
-    model the launches reach 24-36% occupancy (128 registers a thread in the residual and SwiGLU modes): what to look
-    at next for this kernel."""
-    rows = 8 if k > 4096 or n > 16384 else 4
-    blocks = -(-n // rows)
-    warps = 1
-    while warps < 8 and blocks * warps < 2048 and k >= warps * 2 * 32 * CHUNK:
-        warps *= 2
-    return rows, warps, 1
+    dtype = str(x_dtype).rpartition(".")[2]
+    return tuned_config(n, k, m, group_size, dtype) or launch_config(n, k, m)
 
 
 def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int, groups: int = 1) -> int:
@@ -239,7 +229,7 @@ def launch_args(
     m = rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in FLOAT_TYPES:
         return None
-    rows, warps, unroll, groups = unpack_launch(config or launch_config(n, x_shape[-1], m))
+    rows, warps, unroll, groups = unpack_launch(config or chosen_config(n, x_shape[-1], m, group_size, x_dtype))
     template = [("T", x_dtype), ("S", s_dtype), ("CFG", pack_config(m, group_size, rows, warps, unroll, groups))]
     return mode_layout(mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, s_dtype), template, eps, groups)
 
@@ -262,7 +252,7 @@ def cuda_quantized_matvec(
     config: tuple[int, ...] | None = None,
 ) -> mx.array:
     """The kernel itself (CUDA only; the caller has checked `supports`). `config` (ROWS, WARPS, UNROLL[, GROUPS])
-    overrides `launch_config`."""
+    overrides `chosen_config`'s."""
     args = launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], group_size, config)
     if args is None:
         raise ValueError(

@@ -1,0 +1,97 @@
+"""`mlxcel tune --op qmv-multirow`: the dry run (its cells, defaults and candidates; no MLX imported), shapes from
+--shapes, -m or the default model shape, bad input as one line and exit 2, and no CUDA device as a clear refusal.
+The measuring itself is tests/autotune/test_qmv_op.py's CUDA test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune import qmv_op
+from mlxcel_cli.main import main
+from mlxcel_core.backends.cuda.kernels import qmv
+
+ROOT = Path(__file__).resolve().parents[2]
+QMV = ["tune", "--op", "qmv-multirow"]
+
+
+@pytest.fixture(autouse=True)
+def cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def cli(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_lists_every_cell_with_the_rule_and_its_candidates(capsys, cache):
+    code, out, err = cli(
+        capsys, *QMV, "--dry-run", "--json", "--shapes", "4096x4096,1024x14336", "--batch-sizes", "1,8"
+    )
+    doc = json.loads(out)
+    assert code == 0 and err == "" and doc["op"] == "qmv-multirow" and doc["runner"] == qmv_op.runner()
+    assert [(c["n"], c["k"], c["rows"]) for c in doc["cells"]] == [(4096, 4096, 1), (4096, 4096, 8)] + [
+        (1024, 14336, 1),
+        (1024, 14336, 8),
+    ]
+    for c in doc["cells"]:
+        assert c["default"] == qmv_op.label(qmv.launch_config(c["n"], c["k"], c["rows"])) in c["candidates"]
+        assert c["cell"] == f"n{c['n']}xk{c['k']}xm{c['rows']}xg64"
+    assert list(cache.iterdir()) == []
+    code, out, _ = cli(capsys, *QMV, "--dry-run")
+    assert code == 0 and "dry run: 24 cells" in out and "\n128256x4096 " in out  # Llama-3-8B's six shapes x 1,2,4,8
+
+
+def test_shapes_from_a_model_directory(capsys, tmp_path):
+    config = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "vocab_size": 49152}))
+    code, out, _ = cli(capsys, *QMV, "--dry-run", "--json", "-m", str(tmp_path / "model"), "--batch-sizes", "1")
+    assert code == 0
+    assert [(c["n"], c["k"]) for c in json.loads(out)["cells"]] == [
+        (576, 576),
+        (192, 576),
+        (960, 576),
+        (3072, 576),
+        (576, 1536),
+        (49152, 576),
+    ]
+
+
+def test_dry_run_imports_no_mlx(cache):
+    code = (
+        "import sys; from mlxcel_cli.main import main; rc = main(['tune', '--op', 'qmv-multirow', '--dry-run']); "
+        "assert rc == 0; assert 'mlx.core' not in sys.modules, 'dry run imported mlx'"
+    )
+    env = {**os.environ, "MLXCEL_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--shapes", "4096by4096"], "--shapes must be a comma-separated list of NxK"),
+        (["--shapes", "4096x100"], "K must be a multiple of 32 and of the group size"),
+        (["--batch-sizes", "9"], "the kernel takes 1..8 rows of x"),
+        (["--group-size", "48"], "--group-size must be one of 32, 64, 128"),
+        (["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    code, out, err = cli(capsys, *QMV, "--dry-run", *args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
+
+
+@pytest.mark.skipif(qmv.kernel_ready(), reason="a machine without the CUDA kernel")
+def test_without_cuda_a_run_is_refused_naming_it(capsys, cache):
+    code, out, err = cli(capsys, *QMV, "--shapes", "1024x4096", "--batch-sizes", "1")
+    assert code == 2 and "no MLX CUDA device" in err and list(cache.iterdir()) == []
