@@ -10,9 +10,11 @@ dequantized weight, the values quantized_matmul would use.
 MLX 0.32.4's CUDA `gather_mm` told its rows are sorted by expert (`sorted_indices=True`, the MoE prefill's grouping
 after an `argsort` on the GPU) now and then returns other values for the same inputs: a tiny gpt-oss forward of 80
 tokens gave other logits (by up to 0.9) in 2-6 of 120-150 repeats, and in none with the same sorted rows passed as
-unsorted, or with the argsort on the CPU (benchmarks/archive/2026-12-02-gather-mm-race/). On CUDA, float expert banks
-change class at load to one that never passes the hint; the rows are still grouped, the products the same.
-Quantized banks (`gather_qmm`) keep the hint: not measured.
+unsorted, or with the argsort on the CPU (benchmarks/archive/2026-12-02-gather-mm-race/). The hint selects MLX's
+grouped-GEMM path (one row per token, sorted: CUTLASS grouped GEMM over per-expert segments); without it each row is
+its own matrix-vector product, which reads an expert's weights once per row instead of once per segment. On CUDA,
+float expert banks change class at load to one that never passes the hint; the rows are still grouped, the products
+the same. Quantized banks (`gather_qmm`) keep it: MLX's CUDA gather_qmm does not read the hint (its source, 0.32.2).
 """
 
 from __future__ import annotations
