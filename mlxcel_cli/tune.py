@@ -122,8 +122,9 @@ def tune(
         typer.Option(
             "--op",
             help="Op to tune. paged-decode-splits: the split-K factor of paged decode attention "
-            "(the CUDA kernel on CUDA, the MLX-ops path elsewhere). qmv-multirow: the launch configuration "
-            "(rows, warps, unroll) of the CUDA 4-bit matvec kernel, per weight shape and rows of x (CUDA only).",
+            "(the CUDA kernel on CUDA, the MLX-ops path elsewhere). qmv-multirow / hmv-multirow: the launch "
+            "configuration (rows, warps, unroll) of the CUDA 4-bit / 16-bit decode matvec kernel, per weight shape "
+            "and rows of x (CUDA only).",
         ),
     ] = "paged-decode-splits",
     model: Annotated[
@@ -156,11 +157,13 @@ def tune(
         Optional[str],
         typer.Option(
             "--shapes",
-            help="qmv-multirow: comma-separated weight shapes NxK. Default: the model's decode matvecs with -m, "
-            "else Llama-3-8B's.",
+            help="qmv-/hmv-multirow: comma-separated weight shapes NxK (NxK:swiglu for a fused gate/up weight's "
+            "SwiGLU launch). Default: the model's decode matvecs with -m, else Llama-3-8B's.",
         ),
     ] = None,
-    group_size: Annotated[int, typer.Option("--group-size", help="qmv-multirow: the quantization group size.")] = 64,
+    group_size: Annotated[
+        int, typer.Option("--group-size", help="qmv-multirow: the 4-bit weights' quantization group size.")
+    ] = 64,
     context_lengths: Annotated[
         str, typer.Option("--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")
     ] = "1024,4096,16384",
@@ -201,21 +204,22 @@ def tune(
     $MLXCEL_CACHE_DIR/autotune/, one JSON file per (op, runner, device, shape bucket, dtype); the engine
     reads them when MLXCEL_AUTOTUNE=cache (or 1; 0 or unset ignores the cache). MLXCEL_PAGED_DECODE_SPLITS
     overrides everything. There is no Metal kernel: on Apple silicon, as on CPU, the MLX-ops path is tuned.
-    qmv-multirow: each cell (weight shape x rows of x) times the CUDA matvec kernel's launch configurations the
-    same way, on random 4-bit weights; the engine uses the winners with MLXCEL_AUTOTUNE=cache (or 1).
+    qmv-multirow / hmv-multirow: each cell (weight shape x rows of x) times the CUDA 4-bit / 16-bit decode matvec
+    kernel's launch configurations the same way, on random weights; the engine uses the winners with
+    MLXCEL_AUTOTUNE=cache (or 1).
     """
     from autotune import autotune_dir
+    from autotune.matvec_ops import SPECS as MATVEC_OPS
     from autotune.ops import OP, Bucket, Geometry, candidates, default_splits, describe_runner, label, predicted_runner
     from autotune.profiler import ProfileSettings
-    from autotune.qmv_op import OP as QMV_OP
 
     with reported_errors(verbose):
         settings = ProfileSettings(warmup, warmup_ms, min_reps, max_reps, sample_ms, min_improvement)
-        if op == QMV_OP:
-            _qmv(model, shapes, batch_sizes, group_size, dtype, settings, dry_run, as_json)
+        if op in MATVEC_OPS:
+            _matvec(op, model, shapes, batch_sizes, group_size, dtype, settings, dry_run, as_json)
             return
         if op != OP:
-            raise fail(f"--op must be {OP} or {QMV_OP}, got '{op}'")
+            raise fail(f"--op must be one of {', '.join([OP, *MATVEC_OPS])}, got '{op}'")
         geo = {"head_dim": 128, "q_heads": 32, "kv_heads": 8}
         if model is not None:
             path = _model_path(model)
@@ -286,11 +290,11 @@ def tune(
         _run(cells, geometry, dtype, settings, directory, as_json)
 
 
-def _qmv(model, shapes, batch_sizes: str, group_size: int, dtype: str, settings, dry_run: bool, as_json: bool) -> None:
+def _matvec(op: str, model, shapes, batch_sizes: str, group_size: int, dtype: str, settings, dry_run, as_json) -> None:
     from autotune import autotune_dir
-    from autotune.qmv_op import LLAMA_3_8B_SHAPES, shapes_from_config
+    from autotune.matvec_ops import LLAMA_3_8B_SHAPES, shapes_from_config
 
-    from . import tune_qmv
+    from . import tune_matvec
 
     try:
         settings.validate()
@@ -299,11 +303,11 @@ def _qmv(model, shapes, batch_sizes: str, group_size: int, dtype: str, settings,
     if dtype not in ("float16", "bfloat16", "float32"):
         raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
     if shapes is not None:
-        weights = tune_qmv.parse_shapes(shapes)
+        weights = tune_matvec.parse_shapes(shapes)
     elif model is not None:
         path = _model_path(model)
         if _is_gguf(path):
-            raise fail(f"-m {model}: qmv-multirow reads the weight shapes from a config.json; give --shapes NxK,...")
+            raise fail(f"-m {model}: {op} reads the weight shapes from a config.json; give --shapes NxK,...")
         try:
             weights = shapes_from_config(_read_model_config(model, path))
         except ValueError as exc:
@@ -311,8 +315,8 @@ def _qmv(model, shapes, batch_sizes: str, group_size: int, dtype: str, settings,
     else:
         weights = list(LLAMA_3_8B_SHAPES)
     rows = _int_list(batch_sizes, "--batch-sizes")
-    request = tune_qmv.Request(weights, rows, group_size, dtype, settings, autotune_dir(), as_json)
-    (tune_qmv.dry_run if dry_run else tune_qmv.run)(request)
+    request = tune_matvec.Request(op, weights, rows, group_size, dtype, settings, autotune_dir(), as_json)
+    (tune_matvec.dry_run if dry_run else tune_matvec.run)(request)
 
 
 def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) -> None:

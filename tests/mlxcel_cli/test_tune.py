@@ -174,7 +174,7 @@ def test_explicit_flags_override_the_model(capsys, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--op", "qmm-tile"], "--op must be paged-decode-splits"),
+        (["--op", "qmm-tile"], "--op must be one of paged-decode-splits, qmv-multirow, hmv-multirow"),
         (["--batch-sizes", "1,x"], "--batch-sizes must be a comma-separated list of positive integers"),
         (["--context-lengths", "0"], "--context-lengths must be"),
         (["--q-heads", "6"], "--q-heads (6) must be a multiple of --kv-heads (8)"),

@@ -24,10 +24,11 @@ import mlx.core as mx
 
 from . import qmv
 from .cubin_cache import cuda_kernel
+from .matvec_config import HMV_CHUNK as CHUNK
+from .matvec_config import hmv_launch_config as launch_config  # the untuned rule
 from .qmv_source import MODES, base_mode, header, kernel_name, kernel_source
 
 MAX_ROWS = qmv.MAX_ROWS
-CHUNK = 8  # elements of K per lane per step (one 16-byte load of a weight row)
 WEIGHT_TYPES = (mx.bfloat16, mx.float16)
 
 # The kernel serves 16-bit models up to this hidden size (see enabled()).
@@ -54,25 +55,14 @@ def shape_supported(x_shape, x_dtype, w_shape, w_dtype) -> bool:
     return n >= 1 and k >= CHUNK and k % CHUNK == 0 and x_shape[-1] == k and 1 <= qmv.rows_of(x_shape) <= MAX_ROWS
 
 
-def launch_config(n: int, k: int, m: int, mode: str = "plain") -> tuple[int, int, int]:
-    """(ROWS, WARPS, UNROLL): two rows a block; as many warps (up to 8) splitting K as leave each two rounds of it
-    (512 elements a lane-round of 8 warps); both of a lane's rounds' loads in flight (UNROLL 2) where it has two.
+def chosen_config(n: int, k: int, m: int, mode: str, x_dtype) -> tuple[int, int, int]:
+    """The launch configuration of a call without one: the autotune cache's winner for this cell (the SwiGLU modes
+    have cells of their own) where MLXCEL_AUTOTUNE reads the cache and one is stored (`mlxcel tune --op
+    hmv-multirow`, autotune/matvec_ops.py), else `launch_config`'s rule."""
+    from autotune.matvec_ops import HMV, tuned_config
 
-    Why: a decode projection waits for the one before it, so one launch must keep enough loads in flight on its own.
-    A rule that stops at about 2048 warps a grid reaches 24-42% achieved occupancy in the model on the H200 (1.9-2.9
-    TB/s); a sweep whose independent calls overlap inside MLX's CUDA graphs does not show that. Timed one after
-    another (benchmarks/hmv.py), the best configurations at M = 1 are all 2-4 rows, 4-8 warps, mostly UNROLL 2:
-    4096x4096 (4,4,2), 14336x4096 (2,8,2), 4096x14336 (2,4,1), 128256x4096 (2,8,2), 8192x2048 (2,4,2), 2048x8192
-    (4,8,2), 128256x2048 (2,4,2), and this rule is within a few percent of each.
-
-    The SwiGLU modes (gate and up rows in one launch) take at most 4 warps: inside an 8B decode
-    (benchmarks/inmodel_sweep.py) their launch takes 58-60 us with 4 warps a block against 68 us with 8; the other
-    modes are within noise of the rule."""
-    warps = 4 if base_mode(mode) == "swiglu" else 8
-    while warps > 1 and k < warps * 2 * 32 * CHUNK:
-        warps //= 2
-    rounds = k // (warps * 32 * CHUNK)
-    return 2, warps, 2 if rounds >= 2 else 1
+    cell_mode = "swiglu" if base_mode(mode) == "swiglu" else "plain"
+    return tuned_config(HMV, n, k, m, 0, cell_mode, x_dtype) or launch_config(n, k, m, mode)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -91,7 +81,7 @@ def launch_args(
     m = qmv.rows_of(x_shape)
     if not 1 <= m <= max_rows or x_dtype not in qmv.FLOAT_TYPES or w_dtype not in WEIGHT_TYPES:
         return None
-    rows, warps, unroll, groups = qmv.unpack_launch(config or launch_config(n, x_shape[-1], m, mode))
+    rows, warps, unroll, groups = qmv.unpack_launch(config or chosen_config(n, x_shape[-1], m, mode, x_dtype))
     template = [("T", x_dtype), ("CFG", qmv.pack_config(m, 0, rows, warps, unroll, groups))]
     return qmv.mode_layout(
         mode, n, m, rows, warps, split, x_shape, mx.result_type(x_dtype, w_dtype), template, eps, groups

@@ -44,7 +44,8 @@ import mlx.core as mx
 from ..paged_attention import cuda_kernel_available
 from ..small_arrays import float32_bits
 from .cubin_cache import cuda_kernel
-from .qmv_config import CHUNK, launch_config  # noqa: F401  (launch_config: the untuned rule)
+from .matvec_config import QMV_CHUNK as CHUNK
+from .matvec_config import qmv_launch_config as launch_config  # the untuned rule
 from .qmv_source import _HEADER, KERNEL_NAME, MODES, base_mode, kernel_name, kernel_source  # noqa: F401
 
 MAX_ROWS = 8  # rows of x one launch handles (decode batch); more rows go to mx.quantized_matmul
@@ -118,12 +119,11 @@ def supports(
 
 def chosen_config(n: int, k: int, m: int, group_size: int, x_dtype) -> tuple[int, int, int]:
     """The launch configuration of a call without one: the autotune cache's winner for this cell where
-    MLXCEL_AUTOTUNE reads the cache and one is stored (`mlxcel tune --op qmv-multirow`, autotune/qmv_op.py), else
+    MLXCEL_AUTOTUNE reads the cache and one is stored (`mlxcel tune --op qmv-multirow`, autotune/matvec_ops.py), else
     `launch_config`'s rule."""
-    from autotune.qmv_op import tuned_config
+    from autotune.matvec_ops import QMV, tuned_config
 
-    dtype = str(x_dtype).rpartition(".")[2]
-    return tuned_config(n, k, m, group_size, dtype) or launch_config(n, k, m)
+    return tuned_config(QMV, n, k, m, group_size, "plain", x_dtype) or launch_config(n, k, m)
 
 
 def pack_config(m: int, group_size: int, rows: int, warps: int, unroll: int, groups: int = 1) -> int:

@@ -1,6 +1,6 @@
-"""`mlxcel tune --op qmv-multirow`: the dry run (its cells, defaults and candidates; no MLX imported), shapes from
---shapes, -m or the default model shape, bad input as one line and exit 2, and no CUDA device as a clear refusal.
-The measuring itself is tests/autotune/test_qmv_op.py's CUDA test."""
+"""`mlxcel tune --op qmv-multirow|hmv-multirow`: the dry run (its cells, defaults and candidates; no MLX imported),
+shapes from --shapes, -m or the default model shape, bad input as one line and exit 2, and no CUDA device as a clear
+refusal. The measuring itself is tests/autotune/test_matvec_ops.py's CUDA tests."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune import qmv_op
+from autotune import matvec_ops
 from mlxcel_cli.main import main
-from mlxcel_core.backends.cuda.kernels import qmv
+from mlxcel_core.backends.cuda.kernels import hmv, qmv
 
 ROOT = Path(__file__).resolve().parents[2]
 QMV = ["tune", "--op", "qmv-multirow"]
@@ -37,17 +37,34 @@ def test_dry_run_lists_every_cell_with_the_rule_and_its_candidates(capsys, cache
         capsys, *QMV, "--dry-run", "--json", "--shapes", "4096x4096,1024x14336", "--batch-sizes", "1,8"
     )
     doc = json.loads(out)
-    assert code == 0 and err == "" and doc["op"] == "qmv-multirow" and doc["runner"] == qmv_op.runner()
+    assert (
+        code == 0 and err == "" and doc["op"] == "qmv-multirow" and doc["runner"] == matvec_ops.runner("qmv-multirow")
+    )
     assert [(c["n"], c["k"], c["rows"]) for c in doc["cells"]] == [(4096, 4096, 1), (4096, 4096, 8)] + [
         (1024, 14336, 1),
         (1024, 14336, 8),
     ]
     for c in doc["cells"]:
-        assert c["default"] == qmv_op.label(qmv.launch_config(c["n"], c["k"], c["rows"])) in c["candidates"]
+        assert c["default"] == matvec_ops.label(qmv.launch_config(c["n"], c["k"], c["rows"])) in c["candidates"]
         assert c["cell"] == f"n{c['n']}xk{c['k']}xm{c['rows']}xg64"
     assert list(cache.iterdir()) == []
     code, out, _ = cli(capsys, *QMV, "--dry-run")
-    assert code == 0 and "dry run: 24 cells" in out and "\n128256x4096 " in out  # Llama-3-8B's six shapes x 1,2,4,8
+    assert (
+        code == 0 and "dry run: 24 cells" in out and " 128256x4096    1 |" in out
+    )  # Llama-3-8B's six shapes x 1,2,4,8
+
+
+def test_the_16_bit_kernel_has_swiglu_cells(capsys):
+    args = ["--dry-run", "--json", "--shapes", "4096x4096,28672x4096:swiglu", "--batch-sizes", "1"]
+    code, out, _ = cli(capsys, "tune", "--op", "hmv-multirow", *args)
+    cells = json.loads(out)["cells"]
+    assert code == 0 and [(c["n"], c["mode"], c["cell"]) for c in cells] == [
+        (4096, "plain", "n4096xk4096xm1"),
+        (28672, "swiglu", "n28672xk4096xm1xswiglu"),
+    ]
+    assert cells[1]["default"] == matvec_ops.label(hmv.launch_config(28672, 4096, 1, "swiglu"))
+    code, out, _ = cli(capsys, *QMV, *args)  # the 4-bit kernel's cells are plain in every mode
+    assert code == 0 and [c["mode"] for c in json.loads(out)["cells"]] == ["plain", "plain"]
 
 
 def test_shapes_from_a_model_directory(capsys, tmp_path):
@@ -77,17 +94,20 @@ def test_dry_run_imports_no_mlx(cache):
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "op, args, message",
     [
-        (["--shapes", "4096by4096"], "--shapes must be a comma-separated list of NxK"),
-        (["--shapes", "4096x100"], "K must be a multiple of 32 and of the group size"),
-        (["--batch-sizes", "9"], "the kernel takes 1..8 rows of x"),
-        (["--group-size", "48"], "--group-size must be one of 32, 64, 128"),
-        (["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
+        ("qmv-multirow", ["--shapes", "4096by4096"], "--shapes must be a comma-separated list of NxK[:swiglu]"),
+        ("hmv-multirow", ["--shapes", "4096x4096:gelu"], "--shapes must be a comma-separated list of NxK[:swiglu]"),
+        ("hmv-multirow", ["--shapes", "4095x4096:swiglu"], "a fused gate/up weight has an even number of rows"),
+        ("qmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 32 and of the group size"),
+        ("hmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 8"),
+        ("qmv-multirow", ["--batch-sizes", "9"], "the kernel takes 1..8 rows of x"),
+        ("qmv-multirow", ["--group-size", "48"], "--group-size must be one of 32, 64, 128"),
+        ("hmv-multirow", ["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
-    code, out, err = cli(capsys, *QMV, "--dry-run", *args)
+def test_bad_input_is_one_line_and_exit_2(capsys, op, args, message):
+    code, out, err = cli(capsys, "tune", "--op", op, "--dry-run", *args)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err
 
 
@@ -95,3 +115,5 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
 def test_without_cuda_a_run_is_refused_naming_it(capsys, cache):
     code, out, err = cli(capsys, *QMV, "--shapes", "1024x4096", "--batch-sizes", "1")
     assert code == 2 and "no MLX CUDA device" in err and list(cache.iterdir()) == []
+    code, out, err = cli(capsys, "tune", "--op", "hmv-multirow", "--shapes", "1024x4096", "--batch-sizes", "1")
+    assert code == 2 and "no MLX CUDA device" in err

@@ -1,0 +1,280 @@
+"""Tunable ops `qmv-multirow` and `hmv-multirow`: the launch configuration (ROWS, WARPS, UNROLL) of the CUDA decode
+matvec kernels (mlxcel_core/backends/cuda/kernels/qmv.py for 4-bit weights, hmv.py for 16-bit ones) per cell: weight
+N x K, rows of x M (1..8, the decode batch), group size (4-bit), mode and dtype.
+
+Modes: the 4-bit kernel's rule is the same in every mode, so its cells are the plain launch's and its winners serve
+every mode. The 16-bit kernel's SwiGLU modes (gate and up in one launch) follow a rule of their own, so they have
+cells of their own (`swiglu`: the fused gate/up weight); its other modes take the plain cell's winner.
+
+Describing the ops (cells, candidates, the untuned rules: kernels/matvec_config.py) imports no MLX, so
+`mlxcel tune --dry-run` stays fast; measuring and the runtime lookup import it.
+
+Runtime: the kernels' launch_args ask `tuned_config` once per launch shape (it is cached there). With MLXCEL_AUTOTUNE
+off (the default) the rule decides; with `cache` or `1` a stored winner for the cell does, where there is one (`1`
+does not tune these ops on first use, as it does paged-decode-splits: a decode step must not stop to compile and time
+a dozen kernel variants; `mlxcel tune --op ...` measures them).
+
+Measuring: random weights (4-bit: quantized at the group size) and M rows of x; each candidate launches CALLS times in
+a chain (each launch's x depends on the previous launch's output through mx.depends, so they run one after another as
+a model's projections do, not side by side in MLX's CUDA graph), and its output is checked against the rule's.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from mlxcel_core.backends.cuda.kernels import matvec_config as mc
+
+from . import autotune_dir, autotune_mode
+
+QMV, HMV = "qmv-multirow", "hmv-multirow"
+CALLS = 20  # chained launches per timed run: one launch of a small weight is a few microseconds
+MAX_ROWS = 8  # the kernels' MAX_ROWS: more rows of x go to MLX's matmuls, not these kernels
+GROUP_SIZES = (32, 64, 128)
+MODES = ("plain", "swiglu")
+DTYPES = ("float16", "bfloat16", "float32")
+# Max-abs error against the rule's output, relative to the output's largest magnitude (at least 1): the launches
+# differ only in the order of float32 sums, so a few units in the last place of the output dtype.
+TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+# Llama-3-8B's decode matvecs (N, K, mode): q/o, k/v, fused q/k/v, fused gate/up, down, LM head.
+LLAMA_3_8B_SHAPES = (
+    (4096, 4096, "plain"),
+    (1024, 4096, "plain"),
+    (6144, 4096, "plain"),
+    (28672, 4096, "swiglu"),
+    (4096, 14336, "plain"),
+    (128256, 4096, "plain"),
+)
+FIELDS = ("rows", "warps", "unroll")
+
+# (op, cache dir, mode, runner, device, cell key, dtype) -> (ROWS, WARPS, UNROLL) or None, for the process's life
+_RESOLVED: dict[tuple, Optional[tuple[int, int, int]]] = {}
+
+
+def reset() -> None:
+    """Forget what this process resolved (tests)."""
+    _RESOLVED.clear()
+
+
+@dataclass(frozen=True)
+class Cell:
+    n: int
+    k: int
+    m: int
+    group_size: int = 0  # the 4-bit kernel's quantization group; 0 for 16-bit weights
+    mode: str = "plain"
+
+    def key(self) -> str:
+        group = f"xg{self.group_size}" if self.group_size else ""
+        return f"n{self.n}xk{self.k}xm{self.m}{group}" + ("" if self.mode == "plain" else f"x{self.mode}")
+
+    def as_dict(self) -> dict:
+        return {"n": self.n, "k": self.k, "m": self.m, "group_size": self.group_size, "mode": self.mode}
+
+
+@dataclass(frozen=True)
+class Spec:
+    op: str
+    weights: str  # qmv_source's weight kind: "q4" or "half"
+    chunk: int
+    candidates: Callable[[int], list[tuple[int, int, int]]]
+    rule: Callable[[Cell], tuple[int, int, int]]
+    modes: tuple[str, ...]
+
+
+SPECS = {
+    QMV: Spec(QMV, "q4", mc.QMV_CHUNK, mc.qmv_candidates, lambda c: mc.qmv_launch_config(c.n, c.k, c.m), ("plain",)),
+    HMV: Spec(
+        HMV, "half", mc.HMV_CHUNK, mc.hmv_candidates, lambda c: mc.hmv_launch_config(c.n, c.k, c.m, c.mode), MODES
+    ),
+}
+
+
+def validate(op: str, cell: Cell) -> None:
+    spec = SPECS[op]
+    if min(cell.n, cell.k, cell.m) < 1:
+        raise ValueError(f"shape {cell.n}x{cell.k} with {cell.m} rows: every size must be positive")
+    if cell.m > MAX_ROWS:
+        raise ValueError(f"--batch-sizes: the kernel takes 1..{MAX_ROWS} rows of x, got {cell.m}")
+    if cell.mode not in spec.modes:
+        raise ValueError(f"{op} has no {cell.mode} cells (modes: {', '.join(spec.modes)})")
+    if cell.mode == "swiglu" and cell.n % 2:
+        raise ValueError(f"shape {cell.n}x{cell.k}: a fused gate/up weight has an even number of rows")
+    if spec.weights == "q4" and cell.group_size not in GROUP_SIZES:
+        raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {cell.group_size}")
+    if cell.k % spec.chunk or (cell.group_size and cell.k % cell.group_size):
+        what = " and of the group size" if cell.group_size else ""
+        raise ValueError(f"shape {cell.n}x{cell.k}: K must be a multiple of {spec.chunk}{what}")
+
+
+def label(config: tuple[int, int, int]) -> str:
+    return ",".join(f"{name}={value}" for name, value in zip(FIELDS, config))
+
+
+def candidates(op: str, cell: Cell) -> list[tuple[int, int, int]]:
+    return SPECS[op].candidates(cell.k)
+
+
+def default_config(op: str, cell: Cell) -> tuple[int, int, int]:
+    """The untuned rule (kernels/matvec_config.py); always one of `candidates(op, cell)`."""
+    return SPECS[op].rule(cell)
+
+
+def runner(op: str, mode: str = "plain") -> str:
+    """The kernel's name, which carries a hash of its source: winners measured on another build are misses."""
+    from mlxcel_core.backends.cuda.kernels.qmv_source import kernel_name
+
+    return f"cuda-kernel-{kernel_name(mode, SPECS[op].weights)}"
+
+
+def shapes_from_config(config: dict) -> list[tuple[int, int, str]]:
+    """The decode matvecs of a config.json (its text_config first), as (N, K, mode): q, k/v, the fused q/k/v, o, the
+    fused gate/up (its SwiGLU launch), down and the LM head, without repeats."""
+    text = config.get("text_config")
+    cfg = {**config, **text} if isinstance(text, dict) else config
+    hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if not isinstance(hidden, int) or not isinstance(heads, int) or hidden < 1 or heads < 1:
+        raise ValueError("config.json needs hidden_size and num_attention_heads for the matvec shapes")
+    kv = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    inter = cfg.get("intermediate_size")
+    shapes = [(heads * head_dim, hidden), (kv * head_dim, hidden), ((heads + 2 * kv) * head_dim, hidden)]
+    out = [(n, k, "plain") for n, k in [*shapes, (hidden, heads * head_dim)]]
+    if isinstance(inter, int) and inter > 0:
+        out += [(2 * inter, hidden, "swiglu"), (hidden, inter, "plain")]
+    if isinstance(cfg.get("vocab_size"), int):
+        out.append((cfg["vocab_size"], hidden, "plain"))
+    return list(dict.fromkeys(out))
+
+
+# -- runtime (imports MLX through the device identity) -----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _mode(raw: str):
+    return autotune_mode(raw)  # (cached per value: an unknown one warns once, not once per shape)
+
+
+def tuned_config(
+    op: str, n: int, k: int, m: int, group_size: int, mode: str, x_dtype
+) -> Optional[tuple[int, int, int]]:
+    """The stored winner for this cell where MLXCEL_AUTOTUNE reads the cache, else None (the rule decides)."""
+    from mlxcel_core import settings
+
+    read = _mode(settings.get("MLXCEL_AUTOTUNE"))
+    if read == "off":
+        return None
+    from .ops import device_identity
+
+    cell, device, dtype = Cell(n, k, m, group_size, mode), device_identity(), str(x_dtype).rpartition(".")[2]
+    memo = (op, str(autotune_dir()), read, runner(op, mode), device, cell.key(), dtype)
+    if memo not in _RESOLVED:
+        _RESOLVED[memo] = _lookup(op, cell, device, dtype)
+    return _RESOLVED[memo]
+
+
+def _lookup(op: str, cell: Cell, device: str, dtype: str) -> Optional[tuple[int, int, int]]:
+    from .store import Key, Store
+
+    labels = [label(c) for c in candidates(op, cell)]
+    record = Store().load(Key(op, runner(op, cell.mode), device, cell.key(), dtype), candidates=labels)
+    if record is None:
+        return None
+    config = tuple(record["tactic"]["params"].get(name) for name in FIELDS)
+    if config not in candidates(op, cell) or label(config) != record["tactic"]["label"]:
+        print(
+            f"mlxcel: warning: autotune cache: bad tactic {record['tactic']!r} for {op} {cell.key()}; ignoring it",
+            file=sys.stderr,
+        )
+        return None
+    return config
+
+
+# -- measuring (imports MLX; the CUDA kernels only) --------------------------------------------------------------
+
+
+def _validator(dtype: str):
+    import mlx.core as mx
+
+    def check(out, ref):
+        a, b = out.astype(mx.float32), ref.astype(mx.float32)
+        if not mx.all(mx.isfinite(a)).item():
+            return "non-finite output"
+        err, scale = mx.max(mx.abs(a - b)).item(), max(1.0, mx.max(mx.abs(b)).item())
+        limit = TOLERANCE[dtype] * scale
+        return None if err <= limit else f"output differs from the default's: max abs error {err:.3g} > {limit:.3g}"
+
+    return check
+
+
+def _launcher(op: str, cell: Cell, dtype: str):
+    """launch(x, config) for the cell's kernel on random weights."""
+    import mlx.core as mx
+
+    from mlxcel_core.backends.cuda.kernels import hmv, qmv
+
+    dt = getattr(mx, dtype)
+    kw, kx = mx.random.split(mx.random.key(cell.n * 7 + cell.k))
+    w = (mx.random.normal((cell.n, cell.k), key=kw) * 0.02).astype(dt)
+    x = mx.random.normal((cell.m, cell.k), key=kx).astype(dt)
+    if op == QMV:
+        wq, scales, biases = mx.quantize(w, group_size=cell.group_size, bits=4)
+        mx.eval(wq, scales, biases, x)
+        return x, lambda xi, c: qmv.cuda_quantized_matvec(xi, wq, scales, biases, cell.group_size, config=c)
+    mx.eval(w, x)
+
+    def launch(xi, c):
+        return hmv.launch(hmv.launch_args(xi.shape, xi.dtype, w.dtype, cell.n, c, mode=cell.mode), xi, w, cell.mode)
+
+    return x, launch
+
+
+def profile_cell(op: str, cell: Cell, dtype: str, settings, progress=None):
+    """Profile every candidate of `cell` on random weights; returns (default config, ProfileResult)."""
+    import mlx.core as mx
+
+    from mlxcel_core.backends.cuda.kernels import qmv
+
+    from .profiler import Candidate, profile
+
+    if not qmv.kernel_ready():
+        raise RuntimeError(f"{op} measures a CUDA matvec kernel: MLX has no CUDA device here")
+    x, launch = _launcher(op, cell, dtype)
+
+    def chain(config):
+        def run():
+            y = launch(x, config)
+            for _ in range(CALLS - 1):
+                y = launch(mx.depends(x, y), config)
+            return y
+
+        return run
+
+    default = default_config(op, cell)
+    cands = [Candidate(label(c), chain(c), dict(zip(FIELDS, c))) for c in candidates(op, cell)]
+    result = profile(cands, label(default), settings, validate=_validator(dtype), sync=mx.eval, progress=progress)
+    return default, result
+
+
+def entry_from_result(op: str, cell: Cell, device: str, dtype: str, default: tuple[int, int, int], result):
+    """A cache Entry for a usable ProfileResult (latencies are per launch: the chain's over CALLS)."""
+    from .store import Entry, Key
+
+    best, ref = result.best, result.default_measurement
+    params = {name: int(part.split("=")[1]) for name, part in zip(FIELDS, best.label.split(","))}
+    return Entry(
+        key=Key(op, runner(op, cell.mode), device, cell.key(), dtype),
+        tactic={"label": best.label, "params": params},
+        latency_us=best.median_us / CALLS,
+        default_tactic={"label": label(default), "params": dict(zip(FIELDS, default))},
+        default_latency_us=ref.median_us / CALLS,
+        candidates=list(result.candidates),
+        reps=result.reps,
+        spread=best.spread,
+        default_spread=ref.spread,
+        required_improvement=result.required_improvement,
+        bucket_fields=cell.as_dict(),
+    )
