@@ -1,6 +1,9 @@
-"""Tunable ops `qmv-multirow` and `hmv-multirow`: the launch configuration (ROWS, WARPS, UNROLL) of the CUDA decode
-matvec kernels (mlxcel_core/backends/cuda/kernels/qmv.py for 4-bit weights, hmv.py for 16-bit ones) per cell: weight
-N x K, rows of x M (1..8, the decode batch), group size (4-bit), mode and dtype.
+"""Tunable ops of the CUDA decode product kernels, per cell (weight N x K, rows of x M, group size for 4-bit weights,
+mode, dtype):
+- `qmv-multirow` / `hmv-multirow`: the launch configuration (ROWS, WARPS, UNROLL) of the matvec kernels
+  (mlxcel_core/backends/cuda/kernels/qmv.py for 4-bit weights, hmv.py for 16-bit ones), M 1..8;
+- `qmm-splits`: GPS, the quantization groups of K a split of the tensor-core batched 4-bit product
+  (kernels/qmm.py), M 9..32, in cells of M rounded up to its 8-row tiles.
 
 Modes: the 4-bit kernel's rule is the same in every mode, so its cells are the plain launch's and its winners serve
 every mode. The 16-bit kernel's SwiGLU modes (gate and up in one launch) follow a rule of their own, so they have
@@ -30,9 +33,8 @@ from mlxcel_core.backends.cuda.kernels import matvec_config as mc
 
 from . import autotune_dir, autotune_mode
 
-QMV, HMV = "qmv-multirow", "hmv-multirow"
+QMV, HMV, QMM = "qmv-multirow", "hmv-multirow", "qmm-splits"
 CALLS = 20  # chained launches per timed run: one launch of a small weight is a few microseconds
-MAX_ROWS = 8  # the kernels' MAX_ROWS: more rows of x go to MLX's matmuls, not these kernels
 GROUP_SIZES = (32, 64, 128)
 MODES = ("plain", "swiglu")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -48,10 +50,10 @@ LLAMA_3_8B_SHAPES = (
     (4096, 14336, "plain"),
     (128256, 4096, "plain"),
 )
-FIELDS = ("rows", "warps", "unroll")
+FIELDS = ("rows", "warps", "unroll")  # the matvecs' tactic; qmm-splits' is ("gps",)
 
 # (op, cache dir, mode, runner, device, cell key, dtype) -> (ROWS, WARPS, UNROLL) or None, for the process's life
-_RESOLVED: dict[tuple, Optional[tuple[int, int, int]]] = {}
+_RESOLVED: dict[tuple, Optional[tuple[int, ...]]] = {}
 
 
 def reset() -> None:
@@ -78,56 +80,99 @@ class Cell:
 @dataclass(frozen=True)
 class Spec:
     op: str
-    weights: str  # qmv_source's weight kind: "q4" or "half"
-    chunk: int
-    candidates: Callable[[int], list[tuple[int, int, int]]]
-    rule: Callable[[Cell], tuple[int, int, int]]
-    modes: tuple[str, ...]
+    weights: str  # qmv_source's weight kind ("q4" or "half"), or "qmm"
+    chunk: int  # K is a multiple of it
+    rows: tuple[int, int]  # the rows of x the kernel takes
+    fields: tuple[str, ...]
+    candidates: Callable[[Cell], list[tuple[int, ...]]]
+    rule: Callable[[Cell], tuple[int, ...]]
+    modes: tuple[str, ...] = ("plain",)
 
 
 SPECS = {
-    QMV: Spec(QMV, "q4", mc.QMV_CHUNK, mc.qmv_candidates, lambda c: mc.qmv_launch_config(c.n, c.k, c.m), ("plain",)),
+    QMV: Spec(
+        QMV,
+        "q4",
+        mc.QMV_CHUNK,
+        (1, 8),
+        FIELDS,
+        lambda c: mc.qmv_candidates(c.k),
+        lambda c: mc.qmv_launch_config(c.n, c.k, c.m),
+    ),
     HMV: Spec(
-        HMV, "half", mc.HMV_CHUNK, mc.hmv_candidates, lambda c: mc.hmv_launch_config(c.n, c.k, c.m, c.mode), MODES
+        HMV,
+        "half",
+        mc.HMV_CHUNK,
+        (1, 8),
+        FIELDS,
+        lambda c: mc.hmv_candidates(c.k),
+        lambda c: mc.hmv_launch_config(c.n, c.k, c.m, c.mode),
+        MODES,
+    ),
+    QMM: Spec(
+        QMM,
+        "qmm",
+        32,
+        (9, 32),
+        ("gps",),
+        lambda c: [(gps,) for gps in mc.qmm_candidates(c.n, c.k // c.group_size)],
+        lambda c: (mc.qmm_split_k(c.n, c.k // c.group_size)[1],),
     ),
 }
 
 
+def cell_of(op: str, n: int, k: int, m: int, group_size: int = 0, mode: str = "plain") -> Cell:
+    """The cell a launch of `op` belongs to: qmm-splits' rows rounded up to its 8-row tiles (the kernel compiles per
+    tile count), the others' exact."""
+    return Cell(n, k, 8 * -(-m // 8) if op == QMM else m, group_size, mode)
+
+
 def validate(op: str, cell: Cell) -> None:
     spec = SPECS[op]
+    lo, hi = spec.rows
     if min(cell.n, cell.k, cell.m) < 1:
         raise ValueError(f"shape {cell.n}x{cell.k} with {cell.m} rows: every size must be positive")
-    if cell.m > MAX_ROWS:
-        raise ValueError(f"--batch-sizes: the kernel takes 1..{MAX_ROWS} rows of x, got {cell.m}")
+    if not lo <= cell.m <= hi:
+        raise ValueError(f"--batch-sizes: {op}'s kernel takes {lo}..{hi} rows of x, got {cell.m}")
     if cell.mode not in spec.modes:
         raise ValueError(f"{op} has no {cell.mode} cells (modes: {', '.join(spec.modes)})")
     if cell.mode == "swiglu" and cell.n % 2:
         raise ValueError(f"shape {cell.n}x{cell.k}: a fused gate/up weight has an even number of rows")
-    if spec.weights == "q4" and cell.group_size not in GROUP_SIZES:
+    if spec.weights != "half" and cell.group_size not in GROUP_SIZES:
         raise ValueError(f"--group-size must be one of {', '.join(map(str, GROUP_SIZES))}, got {cell.group_size}")
     if cell.k % spec.chunk or (cell.group_size and cell.k % cell.group_size):
         what = " and of the group size" if cell.group_size else ""
         raise ValueError(f"shape {cell.n}x{cell.k}: K must be a multiple of {spec.chunk}{what}")
 
 
-def label(config: tuple[int, int, int]) -> str:
-    return ",".join(f"{name}={value}" for name, value in zip(FIELDS, config))
+def label(config: tuple[int, ...], op: str = QMV) -> str:
+    return ",".join(f"{name}={value}" for name, value in zip(SPECS[op].fields, config))
 
 
-def candidates(op: str, cell: Cell) -> list[tuple[int, int, int]]:
-    return SPECS[op].candidates(cell.k)
+def candidates(op: str, cell: Cell) -> list[tuple[int, ...]]:
+    return SPECS[op].candidates(cell)
 
 
-def default_config(op: str, cell: Cell) -> tuple[int, int, int]:
+def default_config(op: str, cell: Cell) -> tuple[int, ...]:
     """The untuned rule (kernels/matvec_config.py); always one of `candidates(op, cell)`."""
     return SPECS[op].rule(cell)
 
 
 def runner(op: str, mode: str = "plain") -> str:
-    """The kernel's name, which carries a hash of its source: winners measured on another build are misses."""
+    """The kernel's name, which carries a hash of its source: winners measured on another build are misses. (The
+    tensor-core kernel's source lives beside MLX calls: naming it imports MLX, so a dry run shows `runner_kind`.)"""
     from mlxcel_core.backends.cuda.kernels.qmv_source import kernel_name
 
+    if op == QMM:
+        from mlxcel_core.backends.cuda.kernels.qmm import KERNEL_NAME
+
+        return f"cuda-kernel-{KERNEL_NAME}"
     return f"cuda-kernel-{kernel_name(mode, SPECS[op].weights)}"
+
+
+def runner_kind(op: str) -> str:
+    """What a dry run names as the runner (no MLX import)."""
+    return "cuda-kernel-mlxcel_qmm_mma (and its build's hash)" if op == QMM else runner(op)
 
 
 def shapes_from_config(config: dict) -> list[tuple[int, int, str]]:
@@ -158,10 +203,9 @@ def _mode(raw: str):
     return autotune_mode(raw)  # (cached per value: an unknown one warns once, not once per shape)
 
 
-def tuned_config(
-    op: str, n: int, k: int, m: int, group_size: int, mode: str, x_dtype
-) -> Optional[tuple[int, int, int]]:
-    """The stored winner for this cell where MLXCEL_AUTOTUNE reads the cache, else None (the rule decides)."""
+def tuned_config(op: str, n: int, k: int, m: int, group_size: int, mode: str, x_dtype) -> Optional[tuple[int, ...]]:
+    """The stored winner for this launch's cell where MLXCEL_AUTOTUNE reads the cache, else None (the rule
+    decides)."""
     from mlxcel_core import settings
 
     read = _mode(settings.get("MLXCEL_AUTOTUNE"))
@@ -169,22 +213,22 @@ def tuned_config(
         return None
     from .ops import device_identity
 
-    cell, device, dtype = Cell(n, k, m, group_size, mode), device_identity(), str(x_dtype).rpartition(".")[2]
+    cell, device, dtype = cell_of(op, n, k, m, group_size, mode), device_identity(), str(x_dtype).rpartition(".")[2]
     memo = (op, str(autotune_dir()), read, runner(op, mode), device, cell.key(), dtype)
     if memo not in _RESOLVED:
         _RESOLVED[memo] = _lookup(op, cell, device, dtype)
     return _RESOLVED[memo]
 
 
-def _lookup(op: str, cell: Cell, device: str, dtype: str) -> Optional[tuple[int, int, int]]:
+def _lookup(op: str, cell: Cell, device: str, dtype: str) -> Optional[tuple[int, ...]]:
     from .store import Key, Store
 
-    labels = [label(c) for c in candidates(op, cell)]
+    fields, labels = SPECS[op].fields, [label(c, op) for c in candidates(op, cell)]
     record = Store().load(Key(op, runner(op, cell.mode), device, cell.key(), dtype), candidates=labels)
     if record is None:
         return None
-    config = tuple(record["tactic"]["params"].get(name) for name in FIELDS)
-    if config not in candidates(op, cell) or label(config) != record["tactic"]["label"]:
+    config = tuple(record["tactic"]["params"].get(name) for name in fields)
+    if config not in candidates(op, cell) or label(config, op) != record["tactic"]["label"]:
         print(
             f"mlxcel: warning: autotune cache: bad tactic {record['tactic']!r} for {op} {cell.key()}; ignoring it",
             file=sys.stderr,
@@ -214,15 +258,17 @@ def _launcher(op: str, cell: Cell, dtype: str):
     """launch(x, config) for the cell's kernel on random weights."""
     import mlx.core as mx
 
-    from mlxcel_core.backends.cuda.kernels import hmv, qmv
+    from mlxcel_core.backends.cuda.kernels import hmv, qmm, qmv
 
     dt = getattr(mx, dtype)
     kw, kx = mx.random.split(mx.random.key(cell.n * 7 + cell.k))
     w = (mx.random.normal((cell.n, cell.k), key=kw) * 0.02).astype(dt)
     x = mx.random.normal((cell.m, cell.k), key=kx).astype(dt)
-    if op == QMV:
+    if op in (QMV, QMM):
         wq, scales, biases = mx.quantize(w, group_size=cell.group_size, bits=4)
         mx.eval(wq, scales, biases, x)
+        if op == QMM:
+            return x, lambda xi, c: qmm.quantized_matmul(xi, wq, scales, biases, cell.group_size, gps=c[0])
         return x, lambda xi, c: qmv.cuda_quantized_matvec(xi, wq, scales, biases, cell.group_size, config=c)
     mx.eval(w, x)
 
@@ -254,22 +300,24 @@ def profile_cell(op: str, cell: Cell, dtype: str, settings, progress=None):
         return run
 
     default = default_config(op, cell)
-    cands = [Candidate(label(c), chain(c), dict(zip(FIELDS, c))) for c in candidates(op, cell)]
-    result = profile(cands, label(default), settings, validate=_validator(dtype), sync=mx.eval, progress=progress)
+    fields = SPECS[op].fields
+    cands = [Candidate(label(c, op), chain(c), dict(zip(fields, c))) for c in candidates(op, cell)]
+    result = profile(cands, label(default, op), settings, validate=_validator(dtype), sync=mx.eval, progress=progress)
     return default, result
 
 
-def entry_from_result(op: str, cell: Cell, device: str, dtype: str, default: tuple[int, int, int], result):
+def entry_from_result(op: str, cell: Cell, device: str, dtype: str, default: tuple[int, ...], result):
     """A cache Entry for a usable ProfileResult (latencies are per launch: the chain's over CALLS)."""
     from .store import Entry, Key
 
     best, ref = result.best, result.default_measurement
-    params = {name: int(part.split("=")[1]) for name, part in zip(FIELDS, best.label.split(","))}
+    fields = SPECS[op].fields
+    params = {name: int(part.split("=")[1]) for name, part in zip(fields, best.label.split(","))}
     return Entry(
         key=Key(op, runner(op, cell.mode), device, cell.key(), dtype),
         tactic={"label": best.label, "params": params},
         latency_us=best.median_us / CALLS,
-        default_tactic={"label": label(default), "params": dict(zip(FIELDS, default))},
+        default_tactic={"label": label(default, op), "params": dict(zip(fields, default))},
         default_latency_us=ref.median_us / CALLS,
         candidates=list(result.candidates),
         reps=result.reps,

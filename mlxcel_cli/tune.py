@@ -118,15 +118,16 @@ def geometry_from_config(config: dict) -> dict[str, int]:
 
 def tune(
     op: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             "--op",
-            help="Op to tune. paged-decode-splits: the split-K factor of paged decode attention "
+            help="Op to tune (default paged-decode-splits; a dry run without --op lists every op). "
+            "paged-decode-splits: the split-K factor of paged decode attention "
             "(the CUDA kernel on CUDA, the MLX-ops path elsewhere). qmv-multirow / hmv-multirow: the launch "
             "configuration (rows, warps, unroll) of the CUDA 4-bit / 16-bit decode matvec kernel, per weight shape "
-            "and rows of x (CUDA only).",
+            "and rows of x; qmm-splits: the K split of the tensor-core 4-bit batch product (CUDA only).",
         ),
-    ] = "paged-decode-splits",
+    ] = None,
     model: Annotated[
         Optional[str],
         typer.Option(
@@ -150,19 +151,23 @@ def tune(
     ] = None,
     block_size: Annotated[int, typer.Option("--block-size", help="Paged KV block size in tokens.")] = 32,
     batch_sizes: Annotated[
-        str,
-        typer.Option("--batch-sizes", help="Comma-separated batch sizes of the matrix (qmv-multirow: rows of x, 1-8)."),
-    ] = "1,2,4,8",
+        Optional[str],
+        typer.Option(
+            "--batch-sizes",
+            help="Comma-separated batch sizes of the matrix (the product ops: rows of x, 1-8 for the matvecs, "
+            "9-32 for qmm-splits). Default: 1,2,4,8 (qmm-splits: 16,24,32).",
+        ),
+    ] = None,
     shapes: Annotated[
         Optional[str],
         typer.Option(
             "--shapes",
-            help="qmv-/hmv-multirow: comma-separated weight shapes NxK (NxK:swiglu for a fused gate/up weight's "
+            help="The product ops: comma-separated weight shapes NxK (NxK:swiglu for a fused gate/up weight's "
             "SwiGLU launch). Default: the model's decode matvecs with -m, else Llama-3-8B's.",
         ),
     ] = None,
     group_size: Annotated[
-        int, typer.Option("--group-size", help="qmv-multirow: the 4-bit weights' quantization group size.")
+        int, typer.Option("--group-size", help="qmv-multirow, qmm-splits: the 4-bit weights' group size.")
     ] = 64,
     context_lengths: Annotated[
         str, typer.Option("--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")
@@ -204,17 +209,20 @@ def tune(
     $MLXCEL_CACHE_DIR/autotune/, one JSON file per (op, runner, device, shape bucket, dtype); the engine
     reads them when MLXCEL_AUTOTUNE=cache (or 1; 0 or unset ignores the cache). MLXCEL_PAGED_DECODE_SPLITS
     overrides everything. There is no Metal kernel: on Apple silicon, as on CPU, the MLX-ops path is tuned.
-    qmv-multirow / hmv-multirow: each cell (weight shape x rows of x) times the CUDA 4-bit / 16-bit decode matvec
-    kernel's launch configurations the same way, on random weights; the engine uses the winners with
-    MLXCEL_AUTOTUNE=cache (or 1).
+    qmv-multirow / hmv-multirow / qmm-splits: each cell (weight shape x rows of x) times the CUDA 4-bit / 16-bit
+    decode matvec kernel's launch configurations, or the tensor-core batch product's K splits, the same way, on
+    random weights; the engine uses the winners with MLXCEL_AUTOTUNE=cache (or 1).
     """
     from autotune import autotune_dir
     from autotune.matvec_ops import SPECS as MATVEC_OPS
     from autotune.ops import OP, Bucket, Geometry, candidates, default_splits, describe_runner, label, predicted_runner
     from autotune.profiler import ProfileSettings
 
+    from . import tune_matvec
+
     with reported_errors(verbose):
         settings = ProfileSettings(warmup, warmup_ms, min_reps, max_reps, sample_ms, min_improvement)
+        every_op, op = op is None and dry_run, op or OP
         if op in MATVEC_OPS:
             _matvec(op, model, shapes, batch_sizes, group_size, dtype, settings, dry_run, as_json)
             return
@@ -240,12 +248,13 @@ def tune(
             raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
         cells = [
             (b, c)
-            for b in _int_list(batch_sizes, "--batch-sizes")
+            for b in _int_list(batch_sizes or "1,2,4,8", "--batch-sizes")
             for c in _int_list(context_lengths, "--context-lengths")
         ]
         directory = autotune_dir()
 
         if dry_run:
+            others = _other_ops(model, shapes, group_size, dtype, settings, as_json) if every_op else []
             runner = predicted_runner()
             rows = []
             for b, c in cells:
@@ -271,6 +280,11 @@ def tune(
                             "geometry": geometry.__dict__,
                             "dtype": dtype,
                             "cells": rows,
+                            **(
+                                {"more_ops": [d if isinstance(d, dict) else {"op": r, "skipped": d} for r, d in others]}
+                                if every_op
+                                else {}
+                            ),
                         },
                         indent=2,
                     )
@@ -285,12 +299,26 @@ def tune(
                 splits = ",".join(s.split("=")[1] for s in row["candidates"])
                 print(f"{row['batch']:>7} {row['context']:>8} | {row['default']:>13}  {splits}  (dry run)")
             print(f"dry run: {len(rows)} cells, nothing measured or written. {ENABLE}")
+            for request, doc in others:
+                print()
+                if isinstance(doc, str):
+                    print(doc)
+                else:
+                    tune_matvec.print_dry_run(request, doc, header=False)
             return
 
         _run(cells, geometry, dtype, settings, directory, as_json)
 
 
-def _matvec(op: str, model, shapes, batch_sizes: str, group_size: int, dtype: str, settings, dry_run, as_json) -> None:
+def _matvec(op: str, model, shapes, batch_sizes, group_size: int, dtype: str, settings, dry_run, as_json) -> None:
+    from . import tune_matvec
+
+    request = _matvec_request(op, model, shapes, batch_sizes, group_size, dtype, settings, as_json)
+    (tune_matvec.dry_run if dry_run else tune_matvec.run)(request)
+
+
+def _matvec_request(op: str, model, shapes, batch_sizes, group_size: int, dtype: str, settings, as_json):
+    """The request of a product kernel's op; `batch_sizes` None: the op's default rows."""
     from autotune import autotune_dir
     from autotune.matvec_ops import LLAMA_3_8B_SHAPES, shapes_from_config
 
@@ -314,9 +342,25 @@ def _matvec(op: str, model, shapes, batch_sizes: str, group_size: int, dtype: st
             raise fail(f"-m {model}: {exc}")
     else:
         weights = list(LLAMA_3_8B_SHAPES)
-    rows = _int_list(batch_sizes, "--batch-sizes")
-    request = tune_matvec.Request(op, weights, rows, group_size, dtype, settings, autotune_dir(), as_json)
-    (tune_matvec.dry_run if dry_run else tune_matvec.run)(request)
+    rows = _int_list(batch_sizes or ("16,24,32" if op == "qmm-splits" else "1,2,4,8"), "--batch-sizes")
+    return tune_matvec.Request(op, weights, rows, group_size, dtype, settings, autotune_dir(), as_json)
+
+
+def _other_ops(model, shapes, group_size: int, dtype: str, settings, as_json) -> list:
+    """For `tune --dry-run` without --op: each product kernel's (request, doc) at its default rows, or (op, reason)
+    where its shapes cannot be read (a GGUF file given with -m and no --shapes)."""
+    from autotune.matvec_ops import SPECS
+
+    from . import tune_matvec
+
+    out = []
+    for op in SPECS:
+        if shapes is None and model is not None and _is_gguf(_model_path(model)):
+            out.append((op, f"{op}: no shapes (-m is a GGUF file): give --op {op} --shapes NxK,..."))
+            continue
+        request = _matvec_request(op, model, shapes, None, group_size, dtype, settings, as_json)
+        out.append((request, tune_matvec.dry_run_doc(request)))
+    return out
 
 
 def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) -> None:

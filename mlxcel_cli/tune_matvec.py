@@ -1,5 +1,5 @@
-"""`mlxcel tune --op qmv-multirow|hmv-multirow`: the CUDA decode matvec kernels' launch configuration per weight shape
-and rows of x (autotune/matvec_ops.py); tune.py parses the shared options and hands them here."""
+"""`mlxcel tune --op qmv-multirow|hmv-multirow|qmm-splits`: the CUDA decode product kernels' launch configuration per
+weight shape and rows of x (autotune/matvec_ops.py); tune.py parses the shared options and hands them here."""
 
 from __future__ import annotations
 
@@ -43,11 +43,12 @@ def parse_shapes(text: str) -> list[tuple[int, int, str]]:
 
 
 def cells(request: Request) -> list:
-    from autotune.matvec_ops import QMV, Cell, validate
+    from autotune.matvec_ops import HMV, SPECS, cell_of, validate
 
-    group = request.group_size if request.op == QMV else 0
-    shapes = [(n, k, "plain") for n, k, _ in request.shapes] if request.op == QMV else request.shapes
-    out = [Cell(n, k, m, group, mode) for n, k, mode in dict.fromkeys(shapes) for m in request.rows]
+    op = request.op
+    group = 0 if op == HMV else request.group_size
+    shapes = request.shapes if len(SPECS[op].modes) > 1 else [(n, k, "plain") for n, k, _ in request.shapes]
+    out = list(dict.fromkeys(cell_of(op, n, k, m, group, mode) for n, k, mode in shapes for m in request.rows))
     for cell in out:
         try:
             validate(request.op, cell)
@@ -60,8 +61,9 @@ def _shape(cell) -> str:
     return f"{cell.n}x{cell.k}" + ("" if cell.mode == "plain" else f":{cell.mode}")
 
 
-def dry_run(request: Request) -> None:
-    from autotune.matvec_ops import QMV, candidates, default_config, label, runner
+def dry_run_doc(request: Request) -> dict:
+    """The dry run of `request` as one JSON-ready object: its cells, each with the rule's choice and the candidates."""
+    from autotune.matvec_ops import candidates, default_config, label, runner_kind
 
     op = request.op
     rows = [
@@ -71,28 +73,41 @@ def dry_run(request: Request) -> None:
             "mode": c.mode,
             "rows": c.m,
             "cell": c.key(),
-            "default": label(default_config(op, c)),
-            "candidates": [label(x) for x in candidates(op, c)],
+            "default": label(default_config(op, c), op),
+            "candidates": [label(x, op) for x in candidates(op, c)],
         }
         for c in cells(request)
     ]
-    head = {"dry_run": True, "cache_dir": str(request.directory), "op": op, "runner": runner(op)}
-    if request.as_json:
-        body = {**head, "profile": request.settings.__dict__, "dtype": request.dtype, "cells": rows}
-        print(json.dumps(body, indent=2))
-        return
-    print(f"autotune cache: {request.directory}")
-    print(f"profile: {request.settings.describe()}")
-    print(f"runner: {head['runner']} (a CUDA decode matvec kernel; ROWS, WARPS, UNROLL launch configuration)")
-    group = f"group_size={request.group_size} " if op == QMV else ""
-    print(f"{op}: {group}dtype={request.dtype}")
-    print(f"{'shape':>20} {'rows':>4} | {'default':>24}  candidates (rows,warps,unroll)")
-    for c, row in zip(cells(request), rows):
-        triples = " ".join(
-            x.replace("rows=", "").replace("warps=", "").replace("unroll=", "") for x in row["candidates"]
-        )
-        print(f"{_shape(c):>20} {c.m:>4} | {row['default']:>24}  {triples}  (dry run)")
+    head = {"dry_run": True, "cache_dir": str(request.directory), "op": op, "runner": runner_kind(op)}
+    return {**head, "profile": request.settings.__dict__, "dtype": request.dtype, "cells": rows}
+
+
+def print_dry_run(request: Request, doc: dict, header: bool = True) -> None:
+    """`doc` (dry_run_doc's) as text; `header`: the cache and profile lines too (not under another op's)."""
+    from autotune.matvec_ops import HMV
+
+    if header:
+        print(f"autotune cache: {request.directory}")
+        print(f"profile: {request.settings.describe()}")
+    print(f"runner: {doc['runner']} (a CUDA decode product kernel; its launch configuration)")
+    group = "" if request.op == HMV else f"group_size={request.group_size} "
+    print(f"{request.op}: {group}dtype={request.dtype}")
+    rows = doc["cells"]
+    names = ",".join(f.partition("=")[0] for f in rows[0]["default"].split(",")) if rows else ""
+    print(f"{'shape':>20} {'rows':>4} | {'default':>24}  candidates ({names})")
+    for row in rows:
+        shape = f"{row['n']}x{row['k']}" + ("" if row["mode"] == "plain" else f":{row['mode']}")
+        values = " ".join(",".join(f.partition("=")[2] for f in x.split(",")) for x in row["candidates"])
+        print(f"{shape:>20} {row['rows']:>4} | {row['default']:>24}  {values}  (dry run)")
     print(f"dry run: {len(rows)} cells, nothing measured or written.")
+
+
+def dry_run(request: Request) -> None:
+    doc = dry_run_doc(request)
+    if request.as_json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print_dry_run(request, doc)
 
 
 def run(request: Request) -> None:
@@ -103,7 +118,7 @@ def run(request: Request) -> None:
 
     op, todo = request.op, cells(request)
     if not current().name.startswith("cuda"):
-        raise fail(f"--op {op} tunes a CUDA matvec kernel: this machine has no MLX CUDA device")
+        raise fail(f"--op {op} tunes a CUDA kernel: this machine has no MLX CUDA device")
     device, store, out = device_identity(), Store(request.directory), []
     emit = (lambda line: None) if request.as_json else (lambda line: print(line, flush=True))
     emit(f"autotune cache: {request.directory}")
@@ -113,14 +128,14 @@ def run(request: Request) -> None:
     for cell in todo:
         print(f"mlxcel: tune: {_shape(cell)} rows {cell.m}...", file=sys.stderr, flush=True)
         default, result = profile_cell(op, cell, request.dtype, request.settings)
-        row = {"cell": cell.key(), "default": label(default), "candidates": result.candidates, "selected": None}
+        row = {"cell": cell.key(), "default": label(default, op), "candidates": result.candidates, "selected": None}
         row["dropped"] = [{"tactic": t, "reason": r} for t, r in result.dropped]
         if result.usable:
             entry = entry_from_result(op, cell, device, request.dtype, default, result)
             row.update(selected=result.selected, default_us=entry.default_latency_us, best_us=entry.latency_us)
             row.update(speedup=result.speedup, cache_file=str(store.save(entry)))
             emit(
-                f"{_shape(cell):>20} {cell.m:>4} | {label(default):>24} {entry.default_latency_us:>10.2f} "
+                f"{_shape(cell):>20} {cell.m:>4} | {label(default, op):>24} {entry.default_latency_us:>10.2f} "
                 f"{result.selected:>24} {entry.latency_us:>8.2f} {result.best.spread * 100:>6.1f}% {result.reps:>5} "
                 f"{result.speedup:>7.3f}x"
             )

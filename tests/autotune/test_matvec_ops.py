@@ -1,7 +1,7 @@
-"""`qmv-multirow` / `hmv-multirow`: the CUDA decode matvec kernels' launch configurations as tune ops
-(autotune/matvec_ops.py): the candidates hold the untuned rules' choices, and the kernels' launches take a stored
-winner only where MLXCEL_AUTOTUNE reads the cache (the 16-bit SwiGLU launches from cells of their own). Measuring needs
-the CUDA kernels (the last tests)."""
+"""`qmv-multirow` / `hmv-multirow` / `qmm-splits`: the CUDA decode product kernels' launch configurations as tune
+ops (autotune/matvec_ops.py): the candidates hold the untuned rules' choices, and the kernels' launches take a stored
+winner only where MLXCEL_AUTOTUNE reads the cache (the 16-bit SwiGLU launches from cells of their own, the batch
+product's from its rows' 8-row tiles). Measuring needs the CUDA kernels (the last tests)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 import autotune.ops as ops
 from autotune import matvec_ops
-from autotune.matvec_ops import HMV, QMV, Cell, candidates, default_config, label, shapes_from_config
+from autotune.matvec_ops import HMV, QMM, QMV, Cell, candidates, default_config, label, shapes_from_config
 from autotune.store import Entry, Key, Store
-from mlxcel_core.backends.cuda.kernels import hmv, qmv
+from mlxcel_core.backends.cuda.kernels import hmv, qmm, qmv
 
 Q_CELL = Cell(4096, 4096, 1, 64)
 SHAPES = [(4096, 4096), (1024, 4096), (6144, 4096), (4096, 14336), (128256, 4096), (576, 1536), (49152, 576), (64, 96)]
@@ -23,10 +23,11 @@ SHAPES = [(4096, 4096), (1024, 4096), (6144, 4096), (4096, 14336), (128256, 4096
 def clean(monkeypatch, tmp_path):
     monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MLXCEL_AUTOTUNE", raising=False)
-    for clear in (matvec_ops.reset, qmv.launch_args.cache_clear, hmv.launch_args.cache_clear):
+    clears = (matvec_ops.reset, qmv.launch_args.cache_clear, hmv.launch_args.cache_clear, qmm.launch_args.cache_clear)
+    for clear in clears:
         clear()
     yield
-    for clear in (matvec_ops.reset, qmv.launch_args.cache_clear, hmv.launch_args.cache_clear):
+    for clear in clears:
         clear()
 
 
@@ -34,11 +35,14 @@ def store(op: str, cell: Cell, config, dtype="float16", tactic_label=None) -> No
     Store().save(
         Entry(
             key=Key(op, matvec_ops.runner(op, cell.mode), ops.device_identity(), cell.key(), dtype),
-            tactic={"label": tactic_label or label(config), "params": dict(zip(matvec_ops.FIELDS, config))},
+            tactic={
+                "label": tactic_label or label(config, op),
+                "params": dict(zip(matvec_ops.SPECS[op].fields, config)),
+            },
             latency_us=1.0,
-            default_tactic={"label": label(default_config(op, cell)), "params": {}},
+            default_tactic={"label": label(default_config(op, cell), op), "params": {}},
             default_latency_us=2.0,
-            candidates=[label(c) for c in candidates(op, cell)],
+            candidates=[label(c, op) for c in candidates(op, cell)],
             reps=5,
             spread=0.01,
             default_spread=0.01,
@@ -49,7 +53,7 @@ def store(op: str, cell: Cell, config, dtype="float16", tactic_label=None) -> No
 
 def test_the_rules_are_candidates_and_every_candidate_is_launchable():
     for n, k in SHAPES:
-        for m in range(1, matvec_ops.MAX_ROWS + 1):
+        for m in range(1, qmv.MAX_ROWS + 1):
             cells = [(QMV, Cell(n, k, m, 64)), (HMV, Cell(n, k, m)), (HMV, Cell(2 * n, k, m, 0, "swiglu"))]
             assert default_config(QMV, cells[0][1]) == qmv.launch_config(n, k, m)
             assert default_config(HMV, cells[2][1]) == hmv.launch_config(2 * n, k, m, "swiglu_norm")
@@ -57,6 +61,27 @@ def test_the_rules_are_candidates_and_every_candidate_is_launchable():
                 assert default_config(op, cell) in candidates(op, cell)
                 for config in candidates(op, cell):
                     assert qmv.unpack_launch(config)[:3] == config and config[0] % 2 == 0  # even: fused modes
+
+
+def test_the_batch_products_split_rule_is_a_candidate():
+    for n, k in SHAPES:
+        for g in (32, 64, 128):
+            if k % g == 0:
+                cell = Cell(n, k, 16, g)
+                assert default_config(QMM, cell) == (qmm.split_k(n, k // g)[1],)
+                assert default_config(QMM, cell) in candidates(QMM, cell) and (k // g,) in candidates(QMM, cell)
+    assert qmm.ROWS_PER_BLOCK == 64  # matvec_config.QMM_ROWS_PER_BLOCK, which the rule reads without importing MLX
+
+
+def test_a_stored_split_reaches_the_batch_products_launch(monkeypatch):
+    store(QMM, Cell(4096, 4096, 24, 64), (16,))
+    monkeypatch.setenv("MLXCEL_AUTOTUNE", "cache")
+    for m in (17, 24):  # rows 17..24: three 8-row tiles, one cell
+        args = qmm.launch_args((m, 4096), mx.float16, mx.float16, 4096, 4096, 64)
+        assert args["grid"][1] == 4 and ("GPS", 16) in args["template"]  # 64 groups in 4 splits of 16
+    rule = qmm.split_k(4096, 64)
+    args = qmm.launch_args((32, 4096), mx.float16, mx.float16, 4096, 4096, 64)  # another cell: the rule's
+    assert args["grid"][1] == rule[0] and ("GPS", rule[1]) in args["template"]
 
 
 def test_shapes_from_a_config_json():
@@ -112,7 +137,10 @@ def test_an_unknown_mode_warns_once(monkeypatch, capsys):
 
 
 @pytest.mark.skipif(not qmv.kernel_ready(), reason="needs MLX's CUDA backend and a CUDA device")
-@pytest.mark.parametrize("op, cell", [(QMV, Cell(1024, 4096, 2, 64)), (HMV, Cell(2048, 4096, 2, 0, "swiglu"))])
+@pytest.mark.parametrize(
+    "op, cell",
+    [(QMV, Cell(1024, 4096, 2, 64)), (HMV, Cell(2048, 4096, 2, 0, "swiglu")), (QMM, Cell(4096, 4096, 16, 64))],
+)
 def test_tuning_a_cell_stores_a_winner_the_kernel_then_computes_with(monkeypatch, op, cell):
     from autotune.profiler import ProfileSettings
 
@@ -121,14 +149,18 @@ def test_tuning_a_cell_stores_a_winner_the_kernel_then_computes_with(monkeypatch
     entry = matvec_ops.entry_from_result(op, cell, ops.device_identity(), "float16", default, result)
     Store().save(entry)
     monkeypatch.setenv("MLXCEL_AUTOTUNE", "cache")
-    winner = tuple(entry.tactic["params"][k] for k in matvec_ops.FIELDS)
+    winner = tuple(entry.tactic["params"][k] for k in matvec_ops.SPECS[op].fields)
     w = (mx.random.normal((cell.n, cell.k), key=mx.random.key(1)) * 0.02).astype(mx.float16)
     x = mx.random.normal((cell.m, cell.k), key=mx.random.key(2)).astype(mx.float16)
-    if op == QMV:
-        assert qmv.chosen_config(cell.n, cell.k, cell.m, 64, mx.float16) == winner
+    if op in (QMV, QMM):
         wq, scales, biases = mx.quantize(w, group_size=64, bits=4)
-        got = qmv.quantized_matvec(x, wq, scales, biases, 64)
         want = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+        if op == QMV:
+            assert qmv.chosen_config(cell.n, cell.k, cell.m, 64, mx.float16) == winner
+            got = qmv.quantized_matvec(x, wq, scales, biases, 64)
+        else:
+            assert qmm.chosen_gps(cell.n, cell.k, cell.m, 64, mx.float16) == winner[0]
+            got = qmm.quantized_matmul(x, wq, scales, biases, 64)
     else:
         assert hmv.chosen_config(cell.n, cell.k, cell.m, "swiglu", mx.float16) == winner
         got = hmv.launch(hmv.launch_args(x.shape, x.dtype, w.dtype, cell.n, mode="swiglu"), x, w, "swiglu")

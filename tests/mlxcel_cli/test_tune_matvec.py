@@ -17,6 +17,14 @@ from mlxcel_cli.main import main
 from mlxcel_core.backends.cuda.kernels import hmv, qmv
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def qmm_rule(n: int, groups: int) -> int:
+    from mlxcel_core.backends.cuda.kernels.matvec_config import qmm_split_k
+
+    return qmm_split_k(n, groups)[1]
+
+
 QMV = ["tune", "--op", "qmv-multirow"]
 
 
@@ -52,6 +60,18 @@ def test_dry_run_lists_every_cell_with_the_rule_and_its_candidates(capsys, cache
     assert (
         code == 0 and "dry run: 24 cells" in out and " 128256x4096    1 |" in out
     )  # Llama-3-8B's six shapes x 1,2,4,8
+
+
+def test_the_batch_product_splits_k_for_rows_in_8_row_tiles(capsys):
+    code, out, _ = cli(capsys, "tune", "--op", "qmm-splits", "--dry-run", "--json", "--shapes", "4096x4096")
+    cells = json.loads(out)["cells"]
+    assert code == 0 and [(c["rows"], c["cell"]) for c in cells] == [(16, "n4096xk4096xm16xg64")] + [
+        (24, "n4096xk4096xm24xg64"),
+        (32, "n4096xk4096xm32xg64"),
+    ]  # the default rows: 16, 24, 32
+    assert cells[0]["default"] == f"gps={qmm_rule(4096, 64)}" and cells[0]["candidates"][0] == "gps=64"
+    code, out, _ = cli(capsys, "tune", "--op", "qmm-splits", "--dry-run", "--json", "--batch-sizes", "9,16,17")
+    assert code == 0 and sorted({c["rows"] for c in json.loads(out)["cells"]}) == [16, 24]
 
 
 def test_the_16_bit_kernel_has_swiglu_cells(capsys):
@@ -101,7 +121,8 @@ def test_dry_run_imports_no_mlx(cache):
         ("hmv-multirow", ["--shapes", "4095x4096:swiglu"], "a fused gate/up weight has an even number of rows"),
         ("qmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 32 and of the group size"),
         ("hmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 8"),
-        ("qmv-multirow", ["--batch-sizes", "9"], "the kernel takes 1..8 rows of x"),
+        ("qmv-multirow", ["--batch-sizes", "9"], "qmv-multirow's kernel takes 1..8 rows of x"),
+        ("qmm-splits", ["--batch-sizes", "8"], "qmm-splits's kernel takes 9..32 rows of x"),
         ("qmv-multirow", ["--group-size", "48"], "--group-size must be one of 32, 64, 128"),
         ("hmv-multirow", ["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
     ],
@@ -117,3 +138,21 @@ def test_without_cuda_a_run_is_refused_naming_it(capsys, cache):
     assert code == 2 and "no MLX CUDA device" in err and list(cache.iterdir()) == []
     code, out, err = cli(capsys, "tune", "--op", "hmv-multirow", "--shapes", "1024x4096", "--batch-sizes", "1")
     assert code == 2 and "no MLX CUDA device" in err
+
+
+def test_a_dry_run_without_op_lists_the_product_ops_too(capsys, tmp_path):
+    from autotune.profiler import ProfileSettings
+    from mlxcel_cli.tune import _other_ops
+
+    code, out, _ = cli(capsys, "tune", "--dry-run", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["op"] == "paged-decode-splits"
+    assert [(o["op"], len(o["cells"])) for o in doc["more_ops"]] == [
+        ("qmv-multirow", 24),
+        ("hmv-multirow", 24),
+        ("qmm-splits", 18),
+    ]
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # a GGUF file: its product shapes are not read (-m takes a config.json)
+    skipped = _other_ops(str(tmp_path / "m.gguf"), None, 64, "float16", ProfileSettings(), False)
+    assert [reason.split(":")[0] for _, reason in skipped] == ["qmv-multirow", "hmv-multirow", "qmm-splits"]
+    assert all("give --op" in reason for _, reason in skipped)

@@ -1,8 +1,9 @@
-"""The decode matvec kernels' launch configurations (kernels/qmv.py for 4-bit weights, kernels/hmv.py for 16-bit), as
-plain Python: the untuned rules and the candidates `mlxcel tune --op qmv-multirow|hmv-multirow` measures
-(autotune/matvec_ops.py reads both without importing MLX). A configuration is (ROWS, WARPS, UNROLL): output rows a
-block (even, as the fused SwiGLU and RoPE modes need), warps splitting K, and chunks of K whose loads are in flight at
-once."""
+"""The decode product kernels' launch configurations, as plain Python: the untuned rules and the candidates
+`mlxcel tune --op qmv-multirow|hmv-multirow|qmm-splits` measures (autotune/matvec_ops.py reads both without importing
+MLX). The matvecs (kernels/qmv.py for 4-bit weights, kernels/hmv.py for 16-bit) take (ROWS, WARPS, UNROLL): output
+rows a block (even, as the fused SwiGLU and RoPE modes need), warps splitting K, and chunks of K whose loads are in
+flight at once. The tensor-core batched product (kernels/qmm.py) takes GPS: quantization groups of K a split (the grid's
+second dimension splits K so that narrow weights still fill the GPU)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from .qmv_source import base_mode
 QMV_CHUNK = 32  # elements of K per lane per chunk of the 4-bit kernel (one uint4 of packed weights)
 HMV_CHUNK = 8  # elements of K per lane per step of the 16-bit kernel (one 16-byte load of a weight row)
 WARPS = (1, 2, 4, 8)
+QMM_ROWS_PER_BLOCK = 64  # qmm.ROWS_PER_BLOCK: 4 warps of 16 weight rows
+QMM_TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs): split K until the grid has as many
 
 
 def _candidates(k: int, chunk: int, rows: tuple[int, ...], unrolls: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -70,3 +73,23 @@ def hmv_launch_config(n: int, k: int, m: int, mode: str = "plain") -> tuple[int,
         warps //= 2
     rounds = k // (warps * 32 * HMV_CHUNK)
     return 2, warps, 2 if rounds >= 2 else 1
+
+
+def qmm_split_k(n: int, groups: int) -> tuple[int, int]:
+    """(SPLITS, GPS) of the tensor-core product: K in SPLITS parts of GPS groups each (the last may be shorter), enough
+    parts that the grid has about QMM_TARGET_BLOCKS blocks."""
+    tiles = -(-n // QMM_ROWS_PER_BLOCK)
+    want = max(1, min(groups, -(-QMM_TARGET_BLOCKS // tiles)))
+    gps = -(-groups // want)
+    return -(-groups // gps), gps
+
+
+def qmm_candidates(n: int, groups: int) -> list[int]:
+    """GPS values worth measuring: K whole, then split in 2, 4, 8, ... parts (while there are groups enough), and the
+    rule's."""
+    out, parts = [], 1
+    while parts <= groups:
+        out.append(-(-groups // parts))
+        parts *= 2
+    out.append(qmm_split_k(n, groups)[1])
+    return sorted(set(out), reverse=True)

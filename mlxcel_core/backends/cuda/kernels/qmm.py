@@ -34,11 +34,12 @@ import mlx.core as mx
 
 from . import qmv, qmv_source
 from .cubin_cache import cuda_kernel
+from .matvec_config import QMM_TARGET_BLOCKS as TARGET_BLOCKS  # noqa: F401
+from .matvec_config import qmm_split_k as split_k  # the untuned rule
 
 MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
 WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
-TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs): split K until the grid has as many
 X_TYPES = (mx.bfloat16, mx.float16)
 
 _HEADER = (
@@ -244,19 +245,22 @@ def kernel_source() -> tuple[str, str]:
     return _HEADER, _SOURCE
 
 
-def split_k(n: int, groups: int) -> tuple[int, int]:
-    """(SPLITS, GPS): K in SPLITS parts of GPS groups each (the last may be shorter), enough parts that the grid has
-    about TARGET_BLOCKS blocks."""
-    tiles = -(-n // ROWS_PER_BLOCK)
-    want = max(1, min(groups, -(-TARGET_BLOCKS // tiles)))
-    gps = -(-groups // want)
-    return -(-groups // gps), gps
+def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
+    """Groups of K a split for a launch: the autotune cache's winner for this cell where MLXCEL_AUTOTUNE reads the
+    cache and one is stored (`mlxcel tune --op qmm-splits`, autotune/matvec_ops.py), else `split_k`'s rule."""
+    from autotune.matvec_ops import QMM, tuned_config
+
+    tuned = tuned_config(QMM, n, k, m, group_size, "plain", x_dtype)
+    return tuned[0] if tuned else split_k(n, k // group_size)[1]
 
 
 @functools.lru_cache(maxsize=1024)
-def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: int) -> dict | None:
+def launch_args(
+    x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: int, gps: int | None = None
+) -> dict | None:
     """Everything but the inputs of one launch for x (any leading shape, 1..MAX_ROWS rows of K) and an N x K 4-bit
-    weight, or None where the kernel does not take it (other types, group sizes, too many rows)."""
+    weight, or None where the kernel does not take it (other types, group sizes, too many rows). `gps` (groups of K a
+    split) overrides `chosen_gps`."""
     m = qmv.rows_of(x_shape)
     if (
         not 1 <= m <= MAX_ROWS
@@ -267,7 +271,9 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: in
         or s_dtype not in qmv.FLOAT_TYPES
     ):
         return None
-    splits, gps = split_k(n, k // group_size)
+    groups = k // group_size
+    gps = gps or chosen_gps(n, k, m, group_size, x_dtype)
+    splits = -(-groups // gps)
     return dict(
         template=[("T", x_dtype), ("S", s_dtype), ("G", group_size), ("NT", -(-m // 8)), ("GPS", gps)],
         grid=(-(-n // ROWS_PER_BLOCK) * WARPS * 32, splits, 1),
@@ -277,11 +283,13 @@ def launch_args(x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: in
     )
 
 
-def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+def quantized_matmul(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, gps: int | None = None
+) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
-    mx.result_type(x, scales) like mx.quantized_matmul."""
+    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split."""
     n, k = w.shape[0], w.shape[1] * 8
-    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size)
+    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
     if args is None:
         raise ValueError(
             f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
