@@ -215,10 +215,8 @@ def tune(
     """
     from autotune import autotune_dir
     from autotune.matvec_ops import SPECS as MATVEC_OPS
-    from autotune.ops import OP, Bucket, Geometry, candidates, default_splits, describe_runner, label, predicted_runner
+    from autotune.ops import OP
     from autotune.profiler import ProfileSettings
-
-    from . import tune_matvec
 
     with reported_errors(verbose):
         settings = ProfileSettings(warmup, warmup_ms, min_reps, max_reps, sample_ms, min_improvement)
@@ -228,19 +226,8 @@ def tune(
             return
         if op != OP:
             raise fail(f"--op must be one of {', '.join([OP, *MATVEC_OPS])}, got '{op}'")
-        geo = {"head_dim": 128, "q_heads": 32, "kv_heads": 8}
-        if model is not None:
-            path = _model_path(model)
-            try:
-                geo = _gguf_geometry(path) if _is_gguf(path) else geometry_from_config(_read_model_config(model, path))
-            except ValueError as exc:
-                raise fail(f"-m {model}: {exc}")
-        for name, value in (("head_dim", head_dim), ("q_heads", q_heads), ("kv_heads", kv_heads)):
-            if value is not None:
-                geo[name] = value
-        geometry = Geometry(block_size=block_size, **geo)
+        geometry = _paged_geometry(model, head_dim, q_heads, kv_heads, block_size)
         try:
-            geometry.validate()
             settings.validate()
         except ValueError as exc:
             raise fail(str(exc))
@@ -251,63 +238,70 @@ def tune(
             for b in _int_list(batch_sizes or "1,2,4,8", "--batch-sizes")
             for c in _int_list(context_lengths, "--context-lengths")
         ]
-        directory = autotune_dir()
-
         if dry_run:
-            others = _other_ops(model, shapes, group_size, dtype, settings, as_json) if every_op else []
-            runner = predicted_runner()
-            rows = []
-            for b, c in cells:
-                bucket = Bucket.of(b, c, geometry)
-                rows.append(
-                    {
-                        "batch": b,
-                        "context": c,
-                        "bucket": bucket.key(),
-                        "default": label(default_splits(bucket, runner)),
-                        "candidates": [label(s) for s in candidates(bucket)],
-                    }
-                )
-            if as_json:
-                print(
-                    json.dumps(
-                        {
-                            "dry_run": True,
-                            "cache_dir": str(directory),
-                            "op": OP,
-                            "runner": runner,
-                            "profile": settings.__dict__,
-                            "geometry": geometry.__dict__,
-                            "dtype": dtype,
-                            "cells": rows,
-                            **(
-                                {"more_ops": [d if isinstance(d, dict) else {"op": r, "skipped": d} for r, d in others]}
-                                if every_op
-                                else {}
-                            ),
-                        },
-                        indent=2,
-                    )
-                )
-                return
-            print(f"autotune cache: {directory}")
-            print(f"profile: {settings.describe()}")
-            print(f"runner: {describe_runner(runner)}")
-            print(f"{OP}: {geometry.describe()} dtype={dtype}")
-            print(f"{'batch':>7} {'context':>8} | {'default':>13}  candidates")
-            for row in rows:
-                splits = ",".join(s.split("=")[1] for s in row["candidates"])
-                print(f"{row['batch']:>7} {row['context']:>8} | {row['default']:>13}  {splits}  (dry run)")
-            print(f"dry run: {len(rows)} cells, nothing measured or written. {ENABLE}")
-            for request, doc in others:
-                print()
-                if isinstance(doc, str):
-                    print(doc)
-                else:
-                    tune_matvec.print_dry_run(request, doc, header=False)
+            others = _other_ops(model, shapes, group_size, dtype, settings, as_json) if every_op else None
+            _paged_dry_run(cells, geometry, dtype, settings, as_json, others)
             return
+        _run(cells, geometry, dtype, settings, autotune_dir(), as_json)
 
-        _run(cells, geometry, dtype, settings, directory, as_json)
+
+def _paged_geometry(model, head_dim, q_heads, kv_heads, block_size: int):
+    """paged-decode-splits' head geometry: Llama-3-8B's, or -m MODEL's, with --head-dim/--q-heads/--kv-heads over it."""
+    from autotune.ops import Geometry
+
+    geo = {"head_dim": 128, "q_heads": 32, "kv_heads": 8}
+    if model is not None:
+        path = _model_path(model)
+        try:
+            geo = _gguf_geometry(path) if _is_gguf(path) else geometry_from_config(_read_model_config(model, path))
+        except ValueError as exc:
+            raise fail(f"-m {model}: {exc}")
+    for name, value in (("head_dim", head_dim), ("q_heads", q_heads), ("kv_heads", kv_heads)):
+        if value is not None:
+            geo[name] = value
+    geometry = Geometry(block_size=block_size, **geo)
+    try:
+        geometry.validate()
+    except ValueError as exc:
+        raise fail(str(exc))
+    return geometry
+
+
+def _paged_dry_run(cells, geometry, dtype: str, settings, as_json: bool, others: list | None) -> None:
+    """paged-decode-splits' cells with their defaults and candidates; then `others` (_other_ops': every product op,
+    when no --op was given)."""
+    from autotune import autotune_dir
+    from autotune.ops import OP, Bucket, candidates, default_splits, describe_runner, label, predicted_runner
+
+    from . import tune_matvec
+
+    runner, directory, rows = predicted_runner(), autotune_dir(), []
+    for b, c in cells:
+        bucket = Bucket.of(b, c, geometry)
+        default, cands = label(default_splits(bucket, runner)), [label(s) for s in candidates(bucket)]
+        rows.append({"batch": b, "context": c, "bucket": bucket.key(), "default": default, "candidates": cands})
+    if as_json:
+        doc = {"dry_run": True, "cache_dir": str(directory), "op": OP, "runner": runner, "profile": settings.__dict__}
+        doc.update(geometry=geometry.__dict__, dtype=dtype, cells=rows)
+        if others is not None:
+            doc["more_ops"] = [d if isinstance(d, dict) else {"op": r, "skipped": d} for r, d in others]
+        print(json.dumps(doc, indent=2))
+        return
+    print(f"autotune cache: {directory}")
+    print(f"profile: {settings.describe()}")
+    print(f"runner: {describe_runner(runner)}")
+    print(f"{OP}: {geometry.describe()} dtype={dtype}")
+    print(f"{'batch':>7} {'context':>8} | {'default':>13}  candidates")
+    for row in rows:
+        splits = ",".join(s.split("=")[1] for s in row["candidates"])
+        print(f"{row['batch']:>7} {row['context']:>8} | {row['default']:>13}  {splits}  (dry run)")
+    print(f"dry run: {len(rows)} cells, nothing measured or written. {ENABLE}")
+    for request, doc in others or []:
+        print()
+        if isinstance(doc, str):
+            print(doc)
+        else:
+            tune_matvec.print_dry_run(request, doc, header=False)
 
 
 def _matvec(op: str, model, shapes, batch_sizes, group_size: int, dtype: str, settings, dry_run, as_json) -> None:
