@@ -227,12 +227,7 @@ def tune(
         if op != OP:
             raise fail(f"--op must be one of {', '.join([OP, *MATVEC_OPS])}, got '{op}'")
         geometry = _paged_geometry(model, head_dim, q_heads, kv_heads, block_size)
-        try:
-            settings.validate()
-        except ValueError as exc:
-            raise fail(str(exc))
-        if dtype not in ("float16", "bfloat16", "float32"):
-            raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
+        _check_profile_and_dtype(settings, dtype)
         cells = [
             (b, c)
             for b in _int_list(batch_sizes or "1,2,4,8", "--batch-sizes")
@@ -243,6 +238,16 @@ def tune(
             _paged_dry_run(cells, geometry, dtype, settings, as_json, others)
             return
         _run(cells, geometry, dtype, settings, autotune_dir(), as_json)
+
+
+def _check_profile_and_dtype(settings, dtype: str) -> None:
+    """Every op's shared options: the profile settings and --dtype (one line, exit 2, when wrong)."""
+    try:
+        settings.validate()
+    except ValueError as exc:
+        raise fail(str(exc))
+    if dtype not in ("float16", "bfloat16", "float32"):
+        raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
 
 
 def _paged_geometry(model, head_dim, q_heads, kv_heads, block_size: int):
@@ -318,12 +323,7 @@ def _matvec_request(op: str, model, shapes, batch_sizes, group_size: int, dtype:
 
     from . import tune_matvec
 
-    try:
-        settings.validate()
-    except ValueError as exc:
-        raise fail(str(exc))
-    if dtype not in ("float16", "bfloat16", "float32"):
-        raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
+    _check_profile_and_dtype(settings, dtype)
     if shapes is not None:
         weights = tune_matvec.parse_shapes(shapes)
     elif model is not None:
