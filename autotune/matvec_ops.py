@@ -308,21 +308,10 @@ def profile_cell(op: str, cell: Cell, dtype: str, settings, progress=None):
 
 def entry_from_result(op: str, cell: Cell, device: str, dtype: str, default: tuple[int, ...], result):
     """A cache Entry for a usable ProfileResult (latencies are per launch: the chain's over CALLS)."""
-    from .store import Entry, Key
+    from .store import Key, entry_from_profile
 
-    best, ref = result.best, result.default_measurement
     fields = SPECS[op].fields
-    params = {name: int(part.split("=")[1]) for name, part in zip(fields, best.label.split(","))}
-    return Entry(
-        key=Key(op, runner(op, cell.mode), device, cell.key(), dtype),
-        tactic={"label": best.label, "params": params},
-        latency_us=best.median_us / CALLS,
-        default_tactic={"label": label(default, op), "params": dict(zip(fields, default))},
-        default_latency_us=ref.median_us / CALLS,
-        candidates=list(result.candidates),
-        reps=result.reps,
-        spread=best.spread,
-        default_spread=ref.spread,
-        required_improvement=result.required_improvement,
-        bucket_fields=cell.as_dict(),
-    )
+    params = {name: int(part.split("=")[1]) for name, part in zip(fields, result.best.label.split(","))}
+    key = Key(op, runner(op, cell.mode), device, cell.key(), dtype)
+    default_tactic = (label(default, op), dict(zip(fields, default)))
+    return entry_from_profile(key, result, params, default_tactic, cell.as_dict(), per_run=CALLS)

@@ -50,22 +50,11 @@ def env_splits(value: Optional[str] = None) -> Optional[int]:
 
 def entry_from_result(bucket: Bucket, runner: str, device: str, dtype: str, default: int, result):
     """A cache Entry for a usable ProfileResult of paged-decode-splits."""
-    from .store import Entry, Key
+    from .store import Key, entry_from_profile
 
-    best, ref = result.best, result.default_measurement
-    return Entry(
-        key=Key(OP, runner, device, bucket.key(), dtype),
-        tactic={"label": best.label, "params": {"num_splits": int(best.label.split("=")[1])}},
-        latency_us=best.median_us,
-        default_tactic={"label": label(default), "params": {"num_splits": default}},
-        default_latency_us=ref.median_us,
-        candidates=list(result.candidates),
-        reps=result.reps,
-        spread=best.spread,
-        default_spread=ref.spread,
-        required_improvement=result.required_improvement,
-        bucket_fields=bucket.as_dict(),
-    )
+    key = Key(OP, runner, device, bucket.key(), dtype)
+    params = {"num_splits": int(result.best.label.split("=")[1])}
+    return entry_from_profile(key, result, params, (label(default), {"num_splits": default}), bucket.as_dict())
 
 
 class SplitsChooser:

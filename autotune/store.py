@@ -96,6 +96,27 @@ class Entry:
         }
 
 
+def entry_from_profile(
+    key: Key, result, params: dict[str, int], default: tuple[str, dict[str, int]], bucket_fields: dict, per_run: int = 1
+) -> Entry:
+    """A cache Entry for a usable ProfileResult: its selected (fastest kept) candidate, whose tactic parameters are
+    `params`, against `default` (label, parameters); latencies are a timed run's over `per_run` (the calls it holds)."""
+    best, ref = result.best, result.default_measurement
+    return Entry(
+        key=key,
+        tactic={"label": best.label, "params": params},
+        latency_us=best.median_us / per_run,
+        default_tactic={"label": default[0], "params": default[1]},
+        default_latency_us=ref.median_us / per_run,
+        candidates=list(result.candidates),
+        reps=result.reps,
+        spread=best.spread,
+        default_spread=ref.spread,
+        required_improvement=result.required_improvement,
+        bucket_fields=bucket_fields,
+    )
+
+
 def _warn(message: str) -> None:
     print(f"mlxcel: warning: autotune cache: {message}", file=sys.stderr)
 
