@@ -77,6 +77,23 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
+def _gguf_config(path: Path) -> dict:
+    """The config.json-style dict of a GGUF file (loading/gguf_arch.py), from its header alone: no tensor is read."""
+    from mlxcel_core.errors import MlxcelError
+    from mlxcel_core.loading.gguf_arch import gguf_config
+    from mlxcel_core.loading.gguf_header import read_header
+
+    try:
+        meta, tensors = read_header(path)
+        return gguf_config(meta, [t.name for t in tensors])
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except MlxcelError as exc:  # (an architecture or hyper-parameter it lacks)
+        raise ValueError(str(exc)) from None
+    except ValueError as exc:
+        raise ValueError(f"not a readable GGUF file ({exc})") from None
+
+
 def _gguf_geometry(path: Path) -> dict[str, int]:
     """head_dim / q_heads / kv_heads from a GGUF file's metadata (its header only; no tensor is read)."""
     from mlxcel_core.loading.gguf_arch import attention_geometry
@@ -167,8 +184,13 @@ def tune(
         ),
     ] = None,
     group_size: Annotated[
-        int, typer.Option("--group-size", help="qmv-multirow, qmm-splits: the 4-bit weights' group size.")
-    ] = 64,
+        Optional[int],
+        typer.Option(
+            "--group-size",
+            help="qmv-multirow, qmm-splits: the 4-bit weights' group size. Default: 64; 32 with a GGUF -m (its 4-bit "
+            "types load as groups of 32).",
+        ),
+    ] = None,
     context_lengths: Annotated[
         str, typer.Option("--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")
     ] = "1024,4096,16384",
@@ -316,45 +338,54 @@ def _matvec(op: str, model, shapes, batch_sizes, group_size: int, dtype: str, se
     (tune_matvec.dry_run if dry_run else tune_matvec.run)(request)
 
 
-def _matvec_request(op: str, model, shapes, batch_sizes, group_size: int, dtype: str, settings, as_json):
-    """The request of a product kernel's op; `batch_sizes` None: the op's default rows."""
+def _matvec_request(op: str, model, shapes, batch_sizes, group_size, dtype: str, settings, as_json):
+    """The request of a product kernel's op; `batch_sizes` None: the op's default rows; `group_size` None: 64, or a
+    GGUF file's 32."""
     from autotune import autotune_dir
-    from autotune.matvec_ops import LLAMA_3_8B_SHAPES, shapes_from_config
+    from autotune.matvec_ops import LLAMA_3_8B_SHAPES
 
     from . import tune_matvec
 
     _check_profile_and_dtype(settings, dtype)
+    gguf = model is not None and _is_gguf(_model_path(model))
     if shapes is not None:
         weights = tune_matvec.parse_shapes(shapes)
     elif model is not None:
-        path = _model_path(model)
-        if _is_gguf(path):
-            raise fail(f"-m {model}: {op} reads the weight shapes from a config.json; give --shapes NxK,...")
         try:
-            weights = shapes_from_config(_read_model_config(model, path))
+            weights = _model_shapes(model)
         except ValueError as exc:
             raise fail(f"-m {model}: {exc}")
     else:
         weights = list(LLAMA_3_8B_SHAPES)
     rows = _int_list(batch_sizes or ("16,24,32" if op == "qmm-splits" else "1,2,4,8"), "--batch-sizes")
+    group_size = group_size or (32 if gguf else 64)
     return tune_matvec.Request(op, weights, rows, group_size, dtype, settings, autotune_dir(), as_json)
 
 
-def _other_ops(model, shapes, group_size: int, dtype: str, settings, as_json) -> list:
+def _model_shapes(model: str) -> list:
+    """The decode products' (N, K, mode) of -m MODEL: from its config.json, or a GGUF file's header."""
+    from autotune.matvec_ops import shapes_from_config
+
+    path = _model_path(model)
+    return shapes_from_config(_gguf_config(path) if _is_gguf(path) else _read_model_config(model, path))
+
+
+def _other_ops(model, shapes, group_size, dtype: str, settings, as_json) -> list:
     """For `tune --dry-run` without --op: each product kernel's (request, doc) at its default rows, or (op, reason)
-    where its shapes cannot be read (a GGUF file given with -m and no --shapes)."""
+    where -m's weight shapes cannot be read (the paged op needs only its attention metadata)."""
     from autotune.matvec_ops import SPECS
 
     from . import tune_matvec
 
-    out = []
-    for op in SPECS:
-        if shapes is None and model is not None and _is_gguf(_model_path(model)):
-            out.append((op, f"{op}: no shapes (-m is a GGUF file): give --op {op} --shapes NxK,..."))
-            continue
-        request = _matvec_request(op, model, shapes, None, group_size, dtype, settings, as_json)
-        out.append((request, tune_matvec.dry_run_doc(request)))
-    return out
+    if shapes is None and model is not None:
+        try:
+            _model_shapes(model)
+        except ValueError as exc:
+            return [
+                (op, f"{op}: no weight shapes from -m {model} ({exc}): give --op {op} --shapes NxK,...") for op in SPECS
+            ]
+    requests = [_matvec_request(op, model, shapes, None, group_size, dtype, settings, as_json) for op in SPECS]
+    return [(request, tune_matvec.dry_run_doc(request)) for request in requests]
 
 
 def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) -> None:

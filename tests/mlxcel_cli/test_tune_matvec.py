@@ -156,3 +156,17 @@ def test_a_dry_run_without_op_lists_the_product_ops_too(capsys, tmp_path):
     skipped = _other_ops(str(tmp_path / "m.gguf"), None, 64, "float16", ProfileSettings(), False)
     assert [reason.split(":")[0] for _, reason in skipped] == ["qmv-multirow", "hmv-multirow", "qmm-splits"]
     assert all("give --op" in reason for _, reason in skipped)
+
+
+def test_shapes_and_group_size_from_a_gguf_file(capsys, tmp_path):
+    from gguf_convert import convert
+    from tiny_models import save_tiny_llama
+
+    hf = save_tiny_llama(tmp_path / "hf", hidden_size=256, intermediate_size=512, num_key_value_heads=2)
+    model = convert(hf, tmp_path / "tiny.gguf", "llama")
+    config = json.loads((hf / "config.json").read_text())
+    code, out, err = cli(capsys, *QMV, "--dry-run", "--json", "-m", str(model), "--batch-sizes", "1")
+    assert code == 0, err
+    cells = json.loads(out)["cells"]
+    assert [(c["n"], c["k"]) for c in cells] == [(n, k) for n, k, _ in matvec_ops.shapes_from_config(config)]
+    assert all(c["cell"].endswith("xg32") for c in cells)  # a GGUF's 4-bit types load as groups of 32
