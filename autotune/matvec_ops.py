@@ -37,7 +37,6 @@ QMV, HMV, QMM = "qmv-multirow", "hmv-multirow", "qmm-splits"
 CALLS = 20  # chained launches per timed run: one launch of a small weight is a few microseconds
 GROUP_SIZES = (32, 64, 128)
 MODES = ("plain", "swiglu")
-DTYPES = ("float16", "bfloat16", "float32")
 # Max-abs error against the rule's output, relative to the output's largest magnitude (at least 1): the launches
 # differ only in the order of float32 sums, so a few units in the last place of the output dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}

@@ -268,7 +268,9 @@ def _check_profile_and_dtype(settings, dtype: str) -> None:
         settings.validate()
     except ValueError as exc:
         raise fail(str(exc))
-    if dtype not in ("float16", "bfloat16", "float32"):
+    from autotune.ops import DTYPES
+
+    if dtype not in DTYPES:
         raise fail(f"--dtype must be float16, bfloat16 or float32, got '{dtype}'")
 
 
