@@ -1,10 +1,10 @@
-"""Not yet run: whether MLX's CUDA gather_qmm with the sorted-rows hint shows the same race as gather_mm (4-bit
+"""Whether MLX's CUDA gather_qmm with the sorted-rows hint shows the same race as gather_mm (4-bit
 experts of the tiny gpt-oss, with and without the hint), and what the hint is worth in time at a real MoE prefill's
 shape (bf16 gather_mm, 4-bit gather_qmm; 512 tokens, top 8 of 64 experts, 2048 -> 768).
 
     MLXCEL_CUDA=0 python benchmarks/archive/2026-12-02-gather-mm-race/probe_q.py 150
 
-Run from the repo root.
+Run from the repo root. Its output on the H200: probe_q_output.txt (the README says what it shows).
 """
 
 from __future__ import annotations
