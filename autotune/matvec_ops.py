@@ -18,8 +18,10 @@ does not tune these ops on first use, as it does paged-decode-splits: a decode s
 a dozen kernel variants; `mlxcel tune --op ...` measures them).
 
 Measuring: random weights (4-bit: quantized at the group size) and M rows of x; each candidate launches CALLS times in
-a chain (each launch's x depends on the previous launch's output through mx.depends, so they run one after another as
-a model's projections do, not side by side in MLX's CUDA graph), and its output is checked against the rule's.
+a chain, cycling through enough weight copies that no launch finds its weight in the L2 cache, and the chain is timed
+as a replayed CUDA graph, as the engine's decode step runs (autotune/graph_chain.py says why). qmm-splits' chain is
+timed through MLX instead (its K splits are summed by an MLX op, which such a graph cannot hold), so MLX's host work per
+op is in its figures, the same for every candidate. Each output is checked against the rule's.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ MODES = ("plain", "swiglu")
 # Max-abs error against the rule's output, relative to the output's largest magnitude (at least 1): the launches
 # differ only in the order of float32 sums, so a few units in the last place of the output dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Llama-3-8B's decode matvecs (N, K, mode): q/o, k/v, fused q/k/v, fused gate/up, down, LM head.
 LLAMA_3_8B_SHAPES = (
     (4096, 4096, "plain"),
@@ -253,55 +256,86 @@ def _validator(dtype: str):
     return check
 
 
-def _launcher(op: str, cell: Cell, dtype: str):
-    """launch(x, config) for the cell's kernel on random weights."""
+def _weight_bytes(op: str, cell: Cell, dtype: str) -> int:
+    if op in (QMV, QMM):  # 4-bit values, a scale and a bias per group
+        return cell.n * cell.k // 2 + 2 * cell.n * (cell.k // cell.group_size) * DTYPE_BYTES[dtype]
+    return cell.n * cell.k * DTYPE_BYTES[dtype]
+
+
+def _launcher(op: str, cell: Cell, dtype: str, copies: int):
+    """(x, launch(x, config, copy)) for the cell's kernel on `copies` random weights."""
     import mlx.core as mx
 
     from mlxcel_core.backends.cuda.kernels import hmv, qmm, qmv
 
     dt = getattr(mx, dtype)
-    kw, kx = mx.random.split(mx.random.key(cell.n * 7 + cell.k))
-    w = (mx.random.normal((cell.n, cell.k), key=kw) * 0.02).astype(dt)
+    kx, *kws = mx.random.split(mx.random.key(cell.n * 7 + cell.k), copies + 1)
     x = mx.random.normal((cell.m, cell.k), key=kx).astype(dt)
+    ws = [(mx.random.normal((cell.n, cell.k), key=kw) * 0.02).astype(dt) for kw in kws]
     if op in (QMV, QMM):
-        wq, scales, biases = mx.quantize(w, group_size=cell.group_size, bits=4)
-        mx.eval(wq, scales, biases, x)
+        qs = [mx.quantize(w, group_size=cell.group_size, bits=4) for w in ws]
+        mx.eval(qs, x)
         if op == QMM:
-            return x, lambda xi, c: qmm.quantized_matmul(xi, wq, scales, biases, cell.group_size, gps=c[0])
-        return x, lambda xi, c: qmv.cuda_quantized_matvec(xi, wq, scales, biases, cell.group_size, config=c)
-    mx.eval(w, x)
+            return x, lambda xi, c, i: qmm.quantized_matmul(xi, *qs[i], cell.group_size, gps=c[0])
+        return x, lambda xi, c, i: qmv.cuda_quantized_matvec(xi, *qs[i], cell.group_size, config=c)
+    mx.eval(ws, x)
 
-    def launch(xi, c):
+    def launch(xi, c, i):
+        w = ws[i]
         return hmv.launch(hmv.launch_args(xi.shape, xi.dtype, w.dtype, cell.n, c, mode=cell.mode), xi, w, cell.mode)
 
     return x, launch
 
 
 def profile_cell(op: str, cell: Cell, dtype: str, settings, progress=None):
-    """Profile every candidate of `cell` on random weights; returns (default config, ProfileResult)."""
+    """Profile every candidate of `cell` on random weights, each as a replayed CUDA graph (autotune/graph_chain.py),
+    qmm-splits' through MLX; returns (default config, ProfileResult)."""
     import mlx.core as mx
 
     from mlxcel_core.backends.cuda.kernels import qmv
 
+    from .graph_chain import GraphChains, weight_copies
     from .profiler import Candidate, profile
 
     if not qmv.kernel_ready():
         raise RuntimeError(f"{op} measures a CUDA matvec kernel: MLX has no CUDA device here")
-    x, launch = _launcher(op, cell, dtype)
+    copies = weight_copies(_weight_bytes(op, cell, dtype), CALLS)
+    x, launch = _launcher(op, cell, dtype, copies)
 
     def chain(config):
         def run():
-            y = launch(x, config)
-            for _ in range(CALLS - 1):
-                y = launch(mx.depends(x, y), config)
+            y = launch(x, config, 0)
+            for i in range(1, CALLS):
+                y = launch(mx.depends(x, y), config, i % copies)
             return y
 
         return run
 
     default = default_config(op, cell)
     fields = SPECS[op].fields
-    cands = [Candidate(label(c, op), chain(c), dict(zip(fields, c))) for c in candidates(op, cell)]
-    result = profile(cands, label(default, op), settings, validate=_validator(dtype), sync=mx.eval, progress=progress)
+    if op == QMM:  # MLX sums its K splits, an op a graph of our kernels cannot replay: MLX runs (and times) it
+        cands = [Candidate(label(c, op), chain(c), dict(zip(fields, c))) for c in candidates(op, cell)]
+        return default, profile(cands, label(default, op), settings, validate=_validator(dtype), sync=mx.eval)
+    graphs = GraphChains()
+
+    def replayed(config):
+        try:
+            return graphs.capture(chain(config))
+        except Exception as exc:  # noqa: BLE001 - the profiler drops and reports a candidate whose run raises
+            reason = exc
+
+            def failed():
+                raise reason
+
+            return failed
+
+    try:
+        cands = [Candidate(label(c, op), replayed(c), dict(zip(fields, c))) for c in candidates(op, cell)]
+        result = profile(
+            cands, label(default, op), settings, validate=_validator(dtype), sync=graphs.sync, progress=progress
+        )
+    finally:
+        graphs.close()
     return default, result
 
 
