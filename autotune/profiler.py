@@ -153,6 +153,73 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _validated(candidates, default: str, validate, sync, result: ProfileResult) -> list[Candidate]:
+    """Step 1: the candidates whose output agrees with the default's (the default first among them); none when the
+    default itself fails. The others go to `result.dropped` with the reason."""
+    by_label = {c.label: c for c in candidates}
+    try:
+        reference = by_label[default].run()
+        sync(reference)
+    except Exception as exc:  # without a working default there is nothing to compare with
+        result.dropped.append((default, _first_line(exc)))
+        return []
+    alive: list[Candidate] = []
+    for cand in candidates:
+        if cand.label == default:
+            alive.append(cand)
+            continue
+        try:
+            out = cand.run()
+            sync(out)
+            reason = validate(out, reference) if validate else None
+        except Exception as exc:
+            reason = _first_line(exc)
+        if reason is None:
+            alive.append(cand)
+        else:
+            result.dropped.append((cand.label, reason))
+    return alive
+
+
+def _warm_costs(alive: list[Candidate], timed, settings: ProfileSettings, result: ProfileResult) -> dict[str, float]:
+    """Step 2: each candidate warmed up; its cost estimate is the median of the later half of its warmup samples.
+    A candidate that raises leaves `alive` for `result.dropped`."""
+    costs: dict[str, float] = {}
+    for cand in list(alive):
+        samples: list[float] = []
+        spent = 0.0
+        try:
+            while len(samples) < settings.warmup or spent * 1000.0 < settings.warmup_ms:
+                dt = timed(cand)
+                samples.append(dt)
+                spent += dt
+        except Exception as exc:
+            alive.remove(cand)
+            result.dropped.append((cand.label, _first_line(exc)))
+            continue
+        costs[cand.label] = statistics.median(samples[len(samples) // 2 :])
+    return costs
+
+
+def _round_robin(alive: list[Candidate], timed, reps: int, result: ProfileResult) -> dict[str, list[float]]:
+    """Step 4: `reps` rounds, every surviving candidate once a round, the order rotated each round."""
+    samples_by: dict[str, list[float]] = {c.label: [] for c in alive}
+    for r in range(reps):
+        if not alive:
+            break
+        shift = r % len(alive)
+        for cand in alive[shift:] + alive[:shift]:
+            if cand.label not in samples_by:
+                continue
+            try:
+                samples_by[cand.label].append(timed(cand))
+            except Exception as exc:
+                del samples_by[cand.label]
+                result.dropped.append((cand.label, _first_line(exc)))
+        alive = [c for c in alive if c.label in samples_by]
+    return samples_by
+
+
 def profile(
     candidates: Sequence[Candidate],
     default: str,
@@ -176,84 +243,25 @@ def profile(
     result = ProfileResult(default=default, selected=None, measurements={}, dropped=[], candidates=order)
     note = progress or (lambda phase: None)
 
-    # 1. validate against the default's output
-    note("validate")
-    by_label = {c.label: c for c in candidates}
-    try:
-        reference = by_label[default].run()
-        sync(reference)
-    except Exception as exc:  # without a working default there is nothing to compare with
-        result.dropped.append((default, _first_line(exc)))
-        return result
-    alive: list[Candidate] = []
-    for cand in candidates:
-        if cand.label == default:
-            alive.append(cand)
-            continue
-        try:
-            out = cand.run()
-            sync(out)
-            reason = validate(out, reference) if validate else None
-        except Exception as exc:
-            reason = _first_line(exc)
-        if reason is None:
-            alive.append(cand)
-        else:
-            result.dropped.append((cand.label, reason))
-
     def timed(cand: Candidate) -> float:
         start = clock()
         sync(cand.run())
         return clock() - start
 
-    # 2. warm up and estimate costs
+    note("validate")
+    alive = _validated(candidates, default, validate, sync, result)
     note("warmup")
-    costs: dict[str, float] = {}
-    for cand in list(alive):
-        samples: list[float] = []
-        spent = 0.0
-        try:
-            while len(samples) < settings.warmup or spent * 1000.0 < settings.warmup_ms:
-                dt = timed(cand)
-                samples.append(dt)
-                spent += dt
-        except Exception as exc:
-            alive.remove(cand)
-            result.dropped.append((cand.label, _first_line(exc)))
-            continue
-        later = samples[len(samples) // 2 :]
-        costs[cand.label] = statistics.median(later)
+    costs = _warm_costs(alive, timed, settings, result)
     if default not in costs:
         return result
-
-    # 3. adaptive rep count for the whole round
-    reps = choose_reps(sum(costs.values()), settings)
-    result.reps = reps
-
-    # 4. round-robin sampling, rotated each round
+    result.reps = choose_reps(sum(costs.values()), settings)  # 3. the rep count for the whole round
     note("sample")
-    samples_by: dict[str, list[float]] = {c.label: [] for c in alive}
-    for r in range(reps):
-        if not alive:
-            break
-        shift = r % len(alive)
-        for cand in alive[shift:] + alive[:shift]:
-            if cand.label not in samples_by:
-                continue
-            try:
-                samples_by[cand.label].append(timed(cand))
-            except Exception as exc:
-                del samples_by[cand.label]
-                result.dropped.append((cand.label, _first_line(exc)))
-        alive = [c for c in alive if c.label in samples_by]
+    samples_by = _round_robin(alive, timed, result.reps, result)
     if default not in samples_by:
         return result
-
-    # 5. score
-    for label, samples in samples_by.items():
+    for label, samples in samples_by.items():  # 5. score
         med, spread = median_and_spread(samples)
         result.measurements[label] = Measurement(label, samples, med, spread)
-
     # 6. choose
     result.selected, result.required_improvement = select(default, order, result.measurements, settings.min_improvement)
     return result

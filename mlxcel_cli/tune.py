@@ -390,41 +390,74 @@ def _other_ops(model, shapes, group_size, dtype: str, settings, as_json) -> list
     return [(request, tune_matvec.dry_run_doc(request)) for request in requests]
 
 
-def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) -> None:
+def _progress():
+    """A progress bar on stderr (cleared when done), stdout redirected through it only when both are terminals."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from autotune.ops import OP, current_runner, describe_runner, device_identity, label, profile_cell
-    from autotune.runtime import entry_from_result
-    from autotune.store import Store
-
-    runner = current_runner(geometry.head_dim)
-    device = device_identity()
-    store = Store(directory)
-    out = [] if as_json else None
-
-    def emit(line: str) -> None:
-        if not as_json:
-            print(line, flush=True)
-
-    emit(f"autotune cache: {directory}")
-    emit(f"profile: {settings.describe()}")
-    emit(f"runner: {describe_runner(runner)} device: {device}")
-    emit(f"{OP}: {geometry.describe()} dtype={dtype}")
-    emit(HEADER)
     console = Console(stderr=True)
-    interactive = console.is_terminal and sys.stdout.isatty()
-    progress = Progress(
+    return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
         transient=True,
-        redirect_stdout=interactive,
+        redirect_stdout=console.is_terminal and sys.stdout.isatty(),
         redirect_stderr=False,
     )
-    with progress:
+
+
+def _cell_report(b: int, c: int, bucket, default: int, result, save) -> tuple[dict, list[str]]:
+    """One profiled cell as its JSON object and its table lines; `save(result)` stores a usable result's entry and
+    gives the cache file."""
+    from autotune.ops import label
+
+    cell = {
+        "batch": b,
+        "context": c,
+        "bucket": bucket.key(),
+        "default": label(default),
+        "candidates": result.candidates,
+        "dropped": [{"tactic": t, "reason": r} for t, r in result.dropped],
+        "selected": None,
+    }
+    if not result.usable:
+        lines = [f"{b:>7} {c:>8} | skipped (no usable measurement)"]
+    else:
+        best, ref = result.best, result.default_measurement
+        cell.update(
+            selected=result.selected,
+            default_us=ref.median_us,
+            best_us=best.median_us,
+            spread=best.spread,
+            default_spread=ref.spread,
+            reps=result.reps,
+            guard=result.required_improvement,
+            speedup=result.speedup,
+            cache_file=str(save(result)),
+        )
+        lines = [
+            f"{b:>7} {c:>8} | {label(default):>13} {ref.median_us:>11.1f} {result.selected:>13} "
+            f"{best.median_us:>10.1f} {best.spread * 100:>6.1f}% {result.reps:>5} "
+            f"{result.required_improvement * 100:>5.1f}% {result.speedup:>7.3f}x"
+        ]
+    return cell, lines + [f"{'':>16}   dropped {tactic}: {reason}" for tactic, reason in result.dropped]
+
+
+def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) -> None:
+    from autotune.ops import OP, current_runner, describe_runner, device_identity, profile_cell
+    from autotune.runtime import entry_from_result
+    from autotune.store import Store
+
+    runner, device, store, out = current_runner(geometry.head_dim), device_identity(), Store(directory), []
+    emit = (lambda line: None) if as_json else (lambda line: print(line, flush=True))
+    emit(f"autotune cache: {directory}")
+    emit(f"profile: {settings.describe()}")
+    emit(f"runner: {describe_runner(runner)} device: {device}")
+    emit(f"{OP}: {geometry.describe()} dtype={dtype}")
+    emit(HEADER)
+    with _progress() as progress:
         task = progress.add_task("tune", total=len(cells))
         for b, c in cells:
 
@@ -434,59 +467,17 @@ def _run(cells, geometry, dtype: str, settings, directory: Path, as_json: bool) 
             phase("workload")
             bucket, _, default, result = profile_cell(b, c, geometry, dtype, settings, runner, progress=phase)
             progress.advance(task)
-            cell = {
-                "batch": b,
-                "context": c,
-                "bucket": bucket.key(),
-                "default": label(default),
-                "candidates": result.candidates,
-                "dropped": [{"tactic": t, "reason": r} for t, r in result.dropped],
-            }
-            if not result.usable:
-                emit(f"{b:>7} {c:>8} | skipped (no usable measurement)")
-                cell["selected"] = None
-            else:
-                entry = entry_from_result(bucket, runner, device, dtype, default, result)
-                path = store.save(entry)
-                best, ref = result.best, result.default_measurement
-                cell.update(
-                    {
-                        "selected": result.selected,
-                        "default_us": ref.median_us,
-                        "best_us": best.median_us,
-                        "spread": best.spread,
-                        "default_spread": ref.spread,
-                        "reps": result.reps,
-                        "guard": result.required_improvement,
-                        "speedup": result.speedup,
-                        "cache_file": str(path),
-                    }
-                )
-                emit(
-                    f"{b:>7} {c:>8} | {label(default):>13} {ref.median_us:>11.1f} {result.selected:>13} "
-                    f"{best.median_us:>10.1f} {best.spread * 100:>6.1f}% {result.reps:>5} "
-                    f"{result.required_improvement * 100:>5.1f}% {result.speedup:>7.3f}x"
-                )
-            for tactic, reason in result.dropped:
-                emit(f"{'':>16}   dropped {tactic}: {reason}")
-            if out is not None:
-                out.append(cell)
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "dry_run": False,
-                    "cache_dir": str(directory),
-                    "op": OP,
-                    "runner": runner,
-                    "device": device,
-                    "profile": settings.__dict__,
-                    "geometry": geometry.__dict__,
-                    "dtype": dtype,
-                    "cells": out,
-                },
-                indent=2,
-            )
-        )
-    else:
+
+            def save(result, bucket=bucket, default=default):
+                return store.save(entry_from_result(bucket, runner, device, dtype, default, result))
+
+            cell, lines = _cell_report(b, c, bucket, default, result, save)
+            for line in lines:
+                emit(line)
+            out.append(cell)
+    if not as_json:
         print(HINT)
+        return
+    doc = {"dry_run": False, "cache_dir": str(directory), "op": OP, "runner": runner, "device": device}
+    doc.update(profile=settings.__dict__, geometry=geometry.__dict__, dtype=dtype, cells=out)
+    print(json.dumps(doc, indent=2))
