@@ -122,27 +122,38 @@ def _tensors(config: dict):
         yield "output.weight", (v, h), False
 
 
-def write_gguf(config: dict, path: Path, seed: int, log) -> None:
-    """The shape as a llama GGUF: random weights, every matrix Q4_K (ggml's quantizer), norms F32 ones."""
+def llama_writer(config: dict, path: Path, name: str, file_type):
+    """A GGUFWriter of a llama file with the shape's hyperparameters and a placeholder vocabulary: pieces of the
+    shape's count and one merge (llama.cpp wants merges with a gpt2 vocabulary); benchmarks feed token ids, never
+    text. The tensors are the caller's."""
     import gguf
 
-    h, heads = config["hidden_size"], config["num_attention_heads"]
+    heads = config["num_attention_heads"]
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("gguf_speed random weights")
+    w.add_name(name)
     w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(h)
+    w.add_embedding_length(config["hidden_size"])
     w.add_block_count(config["num_hidden_layers"])
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(config.get("num_key_value_heads") or heads)
     w.add_rope_freq_base(config["rope_theta"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_S)
-    # A BPE vocabulary of whole pieces and no merges: the benchmark feeds token ids, never text.
+    w.add_file_type(file_type)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(config["vocab_size"])])
+    w.add_token_list(["a", "b", "ab"] + [f"<t{i}>" for i in range(3, config["vocab_size"])])
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
     w.add_eos_token_id(0)
+    return w
+
+
+def write_gguf(config: dict, path: Path, seed: int, log) -> None:
+    """The shape as a llama GGUF: random weights, every matrix Q4_K (ggml's quantizer), norms F32 ones."""
+    import gguf
+
+    w = llama_writer(config, path, "gguf_speed random weights", gguf.LlamaFileType.MOSTLY_Q4_K_S)
     rng = np.random.default_rng(seed)
     workers = os.cpu_count() or 1
     start = time.perf_counter()

@@ -277,7 +277,7 @@ def write(
 ) -> None:
     """A llama-family shape with random weights as a GGUF of `qtype` blocks (norms F32 ones)."""
     import gguf
-    from gguf_speed import _tensors
+    from gguf_speed import _tensors, llama_writer
 
     from mlxcel_core.loading.shapes import shape_config
 
@@ -285,25 +285,8 @@ def write(
     if config["model_type"] != "llama":
         raise SystemExit(f"write makes llama-family files; {shape} is {config['model_type']}")
     config.update({k: v for k, v in (("num_hidden_layers", layers), ("vocab_size", vocab)) if v})
-    heads = config["num_attention_heads"]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"{shape} random {qtype}")
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_S)
-    # Placeholder pieces and one merge (llama.cpp wants merges with a gpt2 vocabulary): both tools feed token ids.
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(["a", "b", "ab"] + [f"<t{i}>" for i in range(3, config["vocab_size"])])
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(0)
+    file_type = gguf.LlamaFileType.MOSTLY_Q4_0 if qtype == "q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_S
+    w = llama_writer(config, path, f"{shape} random {qtype}", file_type)
     raw = gguf.GGMLQuantizationType.Q4_0 if qtype == "q4_0" else gguf.GGMLQuantizationType.Q4_K
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
