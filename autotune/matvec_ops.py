@@ -315,7 +315,8 @@ def profile_cell(op: str, cell: Cell, dtype: str, settings, progress=None):
     fields = SPECS[op].fields
     if op == QMM:  # MLX sums its K splits, an op a graph of our kernels cannot replay: MLX runs (and times) it
         cands = [Candidate(label(c, op), chain(c), dict(zip(fields, c))) for c in candidates(op, cell)]
-        return default, profile(cands, label(default, op), settings, validate=_validator(dtype), sync=mx.eval)
+        check = _validator(dtype)
+        return default, profile(cands, label(default, op), settings, validate=check, sync=mx.eval, progress=progress)
     graphs = GraphChains()
 
     def replayed(config):
