@@ -10,7 +10,7 @@ Public API (imported lazily so `mlxcel_core.errors` stays cheap to import)::
 import os
 from importlib import import_module
 
-from . import paths
+from . import cpu_blas, paths
 
 # float32 means float32: MLX's CUDA backend otherwise runs float32 matmuls as TF32 (about 1e-3 relative error;
 # transformers parity and greedy tokens on float32 models drift). 16-bit and quantized models are unaffected.
@@ -18,6 +18,7 @@ from . import paths
 # MLX_ENABLE_TF32=1 to trade that precision for speed.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 paths.keep_driver_cache()  # (also read when CUDA initializes)
+cpu_blas.install()  # (MLX binds its BLAS symbols when it loads: before mlx is first imported)
 
 __version__ = "0.1.0"
 

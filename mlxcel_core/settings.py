@@ -75,6 +75,14 @@ SETTINGS: tuple[Setting, ...] = (
         _switch,
     ),
     Setting(
+        "MLXCEL_CPU_BLAS",
+        "0/1",
+        True,
+        "0 leaves MLX's float32 products on the CPU to the reference BLAS of MLX's Linux wheel instead of "
+        "OpenBLAS in fixed 16-row tiles (cpu_blas.py). Read when mlxcel_core is imported.",
+        _switch,
+    ),
+    Setting(
         "MLXCEL_AUTOTUNE",
         "0, cache, 1",
         "",

@@ -10,6 +10,12 @@ import numpy as np
 from tiny_models import save_tiny_checkpoint  # noqa: F401  (family tests import it from here)
 
 
+def mlx_class_name(module) -> str:
+    """The name of a module's class as the model built it, under any subclass a backend swapped in
+    (backends/cpu_float32.py, backends/cuda/kernels/fast_linear.py)."""
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("mlxcel_core.backends")).__name__
+
+
 def prompt_ids(length: int, vocab: int = 320, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, size=length).tolist()
 

@@ -42,10 +42,18 @@ class Backend:
 
     # -- models ------------------------------------------------------------------------------------
     def prepare_model(self, model) -> None:
-        """What load_model and build_random_model do to every built model: nothing on the portable backend."""
+        """What load_model and build_random_model do to every built model: on the CPU with OpenBLAS, quantized layers
+        compute float32 products of their dequantized weights (cpu_float32.py); otherwise nothing."""
+        from . import cpu_float32
+
+        if cpu_float32.applies():
+            cpu_float32.prepare(model)
 
     def unprepare_model(self, model) -> None:
         """Undo prepare_model where it changed layers' classes or layout (before a model is requantized)."""
+        from . import cpu_float32
+
+        cpu_float32.unprepare(model)
 
     # -- a decode step -----------------------------------------------------------------------------
     def greedy_tokens(self, logits: mx.array) -> tuple[mx.array, mx.array]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers as tf
 from gguf_convert import convert
-from parity import assert_generate_cli_gives_greedy, loaded_greedy, model_reference, prompt_ids
+from parity import assert_generate_cli_gives_greedy, loaded_greedy, mlx_class_name, model_reference, prompt_ids
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
 
@@ -237,7 +237,7 @@ def test_quantized_file_loads_as_its_decoded_values(files, tmp_path, case):
         dequantized=True,
     )
     quantized, decoded = load_model(str(q8), log=lambda m: None), load_model(str(f32), log=lambda m: None)
-    kinds = {type(m).__name__ for _, m in quantized.model.named_modules()}
+    kinds = {mlx_class_name(m) for _, m in quantized.model.named_modules()}
     assert "QuantizedLinear" in kinds and ("QuantizedSwitchLinear" in kinds) == (case != "gemma3" and case != "phi3")
     q_logits, q_tokens = loaded_greedy(quantized, PROMPT, STEPS)
     f_logits, f_tokens = loaded_greedy(decoded, PROMPT, STEPS)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import torch
+from parity import mlx_class_name
 from tiny_models import save_tiny_llama
 
 from mlxcel_core.api import stream_generate
@@ -163,7 +164,7 @@ def test_gguf_matches_transformers_on_same_file(tmp_path_factory, hf_dir, qtype)
     assert diff_last <= TOL[qtype] and diff_all <= TOL[qtype]
     assert tokens == ref_tokens
 
-    kinds = {type(m).__name__ for _, m in loaded.model.named_modules()}
+    kinds = {mlx_class_name(m) for _, m in loaded.model.named_modules()}
     quantized = qtype not in (Q.F32, Q.F16)
     assert ({"QuantizedLinear", "QuantizedEmbedding"} <= kinds) == quantized, kinds  # kept packed, not dequantized
     assert loaded.config["num_key_value_heads"] == 2 and loaded.config["tie_word_embeddings"] is False

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers as tf
 from gguf_convert import convert
-from parity import assert_generate_cli_gives_greedy, loaded_greedy, prompt_ids, reference
+from parity import assert_generate_cli_gives_greedy, loaded_greedy, mlx_class_name, prompt_ids, reference
 from tiny_configs import GEMMA4_DENSE, GEMMA4_MOE, F, S
 from tiny_models import save_tiny_checkpoint
 
@@ -154,7 +154,7 @@ def test_quantized_file_loads_as_its_decoded_values(files, tmp_path, case):
     decoded = load_model(
         str(convert(hf_dir, tmp_path / "f32.gguf", arch, qtype=q8, dequantized=True)), log=lambda m: None
     )
-    kinds = {type(m).__name__ for _, m in quantized.model.named_modules()}
+    kinds = {mlx_class_name(m) for _, m in quantized.model.named_modules()}
     assert "QuantizedLinear" in kinds and ("QuantizedSwitchLinear" in kinds) == (case in ("gemma4-moe", "llama4"))
     q_logits, q_tokens = loaded_greedy(quantized, PROMPT, STEPS)
     f_logits, f_tokens = loaded_greedy(decoded, PROMPT, STEPS)

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 from gguf_convert import convert
 from gguf_convert_hybrid import convert_hybrid
-from parity import loaded_greedy, prompt_ids
+from parity import loaded_greedy, mlx_class_name, prompt_ids
 from tiny_configs import LFM2
 from tiny_models import save_tiny_checkpoint
 from typer.testing import CliRunner
@@ -222,7 +222,7 @@ def test_quantized_file_loads_as_its_decoded_values(checkpoints, tmp_path, case)
     q8 = _gguf(hf_dir, tmp_path / "q8", case, qtype=gguf.GGMLQuantizationType.Q8_0)
     f32 = _gguf(hf_dir, tmp_path / "f32", case, qtype=gguf.GGMLQuantizationType.Q8_0, dequantized=True)
     quantized, decoded = load_model(str(q8), log=lambda m: None), load_model(str(f32), log=lambda m: None)
-    kinds = {name: type(m).__name__ for name, m in quantized.model.named_modules()}
+    kinds = {name: mlx_class_name(m) for name, m in quantized.model.named_modules()}
     layer0 = {"lfm2": "model.layers.0.conv", "nemotron_h": "model.layers.0.mixer"}.get(
         case, "model.layers.0.linear_attn"
     )

@@ -17,6 +17,7 @@ from gguf_convert_mla import convert_mla
 from parity import (
     assert_generate_cli_gives_greedy,
     loaded_greedy,
+    mlx_class_name,
     model_reference,
     prompt_ids,
     randomize_norms_and_biases,
@@ -177,7 +178,7 @@ def test_quantized_file_loads_as_its_decoded_values(checkpoints, tmp_path, case)
     q8 = _gguf(hf_dir, tmp_path / "q8", case, qtype=gguf.GGMLQuantizationType.Q8_0)
     decoded = _gguf(hf_dir, tmp_path / "dq", case, qtype=gguf.GGMLQuantizationType.Q8_0, dequantized=True)
     quantized = load_model(str(q8), log=lambda m: None)
-    kinds = {type(m).__name__ for _, m in quantized.model.named_modules()}
+    kinds = {mlx_class_name(m) for _, m in quantized.model.named_modules()}
     assert {"QuantizedLinear", "QuantizedSwitchLinear"} <= kinds
     assert ("QuantizedMultiLinear" in kinds) == (case == "deepseek-v3")
     q_logits, q_tokens = loaded_greedy(quantized, PROMPT, STEPS)

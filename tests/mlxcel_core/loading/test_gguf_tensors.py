@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf.quants import dequantize
+from parity import mlx_class_name
 from tiny_models import CHATML, build_tokenizer
 
 from mlxcel_cli.main import main
@@ -259,7 +260,7 @@ def test_k_quant_llama_generates_as_its_dequantized_weights(tmp_path, capsys, mi
     assert tokens == twin_tokens
 
     layer = loaded.model.model.layers[0]
-    assert type(loaded.model.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    assert mlx_class_name(loaded.model.model.embed_tokens) == "QuantizedEmbedding"
     assert (layer.self_attn.q_proj.bits, layer.self_attn.q_proj.group_size) == (8 if mix == "Q6_K" else 4, 32)
     assert layer.self_attn.v_proj.bits == (4 if mix == "Q4_K" else 8)  # per-layer bits in a mixed file
 

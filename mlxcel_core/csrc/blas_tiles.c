@@ -1,0 +1,76 @@
+/* cblas_sgemm for MLX's CPU library: OpenBLAS's sgemm, 16 rows of the product at a time.
+ *
+ * Loaded with RTLD_GLOBAL before MLX (mlxcel_core/cpu_blas.py says why and how). Every call is turned into row-major
+ * form and computed TILE rows at a time, the last tile padded with zero rows: OpenBLAS picks other kernels for other
+ * row counts, so without tiles a row of a product would round differently alone than in a batch.
+ * `mlxcel_blas_init` hands over OpenBLAS's prefixed sgemm (scipy-openblas32's scipy_cblas_sgemm); until then, and if
+ * it is never called, a plain loop computes the product (correct, slow). */
+#include <stdlib.h>
+#include <string.h>
+
+enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111 };
+typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *,
+                        int);
+static sgemm_t blas;
+static int tile = 16;
+
+int mlxcel_blas_init(void *fn, int rows) {
+  blas = (sgemm_t)fn;
+  if (rows > 0) tile = rows;
+  return tile;
+}
+
+static float at(const float *x, int trans, int ld, int r, int c) {
+  return trans == NO_TRANS ? x[(size_t)r * ld + c] : x[(size_t)c * ld + r];
+}
+
+/* row-major C[M,N] = alpha op(A)[M,K] op(B)[K,N] + beta C without a BLAS (before init) */
+static void plain(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
+                  float beta, float *c, int ldc) {
+  for (int i = 0; i < m; i++)
+    for (int j = 0; j < n; j++) {
+      float sum = 0.0f;
+      for (int p = 0; p < k; p++) sum += at(a, ta, lda, i, p) * at(b, tb, ldb, p, j);
+      float *out = c + (size_t)i * ldc + j;
+      *out = alpha * sum + (beta == 0.0f ? 0.0f : beta * *out);
+    }
+}
+
+static void tiled(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
+                  float beta, float *c, int ldc) {
+  if (blas == NULL) {
+    plain(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  int full = m - m % tile;
+  for (int i = 0; i < full; i += tile)
+    blas(ROW_MAJOR, ta, tb, tile, n, k, alpha, ta == NO_TRANS ? a + (size_t)i * lda : a + i, lda, b, ldb, beta,
+         c + (size_t)i * ldc, ldc);
+  int rest = m - full;
+  if (rest == 0) return;
+  float *pa = calloc((size_t)tile * k, sizeof(float)), *pc = calloc((size_t)tile * n, sizeof(float));
+  if (pa == NULL || pc == NULL) {
+    free(pa);
+    free(pc);
+    plain(ta, tb, rest, n, k, alpha, ta == NO_TRANS ? a + (size_t)full * lda : a + full, lda, b, ldb, beta,
+          c + (size_t)full * ldc, ldc);
+    return;
+  }
+  for (int r = 0; r < rest; r++) {
+    for (int p = 0; p < k; p++) pa[(size_t)r * k + p] = at(a, ta, lda, full + r, p);
+    if (beta != 0.0f) memcpy(pc + (size_t)r * n, c + (size_t)(full + r) * ldc, (size_t)n * sizeof(float));
+  }
+  blas(ROW_MAJOR, NO_TRANS, tb, tile, n, k, alpha, pa, k, b, ldb, beta, pc, n);
+  for (int r = 0; r < rest; r++) memcpy(c + (size_t)(full + r) * ldc, pc + (size_t)r * n, (size_t)n * sizeof(float));
+  free(pa);
+  free(pc);
+}
+
+void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda,
+                 const float *b, int ldb, float beta, float *c, int ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (order == COL_MAJOR) /* C^T = op(B)^T op(A)^T in row-major form */
+    tiled(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+  else
+    tiled(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}

@@ -1,0 +1,78 @@
+"""On the CPU with OpenBLAS, quantized layers compute float32 products of their dequantized weights
+(backends/cpu_float32.py): the greedy tokens of MLX's quantized kernels, the quantized parameters kept (and restored
+as MLX's classes by unprepare), and no copies where they would not fit."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from mlxcel_core.backends import cpu_float32
+from mlxcel_core.bench_model import RandomIdTokenizer
+from mlxcel_core.engine import Engine, EngineConfig
+from mlxcel_core.loading.shapes import build_random_model
+from mlxcel_core.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_float32.applies(), reason="not on the CPU with OpenBLAS")
+
+
+def _model(bits: int = 4):
+    """The tiny shape, quantized, as MLX's quantized classes (prepare undone)."""
+    model, config = build_random_model("tiny", bits=bits, dtype="float32", seed=3)
+    cpu_float32.unprepare(model)
+    return model, config
+
+
+def _greedy(model, config, prompts: list[list[int]], steps: int = 40) -> list[list[int]]:
+    engine = Engine(model, RandomIdTokenizer(config["vocab_size"]), EngineConfig(max_batch_size=len(prompts)))
+    seqs = [engine.open(p, SamplingParams(max_tokens=steps)) for p in prompts]
+    out = {s: [] for s in seqs}
+    while engine.has_work():
+        for step in engine.step():
+            assert step.error is None
+            if step.token is not None:
+                out[step.seq_id].append(step.token)
+    return [out[s] for s in seqs]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_float32_products_give_the_quantized_kernels_greedy_tokens(bits):
+    model, config = _model(bits)
+    prompts = [[5, 9, 33, 2, 71, 18, 40], [12, 4, 4, 90], [61, 3, 27, 8, 15, 99, 42, 7, 23, 11, 5]]
+    x = mx.random.normal((3, model.model.layers[0].self_attn.q_proj.weight.shape[1] * 32 // bits), key=mx.random.key(0))
+    q_proj = model.model.layers[0].self_attn.q_proj
+    kernel = q_proj(x)
+    plain = _greedy(model, config, prompts)
+
+    assert cpu_float32.prepare(model) > 0
+    assert type(q_proj) is cpu_float32.Float32QuantizedLinear and isinstance(q_proj, nn.QuantizedLinear)
+    assert mx.allclose(q_proj(x), kernel, rtol=1e-5, atol=1e-5).item()
+    assert _greedy(model, config, prompts) == plain  # batched, as the plain run was
+    assert [_greedy(model, config, [p])[0] for p in prompts] == plain  # and each alone
+
+
+def test_parameters_stay_quantized_and_unprepare_restores_mlxs_classes():
+    model, _ = _model()
+    before = {k: v for k, v in tree_flatten(model.parameters())}
+    swapped = cpu_float32.prepare(model)
+    after = {k: v for k, v in tree_flatten(model.parameters())}
+    assert swapped > 0 and before.keys() == after.keys()  # the float32 copies are not parameters
+    assert all(after[k] is before[k] for k in before)
+    assert cpu_float32.unprepare(model) == swapped
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert nn.QuantizedLinear in kinds and not kinds & set(cpu_float32.SWAPS.values())
+    assert not any(hasattr(m, "float32") for _, m in model.named_modules())
+
+
+def test_no_copies_where_they_would_not_fit(monkeypatch):
+    model, _ = _model()
+    monkeypatch.setattr(cpu_float32, "_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
+    assert cpu_float32.prepare(model) == 0
+    assert all(type(m) not in cpu_float32.SWAPS.values() for _, m in model.named_modules())
+
+
+def test_loading_and_building_take_the_swap():
+    model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=3)
+    assert any(type(m) is cpu_float32.Float32QuantizedLinear for _, m in model.named_modules())
