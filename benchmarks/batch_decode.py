@@ -28,6 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import mlxcel_core  # noqa: F401,E402  (before mlx: MLX's CPU products on OpenBLAS, cpu_blas.py)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from mlx_lm_twin import (  # noqa: E402
     TwinMismatch,

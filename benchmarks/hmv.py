@@ -30,6 +30,9 @@ sys.path.insert(0, str(HERE.parent))
 if "--concurrent" not in sys.argv:  # one stream, calls in sequence as in a model (benchmarks/qmv.py says why)
     os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
+import mlxcel_core  # noqa: F401,E402  (before mlx: MLX's CPU products on OpenBLAS, cpu_blas.py)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.backends.cuda.kernels import hmv, qmv  # noqa: E402

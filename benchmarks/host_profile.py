@@ -28,6 +28,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import mlxcel_core  # noqa: F401,E402  (before mlx: MLX's CPU products on OpenBLAS, cpu_blas.py)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.bench import RandomIdTokenizer, environment, random_prompt  # noqa: E402

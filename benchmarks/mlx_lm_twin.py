@@ -31,6 +31,9 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import mlxcel_core  # noqa: F401  (before mlx: MLX's CPU products on OpenBLAS, cpu_blas.py)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten

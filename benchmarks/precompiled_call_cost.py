@@ -15,6 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import mlxcel_core  # noqa: F401,E402  (before mlx: MLX's CPU products on OpenBLAS, cpu_blas.py)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.backends.cuda.kernels.cubin_cache import compile_cubin, gpu_architecture  # noqa: E402

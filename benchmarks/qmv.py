@@ -51,6 +51,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if "--concurrent" not in sys.argv:
     os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
+import mlxcel_core  # noqa: F401,E402  (before mlx: MLX's CPU products on OpenBLAS, cpu_blas.py)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 
 from mlxcel_core.backends.cuda.kernels import qmv  # noqa: E402

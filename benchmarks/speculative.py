@@ -10,6 +10,9 @@ import json
 import sys
 
 sys.path.insert(0, ".")
+import mlxcel_core  # noqa: F401  (before mlx: MLX's CPU products on OpenBLAS, cpu_blas.py)
+
+# isort: split
 import mlx.core as mx
 
 from mlxcel_core.api import prepare_prompt, stream_generate

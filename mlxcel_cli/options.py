@@ -304,7 +304,7 @@ CtxSize = Annotated[
 # (the CPU value is backends/base.py's CPU_PREFILL_CHUNK: the CLI does not import the backends, which import MLX)
 PREFILL_CHUNK_HELP = (
     "Prompt tokens computed per forward pass: a running stream waits for one chunk at most. "
-    "Default: 2048 at batch 1; batching, the backend's (8 on CPU, 2048 on a GPU)."
+    "Default: 2048 at batch 1; batching, the backend's (32 on CPU, 2048 on a GPU)."
 )
 StorageBackend = Annotated[
     str,

@@ -25,11 +25,12 @@ from ..kv.paged_attention import RUNNER_OPS, paged_decode_attention
 
 GPU_PREFILL_BATCH = 8  # waiting prompts one prefill forward takes on a GPU (bandwidth-bound: one pass of the weights)
 # Prompt tokens one prefill forward computes while other rows decode (engine/scheduler.py), so that a long prompt
-# holds the running rows for about a second at most. On CPU prefill is compute-bound: a token costs the same at any
-# chunk size, so a small chunk bounds the running rows' wait without slowing the prompt (benchmarks/RESULTS.md,
-# "CPU: the prefill chunk beside running rows"). On a GPU one forward takes a whole prompt of up to 2048 tokens.
+# holds the running rows for about a second at most (benchmarks/RESULTS.md, "The prefill chunk beside running rows").
+# On CPU the float32 products run in 16-row tiles (cpu_blas.py): a chunk of a few tiles keeps the running rows' wait
+# near a decode step's while the prompt's tokens share each pass over the weights. On a GPU one forward takes a whole
+# prompt of up to 2048 tokens.
 GPU_PREFILL_CHUNK = 2048
-CPU_PREFILL_CHUNK = 8
+CPU_PREFILL_CHUNK = 32
 
 
 def on_gpu() -> bool:
@@ -123,8 +124,10 @@ class Backend:
         return GPU_PREFILL_BATCH
 
     def describe(self) -> str:
-        """For benchmark headers: what this backend runs."""
-        return "MLX ops (the portable backend)"
+        """For benchmark headers: what this backend runs (on the CPU, also where its float32 products go)."""
+        from .. import cpu_blas
+
+        return "MLX ops (the portable backend)" + ("" if on_gpu() else f"; CPU float32 products: {cpu_blas.status()}")
 
 
 def readout_of(tokens: mx.array, logits: mx.array) -> mx.array:

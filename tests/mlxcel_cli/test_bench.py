@@ -175,11 +175,13 @@ def test_cpu_header_names_no_gpu_setting(capsys):
     names the portable backend and none of those settings."""
     import mlx.core as mx
 
+    from mlxcel_core import cpu_blas
+
     if mx.default_device().type != mx.DeviceType.cpu:
         pytest.skip("the CPU header")
     code, out, err = run_cli(capsys, "bench", "--model-shape", "tiny", "-p", "8", "-n", "0", "-r", "1")
     assert code == 0, err
     header = out.splitlines()[0]
-    assert header.endswith("; MLX ops (the portable backend)")
+    assert header.endswith(f"; MLX ops (the portable backend); CPU float32 products: {cpu_blas.status()}")
     for gpu_only in ("decode steps", "compiled", "recorded graph", "prefilled together"):
         assert gpu_only not in header

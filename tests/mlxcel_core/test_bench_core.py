@@ -257,7 +257,7 @@ def test_unknown_shape_and_bad_options():
 
 
 def test_header_names_the_decode_steps_and_the_backend(monkeypatch):
-    from mlxcel_core import backends
+    from mlxcel_core import backends, cpu_blas
     from mlxcel_core.backends.base import Backend
     from mlxcel_core.bench import BenchModel, bench_header
 
@@ -265,7 +265,7 @@ def test_header_names_the_decode_steps_and_the_backend(monkeypatch):
     monkeypatch.setattr(backends, "_current", Backend())
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     header = bench_header(model)  # on CPU no GPU-only setting: no compiled steps, no batched prefill
-    assert header.endswith("(x); MLX ops (the portable backend)")
+    assert header.endswith(f"(x); MLX ops (the portable backend); CPU float32 products: {cpu_blas.status()}")
     assert "decode steps" not in header and "prefilled together" not in header
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     assert bench_header(model).endswith(
