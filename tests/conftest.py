@@ -11,10 +11,8 @@ import pytest
 # xdist's workers share the cores: each worker's OpenBLAS (and the processes its tests start) takes its share of
 # them, as OpenBLAS's threads otherwise spin against each other's.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ.setdefault(
-        "OPENBLAS_NUM_THREADS",
-        str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))),
-    )
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 # Before anything imports mlx: mlxcel_core keeps float32 float32 on a GPU, and routes MLX's float32 products on the
 # CPU through OpenBLAS (cpu_blas.py), as for every mlxcel command.
 from tiny_models import save_tiny_llama  # noqa: E402  (imports mlx)
