@@ -9,8 +9,9 @@ loaded with RTLD_GLOBAL before MLX's library, it takes MLX's calls (a library lo
 symbols in the global scope first) and hands them to scipy-openblas32's `scipy_cblas_sgemm` (prefixed symbols, so
 nothing else in the process is affected), 16 rows of the product at a time, the last tile padded with zero rows.
 OpenBLAS picks other kernels for other row counts, which round otherwise; in fixed tiles a row's result is the same
-alone or in a batch of any size, so batched rows, chunked prefill and speculative verification keep the greedy tokens
-of a lone row exactly (tests/mlxcel_core/test_cpu_blas.py).
+alone or in a batch of any size (tests/mlxcel_core/test_cpu_blas.py), so batched rows, chunked prefill and speculative
+verification keep a lone row's greedy tokens as the engine's exact-token tests require. (A product's width still
+matters: OpenBLAS rounds a column by the number of columns, so a fused projection is not bit-equal to its parts.)
 
 `install` runs when mlxcel_core is imported. It does nothing, and MLX's own BLAS serves, where: MLX is already
 imported (its symbols are bound), the platform is not Linux, MLX's CPU wheel's reference BLAS is not there (a CUDA
