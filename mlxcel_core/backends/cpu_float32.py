@@ -14,10 +14,11 @@ values) in float32, as MLX's CPU quantized kernel computes, in another summation
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..dequantize import dequantized_weight
+from ..engine.budget import device_memory_bytes
 
 FLOAT32_SHARE = 0.25  # of physical memory, at most, for the float32 copies
 
@@ -27,11 +28,6 @@ class _Held:
 
     def __init__(self, weight: mx.array):
         self.weight = weight
-
-
-def _dequantized(layer: nn.Module) -> mx.array:
-    w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), layer.group_size, layer.bits)
-    return w.astype(mx.float32)
 
 
 class Float32QuantizedLinear(nn.QuantizedLinear):
@@ -59,21 +55,14 @@ def applies() -> bool:
     return mx.default_device() == mx.cpu and cpu_blas.status().startswith("openblas")
 
 
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
 def prepare(model: nn.Module) -> int:
     """Swap the model's quantized layers for their float32-product classes when the copies fit; returns how many."""
     layers = [m for _, m in model.named_modules() if type(m) in SWAPS and getattr(m, "mode", "affine") == "affine"]
     need = sum(4 * (m["weight"].size * 32 // m.bits) for m in layers)  # float32 bytes of the dequantized weights
-    if not layers or need > FLOAT32_SHARE * _memory_bytes():
+    if not layers or need > FLOAT32_SHARE * device_memory_bytes():
         return 0
     for layer in layers:
-        layer.float32 = _Held(_dequantized(layer))
+        layer.float32 = _Held(dequantized_weight(layer).astype(mx.float32))
         mx.eval(layer.float32.weight)
         layer.__class__ = SWAPS[type(layer)]
     return len(layers)

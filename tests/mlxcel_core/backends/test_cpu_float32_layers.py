@@ -68,7 +68,7 @@ def test_parameters_stay_quantized_and_unprepare_restores_mlxs_classes():
 
 def test_no_copies_where_they_would_not_fit(monkeypatch):
     model, _ = _model()
-    monkeypatch.setattr(cpu_float32, "_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
+    monkeypatch.setattr(cpu_float32, "device_memory_bytes", lambda: 1 << 20)  # a 1 MiB machine
     assert cpu_float32.prepare(model) == 0
     assert all(type(m) not in cpu_float32.SWAPS.values() for _, m in model.named_modules())
 
