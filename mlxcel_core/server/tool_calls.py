@@ -2,7 +2,9 @@
 Lark grammar that forces a call (tool_choice "required" or a named function), and holding back streamed text.
 
 Families, told apart by the chat template's text (the first that matches):
-    hermes    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Qwen, Hermes, SmolLM3...)
+    hermes    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Qwen, Hermes, SmolLM3...);
+              a reply that is nothing but such objects (maybe in a ```json fence) is read as calls too, as llama.cpp
+              does: small models (Qwen2.5-Coder-0.5B) often leave the tags out
     mistral   `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
     llama3    the whole reply is `{"name": ..., "parameters": {...}}`, maybe after `<|python_tag|>` (Llama 3.1+)
     harmony   gpt-oss: a `commentary` message to `functions.NAME` (mlxcel_core/harmony.py; one call per turn)
@@ -23,6 +25,7 @@ FAMILIES = ("hermes", "mistral", "llama3", "harmony")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 MISTRAL_START = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
+FENCE = "```"
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -86,11 +89,30 @@ def _json_values(text: str, separators: str) -> list | None:
         values.append(value)
 
 
+def _unfenced(text: str) -> str:
+    """The text inside a Markdown code fence (```, ```json) around the whole of it; else the text."""
+    if not text.startswith(FENCE):
+        return text
+    head, _, body = text.partition("\n")
+    if head[len(FENCE) :].strip() not in ("", "json") or not body.rstrip().endswith(FENCE):
+        return text
+    return body.rstrip()[: -len(FENCE)].strip()
+
+
+def _bare_calls(text: str) -> list[ToolCall]:
+    """A reply that is nothing but call objects (maybe in a fence), as calls; else []."""
+    body = _unfenced(text.strip())
+    calls = [_call(v) for v in _json_values(body, "") or []] if body.startswith("{") else []
+    return [] if None in calls else calls
+
+
 def parse_hermes(text: str) -> tuple[list[ToolCall], str]:
-    """`<tool_call>{...}</tool_call>` blocks (the last may be unclosed): (calls, the text outside them)."""
+    """`<tool_call>{...}</tool_call>` blocks (the last may be unclosed), or a reply of bare call objects: (calls, the
+    text outside them)."""
     start = text.find(HERMES_START)
     if start < 0:
-        return [], text
+        calls = _bare_calls(text)
+        return (calls, "") if calls else ([], text)
     calls, outside, i = [], [text[:start]], start
     while i >= 0:
         body_at = i + len(HERMES_START)
@@ -154,7 +176,7 @@ def parse(family: str, text: str, parallel: bool = True) -> tuple[list[ToolCall]
     calls, outside = PARSERS[family](text)
     if parallel or len(calls) < 2:
         return calls, outside
-    if family == "hermes":  # the text outside is what comes before the first call's end
+    if family == "hermes" and HERMES_START in text:  # the text outside is what comes before the first call's end
         end = text.find(HERMES_END, text.find(HERMES_START))
         calls, outside = parse_hermes(text[: end + len(HERMES_END)])
     return calls[:1], outside
@@ -202,7 +224,7 @@ def plan_tools(body, template: str | None) -> tuple[str | None, dict, object]:
     """A chat request's tools (schemas.ChatCompletionRequest): (the family its reply is parsed as, None for no
     parsing; the chat template's variables, chat_template_kwargs among them; the Constraint of tool_choice
     "required" or a named function: calls in the family's format, of any tool or of the named one). tool_choice
-    "none" renders no tools, as vLLM does."""
+    "none" renders no tools, as vLLM does; a named function is called once, as vLLM does."""
     from ..constraints import Constraint, ConstraintError, check
     from .errors import bad_request
 
@@ -217,7 +239,7 @@ def plan_tools(body, template: str | None) -> tuple[str | None, dict, object]:
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request("response_format cannot be combined with a required tool_choice.", "tool_choice")
     forced = [t for t in tools if name is None or t["function"]["name"] == name]
-    constraint = Constraint.grammar(call_grammar(family, forced, body.parallel_tool_calls))
+    constraint = Constraint.grammar(call_grammar(family, forced, body.parallel_tool_calls and name is None))
     try:
         check(constraint)
     except ConstraintError as exc:
@@ -226,6 +248,18 @@ def plan_tools(body, template: str | None) -> tuple[str | None, dict, object]:
 
 
 # -- streaming ------------------------------------------------------------------------------------------------------
+def _may_be_bare_calls(lead: str) -> bool:
+    """Whether a reply beginning with `lead` (no leading space) may still be bare call objects (parse_hermes)."""
+    if not lead or lead[0] == "{":
+        return True
+    if not (lead.startswith(FENCE) or FENCE.startswith(lead)):
+        return False
+    head, newline, body = lead.partition("\n")
+    return not newline or (
+        head[len(FENCE) :].strip() in ("", "json") and (not body.lstrip() or body.lstrip()[0] == "{")
+    )
+
+
 class StreamSplitter:
     """A streamed choice's text: the content that may go out now, holding back from where a call may begin."""
 
@@ -240,6 +274,8 @@ class StreamSplitter:
                 return 0  # (the whole reply may be a call)
             if self.family == "llama3":
                 return len(text)
+        if self.family == "hermes" and _may_be_bare_calls(text.lstrip()):
+            return 0
         marker = HERMES_START if self.family == "hermes" else MISTRAL_START
         at = text.find(marker)
         if at >= 0:

