@@ -184,7 +184,8 @@ async def chat_completions(request: Request) -> Response:
     messages = body.template_messages()
     if not loaded.tokenizer.chat_template:
         raise bad_request("This model has no chat template: use /v1/completions with a raw prompt.", "messages")
-    family, tools, constraint = plan_tools(body, loaded.tokenizer.chat_template)
+    # (a forced call's grammar is compiled to check it: off the event loop, as every grammar is)
+    family, tools, constraint = await server.offload.run(plan_tools, body, loaded.tokenizer.chat_template)
     try:
         ids = await server.offload.run(
             loaded.tokenizer.apply_chat_template,
