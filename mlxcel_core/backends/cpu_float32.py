@@ -1,15 +1,18 @@
-"""Quantized layers computed as float32 products on the CPU, where MLX's float32 products run on OpenBLAS.
+"""Quantized and half-precision layers computed as float32 products on the CPU, where MLX's float32 products run on
+OpenBLAS.
 
-Why: with cpu_blas.py in place MLX's float32 matmul runs at tens of GFLOP/s on the CPU, while its quantized matmul
-stays near 2 GFLOP/s (benchmarks/RESULTS.md, "CPU: MLX's float32 products through OpenBLAS"). So on the CPU the
-portable backend's `prepare_model` gives each nn.QuantizedLinear and nn.QuantizedEmbedding (exactly those classes:
-sharded and expert layers keep theirs) a float32 copy of its dequantized weight and computes `x @ w.T` with it.
-The layers keep their class's parameters (a subclass swapped in by `__class__`), so saving, converting,
-requantizing and `isinstance` checks see the quantized model; `unprepare` swaps them back and drops the copies.
+Why: with cpu_blas.py in place MLX's float32 matmul runs at tens of GFLOP/s on the CPU, while its quantized and
+bfloat16/float16 matmuls stay near 2 GFLOP/s (benchmarks/RESULTS.md, "CPU: MLX's float32 products through OpenBLAS").
+So on the CPU the portable backend's `prepare_model` gives each nn.QuantizedLinear and nn.Linear / nn.Embedding
+holding bfloat16 or float16 weights (exactly those classes: sharded and expert layers keep theirs) a float32 copy of
+its (dequantized) weight and computes `x @ w.T` with it; an embedding gets one only where the model ties its output
+projection to it (`as_linear`: the lookup itself reads the layer's own weight). The layers keep their class's
+parameters (a subclass swapped in by `__class__`), so saving, converting, requantizing and `isinstance` checks see the
+model as it was; `unprepare` swaps them back and drops the copies.
 
 The copies cost 4 bytes a weight: a model takes them only while they fit in FLOAT32_SHARE of the machine's memory
-(a larger model keeps MLX's quantized kernels). The product is the dequantized weight's (the checkpoint's own
-values) in float32, as MLX's CPU quantized kernel computes, in another summation order.
+(a larger model keeps MLX's own kernels). The product is of the checkpoint's own values in float32, as MLX's CPU
+kernels compute, in another summation order; a half-precision layer's output is rounded to its dtype as before.
 """
 
 from __future__ import annotations
@@ -45,7 +48,28 @@ class Float32QuantizedEmbedding(nn.QuantizedEmbedding):
         return (x.astype(mx.float32) @ self.float32.weight.T).astype(dtype)
 
 
-SWAPS = {nn.QuantizedLinear: Float32QuantizedLinear, nn.QuantizedEmbedding: Float32QuantizedEmbedding}
+class Float32Linear(nn.Linear):
+    def __call__(self, x: mx.array) -> mx.array:
+        dtype = mx.result_type(x, self["weight"])
+        y = x.astype(mx.float32) @ self.float32.weight.T
+        if "bias" in self:
+            y = y + self["bias"]
+        return y.astype(dtype)
+
+
+class Float32Embedding(nn.Embedding):
+    def as_linear(self, x: mx.array) -> mx.array:
+        dtype = mx.result_type(x, self["weight"])
+        return (x.astype(mx.float32) @ self.float32.weight.T).astype(dtype)
+
+
+SWAPS = {
+    nn.QuantizedLinear: Float32QuantizedLinear,
+    nn.QuantizedEmbedding: Float32QuantizedEmbedding,
+    nn.Linear: Float32Linear,
+    nn.Embedding: Float32Embedding,
+}
+HALF = (mx.bfloat16, mx.float16)
 
 
 def applies() -> bool:
@@ -55,14 +79,39 @@ def applies() -> bool:
     return mx.default_device() == mx.cpu and cpu_blas.status().startswith("openblas")
 
 
+def _takes(model: nn.Module, layer: nn.Module) -> bool:
+    kind = type(layer)
+    if kind not in SWAPS:
+        return False
+    quantized = kind in (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    if quantized and getattr(layer, "mode", "affine") != "affine":
+        return False
+    if not quantized and layer["weight"].dtype not in HALF:  # (float32 weights are OpenBLAS's already)
+        return False
+    if kind in (nn.Embedding, nn.QuantizedEmbedding):  # only a tied output projection reads it as a product
+        return getattr(getattr(model, "args", None), "tie_word_embeddings", True) is not False
+    return True
+
+
+def _float32_bytes(layer: nn.Module) -> int:
+    size = layer["weight"].size
+    return 4 * (size * 32 // layer.bits if hasattr(layer, "bits") else size)
+
+
+def _float32_weight(layer: nn.Module) -> mx.array:
+    weight = dequantized_weight(layer) if hasattr(layer, "bits") else layer["weight"]
+    return weight.astype(mx.float32)
+
+
 def prepare(model: nn.Module) -> int:
-    """Swap the model's quantized layers for their float32-product classes when the copies fit; returns how many."""
-    layers = [m for _, m in model.named_modules() if type(m) in SWAPS and getattr(m, "mode", "affine") == "affine"]
-    need = sum(4 * (m["weight"].size * 32 // m.bits) for m in layers)  # float32 bytes of the dequantized weights
+    """Swap the model's quantized and half-precision layers for their float32-product classes when the copies fit;
+    returns how many."""
+    layers = [m for _, m in model.named_modules() if _takes(model, m)]
+    need = sum(_float32_bytes(m) for m in layers)
     if not layers or need > FLOAT32_SHARE * device_memory_bytes():
         return 0
     for layer in layers:
-        layer.float32 = _Held(dequantized_weight(layer).astype(mx.float32))
+        layer.float32 = _Held(_float32_weight(layer))
         mx.eval(layer.float32.weight)
         layer.__class__ = SWAPS[type(layer)]
     return len(layers)

@@ -1,6 +1,7 @@
-"""On the CPU with OpenBLAS, quantized layers compute float32 products of their dequantized weights
-(backends/cpu_float32.py): the greedy tokens of MLX's quantized kernels, the quantized parameters kept (and restored
-as MLX's classes by unprepare), and no copies where they would not fit."""
+"""On the CPU with OpenBLAS, quantized and half-precision layers compute float32 products of their (dequantized)
+weights (backends/cpu_float32.py): the greedy tokens of MLX's own kernels, the parameters kept (and restored as MLX's
+classes by unprepare), embeddings copied only where the output projection is tied to them, and no copies where they
+would not fit."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from mlx.utils import tree_flatten
 from mlxcel_core.backends import cpu_float32
 from mlxcel_core.bench_model import RandomIdTokenizer
 from mlxcel_core.engine import Engine, EngineConfig
-from mlxcel_core.loading.shapes import build_random_model
+from mlxcel_core.loading.shapes import build_random_model, shape_config
 from mlxcel_core.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_float32.applies(), reason="not on the CPU with OpenBLAS")
+
+
+PROMPTS = [[5, 9, 33, 2, 71, 18, 40], [12, 4, 4, 90], [61, 3, 27, 8, 15, 99, 42, 7, 23, 11, 5]]
 
 
 def _model(bits: int = 4):
@@ -40,7 +44,7 @@ def _greedy(model, config, prompts: list[list[int]], steps: int = 40) -> list[li
 @pytest.mark.parametrize("bits", [4, 8])
 def test_the_float32_products_give_the_quantized_kernels_greedy_tokens(bits):
     model, config = _model(bits)
-    prompts = [[5, 9, 33, 2, 71, 18, 40], [12, 4, 4, 90], [61, 3, 27, 8, 15, 99, 42, 7, 23, 11, 5]]
+    prompts = PROMPTS
     x = mx.random.normal((3, model.model.layers[0].self_attn.q_proj.weight.shape[1] * 32 // bits), key=mx.random.key(0))
     q_proj = model.model.layers[0].self_attn.q_proj
     kernel = q_proj(x)
@@ -76,3 +80,27 @@ def test_no_copies_where_they_would_not_fit(monkeypatch):
 def test_loading_and_building_take_the_swap():
     model, _ = build_random_model("tiny", bits=4, dtype="float32", seed=3)
     assert any(type(m) is cpu_float32.Float32QuantizedLinear for _, m in model.named_modules())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_half_precision_layers_give_mlxs_greedy_tokens(dtype, tied):
+    model, config = build_random_model(
+        "tiny", dtype=dtype, seed=3, config={**shape_config("tiny"), "tie_word_embeddings": tied}
+    )
+    kinds = {type(m) for _, m in model.named_modules()}
+    assert cpu_float32.Float32Linear in kinds and (cpu_float32.Float32Embedding in kinds) == tied
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.dtype == getattr(mx, dtype) and not hasattr(q_proj, "bits")
+    x = mx.random.normal((3, q_proj.weight.shape[1]), key=mx.random.key(0)).astype(getattr(mx, dtype))
+    fast, fast_x = _greedy(model, config, PROMPTS), q_proj(x)
+    assert fast_x.dtype == x.dtype
+
+    assert cpu_float32.unprepare(model) > 0 and type(q_proj) is nn.Linear
+    assert mx.allclose(q_proj(x), fast_x, rtol=1e-2, atol=1e-3).item()
+    assert _greedy(model, config, PROMPTS) == fast
+
+
+def test_float32_layers_are_left_to_mlx():
+    model, _ = build_random_model("tiny", dtype="float32", seed=3)
+    assert not any(type(m) in cpu_float32.SWAPS.values() for _, m in model.named_modules())
