@@ -33,34 +33,32 @@ class _Held:
         self.weight = weight
 
 
+def _product(layer: nn.Module, x: mx.array, like: mx.array) -> mx.array:
+    """`x @ w.T` (+ bias) with the layer's float32 weight, in the dtype the layer's own kernel would give."""
+    y = x.astype(mx.float32) @ layer.float32.weight.T
+    if "bias" in layer:
+        y = y + layer["bias"]
+    return y.astype(mx.result_type(x, like))
+
+
 class Float32QuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
-        dtype = mx.result_type(x, self["scales"])
-        y = x.astype(mx.float32) @ self.float32.weight.T
-        if "bias" in self:
-            y = y + self["bias"]
-        return y.astype(dtype)
+        return _product(self, x, self["scales"])
 
 
 class Float32QuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        dtype = mx.result_type(x, self["scales"])
-        return (x.astype(mx.float32) @ self.float32.weight.T).astype(dtype)
+        return _product(self, x, self["scales"])
 
 
 class Float32Linear(nn.Linear):
     def __call__(self, x: mx.array) -> mx.array:
-        dtype = mx.result_type(x, self["weight"])
-        y = x.astype(mx.float32) @ self.float32.weight.T
-        if "bias" in self:
-            y = y + self["bias"]
-        return y.astype(dtype)
+        return _product(self, x, self["weight"])
 
 
 class Float32Embedding(nn.Embedding):
     def as_linear(self, x: mx.array) -> mx.array:
-        dtype = mx.result_type(x, self["weight"])
-        return (x.astype(mx.float32) @ self.float32.weight.T).astype(dtype)
+        return _product(self, x, self["weight"])
 
 
 SWAPS = {
