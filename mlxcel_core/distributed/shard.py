@@ -17,11 +17,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
+from ..models import granite
 from ..models.moe import SparseMoeBlock
 from ..models.transformer import Attention, DecoderLayer, GatedMLP, TransformerLM
 from .group import said_by_rank_0
 
 _PARAMS = ("weight", "scales", "biases", "bias")
+# Decoder layers whose blocks shard as the stock layer's do: Granite's multiplies each block's whole output (after
+# the row-parallel sum) by its residual multiplier before the residual add.
+SHARDABLE_LAYERS = (DecoderLayer, granite.DecoderLayer)
 
 
 class RowParallelLinear(nn.Linear):
@@ -79,10 +83,10 @@ def _check_shardable(model: nn.Module, size: int) -> None:
     if not isinstance(model, TransformerLM):
         raise UnsupportedModelError(f"tensor parallelism does not support {model_type} models yet")
     for layer in model.layers:
-        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention:
+        if type(layer) not in SHARDABLE_LAYERS or type(layer.self_attn) is not Attention:
             raise UnsupportedModelError(
                 f"tensor parallelism does not support {model_type} models yet "
-                "(supported: Llama, Mistral, Qwen2, Qwen3, Mixtral)"
+                "(supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, SmolLM3, Granite)"
             )
         mlp = layer[layer.mlp_name]
         if type(mlp) not in (GatedMLP, SparseMoeBlock):

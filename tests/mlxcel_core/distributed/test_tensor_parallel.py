@@ -1,6 +1,6 @@
 """Tensor parallelism (issue 10): `--tp-size 2` over the ring backend on 127.0.0.1, 2 processes on this host.
 
-Greedy output must equal the single-process run token for token (Llama, Qwen3, Mixtral); heads that do not
+Greedy output must equal the single-process run token for token (Llama, Qwen3, Granite, Mixtral); heads that do not
 divide are refused in one line; a rank that dies or never joins makes the other exit non-zero quickly.
 Every subprocess runs under a timeout.
 """
@@ -86,6 +86,33 @@ def test_qwen3_tp2_greedy_equals_single_process(tmp_path):
         head_dim=32,
         tie_word_embeddings=True,
         initializer_range=0.1,
+    )
+    assert_tp_matches(path)
+
+
+@two_ranks_here
+def test_granite_tp2_greedy_equals_single_process(tmp_path):
+    """Granite's residual multiplier scales each block's output after the row-parallel sum; its o_proj and
+    down_proj biases are added once, after it; the embedding multiplier and logits scaling stay whole."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    path = save_tiny_checkpoint(
+        tmp_path,
+        GraniteConfig,
+        GraniteForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        initializer_range=0.1,
+        embedding_multiplier=3.0,
+        attention_multiplier=0.3,
+        residual_multiplier=0.22,
+        logits_scaling=2.5,
     )
     assert_tp_matches(path)
 

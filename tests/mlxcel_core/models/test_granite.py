@@ -1,6 +1,7 @@
 """Granite 3.x dense: parity with transformers on tiny random checkpoints (embedding, attention and residual
 multipliers, logits scaling), in transformers 5's config style and the released checkpoints' older one, each
-multiplier's effect, the engine paths, quantized copies, the CLI and server, and tensor parallelism's refusal."""
+multiplier's effect, the engine paths, quantized copies, the CLI and server (tensor parallelism:
+tests/mlxcel_core/distributed/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
@@ -116,14 +117,6 @@ def test_multipliers_round_as_torch_does():
     got = np.array(times(mx.array(x).astype(mx.bfloat16), 0.22).astype(mx.float32))
     np.testing.assert_array_equal(got, want)
     assert times(mx.array(x).astype(mx.bfloat16), 0.22).dtype == mx.bfloat16
-
-
-def test_tensor_parallelism_refuses_it(granite):
-    """The residual multiplier sits between o_proj / down_proj and the residual add: not the stock layer."""
-    from mlxcel_core.distributed.shard import check_shardable
-
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not support granite"):
-        check_shardable(load_quiet(granite).model, 2)
 
 
 def test_refusals():
