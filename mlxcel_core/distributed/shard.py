@@ -17,15 +17,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..models import granite
+from ..models import granite, ministral3
 from ..models.moe import SparseMoeBlock
 from ..models.transformer import Attention, DecoderLayer, GatedMLP, TransformerLM
 from .group import said_by_rank_0
 
 _PARAMS = ("weight", "scales", "biases", "bias")
-# Decoder layers whose blocks shard as the stock layer's do: Granite's multiplies each block's whole output (after
-# the row-parallel sum) by its residual multiplier before the residual add.
+# Decoder layers and attentions that shard as the stock ones do. Granite's layer multiplies each block's whole
+# output (after the row-parallel sum) by its residual multiplier before the residual add; Ministral 3's attention
+# scales each query by its position alone, whichever heads a rank holds.
 SHARDABLE_LAYERS = (DecoderLayer, granite.DecoderLayer)
+SHARDABLE_ATTENTION = (Attention, ministral3.Ministral3Attention)
 
 
 class RowParallelLinear(nn.Linear):
@@ -83,10 +85,10 @@ def _check_shardable(model: nn.Module, size: int) -> None:
     if not isinstance(model, TransformerLM):
         raise UnsupportedModelError(f"tensor parallelism does not support {model_type} models yet")
     for layer in model.layers:
-        if type(layer) not in SHARDABLE_LAYERS or type(layer.self_attn) is not Attention:
+        if type(layer) not in SHARDABLE_LAYERS or type(layer.self_attn) not in SHARDABLE_ATTENTION:
             raise UnsupportedModelError(
                 f"tensor parallelism does not support {model_type} models yet "
-                "(supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, SmolLM3, Granite)"
+                "(supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, SmolLM3, Granite, Ministral 3)"
             )
         mlp = layer[layer.mlp_name]
         if type(mlp) not in (GatedMLP, SparseMoeBlock):

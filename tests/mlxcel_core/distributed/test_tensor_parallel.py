@@ -1,7 +1,7 @@
 """Tensor parallelism (issue 10): `--tp-size 2` over the ring backend on 127.0.0.1, 2 processes on this host.
 
-Greedy output must equal the single-process run token for token (Llama, Qwen3, Granite, Mixtral); heads that do not
-divide are refused in one line; a rank that dies or never joins makes the other exit non-zero quickly.
+Greedy output must equal the single-process run token for token (Llama, Qwen3, Granite, Ministral 3, Mixtral);
+heads that do not divide are refused in one line; a rank that dies or never joins makes the other exit non-zero quickly.
 Every subprocess runs under a timeout.
 """
 
@@ -113,6 +113,30 @@ def test_granite_tp2_greedy_equals_single_process(tmp_path):
         attention_multiplier=0.3,
         residual_multiplier=0.22,
         logits_scaling=2.5,
+    )
+    assert_tp_matches(path)
+
+
+@two_ranks_here
+def test_ministral3_tp2_greedy_equals_single_process(tmp_path):
+    """Ministral 3's position-dependent query scale (from position 16 on here, so the prompt and the steps cross
+    it), YaRN and a sliding window, sharded by heads."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    path = save_tiny_checkpoint(
+        tmp_path,
+        Ministral3Config,
+        Ministral3ForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=24,
+        initializer_range=0.1,
+        rope_parameters={**rope, "beta_fast": 32.0, "beta_slow": 1.0, "llama_4_scaling_beta": 0.5},
     )
     assert_tp_matches(path)
 
