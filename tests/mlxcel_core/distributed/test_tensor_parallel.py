@@ -21,6 +21,15 @@ from ranks import two_ranks_here
 from tiny_models import FakeGroup, save_tiny_llama
 
 TIMEOUT = 120
+# The tiny checkpoints' common shape: 4 query heads over 2 KV heads split evenly over 2 ranks.
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+)
 # EOS and the other special tokens suppressed: random weights must still produce all N tokens.
 GEN = [
     "--json",
@@ -78,14 +87,9 @@ def test_qwen3_tp2_greedy_equals_single_process(tmp_path):
         tmp_path,
         Qwen3Config,
         Qwen3ForCausalLM,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         head_dim=32,
         tie_word_embeddings=True,
-        initializer_range=0.1,
     )
     assert_tp_matches(path)
 
@@ -100,15 +104,10 @@ def test_granite_tp2_greedy_equals_single_process(tmp_path):
         tmp_path,
         GraniteConfig,
         GraniteForCausalLM,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         tie_word_embeddings=True,
         attention_bias=True,
         mlp_bias=True,
-        initializer_range=0.1,
         embedding_multiplier=3.0,
         attention_multiplier=0.3,
         residual_multiplier=0.22,
@@ -128,14 +127,9 @@ def test_ministral3_tp2_greedy_equals_single_process(tmp_path):
         tmp_path,
         Ministral3Config,
         Ministral3ForCausalLM,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         head_dim=32,
         sliding_window=24,
-        initializer_range=0.1,
         rope_parameters={**rope, "beta_fast": 32.0, "beta_slow": 1.0, "llama_4_scaling_beta": 0.5},
     )
     assert_tp_matches(path)
@@ -149,14 +143,9 @@ def test_mixtral_tp2_experts_sharded_greedy_equals_single_process(tmp_path):
         tmp_path,
         MixtralConfig,
         MixtralForCausalLM,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY,
         num_local_experts=4,
         num_experts_per_tok=2,
-        initializer_range=0.1,
     )
     assert_tp_matches(path)
 
