@@ -44,7 +44,7 @@ def prefill_wait_steps(config, prompts: list[list[int]]) -> int:
     model's prompts with state-snapshot stops prefill one by one). Steady-mode runs add it to max_tokens so that no
     row finishes before the window ends."""
     chunks = sum(-(-len(p) // config.resolved_prefill_chunk) for p in prompts)
-    return chunks * config.prefill_grant_interval + len(prompts) + 2
+    return chunks * config.resolved_prefill_grant_interval + len(prompts) + 2
 
 
 def run_requests(

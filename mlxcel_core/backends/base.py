@@ -12,7 +12,7 @@ What differs by backend:
 - the greedy readout of a decode step (`greedy_tokens`);
 - a decode-step replayer (`graph_decoder`: a lone greedy row's steps as one recorded graph);
 - the step inputs' placement (`own_step_inputs`) and per-backend defaults (`compile_by_default`,
-  `prefill_batch`, `prefill_chunk`, `dense_mask_is_slow`, `warmup_rows`).
+  `prefill_batch`, `prefill_chunk`, `prefill_grant_interval`, `dense_mask_is_slow`, `warmup_rows`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ GPU_PREFILL_BATCH = 8  # waiting prompts one prefill forward takes on a GPU (ban
 # prompt of up to 2048 tokens.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 32
+# Decode-only steps between two chunks of a prompt already started while rows decode (engine/scheduler.py). A GPU
+# chunk holds the running rows for a long step, so they get 16 steps of their own between chunks; a CPU chunk costs
+# about two decode steps: one step of their own between chunks keeps the running rows at half their pace or more,
+# where 16 made every prompt over one chunk wait seconds a chunk for its first token under load.
+GPU_PREFILL_GRANT_INTERVAL = 16
+CPU_PREFILL_GRANT_INTERVAL = 1
 
 
 def on_gpu() -> bool:
@@ -118,6 +124,10 @@ class Backend:
     def prefill_chunk(self) -> int:
         """Prompt tokens one prefill forward computes when batching (a running row waits for one chunk at most)."""
         return GPU_PREFILL_CHUNK if on_gpu() else CPU_PREFILL_CHUNK
+
+    def prefill_grant_interval(self) -> int:
+        """Decode-only steps between two chunks of a started prompt while rows decode."""
+        return GPU_PREFILL_GRANT_INTERVAL if on_gpu() else CPU_PREFILL_GRANT_INTERVAL
 
     def warmup_rows(self) -> int:
         """Rows up to which decode steps compile one kernel variant a row count (serve's warm-up runs each)."""

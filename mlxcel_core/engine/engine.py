@@ -104,7 +104,7 @@ class Engine:
             SchedulerConfig(
                 max_batch_size=self.config.max_batch_size,
                 prefill_chunk_size=self.config.resolved_prefill_chunk,
-                prefill_grant_interval=self.config.prefill_grant_interval,
+                prefill_grant_interval=self.config.resolved_prefill_grant_interval,
                 kv_budget_tokens=self.config.kv_budget_for(self.max_context),
                 prefill_batch_size=self._prefill_batch(),
                 state_tokens=state_tokens_per_sequence(model, self.config.kv_bits),

@@ -63,7 +63,9 @@ SOLO_PREFILL_CHUNK = 2048  # prompt tokens a batch-1 prefill forward computes (b
 class EngineConfig:
     max_batch_size: int = 1
     prefill_chunk_size: int | None = None  # prompt tokens a prefill forward computes; None: the backend's
-    prefill_grant_interval: int = 16
+    # decode steps between two chunks of a started prompt while rows decode; None: the backend's (16 on a GPU, 1 on
+    # CPU)
+    prefill_grant_interval: int | None = None
     storage: StorageKind = "auto"  # auto: paged when batching or when decode steps compile on CUDA, else dense
     kv_bits: int | None = None  # 8 or 4: quantized KV cache
     block_size: int = 32
@@ -94,6 +96,14 @@ class EngineConfig:
         from .. import backends
 
         return backends.current().prefill_chunk()
+
+    @property
+    def resolved_prefill_grant_interval(self) -> int:
+        if self.prefill_grant_interval is not None:
+            return self.prefill_grant_interval
+        from .. import backends
+
+        return backends.current().prefill_grant_interval()
 
     @property
     def resolved_prefill_batch(self) -> int:

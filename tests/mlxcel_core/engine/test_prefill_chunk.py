@@ -1,5 +1,7 @@
 """The backend's prefill chunk: a long prompt arriving beside a running stream is prefilled a chunk per step, so the
-stream keeps getting a token every step and waits for one chunk at most, never for the whole prompt."""
+stream keeps getting a token every step and waits for one chunk at most, never for the whole prompt; and the backend's
+grant interval: on CPU a started prompt gets its next chunk after one decode-only step, so prompts that arrive together
+while rows decode reach their first tokens one after another, a few steps apart."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ import pytest
 from tiny_models import save_tiny_llama
 
 from mlxcel_core import backends
-from mlxcel_core.backends.base import CPU_PREFILL_CHUNK, GPU_PREFILL_CHUNK, on_gpu
+from mlxcel_core.backends.base import (
+    CPU_PREFILL_CHUNK,
+    CPU_PREFILL_GRANT_INTERVAL,
+    GPU_PREFILL_CHUNK,
+    GPU_PREFILL_GRANT_INTERVAL,
+    on_gpu,
+)
 from mlxcel_core.engine import Engine, EngineConfig
 from mlxcel_core.engine.types import SOLO_PREFILL_CHUNK
 from mlxcel_core.loading import load_model
@@ -39,6 +47,30 @@ def test_the_backend_picks_the_chunk_when_batching():
     assert EngineConfig(max_batch_size=2).resolved_prefill_chunk == backends.current().prefill_chunk()
     assert EngineConfig().resolved_prefill_chunk == SOLO_PREFILL_CHUNK  # batch 1: no row runs beside a prefill
     assert EngineConfig(max_batch_size=2, prefill_chunk_size=7).resolved_prefill_chunk == 7
+
+
+def test_the_backend_picks_the_grant_interval():
+    interval = backends.current().prefill_grant_interval()
+    assert interval == (GPU_PREFILL_GRANT_INTERVAL if on_gpu() else CPU_PREFILL_GRANT_INTERVAL)
+    assert EngineConfig(max_batch_size=2).resolved_prefill_grant_interval == interval
+    assert EngineConfig(max_batch_size=2, prefill_grant_interval=5).resolved_prefill_grant_interval == 5
+
+
+@pytest.mark.skipif(on_gpu(), reason="a GPU chunk holds whole prompts of up to 2048 tokens")
+def test_prompts_over_a_chunk_arriving_together_start_one_after_another(loaded):
+    """Four prompts of two chunks each, opened together: the first decodes while the others prefill, each prompt's
+    second chunk one decode-only step after its first (with a grant interval of 16 the second prompt alone waited 16
+    steps): 3 steps a prompt, its first token showing the step after its last chunk (lookahead)."""
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
+    chunk = engine.scheduler.config.prefill_chunk_size
+    seqs = [engine.open([40 + i, *_long_prompt(chunk + 4)], SamplingParams(max_tokens=40)) for i in range(4)]
+    first, step = {}, 0
+    while len(first) < len(seqs):
+        step += 1
+        for out in engine.step():
+            if out.token is not None:
+                first.setdefault(out.seq_id, step)
+    assert [first[s] for s in seqs] == [3, 6, 9, 12], first
 
 
 def _long_prompt(n: int) -> list[int]:
