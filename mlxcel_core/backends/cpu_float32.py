@@ -20,7 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..dequantize import dequantized_weight
+from ..dequantize import dequantized_weight, is_quantized
 from ..engine.budget import device_memory_bytes
 
 FLOAT32_SHARE = 0.25  # of physical memory, at most, for the float32 copies
@@ -81,7 +81,7 @@ def _takes(model: nn.Module, layer: nn.Module) -> bool:
     kind = type(layer)
     if kind not in SWAPS:
         return False
-    quantized = kind in (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    quantized = is_quantized(layer)
     if quantized and getattr(layer, "mode", "affine") != "affine":
         return False
     if not quantized and layer["weight"].dtype not in HALF:  # (float32 weights are OpenBLAS's already)
@@ -93,12 +93,11 @@ def _takes(model: nn.Module, layer: nn.Module) -> bool:
 
 def _float32_bytes(layer: nn.Module) -> int:
     size = layer["weight"].size
-    return 4 * (size * 32 // layer.bits if hasattr(layer, "bits") else size)
+    return 4 * (size * 32 // layer.bits if is_quantized(layer) else size)
 
 
 def _float32_weight(layer: nn.Module) -> mx.array:
-    weight = dequantized_weight(layer) if hasattr(layer, "bits") else layer["weight"]
-    return weight.astype(mx.float32)
+    return (dequantized_weight(layer) if is_quantized(layer) else layer["weight"]).astype(mx.float32)
 
 
 def prepare(model: nn.Module) -> int:

@@ -265,6 +265,7 @@ class StreamSplitter:
 
     def __init__(self, family: str, parallel: bool = True):
         self.family, self.parallel, self.text, self.sent, self.held = family, parallel, "", 0, False
+        self.maybe_bare = family == "hermes"  # the reply may still be bare call objects (once not, never again)
 
     def _hold_from(self) -> int:
         text = self.text
@@ -274,8 +275,10 @@ class StreamSplitter:
                 return 0  # (the whole reply may be a call)
             if self.family == "llama3":
                 return len(text)
-        if self.family == "hermes" and _may_be_bare_calls(text.lstrip()):
-            return 0
+        if self.maybe_bare:
+            self.maybe_bare = _may_be_bare_calls(text.lstrip())
+            if self.maybe_bare:
+                return 0
         marker = HERMES_START if self.family == "hermes" else MISTRAL_START
         at = text.find(marker)
         if at >= 0:
