@@ -80,7 +80,9 @@ def test_serve_answers_200_with_unreadable_files(capfd, monkeypatch, cache, tiny
     try:
         with running.client() as client:
             for _ in range(2):
-                reply = client.post("/v1/completions", json={"prompt": "Hello world", "max_tokens": 6})
+                reply = client.post(
+                    "/v1/completions", json={"prompt": "Hello world", "max_tokens": 6, "temperature": 0}
+                )
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["usage"]["completion_tokens"] == 6
         assert httpx.get(f"{running.url}/health").status_code == 200
