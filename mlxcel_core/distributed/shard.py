@@ -2,13 +2,21 @@
 
 Per decoder layer: q/k/v and gate/up are column-parallel (each rank keeps its slice of the output rows: its
 query heads, its KV heads, its part of the intermediate dimension), o and down are row-parallel (the matching
-slice of the input columns) and end with one `mx.distributed.all_sum`. A MoE block shards every expert along
-its intermediate dimension (gate/up rows, down columns; the router is replicated) and all-sums the block's
-output once. Norms, embeddings and the LM head are replicated, so every rank computes the same logits.
+slice of the input columns) and end with one `mx.distributed.all_sum` (distributed/parallel_layers.py). A block of
+experts (routed, and shared where the family has them) shards every expert along its intermediate dimension
+(gate/up rows, down columns; the router is replicated) and all-sums the block's output once; a per-expert down bias
+is added on rank 0 only. Norms, embeddings and the LM head are replicated, so every rank computes the same logits.
+
+What the families add: attention sinks (gpt-oss) are per query head, so each rank keeps its heads'; OLMo 3's q/k
+norms span every head, so they become `SplitRMSNorm`s; a latent attention (DeepSeek-V3, MLA) shards its query heads
+and their per-head up-projections (`embed_q`, `unembed_out`) while every rank computes and caches the one shared
+latent key.
 
 `shard_model` runs inside `build_model` after the layer types are final (quantized or not) and before the
 weights are loaded: it slices the model's (still lazy) parameters and the checkpoint's arrays the same way,
-so only each rank's slices are ever evaluated and kept.
+so only each rank's slices are ever evaluated and kept. A family whose `sanitize` reshapes tensors (fused expert
+banks, MXFP4 repacking, DeepSeek's kv_b split) gets arrays instead of unread handles (`sanitize_reads_handles`):
+each rank then reads such a checkpoint's tensors whole and keeps its slices.
 """
 
 from __future__ import annotations
@@ -17,57 +25,34 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..models import granite, ministral3
-from ..models.moe import SparseMoeBlock
+from ..models import deepseek_v3, gpt_oss, granite, llama4, ministral3, olmo3
+from ..models.grouped_moe import GroupedMoeBlock
+from ..models.moe import SparseMoeBlock, SwitchGLU
 from ..models.transformer import Attention, DecoderLayer, GatedMLP, TransformerLM
 from .group import said_by_rank_0
+from .parallel_layers import (  # noqa: F401  (RowParallel*: the classes a sharded model's layers take)
+    RowParallelLinear,
+    RowParallelQuantizedLinear,
+    SplitRMSNorm,
+    row_parallel_class,
+    summed_class,
+)
 
 _PARAMS = ("weight", "scales", "biases", "bias")
-# Decoder layers and attentions that shard as the stock ones do. Granite's layer multiplies each block's whole
-# output (after the row-parallel sum) by its residual multiplier before the residual add; Ministral 3's attention
-# scales each query by its position alone, whichever heads a rank holds.
-SHARDABLE_LAYERS = (DecoderLayer, granite.DecoderLayer)
-SHARDABLE_ATTENTION = (Attention, ministral3.Ministral3Attention)
-
-
-class RowParallelLinear(nn.Linear):
-    """x @ W_rank.T summed over ranks, then the (whole, unsharded) bias once."""
-
-    group: mx.distributed.Group
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = mx.distributed.all_sum(x @ self["weight"].T, group=self.group)
-        return y + self["bias"] if "bias" in self else y
-
-
-class RowParallelQuantizedLinear(nn.QuantizedLinear):
-    group: mx.distributed.Group
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = mx.quantized_matmul(
-            x,
-            self["weight"],
-            scales=self["scales"],
-            biases=self.get("biases"),
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
-        y = mx.distributed.all_sum(y, group=self.group)
-        return y + self["bias"] if "bias" in self else y
-
-
-class ShardedMoeBlock(SparseMoeBlock):
-    """Every rank routes identically (replicated router) and runs its slice of each selected expert."""
-
-    group: mx.distributed.Group
-
-    def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
-        y = mx.distributed.all_sum(
-            super().__call__(x, norm=norm), group=self.group
-        )  # the residual is added once, after
-        return y if residual is None else residual + y
+# Decoder layers that shard as the stock one does. Granite's multiplies each block's whole output (after the
+# row-parallel sum) by its residual multiplier before the residual add; OLMo 3's norms each block's whole output.
+SHARDABLE_LAYERS = (DecoderLayer, granite.DecoderLayer, olmo3.Olmo3DecoderLayer)
+# Attentions sharded by query and KV heads: Ministral 3 scales each query by its position alone and Llama 4 by its
+# position's temperature, and Llama 4's L2 q/k norm is per head, whichever heads a rank holds.
+HEAD_ATTENTION = (Attention, ministral3.Ministral3Attention, llama4.Llama4Attention, olmo3.Olmo3Attention)
+LATENT_ATTENTION = (deepseek_v3.LatentAttention,)
+# Feed-forward blocks of experts: their SwitchGLU and GatedMLP children are sliced, the rest (routers) replicated.
+EXPERT_BLOCKS = (SparseMoeBlock, GroupedMoeBlock, llama4.Llama4MoE, gpt_oss.SparseMoeBlock)
+WHOLE_TENSOR_SANITIZE = (llama4.Model, gpt_oss.Model, deepseek_v3.Model)
+SUPPORTED = (
+    "Llama, Mistral, Qwen2, Qwen3, Mixtral, SmolLM3, Granite, Ministral 3, OLMo 3, GLM-4.5, gpt-oss, Llama 4, "
+    "DeepSeek-V3"
+)
 
 
 def check_shardable(model: nn.Module, size: int) -> None:
@@ -80,23 +65,34 @@ def check_shardable(model: nn.Module, size: int) -> None:
         raise
 
 
+def sanitize_reads_handles(model: nn.Module) -> bool:
+    """Whether the model's `sanitize` takes loading/sliced.py handles (renames, drops, stacks and plain slices
+    only); False: hand it arrays."""
+    return not isinstance(model, WHOLE_TENSOR_SANITIZE)
+
+
 def _check_shardable(model: nn.Module, size: int) -> None:
     model_type = getattr(model, "model_type", type(model).__name__)
     if not isinstance(model, TransformerLM):
         raise UnsupportedModelError(f"tensor parallelism does not support {model_type} models yet")
     for layer in model.layers:
-        if type(layer) not in SHARDABLE_LAYERS or type(layer.self_attn) not in SHARDABLE_ATTENTION:
+        attn = getattr(layer, "self_attn", None)
+        if type(layer) not in SHARDABLE_LAYERS or type(attn) not in HEAD_ATTENTION + LATENT_ATTENTION:
             raise UnsupportedModelError(
-                f"tensor parallelism does not support {model_type} models yet "
-                "(supported: Llama, Mistral, Qwen2, Qwen3, Mixtral, SmolLM3, Granite, Ministral 3)"
+                f"tensor parallelism does not support {model_type} models yet (supported: {SUPPORTED})"
             )
         mlp = layer[layer.mlp_name]
-        if type(mlp) not in (GatedMLP, SparseMoeBlock):
+        if type(mlp) is not GatedMLP and type(mlp) not in EXPERT_BLOCKS:
             raise UnsupportedModelError(
                 f"tensor parallelism does not support the {type(mlp).__name__} feed-forward block of {model_type} yet"
             )
-        attn = layer.self_attn
-        if attn.n_heads % size or attn.n_kv_heads % size:
+        if isinstance(attn, LATENT_ATTENTION):
+            if attn.n_heads % size:
+                raise UnsupportedModelError(
+                    f"--tp-size {size} must divide the attention heads evenly: this {model_type} model has "
+                    f"{attn.n_heads} query heads (over one shared latent key)"
+                )
+        elif attn.n_heads % size or attn.n_kv_heads % size:
             raise UnsupportedModelError(
                 f"--tp-size {size} must divide the attention heads evenly: this {model_type} model has "
                 f"{attn.n_heads} query heads and {attn.n_kv_heads} KV heads"
@@ -115,58 +111,106 @@ def shard_model(model: nn.Module, weights: dict[str, mx.array], group: mx.distri
 def shard_layer(layer: DecoderLayer, prefix: str, weights: dict[str, mx.array], group: mx.distributed.Group) -> None:
     """Shard one decoder layer in place (and its checkpoint arrays in `weights`, named under `prefix`).
     The model must have passed `check_shardable`."""
-    size, rank = group.size(), group.rank()
-    attn = layer.self_attn
-    for name in ("q_proj", "k_proj", "v_proj"):
-        _slice_module(attn[name], f"{prefix}.self_attn.{name}", weights, "out", rank, size)
-    _slice_module(attn.o_proj, f"{prefix}.self_attn.o_proj", weights, "in", rank, size)
-    _row_parallel(attn.o_proj, group)
-    attn.n_heads //= size
-    attn.n_kv_heads //= size
-    mlp = layer[layer.mlp_name]
-    base = f"{prefix}.{layer.mlp_name}"
-    if isinstance(mlp, GatedMLP):
-        _slice_module(mlp.gate_proj, f"{base}.gate_proj", weights, "out", rank, size)
-        _slice_module(mlp.up_proj, f"{base}.up_proj", weights, "out", rank, size)
-        _slice_module(mlp.down_proj, f"{base}.down_proj", weights, "in", rank, size)
+    attn, at = layer.self_attn, f"{prefix}.self_attn"
+    if isinstance(attn, LATENT_ATTENTION):
+        _shard_latent_attention(attn, at, weights, group)
+    else:
+        _shard_head_attention(attn, at, weights, group)
+    mlp, base = layer[layer.mlp_name], f"{prefix}.{layer.mlp_name}"
+    if type(mlp) is GatedMLP:
+        _slice_mlp(mlp, base, weights, group)
         _row_parallel(mlp.down_proj, group)
     else:
-        experts = mlp.switch_mlp
-        if "bias" in experts.down_proj:
-            raise UnsupportedModelError("tensor parallelism does not support MoE experts with a down_proj bias")
-        _slice_module(experts.gate_proj, f"{base}.switch_mlp.gate_proj", weights, "out", rank, size)
-        _slice_module(experts.up_proj, f"{base}.switch_mlp.up_proj", weights, "out", rank, size)
-        _slice_module(experts.down_proj, f"{base}.switch_mlp.down_proj", weights, "in", rank, size)
-        mlp.__class__ = ShardedMoeBlock
-        mlp.group = group
+        _shard_experts(mlp, base, weights, group)
+
+
+def _shard_head_attention(attn: Attention, at: str, weights: dict, group) -> None:
+    size, rank = group.size(), group.rank()
+    for name in ("q_proj", "k_proj", "v_proj"):
+        _slice_module(attn[name], f"{at}.{name}", weights, "out", rank, size)
+    _slice_module(attn.o_proj, f"{at}.o_proj", weights, "in", rank, size)
+    _row_parallel(attn.o_proj, group)
+    if "sinks" in attn:  # one logit per query head
+        _slice_param(attn, "sinks", f"{at}.sinks", weights, 0, rank, size)
+    if isinstance(attn, olmo3.Olmo3Attention):  # norms over all heads' q (k): each rank holds its heads' part
+        for name in ("q_norm", "k_norm"):
+            norm = attn[name]
+            dims = norm.weight.shape[-1]
+            _slice_param(norm, "weight", f"{at}.{name}.weight", weights, 0, rank, size)
+            norm.__class__ = SplitRMSNorm
+            norm.group, norm.dims = group, dims
+    attn.n_heads //= size
+    attn.n_kv_heads //= size
+
+
+def _shard_latent_attention(attn: deepseek_v3.LatentAttention, at: str, weights: dict, group) -> None:
+    """Query heads and their per-head maps sliced; the latent key's projection and norm replicated."""
+    size, rank = group.size(), group.rank()
+    q = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
+    _slice_module(attn[q], f"{at}.{q}", weights, "out", rank, size)
+    for name in ("embed_q", "unembed_out"):  # [heads, out, in]
+        _slice_module(attn[name], f"{at}.{name}", weights, "heads", rank, size)
+    _slice_module(attn.o_proj, f"{at}.o_proj", weights, "in", rank, size)
+    _row_parallel(attn.o_proj, group)
+    attn.n_heads //= size
+
+
+def _slice_mlp(mlp: nn.Module, base: str, weights: dict, group) -> None:
+    """gate/up rows and down columns of a GatedMLP or a SwitchGLU (every expert's)."""
+    size, rank = group.size(), group.rank()
+    for name, kind in (("gate_proj", "out"), ("up_proj", "out"), ("down_proj", "in")):
+        _slice_module(mlp[name], f"{base}.{name}", weights, kind, rank, size)
+
+
+def _shard_experts(block: nn.Module, base: str, weights: dict, group) -> None:
+    """Every expert bank and shared expert of the block sliced; the block's output all-summed once."""
+    for name, child in block.children().items():
+        if not (isinstance(child, SwitchGLU) or type(child) is GatedMLP):
+            continue  # a router: replicated
+        _slice_mlp(child, f"{base}.{name}", weights, group)
+        down = child.down_proj
+        if "bias" in down and group.rank():  # the whole bias, added by rank 0 alone (the sum adds every rank's)
+            down["bias"] = mx.zeros(down["bias"].shape, down["bias"].dtype)
+            key = f"{base}.{name}.down_proj.bias"
+            if key in weights:
+                weights[key] = mx.zeros(weights[key].shape, weights[key].dtype)
+    block.__class__ = summed_class(type(block))
+    block.group = group
 
 
 def _row_parallel(module: nn.Module, group) -> None:
-    if type(module) is nn.Linear:
-        module.__class__ = RowParallelLinear
-    elif type(module) is nn.QuantizedLinear:
-        module.__class__ = RowParallelQuantizedLinear
-    else:
+    cls = row_parallel_class(module)
+    if cls is None:
         raise UnsupportedModelError(f"tensor parallelism cannot shard a {type(module).__name__} layer")
+    module.__class__ = cls
     module.group = group
 
 
 def _slice_module(module: nn.Module, path: str, weights: dict[str, mx.array], kind: str, rank: int, size: int) -> None:
     """Column-parallel ("out": output rows, and the bias) or row-parallel ("in": input columns; packed
-    quantized columns and their group scales together, the bias stays whole) slice of one layer."""
+    quantized columns and their group scales together, the bias stays whole) slice of one layer; "heads": the
+    leading (per-head) axis of every parameter."""
     for name in _PARAMS:
         if name not in module:
             continue
-        if name == "bias":
+        if kind == "heads":
+            axis = 0
+        elif name == "bias":
             if kind == "in":
                 continue
             axis = -1
         else:
             axis = -2 if kind == "out" else -1
-        module[name] = _slice(module[name], axis, rank, size, path)
-        key = f"{path}.{name}"
-        if key in weights:  # a missing one is reported by the loader's name check
-            weights[key] = _slice(weights[key], axis, rank, size, path)
+        _slice_param(module, name, f"{path}.{name}", weights, axis, rank, size)
+
+
+def _slice_param(module: nn.Module, name: str, key: str, weights: dict, axis: int, rank: int, size: int) -> None:
+    """This rank's part of `module[name]` and of the checkpoint's `weights[key]` (a missing one is reported by
+    the loader's name check)."""
+    path = key.rsplit(".", 1)[0]
+    module[name] = _slice(module[name], axis, rank, size, path)
+    if key in weights:
+        weights[key] = _slice(weights[key], axis, rank, size, path)
 
 
 def _slice(a: mx.array, axis: int, rank: int, size: int, path: str) -> mx.array:

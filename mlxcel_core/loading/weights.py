@@ -59,9 +59,12 @@ def build_model(
     model = model_cls(args)
     sharded = group is not None and group.size() > 1
     if sharded:
-        from ..distributed.shard import check_shardable
+        from ..distributed.shard import check_shardable, sanitize_reads_handles
+        from .sliced import materialize
 
         check_shardable(model, group.size())  # before sanitize: only the supported families' sanitize sees handles
+        if not sanitize_reads_handles(model):  # it reshapes tensors: read them whole (each rank keeps its slices)
+            weights = materialize(weights)
     weights = model.sanitize(weights)
     if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
@@ -69,7 +72,6 @@ def build_model(
         nn.quantize(model, class_predicate=lambda p, m: _quantization_of(p, m, weights))
     if sharded:
         from ..distributed.shard import shard_model
-        from .sliced import materialize
 
         weights = materialize(shard_model(model, weights, group))
     _check_names(model, weights, config["model_type"])

@@ -314,11 +314,15 @@ def test_backend_kernel_not_taken_for_latent_layers(tiny_ds, monkeypatch):
     assert run_engine(loaded, prompts, storage="paged", block_size=8)[1] == want
 
 
-def test_tensor_parallelism_is_refused(tiny_ds):
+def test_tensor_parallelism_splits_query_heads_only(tiny_ds):
+    """The latent key is shared by every head: only the query heads must divide (tests/mlxcel_core/distributed/
+    test_tensor_parallel_families.py runs the ranks)."""
     from mlxcel_core.distributed.shard import check_shardable
 
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not support deepseek_v3"):
-        check_shardable(load_quiet(tiny_ds[1]).model, 2)
+    model = load_quiet(tiny_ds[1]).model
+    check_shardable(model, 2)
+    with pytest.raises(UnsupportedModelError, match="4 query heads \\(over one shared latent key\\)"):
+        check_shardable(model, 3)
 
 
 def fp8_copy(src, dst, block=(32, 32)):

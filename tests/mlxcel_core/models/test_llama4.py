@@ -297,11 +297,14 @@ def test_released_config_values():
     assert args.attn_temperature_tuning and args.rope_base == 500000.0 and args.rope_scaling["rope_type"] == "llama3"
 
 
-def test_tensor_parallelism_refuses_it(tiny):
+def test_tensor_parallelism_needs_dividing_heads(tiny):
+    """(tests/mlxcel_core/distributed/test_tensor_parallel_families.py runs the ranks.)"""
     from mlxcel_core.distributed.shard import check_shardable
 
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not support llama4_text"):
-        check_shardable(load_quiet(tiny).model, 2)
+    model = load_quiet(tiny).model
+    check_shardable(model, 2)
+    with pytest.raises(UnsupportedModelError, match="4 query heads and 2 KV heads"):
+        check_shardable(model, 4)
 
 
 @pytest.mark.parametrize(
