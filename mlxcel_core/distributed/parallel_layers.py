@@ -48,20 +48,29 @@ def row_parallel_class(module: nn.Module) -> type | None:
     return {nn.Linear: RowParallelLinear, nn.QuantizedLinear: RowParallelQuantizedLinear}.get(type(module))
 
 
-_SUMMED: dict[type, type] = {}
+_SUMMED: dict[tuple[type, bool], type] = {}
 
 
-def summed_class(block_class: type) -> type:
-    """A subclass of the feed-forward block class whose output is all-summed over the ranks (the residual added
-    once, after the sum). One subclass per block class, so `isinstance` checks and names still see the block."""
-    if block_class not in _SUMMED:
+def summed_class(block_class: type, takes_residual: bool = True) -> type:
+    """A subclass of the feed-forward block class whose output is all-summed over the ranks; `takes_residual`: the
+    block takes DecoderLayer's `residual=` and `norm=`, and the residual is added once, after the sum (otherwise
+    every argument is passed through). One subclass per block class, so `isinstance` checks and names still see
+    the block."""
+    key = (block_class, takes_residual)
+    if key not in _SUMMED:
+        if takes_residual:
 
-        def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None) -> mx.array:
-            y = mx.distributed.all_sum(block_class.__call__(self, x, norm=norm), group=self.group)
-            return y if residual is None else residual + y
+            def __call__(self, x: mx.array, residual: mx.array | None = None, norm: nn.Module | None = None):
+                y = mx.distributed.all_sum(block_class.__call__(self, x, norm=norm), group=self.group)
+                return y if residual is None else residual + y
 
-        _SUMMED[block_class] = type(f"Summed{block_class.__name__}", (block_class,), {"__call__": __call__})
-    return _SUMMED[block_class]
+        else:
+
+            def __call__(self, *args, **kwargs):
+                return mx.distributed.all_sum(block_class.__call__(self, *args, **kwargs), group=self.group)
+
+        _SUMMED[key] = type(f"Summed{block_class.__name__}", (block_class,), {"__call__": __call__})
+    return _SUMMED[key]
 
 
 class SplitRMSNorm(nn.RMSNorm):

@@ -10,7 +10,8 @@ is added on rank 0 only. Norms, embeddings and the LM head are replicated, so ev
 What the families add: attention sinks (gpt-oss) are per query head, so each rank keeps its heads'; OLMo 3's q/k
 norms span every head, so they become `SplitRMSNorm`s; a latent attention (DeepSeek-V3, MLA) shards its query heads
 and their per-head up-projections (`embed_q`, `unembed_out`) while every rank computes and caches the one shared
-latent key.
+latent key. Gemma 4's experts beside the MLP are normed after their sum, so that block sums before its norm; its
+KV-shared layers have no k/v projections and read the same heads of their source layer's cache on each rank.
 
 `shard_model` runs inside `build_model` after the layer types are final (quantized or not) and before the
 weights are loaded: it slices the model's (still lazy) parameters and the checkpoint's arrays the same way,
@@ -25,7 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..models import deepseek_v3, gpt_oss, granite, llama4, ministral3, olmo3
+from ..models import deepseek_v3, gemma4, gemma_common, gpt_oss, granite, llama4, ministral3, olmo3
+from ..models.gemma4_layers import Gemma4Attention, Gemma4DecoderLayer
 from ..models.grouped_moe import GroupedMoeBlock
 from ..models.moe import SparseMoeBlock, SwitchGLU
 from ..models.transformer import Attention, DecoderLayer, GatedMLP, TransformerLM
@@ -40,18 +42,32 @@ from .parallel_layers import (  # noqa: F401  (RowParallel*: the classes a shard
 
 _PARAMS = ("weight", "scales", "biases", "bias")
 # Decoder layers that shard as the stock one does. Granite's multiplies each block's whole output (after the
-# row-parallel sum) by its residual multiplier before the residual add; OLMo 3's norms each block's whole output.
-SHARDABLE_LAYERS = (DecoderLayer, granite.DecoderLayer, olmo3.Olmo3DecoderLayer)
+# row-parallel sum) by its residual multiplier before the residual add; OLMo 3's and the Gemmas' norm each block's
+# whole output; Gemma 4's per-layer input gate and projection are replicated.
+SHARDABLE_LAYERS = (
+    DecoderLayer,
+    granite.DecoderLayer,
+    olmo3.Olmo3DecoderLayer,
+    gemma_common.DecoderLayer,
+    Gemma4DecoderLayer,
+)
 # Attentions sharded by query and KV heads: Ministral 3 scales each query by its position alone and Llama 4 by its
-# position's temperature, and Llama 4's L2 q/k norm is per head, whichever heads a rank holds.
-HEAD_ATTENTION = (Attention, ministral3.Ministral3Attention, llama4.Llama4Attention, olmo3.Olmo3Attention)
+# position's temperature, and Llama 4's L2 q/k norm is per head, whichever heads a rank holds. Gemma 4's KV-shared
+# layers have no k/v projections: they read their source layer's cache, which holds the same heads on each rank.
+HEAD_ATTENTION = (
+    Attention,
+    ministral3.Ministral3Attention,
+    llama4.Llama4Attention,
+    olmo3.Olmo3Attention,
+    Gemma4Attention,
+)
 LATENT_ATTENTION = (deepseek_v3.LatentAttention,)
 # Feed-forward blocks of experts: their SwitchGLU and GatedMLP children are sliced, the rest (routers) replicated.
 EXPERT_BLOCKS = (SparseMoeBlock, GroupedMoeBlock, llama4.Llama4MoE, gpt_oss.SparseMoeBlock)
-WHOLE_TENSOR_SANITIZE = (llama4.Model, gpt_oss.Model, deepseek_v3.Model)
+WHOLE_TENSOR_SANITIZE = (llama4.Model, gpt_oss.Model, deepseek_v3.Model, gemma4.Model)
 SUPPORTED = (
     "Llama, Mistral, Qwen2, Qwen3, Mixtral, SmolLM3, Granite, Ministral 3, OLMo 3, GLM-4.5, gpt-oss, Llama 4, "
-    "DeepSeek-V3"
+    "DeepSeek-V3, Gemma 2, Gemma 3, Gemma 4"
 )
 
 
@@ -73,7 +89,7 @@ def sanitize_reads_handles(model: nn.Module) -> bool:
 
 def _check_shardable(model: nn.Module, size: int) -> None:
     model_type = getattr(model, "model_type", type(model).__name__)
-    if not isinstance(model, TransformerLM):
+    if not isinstance(model, (TransformerLM, gemma4.Model)):
         raise UnsupportedModelError(f"tensor parallelism does not support {model_type} models yet")
     for layer in model.layers:
         attn = getattr(layer, "self_attn", None)
@@ -81,7 +97,7 @@ def _check_shardable(model: nn.Module, size: int) -> None:
             raise UnsupportedModelError(
                 f"tensor parallelism does not support {model_type} models yet (supported: {SUPPORTED})"
             )
-        mlp = layer[layer.mlp_name]
+        mlp = layer[_mlp_name(layer)]
         if type(mlp) is not GatedMLP and type(mlp) not in EXPERT_BLOCKS:
             raise UnsupportedModelError(
                 f"tensor parallelism does not support the {type(mlp).__name__} feed-forward block of {model_type} yet"
@@ -116,18 +132,25 @@ def shard_layer(layer: DecoderLayer, prefix: str, weights: dict[str, mx.array], 
         _shard_latent_attention(attn, at, weights, group)
     else:
         _shard_head_attention(attn, at, weights, group)
-    mlp, base = layer[layer.mlp_name], f"{prefix}.{layer.mlp_name}"
+    mlp, base = layer[_mlp_name(layer)], f"{prefix}.{_mlp_name(layer)}"
     if type(mlp) is GatedMLP:
         _slice_mlp(mlp, base, weights, group)
         _row_parallel(mlp.down_proj, group)
     else:
         _shard_experts(mlp, base, weights, group)
+    if isinstance(layer, Gemma4DecoderLayer) and layer.moe:  # experts beside the MLP, normed after their sum
+        _shard_experts(layer.experts, f"{prefix}.experts", weights, group, takes_residual=False)
+
+
+def _mlp_name(layer: nn.Module) -> str:
+    return getattr(layer, "mlp_name", "mlp")
 
 
 def _shard_head_attention(attn: Attention, at: str, weights: dict, group) -> None:
     size, rank = group.size(), group.rank()
     for name in ("q_proj", "k_proj", "v_proj"):
-        _slice_module(attn[name], f"{at}.{name}", weights, "out", rank, size)
+        if name in attn:  # (Gemma 4: no k/v on a KV-shared layer, no v where values are the keys)
+            _slice_module(attn[name], f"{at}.{name}", weights, "out", rank, size)
     _slice_module(attn.o_proj, f"{at}.o_proj", weights, "in", rank, size)
     _row_parallel(attn.o_proj, group)
     if "sinks" in attn:  # one logit per query head
@@ -162,8 +185,9 @@ def _slice_mlp(mlp: nn.Module, base: str, weights: dict, group) -> None:
         _slice_module(mlp[name], f"{base}.{name}", weights, kind, rank, size)
 
 
-def _shard_experts(block: nn.Module, base: str, weights: dict, group) -> None:
-    """Every expert bank and shared expert of the block sliced; the block's output all-summed once."""
+def _shard_experts(block: nn.Module, base: str, weights: dict, group, takes_residual: bool = True) -> None:
+    """Every expert bank and shared expert of the block sliced; the block's output all-summed once
+    (parallel_layers.summed_class)."""
     for name, child in block.children().items():
         if not (isinstance(child, SwitchGLU) or type(child) is GatedMLP):
             continue  # a router: replicated
@@ -174,7 +198,7 @@ def _shard_experts(block: nn.Module, base: str, weights: dict, group) -> None:
             key = f"{base}.{name}.down_proj.bias"
             if key in weights:
                 weights[key] = mx.zeros(weights[key].shape, weights[key].dtype)
-    block.__class__ = summed_class(type(block))
+    block.__class__ = summed_class(type(block), takes_residual)
     block.group = group
 
 

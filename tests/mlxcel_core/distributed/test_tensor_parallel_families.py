@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from parity import load_quiet, randomize_norms_and_biases, save_tiny_checkpoint
 from ranks import two_ranks_here
-from tiny_configs import DEEPSEEK_V3, GLM4_MOE, GLM4_MOE_VARIANTS, GPT_OSS, randomize_gpt_oss
+from tiny_configs import DEEPSEEK_V3, GEMMA4_DENSE, GEMMA4_MOE, GLM4_MOE, GLM4_MOE_VARIANTS, GPT_OSS, randomize_gpt_oss
 from tiny_models import FakeGroup
 from tp_checks import assert_tp_matches, mlxcel
 
@@ -107,6 +107,47 @@ def deepseek_v3(path, q_lora_rank):
     return randomize_norms_and_biases(path, mtp_layer=DEEPSEEK_V3["num_hidden_layers"])
 
 
+def gemma4(path, config):
+    """KV-shared layers, per-layer inputs and two head sizes (dense); experts beside the MLP, normed after their sum,
+    and keys as values (MoE, with 2 KV heads on its full layers so that they divide)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    ids = dict(max_position_embeddings=512, initializer_range=0.1, eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    path = save_tiny_checkpoint(path, Gemma4TextConfig, Gemma4ForCausalLM, **config, **ids)
+    return randomize_norms_and_biases(path)
+
+
+def gemma(path, version):
+    """Sandwich norms, sliding and global layers; Gemma 2 soft-caps the attention logits, Gemma 3 norms q and k per
+    head with (1 + w) gains."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+    config, model, extra = {
+        2: (Gemma2Config, Gemma2ForCausalLM, dict(attn_logit_softcapping=1.0, attn_implementation="eager")),
+        3: (Gemma3TextConfig, Gemma3ForCausalLM, {}),
+    }[version]
+    path = save_tiny_checkpoint(
+        path,
+        config,
+        model,
+        **extra,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.1,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        layer_types=[SLIDING, SLIDING, FULL, SLIDING],
+        eos_token_id=2,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    return randomize_norms_and_biases(path)
+
+
 FAMILIES = {
     "olmo3": olmo3,
     "glm4_moe": glm4_moe,
@@ -114,6 +155,10 @@ FAMILIES = {
     "llama4": llama4,
     "deepseek_v3-q-lora": lambda path: deepseek_v3(path, q_lora_rank=32),
     "deepseek_v3-moonlight": lambda path: deepseek_v3(path, q_lora_rank=None),
+    "gemma4-dense": lambda path: gemma4(path, GEMMA4_DENSE),
+    "gemma4-moe": lambda path: gemma4(path, {**GEMMA4_MOE, "num_global_key_value_heads": 2}),
+    "gemma2": lambda path: gemma(path, 2),
+    "gemma3": lambda path: gemma(path, 3),
 }
 
 

@@ -381,16 +381,17 @@ def test_kv_shared_layers_read_on_the_cuda_kernel(checkpoints, monkeypatch):
     assert kernel_runs and kernel_runs == [True, False] * (len(kernel_runs) // 2)
 
 
-def test_tensor_parallelism_is_refused(checkpoints):
+def test_tensor_parallelism_needs_every_layers_heads_to_divide(checkpoints):
+    """The MoE checkpoint's full layers have 1 KV head: refused at 2 ranks; the dense one shards
+    (tests/mlxcel_core/distributed/test_tensor_parallel_families.py runs the ranks)."""
     from tiny_models import FakeGroup
 
     from mlxcel_core.distributed.shard import check_shardable
     from mlxcel_core.loading import load_model
 
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism does not support gemma4_text"):
-        check_shardable(load_quiet(checkpoints["dense"]).model, 2)
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
-        load_model(str(checkpoints["dense"]), log=lambda m: None, group=FakeGroup(0, 2))
+    check_shardable(load_quiet(checkpoints["dense"]).model, 2)
+    with pytest.raises(UnsupportedModelError, match="4 query heads and 1 KV heads"):
+        load_model(str(checkpoints["moe"]), log=lambda m: None, group=FakeGroup(0, 2))
 
 
 BASE = dict(GEMMA4_DENSE, vocab_size=320)
