@@ -162,3 +162,36 @@ def randomize_gpt_oss(path, seed=0, sinks_scale=3.0):
             weights[name] = rng.uniform(0.5, 1.5, w.shape).astype(w.dtype)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+# Llama 4: chunks of 8 (a 64-token prompt crosses eight); every second layer NoPE (full attention, temperature-tuned,
+# its scale stepping every 4 positions at strength 0.5); every second layer MoE (4 experts, top 1); llama3 RoPE scaling.
+LLAMA4_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+LLAMA4_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    intermediate_size_mlp=192,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    attention_chunk_size=8,
+    no_rope_layer_interval=2,
+    num_local_experts=4,
+    num_experts_per_tok=1,
+    interleave_moe_layer_step=2,
+    attn_temperature_tuning=True,
+    floor_scale=4,
+    attn_scale=0.5,
+    use_qk_norm=True,
+    rope_parameters=LLAMA4_ROPE,
+)

@@ -9,7 +9,16 @@ from __future__ import annotations
 import pytest
 from parity import load_quiet, randomize_norms_and_biases, save_tiny_checkpoint
 from ranks import two_ranks_here
-from tiny_configs import DEEPSEEK_V3, GEMMA4_DENSE, GEMMA4_MOE, GLM4_MOE, GLM4_MOE_VARIANTS, GPT_OSS, randomize_gpt_oss
+from tiny_configs import (
+    DEEPSEEK_V3,
+    GEMMA4_DENSE,
+    GEMMA4_MOE,
+    GLM4_MOE,
+    GLM4_MOE_VARIANTS,
+    GPT_OSS,
+    LLAMA4_TEXT,
+    randomize_gpt_oss,
+)
 from tiny_models import FakeGroup
 from tp_checks import assert_tp_matches, mlxcel
 
@@ -60,33 +69,8 @@ def gpt_oss(path):
 def llama4(path):
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0}
-    path = save_tiny_checkpoint(
-        path,
-        Llama4TextConfig,
-        Llama4ForCausalLM,
-        hidden_size=64,
-        intermediate_size=128,
-        intermediate_size_mlp=192,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        initializer_range=0.1,
-        attention_chunk_size=8,
-        no_rope_layer_interval=2,
-        num_local_experts=4,
-        num_experts_per_tok=1,
-        interleave_moe_layer_step=2,
-        attn_temperature_tuning=True,
-        floor_scale=4,
-        attn_scale=0.5,
-        use_qk_norm=True,
-        rope_parameters={**rope, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        eos_token_id=2,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
+    ids = dict(eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    path = save_tiny_checkpoint(path, Llama4TextConfig, Llama4ForCausalLM, **LLAMA4_TEXT, **ids)
     return randomize_norms_and_biases(path)
 
 

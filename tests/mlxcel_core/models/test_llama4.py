@@ -26,6 +26,7 @@ from parity import (
     save_tiny_checkpoint,
 )
 from test_qwen3 import set_norms
+from tiny_configs import LLAMA4_TEXT
 from transformers import Llama4ForCausalLM, Llama4TextConfig
 
 from mlxcel_core.errors import UnsupportedModelError
@@ -33,37 +34,6 @@ from mlxcel_core.models.base import causal_mask
 from mlxcel_core.models.llama4 import Llama4MoE, ModelArgs, attention_temperature
 from mlxcel_core.models.transformer import GatedMLP
 
-# Chunks of 8 (a 64-token prompt crosses eight); every second layer NoPE (full attention, temperature-tuned, its scale
-# stepping every 4 positions at strength 0.5); every second layer MoE (4 experts, top 1); llama3 RoPE scaling.
-ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 10000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 32,
-}
-TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    intermediate_size_mlp=192,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    attention_chunk_size=8,
-    no_rope_layer_interval=2,
-    num_local_experts=4,
-    num_experts_per_tok=1,
-    interleave_moe_layer_step=2,
-    attn_temperature_tuning=True,
-    floor_scale=4,
-    attn_scale=0.5,
-    use_qk_norm=True,
-    rope_parameters=ROPE,
-)
 IDS = dict(eos_token_id=2, bos_token_id=None, pad_token_id=0)
 # Explicit lists instead of intervals (layer 0 NoPE, MoE on layers 0 and 2), top-2 routing, attention biases, a tied
 # LM head, the default RoPE (theta 500000) and no q/k norm.
@@ -91,7 +61,8 @@ VISION = dict(
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = save_tiny_checkpoint(tmp_path_factory.mktemp("llama4"), Llama4TextConfig, Llama4ForCausalLM, **TEXT, **IDS)
+    root = tmp_path_factory.mktemp("llama4")
+    path = save_tiny_checkpoint(root, Llama4TextConfig, Llama4ForCausalLM, **LLAMA4_TEXT, **IDS)
     return set_norms(path)
 
 
@@ -101,7 +72,7 @@ def multimodal(tmp_path_factory):
     under `language_model.`, the vision model and the projector."""
     from transformers import Llama4Config, Llama4ForConditionalGeneration
 
-    text = {**TEXT, **IDS, "vocab_size": 320}
+    text = {**LLAMA4_TEXT, **IDS, "vocab_size": 320}
     path = tmp_path_factory.mktemp("llama4-mm") / "mm"
     save_tiny_checkpoint(path, Llama4Config, Llama4ForConditionalGeneration, text_config=text, vision_config=VISION)
     return set_norms(path)
@@ -134,7 +105,7 @@ def test_parity_older_config_style(tiny, tmp_path):
 
 
 def test_parity_explicit_lists_top2_bias_tied(tmp_path):
-    path = save_tiny_checkpoint(tmp_path, Llama4TextConfig, Llama4ForCausalLM, **{**TEXT, **IDS, **LISTS})
+    path = save_tiny_checkpoint(tmp_path, Llama4TextConfig, Llama4ForCausalLM, **{**LLAMA4_TEXT, **IDS, **LISTS})
     assert_parity(set_norms(path))
     model = load_quiet(path).model
     assert [layer.self_attn.uses_rope for layer in model.layers] == [False, True, True, False]
