@@ -12,6 +12,7 @@ norms span every head, so they become `SplitRMSNorm`s; a latent attention (DeepS
 and their per-head up-projections (`embed_q`, `unembed_out`) while every rank computes and caches the one shared
 latent key. Gemma 4's experts beside the MLP are normed after their sum, so that block sums before its norm; its
 KV-shared layers have no k/v projections and read the same heads of their source layer's cache on each rank.
+Phi-3's fused projections (q, k and v in one; gate and up in one) give each rank its slice of every part.
 
 `shard_model` runs inside `build_model` after the layer types are final (quantized or not) and before the
 weights are loaded: it slices the model's (still lazy) parameters and the checkpoint's arrays the same way,
@@ -26,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError
-from ..models import deepseek_v3, gemma4, gemma_common, gpt_oss, granite, llama4, ministral3, olmo3
+from ..models import deepseek_v3, gemma4, gemma_common, gpt_oss, granite, llama4, ministral3, olmo3, phi3
 from ..models.gemma4_layers import Gemma4Attention, Gemma4DecoderLayer
 from ..models.grouped_moe import GroupedMoeBlock
 from ..models.moe import SparseMoeBlock, SwitchGLU
@@ -60,14 +61,17 @@ HEAD_ATTENTION = (
     llama4.Llama4Attention,
     olmo3.Olmo3Attention,
     Gemma4Attention,
+    phi3.FusedAttention,
 )
 LATENT_ATTENTION = (deepseek_v3.LatentAttention,)
 # Feed-forward blocks of experts: their SwitchGLU and GatedMLP children are sliced, the rest (routers) replicated.
 EXPERT_BLOCKS = (SparseMoeBlock, GroupedMoeBlock, llama4.Llama4MoE, gpt_oss.SparseMoeBlock)
-WHOLE_TENSOR_SANITIZE = (llama4.Model, gpt_oss.Model, deepseek_v3.Model, gemma4.Model)
+# Families that get arrays, not unread handles: their sanitize reshapes tensors, or (Phi-3) their fused projections
+# are sliced part by part and joined.
+WHOLE_TENSORS = (llama4.Model, gpt_oss.Model, deepseek_v3.Model, gemma4.Model, phi3.Model)
 SUPPORTED = (
     "Llama, Mistral, Qwen2, Qwen3, Mixtral, SmolLM3, Granite, Ministral 3, OLMo 3, GLM-4.5, gpt-oss, Llama 4, "
-    "DeepSeek-V3, Gemma 2, Gemma 3, Gemma 4"
+    "DeepSeek-V3, Gemma 2, Gemma 3, Gemma 4, Phi-3"
 )
 
 
@@ -84,7 +88,7 @@ def check_shardable(model: nn.Module, size: int) -> None:
 def sanitize_reads_handles(model: nn.Module) -> bool:
     """Whether the model's `sanitize` takes loading/sliced.py handles (renames, drops, stacks and plain slices
     only); False: hand it arrays."""
-    return not isinstance(model, WHOLE_TENSOR_SANITIZE)
+    return not isinstance(model, WHOLE_TENSORS)
 
 
 def _check_shardable(model: nn.Module, size: int) -> None:
@@ -98,7 +102,7 @@ def _check_shardable(model: nn.Module, size: int) -> None:
                 f"tensor parallelism does not support {model_type} models yet (supported: {SUPPORTED})"
             )
         mlp = layer[_mlp_name(layer)]
-        if type(mlp) is not GatedMLP and type(mlp) not in EXPERT_BLOCKS:
+        if type(mlp) not in (GatedMLP, phi3.MLP) and type(mlp) not in EXPERT_BLOCKS:
             raise UnsupportedModelError(
                 f"tensor parallelism does not support the {type(mlp).__name__} feed-forward block of {model_type} yet"
             )
@@ -136,6 +140,11 @@ def shard_layer(layer: DecoderLayer, prefix: str, weights: dict[str, mx.array], 
     if type(mlp) is GatedMLP:
         _slice_mlp(mlp, base, weights, group)
         _row_parallel(mlp.down_proj, group)
+    elif type(mlp) is phi3.MLP:  # gate and up side by side in one projection: each rank's slice of both
+        half = mlp.gate_up_proj.weight.shape[-2] // 2
+        _slice_fused(mlp.gate_up_proj, f"{base}.gate_up_proj", weights, [half, half], group)
+        _slice_module(mlp.down_proj, f"{base}.down_proj", weights, "in", group.rank(), group.size())
+        _row_parallel(mlp.down_proj, group)
     else:
         _shard_experts(mlp, base, weights, group)
     if isinstance(layer, Gemma4DecoderLayer) and layer.moe:  # experts beside the MLP, normed after their sum
@@ -148,6 +157,10 @@ def _mlp_name(layer: nn.Module) -> str:
 
 def _shard_head_attention(attn: Attention, at: str, weights: dict, group) -> None:
     size, rank = group.size(), group.rank()
+    if isinstance(attn, phi3.FusedAttention):  # q, k and v side by side in one projection
+        _slice_fused(attn.qkv_proj, f"{at}.qkv_proj", weights, [attn.q_size, attn.kv_size, attn.kv_size], group)
+        attn.q_size //= size
+        attn.kv_size //= size
     for name in ("q_proj", "k_proj", "v_proj"):
         if name in attn:  # (Gemma 4: no k/v on a KV-shared layer, no v where values are the keys)
             _slice_module(attn[name], f"{at}.{name}", weights, "out", rank, size)
@@ -176,6 +189,26 @@ def _shard_latent_attention(attn: deepseek_v3.LatentAttention, at: str, weights:
     _slice_module(attn.o_proj, f"{at}.o_proj", weights, "in", rank, size)
     _row_parallel(attn.o_proj, group)
     attn.n_heads //= size
+
+
+def _slice_fused(module: nn.Module, path: str, weights: dict, parts: list[int], group) -> None:
+    """Column-parallel slice of a projection whose output rows are `parts` side by side (Phi-3's qkv_proj and
+    gate_up_proj): this rank's slice of each part, joined in the same order."""
+    size, rank = group.size(), group.rank()
+    for name in _PARAMS:
+        if name not in module:
+            continue
+        axis = -1 if name == "bias" else -2
+        key = f"{path}.{name}"
+        module[name] = _slice_parts(module[name], axis, parts, rank, size, path)
+        if key in weights:
+            weights[key] = _slice_parts(weights[key], axis, parts, rank, size, path)
+
+
+def _slice_parts(a: mx.array, axis: int, parts: list[int], rank: int, size: int, path: str) -> mx.array:
+    bounds = [sum(parts[:i]) for i in range(1, len(parts))]
+    pieces = mx.split(a, bounds, axis=axis)
+    return mx.concatenate([_slice(piece, axis, rank, size, path) for piece in pieces], axis=axis)
 
 
 def _slice_mlp(mlp: nn.Module, base: str, weights: dict, group) -> None:

@@ -132,6 +132,33 @@ def gemma(path, version):
     return randomize_norms_and_biases(path)
 
 
+def phi3(path):
+    """Fused q/k/v and gate/up projections (each rank takes its slice of each part), LongRoPE past the original
+    positions, a sliding window."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.6, 3.3, 4.1]}
+    path = save_tiny_checkpoint(
+        path,
+        Phi3Config,
+        Phi3ForCausalLM,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+        max_position_embeddings=128,
+        original_max_position_embeddings=16,
+        sliding_window=12,
+        rope_parameters={**rope, "long_factor": [1.2, 1.9, 3.1, 4.6, 7.2, 9.8, 14.0, 19.5]},
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=2,
+    )
+    return randomize_norms_and_biases(path)
+
+
 FAMILIES = {
     "olmo3": olmo3,
     "glm4_moe": glm4_moe,
@@ -143,6 +170,7 @@ FAMILIES = {
     "gemma4-moe": lambda path: gemma4(path, {**GEMMA4_MOE, "num_global_key_value_heads": 2}),
     "gemma2": lambda path: gemma(path, 2),
     "gemma3": lambda path: gemma(path, 3),
+    "phi3": phi3,
 }
 
 
@@ -153,10 +181,10 @@ def test_tp2_greedy_equals_single_process(family, tmp_path):
 
 
 @two_ranks_here
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3-q-lora"])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3-q-lora", "phi3"])
 def test_tp2_greedy_equals_single_process_4bit(family, tmp_path):
-    """A 4-bit copy (groups of 32, so each rank's slice of a down projection is whole groups): packed experts and
-    per-head latent maps sliced with their scales."""
+    """A 4-bit copy (groups of 32, so each rank's slice of a down projection is whole groups): packed experts,
+    per-head latent maps and fused projections' parts sliced with their scales."""
     source = FAMILIES[family](tmp_path / "source")
     out = tmp_path / "q4"
     result = mlxcel("convert", str(source), "-o", str(out), "-q", "--q-group-size", "32")
