@@ -20,7 +20,7 @@ from tiny_configs import (
     randomize_gpt_oss,
 )
 from tiny_models import FakeGroup
-from tp_checks import assert_tp_matches, mlxcel
+from tp_checks import TINY, assert_tp_matches, mlxcel
 
 from mlxcel_core.loading import load_model
 
@@ -142,12 +142,7 @@ def phi3(path):
         path,
         Phi3Config,
         Phi3ForCausalLM,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.1,
+        **TINY,
         max_position_embeddings=128,
         original_max_position_embeddings=16,
         sliding_window=12,
