@@ -194,15 +194,10 @@ def _shard_latent_attention(attn: deepseek_v3.LatentAttention, at: str, weights:
 def _slice_fused(module: nn.Module, path: str, weights: dict, parts: list[int], group) -> None:
     """Column-parallel slice of a projection whose output rows are `parts` side by side (Phi-3's qkv_proj and
     gate_up_proj): this rank's slice of each part, joined in the same order."""
-    size, rank = group.size(), group.rank()
     for name in _PARAMS:
-        if name not in module:
-            continue
-        axis = -1 if name == "bias" else -2
-        key = f"{path}.{name}"
-        module[name] = _slice_parts(module[name], axis, parts, rank, size, path)
-        if key in weights:
-            weights[key] = _slice_parts(weights[key], axis, parts, rank, size, path)
+        if name in module:
+            axis = -1 if name == "bias" else -2
+            _slice_param(module, name, f"{path}.{name}", weights, axis, group.rank(), group.size(), parts)
 
 
 def _slice_parts(a: mx.array, axis: int, parts: list[int], rank: int, size: int, path: str) -> mx.array:
@@ -261,13 +256,26 @@ def _slice_module(module: nn.Module, path: str, weights: dict[str, mx.array], ki
         _slice_param(module, name, f"{path}.{name}", weights, axis, rank, size)
 
 
-def _slice_param(module: nn.Module, name: str, key: str, weights: dict, axis: int, rank: int, size: int) -> None:
+def _slice_param(
+    module: nn.Module,
+    name: str,
+    key: str,
+    weights: dict,
+    axis: int,
+    rank: int,
+    size: int,
+    parts: list[int] | None = None,
+) -> None:
     """This rank's part of `module[name]` and of the checkpoint's `weights[key]` (a missing one is reported by
-    the loader's name check)."""
+    the loader's name check); `parts`: the axis holds these parts side by side, each sliced (`_slice_parts`)."""
     path = key.rsplit(".", 1)[0]
-    module[name] = _slice(module[name], axis, rank, size, path)
+
+    def cut(a):
+        return _slice(a, axis, rank, size, path) if parts is None else _slice_parts(a, axis, parts, rank, size, path)
+
+    module[name] = cut(module[name])
     if key in weights:
-        weights[key] = _slice(weights[key], axis, rank, size, path)
+        weights[key] = cut(weights[key])
 
 
 def _slice(a: mx.array, axis: int, rank: int, size: int, path: str) -> mx.array:
