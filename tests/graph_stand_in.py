@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxcel_core.backends.cuda.graph_decode import GraphDecoder, _Replay
-from mlxcel_core.backends.cuda.kernels.greedy import greedy_tokens
+from mlxcel_core.backends.cuda.kernels.greedy import greedy_tokens, masked_greedy_tokens
 from mlxcel_core.engine.step_inputs import packed_ints
 
 
@@ -17,9 +17,13 @@ class StandInDecoder(GraphDecoder):
         super().__init__(model, storage)
         self.engine, self.settles, self.alone = engine, 0, []
 
-    def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses):
+    def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses, mask=None):
         _, spans = packed_ints(*parts)
-        return _Replay(seq_id, None, token, 0, 0, 0, spans, [], [])
+        self.built_masked += mask is not None
+        return _Replay(seq_id, None, token, 0, 0, 0, spans, [], [], masked="masked" if mask is not None else None)
+
+    built_masked = 0  # recordings of a constrained row's step
+    masked_replays = 0
 
     pools_moved = False  # whether MLX's pool writes "moved" the pools (new memory) or wrote into the old memory
 
@@ -35,10 +39,18 @@ class StandInDecoder(GraphDecoder):
         self.adopted += 1
         return True
 
-    def _launch(self, replay, parts, flat):
+    def _launch(self, replay, parts, flat, masks=None):
         self.alone.append(sum(1 for _ in self.engine._live()))
         logits = self.model(replay.token[:, None], self.storage.decode_views(parts))[:, -1, :]
-        replay.token, readout = greedy_tokens(logits)
+        if replay.masked is None:
+            replay.token, readout = greedy_tokens(logits)
+        else:  # the forward, then the mask the engine computes meanwhile, then the masked greedy
+            mx.async_eval(logits)
+            bitmask = masks()
+            if bitmask is None:
+                return None
+            self.masked_replays += 1
+            replay.token, readout = masked_greedy_tokens(logits, mx.array(bitmask))
         mx.eval(replay.token, readout)
         self._pool_addresses = self._addresses(self._kept())  # a replay's kernels write the pools in place
         self._pools_version = self.storage.pools_version

@@ -9,7 +9,7 @@ What differs by backend:
   and back;
 - the decode attention over the paged pools (`paged_runner`, `paged_attention`, `kv_written_in_kernel`,
   `combine_counters`; `paged_runner_for` keeps calls with attention sinks on the portable path);
-- the greedy readout of a decode step (`greedy_tokens`);
+- the greedy readout of a decode step (`greedy_tokens`, and `masked_greedy_tokens` for constrained rows);
 - a decode-step replayer (`graph_decoder`: a lone greedy row's steps as one recorded graph);
 - the step inputs' placement (`own_step_inputs`) and per-backend defaults (`compile_by_default`,
   `prefill_batch`, `prefill_chunk`, `prefill_grant_interval`, `dense_mask_is_slow`, `warmup_rows`).
@@ -68,6 +68,13 @@ class Backend:
         again or -1 where the row holds a NaN (the engine ends that row)."""
         tokens = mx.argmax(logits, axis=-1)
         return tokens, readout_of(tokens, logits)
+
+    def masked_greedy_tokens(self, logits: mx.array, bitmask: mx.array) -> tuple[mx.array, mx.array]:
+        """greedy_tokens of the logits with -inf for every token a row's packed bitmask [N, words] leaves out
+        (engine/constrained.py's `apply_bitmask`)."""
+        from ..engine.constrained import apply_bitmask
+
+        return self.greedy_tokens(apply_bitmask(logits, bitmask))
 
     def own_step_inputs(self, packed: mx.array) -> mx.array:
         """A step's packed integer inputs (engine/step_inputs.py) as the step's kernels read them."""

@@ -153,11 +153,18 @@ class Grammars:
 
 
 def _compile(tokenizer: Future, grammar: str):
-    """A fresh matcher for the grammar (on a worker thread); it is never advanced, only copied."""
+    """A fresh matcher for the grammar (on a worker thread); it is never advanced, only copied. Its first mask is
+    computed here once, on a copy: the lexer states that builds are shared by every copy, so a row's first mask (on
+    the way to its first token) does not build them."""
     import llguidance
 
     limits = llguidance.LLParserLimits(verbose_errors=False)
-    return llguidance.LLMatcher(tokenizer.result(), grammar, log_level=0, limits=limits)
+    ll_tokenizer = tokenizer.result()
+    matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0, limits=limits)
+    if not matcher.is_error():
+        scratch = np.zeros(vocab_words(ll_tokenizer.vocab_size), dtype=np.int32)
+        matcher.deep_copy().unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+    return matcher
 
 
 class RowConstraint:

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from .. import backends
 from ..backends.base import readout_of
@@ -36,6 +35,7 @@ from . import constrained
 from .budget import state_tokens_per_sequence
 from .compiled_decode import compile_enabled
 from .dry_cache import DryBreakerCache
+from .plan import EngineMirror, Sampled, StepPlan
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, ScheduledBatch, SchedulerConfig
 from .speculative import Speculator, make_drafter, verify
@@ -43,44 +43,6 @@ from .storage import Conversation, make_storage
 from .types import EngineConfig, EngineStats, FinishReason, Sequence, StepOutput
 
 PROMPT_CONTEXT_TOKENS = 4  # prompt tokens the detokenizer sees so the first word keeps its space
-
-
-@dataclass
-class _Sampled:
-    """A row's sampled token, still lazy until the host reads it."""
-
-    token: mx.array  # [1]: the next step's input for this row
-    readout: mx.array  # int32 [1]: the token as the host reads it, -1 where the logits held a NaN
-    logprobs: mx.array | None = None  # the row's log-softmax [V] when the request asked for logprobs
-
-    def arrays(self) -> list[mx.array]:
-        return [a for a in (self.token, self.readout, self.logprobs) if isinstance(a, mx.array)]
-
-
-@dataclass
-class StepPlan:
-    """What one step runs, decided before any of it is built."""
-
-    batch: ScheduledBatch  # the scheduler's rows: decoding, prefilling, cancelled
-    speculate: bool = False  # the lone decoding row runs a speculative round instead of its decode
-    graph_row: int | None = None  # the lone decoding row whose step the backend's recorded graph replays
-    produced: dict[int, _Sampled] = field(default_factory=dict)  # each sampled row's token, filled as it runs
-
-
-class EngineMirror(Protocol):
-    """Sees every input of an Engine (distributed/mirror.py's LeaderMirror sends them to the other ranks)."""
-
-    def prepare(self, params: SamplingParams) -> SamplingParams: ...
-    def opened(
-        self,
-        seq_id: int,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        conversation: Conversation | None,
-        max_context: int,
-    ) -> None: ...
-    def closed(self, seq_id: int) -> None: ...
-    def before_step(self) -> None: ...
 
 
 class Engine:
@@ -117,7 +79,7 @@ class Engine:
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
         # Submitted steps not read yet, oldest first: each row's sampled token and the rows' tokens as one int32
         # vector (-1 where NaN).
-        self._unread: list[tuple[dict[int, _Sampled], mx.array]] = []
+        self._unread: list[tuple[dict[int, Sampled], mx.array]] = []
         self._conversations: dict[int, Conversation | None] = {}
         self.vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or tokenizer.vocab_size
         self.dry_cache = dry_cache if dry_cache is not None else DryBreakerCache(tokenizer)
@@ -260,7 +222,7 @@ class Engine:
             run = lambda: self.runner.prefill(seq_ids[0], chunks[0], works[0].start, works[0].last)
         return self._run(seq_ids, plan.produced, run, sampled)
 
-    def _submit(self, produced: dict[int, _Sampled]) -> None:
+    def _submit(self, produced: dict[int, Sampled]) -> None:
         """Hand the step to the device. The host reads its rows as one vector (-1: NaN logits), built and submitted
         now with the step: made later in _commit it would queue behind the next step's forward and wait for it."""
         if not produced:
@@ -325,14 +287,18 @@ class Engine:
             return []
         seqs = [self._sequences[s] for s in (seq_ids if sampled is None else sampled)]
         outputs, masks = self._constrain(seqs, logits)
-        masked = logits if masks is None else constrained.apply_bitmask(logits, masks)  # (a free row's: every token)
         if all(s.params.masked_greedy and s.params.logprobs is None for s in seqs):
             # The whole batch's tokens and readout at once, each row a slice (a lone row's whole-array slice is no op:
             # each op in a step's graph costs the host time, which bounds a small model's batch-1 decode on a GPU).
-            tokens, readout = self.backend.greedy_tokens(masked)
+            # A free row's mask allows every token.
+            if masks is None:
+                tokens, readout = self.backend.greedy_tokens(logits)
+            else:
+                tokens, readout = self.backend.masked_greedy_tokens(logits, masks)
             live = ((i, s) for i, s in enumerate(seqs) if s.finish_reason is None)  # (_constrain may end rows)
-            produced.update({s.seq_id: _Sampled(tokens[i : i + 1], readout[i : i + 1]) for i, s in live})
+            produced.update({s.seq_id: Sampled(tokens[i : i + 1], readout[i : i + 1]) for i, s in live})
             return outputs
+        masked = logits if masks is None else constrained.apply_bitmask(logits, masks)
         for i, seq in enumerate(seqs):
             if seq.finish_reason is not None:
                 continue  # ended by the tokens read in _constrain
@@ -343,7 +309,7 @@ class Engine:
                     raw = logits[i].astype(mx.float32)
                     logprobs = raw - mx.logsumexp(raw)
                 token = seq.sampler.draw(row).reshape(1)
-                produced[seq.seq_id] = _Sampled(token, readout_of(token, row), logprobs)
+                produced[seq.seq_id] = Sampled(token, readout_of(token, row), logprobs)
             except Exception as exc:  # a bad logits processor ends its own row only
                 outputs.append(self._end(seq, "error", None, f"sampling failed: {type(exc).__name__}: {exc}"))
         return outputs
@@ -356,13 +322,21 @@ class Engine:
         if not any(s.constraint is not None for s in seqs):
             return [], None
         mx.async_eval(logits)
-        outputs = self._commit(keep=0)  # (this step's rows are not submitted yet: only earlier steps are read)
+        outputs = []
+        bitmask = self._masks(seqs, outputs)
+        return outputs, None if bitmask is None else mx.array(bitmask)
+
+    def _masks(self, seqs: list[Sequence], outputs: list[StepOutput]) -> np.ndarray | None:
+        """The host's part of `_constrain`, once the step's forward is on the device: read the earlier steps, then
+        compute the rows' packed masks (None: no row is constrained any more). The outputs read and the dead ends go
+        to `outputs`."""
+        outputs += self._commit(keep=0)  # (this step's rows are not submitted yet: only earlier steps are read)
         rows = [s.constraint for s in seqs]  # (None for a row that has ended: _end drops its matcher)
         if all(row is None for row in rows):
-            return outputs, None
+            return None
         bitmask, dead = constrained.next_masks(rows)
         outputs += [self._dead_end(seqs[i], message) for i, message in dead.items()]
-        return outputs, mx.array(bitmask)
+        return None if len(dead) == len(seqs) else bitmask
 
     def _speculate(self, seq: Sequence) -> list[StepOutput] | None:
         """One speculative round (draft, verify in one forward, trim); None when there is nothing to propose."""
@@ -394,8 +368,8 @@ class Engine:
         return outputs
 
     def _graph_row(self, batch: ScheduledBatch) -> int | None:
-        """The row whose decode step this is, where it can be a replayed graph: one plain-greedy row decoding
-        alone, nothing else in the step."""
+        """The row whose decode step this is, where it can be a replayed graph: one greedy row (free or constrained)
+        decoding alone, nothing else in the step."""
         if (
             self.graph is None
             or not self.graph.usable
@@ -408,16 +382,24 @@ class Engine:
             return None
         seq_id = batch.decode[0]
         params = self._sequences[seq_id].params
-        return seq_id if params.plain_greedy and params.logprobs is None and self.graph.takes(seq_id) else None
+        return seq_id if params.masked_greedy and params.logprobs is None and self.graph.takes(seq_id) else None
 
     def _graph_decode(self, seq_id: int, produced: dict) -> list[StepOutput]:
+        """A replayed step of the lone row. A constrained row's replay runs its forward, then asks for the row's mask
+        (`_masks`: the host reads the previous step and computes the mask while the device runs the forward), then
+        its masked greedy; no token when the row ended meanwhile."""
+        seq, outputs = self._sequences[seq_id], []
+        masks = None if seq.constraint is None else partial(self._masks, [seq], outputs)
         try:
-            token, readout = self.graph.decode(seq_id, self._latest[seq_id])
+            token, readout = self.graph.decode(seq_id, self._latest[seq_id], masks)
         except Exception as exc:  # the model, the storage or the driver failed: this row ends, later steps are MLX's
             self.graph.give_up(exc)
-            return [self._end(self._sequences[seq_id], "error", None, f"{type(exc).__name__}: {exc}")]
-        produced[seq_id] = _Sampled(token, readout)
-        return []
+            if seq.finish_reason is None:
+                outputs.append(self._end(seq, "error", None, f"{type(exc).__name__}: {exc}"))
+            return outputs
+        if token is not None:
+            produced[seq_id] = Sampled(token, readout)
+        return outputs
 
     def _commit(self, keep: int) -> list[StepOutput]:
         """Read the submitted steps, oldest first, until `keep` are left unread."""
@@ -426,7 +408,7 @@ class Engine:
             outputs += self._commit_step(*self._unread.pop(0))
         return outputs
 
-    def _commit_step(self, unread: dict[int, _Sampled], readout: mx.array) -> list[StepOutput]:
+    def _commit_step(self, unread: dict[int, Sampled], readout: mx.array) -> list[StepOutput]:
         read = readout.tolist()  # one host read for the whole step (not two per row); scheduled in step()
         outputs = []
         now = time.perf_counter()

@@ -4,20 +4,25 @@ a second once mlxcel's kernel cache holds the kernels.
 
 What needs it on a GPU is built per shape: the decode kernels per row count (a decode batch's sequences, or a short
 prompt's tokens: a prefill of up to 8 tokens runs the same matvec kernels), the compiled decode step per batch size,
-and the CUDA graph a lone greedy request's steps are replayed as (its recording's own small kernels)."""
+the CUDA graph a lone greedy request's steps are replayed as (its recording's own small kernels), and a constrained
+request's masked greedy kernel and two-part graph (engine/constrained.py), where the tokenizer takes grammars."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..constraints import Constraint
 from ..engine import Engine, EngineConfig
 from ..sampling import SamplingParams
 
 WARMUP_PROMPT = list(range(3, 19))  # 16 ids every vocabulary has; past the decode kernels' rows (a prefill)
 WARMUP_TOKENS = 4  # a lone greedy request: prefill, an MLX step, then one step recorded as a graph and one replayed
+WARMUP_GRAMMAR = Constraint.regex("[0-9]{12}")  # every tokenizer spells digits; longer than the request's tokens
+log = logging.getLogger("mlxcel.server")
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,7 @@ class WarmupPlan:
     lone_tokens: int = WARMUP_TOKENS  # the lone greedy request's
     rows: int = 1  # decode batches of 1..rows sequences
     prompt_lengths: tuple[int, ...] = ()  # short prompts prefilled one at a time (one kernel variant a length)
+    constrained: bool = False  # a lone constrained request of WARMUP_TOKENS, where the tokenizer takes grammars
 
     def describe(self) -> str:
         parts = [f"a lone reply of {self.lone_tokens} tokens"]
@@ -32,6 +38,8 @@ class WarmupPlan:
             parts.append(f"decode batches of 1 to {self.rows}")
         if self.prompt_lengths:
             parts.append(f"prompts of {self.prompt_lengths[0]} to {self.prompt_lengths[-1]} tokens")
+        if self.constrained:
+            parts.append("a constrained reply")
         return ", ".join(parts)
 
 
@@ -51,6 +59,7 @@ def warmup_plan(config: EngineConfig) -> WarmupPlan:
         lone_tokens=2 * MIN_CUDA_SPLIT_TOKENS + 1 - len(WARMUP_PROMPT),
         rows=max(1, min(config.max_batch_size, rows)),
         prompt_lengths=tuple(range(1, rows + 1)),
+        constrained=True,
     )
 
 
@@ -91,4 +100,18 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan()) -> float:
         if length < engine.max_context:
             open_request([WARMUP_PROMPT[(length + i) % len(WARMUP_PROMPT)] for i in range(length)], 1)
             _finish(engine)
+    if plan.constrained and getattr(engine.tokenizer, "backend", None) is not None:
+        _constrained(engine, (WARMUP_PROMPT[9:] + WARMUP_PROMPT[:9])[:room])  # (its own first token: no cached prefix)
     return time.perf_counter() - start
+
+
+def _constrained(engine: Engine, prompt: list[int]) -> None:
+    """A lone constrained greedy request: its steps are MLX's, then a two-part graph's, recorded and replayed. Where
+    it fails (a tokenizer llguidance cannot read) free requests are still served: a warning, not a failed load."""
+    tokens = max(1, min(WARMUP_TOKENS, engine.max_context - len(prompt)))
+    engine.open(prompt, SamplingParams(max_tokens=tokens, constraint=WARMUP_GRAMMAR))
+    errors = []
+    while engine.has_work():
+        errors += [out.error for out in engine.step() if out.error is not None]
+    if errors:
+        log.warning("mlxcel: the warm-up's constrained request failed (%s); the first one served compiles", errors[0])

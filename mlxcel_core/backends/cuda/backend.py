@@ -12,7 +12,7 @@ import mlx.core as mx
 from ..base import Backend
 from . import kernels
 from .graph_decode import GraphDecoder
-from .kernels.greedy import greedy_tokens
+from .kernels.greedy import greedy_tokens, masked_greedy_tokens
 from .kernels.qmv import MAX_ROWS
 from .paged_attention import COUNTERS, decode_attention_for, runner_for
 
@@ -28,6 +28,9 @@ class CudaBackend(Backend):
 
     def greedy_tokens(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         return greedy_tokens(logits)
+
+    def masked_greedy_tokens(self, logits: mx.array, bitmask: mx.array) -> tuple[mx.array, mx.array]:
+        return masked_greedy_tokens(logits, bitmask)
 
     def own_step_inputs(self, packed: mx.array) -> mx.array:
         # One copy made by the GPU, so every layer's kernels read memory the GPU wrote: reading the host-written

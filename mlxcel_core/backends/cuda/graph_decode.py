@@ -1,4 +1,4 @@
-"""A lone greedy row's decode steps replayed as one CUDA graph of our own kernels (the CUDA backend's replayer).
+"""A lone greedy row's decode steps replayed as CUDA graphs of our own kernels (the CUDA backend's replayer).
 
 Why: at batch 1 a small model's step is bound by the host, not the GPU: building the step's graph in Python and MLX,
 and MLX encoding ~88 kernel nodes into CUDA graphs each token, take longer than the GPU's own work. Every launch of
@@ -18,6 +18,11 @@ one. EngineConfig.decode_graph=False builds an engine without it.
 - replay (`decode`): the host advances the storage (`decode_inputs`) and queues its ints and the RoPE position into
   their buffers from pinned memory. It then launches the graph and queues the readout's copy to the host. The engine
   reads that readout when it commits the step, one step behind, like an MLX step's.
+- a constrained row (engine/constrained.py) is recorded and replayed in two graphs: the forward, then the masked
+  greedy kernel. Between them the engine's `masks` callback reads the previous step and computes the row's allowed
+  tokens on the host while the device runs the forward; the mask goes up from pinned memory into the recorded mask
+  array, then the second graph runs. A row that ended meanwhile (its previous token was its last, or a dead end)
+  gets no second graph and no token.
 - A recording is kept per layout of the step's ints (the block table's padded width) and pool size, up to
   MAX_REPLAYS. Nothing else in it belongs to the row, so another row (the next request), or the same row after an
   MLX step, adopts it: its newest token is copied into the graph's token buffer. The buffer backs the newest token
@@ -44,12 +49,12 @@ import numpy as np
 from mlxcel_core.engine.step_inputs import packed_ints
 
 from .kernels.cubin_cache import Launch, pdl_enabled, record_launches
-from .kernels.greedy import greedy_tokens
+from .kernels.greedy import greedy_tokens, masked_greedy_tokens
 from .kernels.rms_norm import final_norm_as_kernel
 from .kernels.rope_fold import last_positions
 
 SLOTS = 4  # pinned buffers for steps in flight (the engine reads a step's readout one or two steps later)
-MAX_REPLAYS = 4  # recordings kept (layouts of the step's ints): each holds one step's buffers and a CUDA graph
+MAX_REPLAYS = 8  # recordings kept (layouts of the step's ints, masked or not): each holds one step's buffers and graphs
 MAX_INTS = 4096  # a step's ints (slots, block table, position, context length) at most
 log = logging.getLogger("mlxcel.engine")
 
@@ -116,6 +121,8 @@ class _Slot:
     readout: ctypes.c_void_p
     event: ctypes.c_void_p
     used: bool = False
+    mask: ctypes.c_void_p | None = None  # a constrained row's packed mask, allocated at its first use
+    mask_bytes: int = 0
 
 
 @dataclass
@@ -129,6 +136,8 @@ class _Replay:
     spans: list
     positions: list[tuple[int, float]]  # (device address, RoPE scale) of the positions the kernels read
     arrays: list  # the recorded step's arrays, kept alive (the graph points into their buffers)
+    masked: object = None  # a constrained row's: the masked greedy's graph (`exe` is then the forward alone)
+    mask_at: int = 0  # the mask array's device address
 
 
 class GraphDecoder:
@@ -147,20 +156,22 @@ class GraphDecoder:
         self._pool_addresses: list[int] = []
         self._held_model: set[int] | None = None
 
-    def decode(self, seq_id: int, latest: mx.array) -> tuple[mx.array, object]:
-        """One decode step of the lone row `seq_id` whose newest token is `latest`: (token, readout)."""
+    def decode(self, seq_id: int, latest: mx.array, masks=None) -> tuple[mx.array | None, object]:
+        """One decode step of the lone row `seq_id` whose newest token is `latest`: (token, readout). `masks`: a
+        constrained row's, called once the forward is queued; it returns the row's packed mask (int32 [1, words]),
+        or None where the row has ended, and then the step has no token: (None, None)."""
         parts = self.storage.decode_inputs((seq_id,))
         flat, spans = packed_ints(*parts)
         # (pool rows: a step whose blocks need more rows than the pools hold must be MLX's, which grows them)
-        key = (tuple(spans), self.storage.pool_rows)
+        key = (tuple(spans), self.storage.pool_rows, masks is not None)
         if self.replays and self.storage.pools_version != self._pools_version:
             self._check_pools()
         replay = self.replays.get(key)
         if replay is not None and (latest is replay.token or self._adopt(replay, seq_id, latest)):
-            readout = self._launch(replay, parts, flat)
+            readout = self._launch(replay, parts, flat, masks)
             self.replayed += 1
-            return replay.token, readout
-        return self._record(seq_id, latest, parts, key)
+            return (replay.token, readout) if readout is not None else (None, None)
+        return self._record(seq_id, latest, parts, key, masks)
 
     def takes(self, seq_id: int) -> bool:
         """Whether this step of the lone row `seq_id` is the graph's. Not a row's first step while nothing is
@@ -196,8 +207,9 @@ class GraphDecoder:
             pass
 
     # -- internals ----------------------------------------------------------------------------
-    def _launch(self, replay: _Replay, parts: tuple, flat: list[int]) -> HostReadout:
-        """Queue one replay: the step's ints and RoPE position uploaded, the graph, the readout's copy to the host."""
+    def _launch(self, replay: _Replay, parts: tuple, flat: list[int], masks=None) -> HostReadout | None:
+        """Queue one replay: the step's ints and RoPE position uploaded, the graph (a constrained row's: the forward,
+        its mask, the masked greedy), the readout's copy to the host. None: the constrained row ended meanwhile."""
         position = parts[3][0]
         slot = self.slots[self.replayed % SLOTS]
         driver = self.driver
@@ -210,10 +222,25 @@ class GraphDecoder:
             ctypes.c_float.from_address(host).value = np.float32(position) * np.float32(scale)  # fold_positions' value
             driver.upload(address, host, 4)
         driver.launch_graph(replay.exe)
-        driver.download(slot.readout, replay.readout_at, 4)
-        driver.record(slot.event)
+        ended = replay.masked is not None and not self._upload_mask(slot, replay, masks())
+        if replay.masked is not None and not ended:
+            driver.launch_graph(replay.masked)
+        if not ended:
+            driver.download(slot.readout, replay.readout_at, 4)
+        driver.record(slot.event)  # (also when ended: the slot's pinned ints may still feed a queued copy)
         slot.used = True
-        return HostReadout(driver, slot.event, slot.readout)
+        return None if ended else HostReadout(driver, slot.event, slot.readout)
+
+    def _upload_mask(self, slot: _Slot, replay: _Replay, bitmask: np.ndarray | None) -> bool:
+        """Queue the copy of a constrained row's mask into the replay's mask array; False: no mask (the row ended)."""
+        if bitmask is None:
+            return False
+        nbytes = bitmask.nbytes
+        if slot.mask_bytes < nbytes:
+            slot.mask, slot.mask_bytes = self.driver.pinned(nbytes), nbytes
+        ctypes.memmove(slot.mask.value, bitmask.ctypes.data, nbytes)
+        self.driver.upload(replay.mask_at, slot.mask, nbytes)
+        return True
 
     def _kept(self) -> list[mx.array]:
         """The arrays a replay reads that the storage owns: the KV pools and the combine counters."""
@@ -252,17 +279,26 @@ class GraphDecoder:
         self.adopted += 1
         return True
 
-    def _record(self, seq_id: int, latest: mx.array, parts: tuple, key: tuple) -> tuple[mx.array, mx.array]:
+    def _record(self, seq_id: int, latest: mx.array, parts: tuple, key: tuple, masks=None) -> tuple:
         self.settle()
         storage = self.storage
+        mask = None
         with record_launches() as launches, final_norm_as_kernel():
             caches = storage.decode_views(parts)
             logits = self.model(latest[:, None], caches)[:, -1, :]
-            token, readout = greedy_tokens(logits)
+            if masks is None:
+                token, readout = greedy_tokens(logits)
+            else:
+                mx.async_eval(logits)  # (the host computes the mask meanwhile, as in a replay)
+                bitmask = masks()
+                if bitmask is None:
+                    return None, None
+                mask = mx.array(bitmask)
+                token, readout = masked_greedy_tokens(logits, mask)
         self.recorded += 1
         try:
             pool_addresses = self._addresses(self._kept())
-            replay = self._build(seq_id, latest, caches, parts, launches, token, readout, pool_addresses)
+            replay = self._build(seq_id, latest, caches, parts, launches, token, readout, pool_addresses, mask)
             if pool_addresses != self._pool_addresses:  # this step moved the pools (grew them): the others are stale
                 for stale in list(self.replays):
                     self._drop(stale)
@@ -282,17 +318,21 @@ class GraphDecoder:
             "mlxcel: decode steps are not replayed as a CUDA graph for this model (%s)", self.why_not
         )
 
-    def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses) -> _Replay:
-        from .kernels.cuda_driver import Driver, addresses, issue_launches
+    def _build(self, seq_id, latest, caches, parts, launches, token, readout, pool_addresses, mask=None) -> _Replay:
+        """The step's recording as a replay: checked (`blockers`), its graphs captured. `mask`: a constrained row's
+        mask array (the masked greedy's input the replay rewrites)."""
+        from .kernels.cuda_driver import addresses, issue_launches
 
-        if not launches or not launches[-1].func or not launches[-1].func.startswith("mlxcel_greedy_tokens"):
-            raise NotReplayable("the step does not end in the greedy kernel")
+        greedy = "mlxcel_greedy_tokens" if mask is None else "mlxcel_masked_greedy_tokens"
+        if not launches or not launches[-1].func or not launches[-1].func.startswith(greedy + "_"):
+            raise NotReplayable(f"the step does not end in the {greedy} kernel")
         if launches[-1].outputs[0] is not token or launches[-1].outputs[1] is not readout:
             raise NotReplayable("the greedy kernel's outputs are not the step's token and readout")
         step_ints = caches[0].slots[0]  # a view at offset 0 of the step's ints (engine/step_inputs.py)
         roped = last_positions(caches[0].offset)
+        rewritten = [a for a in (latest, roped[0] if roped else None, mask) if a is not None]  # by every replay
         arrays = {id(a): a for launch in launches for a in launch.inputs + launch.outputs}
-        arrays.update({id(a): a for a in (latest, step_ints, *(roped[:1] if roped else ()))})
+        arrays.update({id(a): a for a in (step_ints, *rewritten)})
         arrays = list(arrays.values())
         mx.eval(arrays)
         mx.synchronize()
@@ -307,34 +347,45 @@ class GraphDecoder:
         flat, spans = packed_ints(*parts)
         if len(flat) > MAX_INTS:
             raise NotReplayable(f"{len(flat)} step ints")
-        fresh = {where[id(latest)]} | ({where[id(roped[0])]} if roped else set())
+        fresh = {where[id(a)] for a in rewritten}
         problems = blockers(launches, where, held, (ints_at, ints_at + 4 * len(flat)), fresh, copied)
         if problems:
             raise NotReplayable(f"{problems[0]} (and {len(problems) - 1} more)" if len(problems) > 1 else problems[0])
-        if self.driver is None:
-            self.driver = Driver()
-            self.slots = [
-                _Slot(
-                    self.driver.pinned(4 * MAX_INTS), self.driver.pinned(64), self.driver.pinned(4), self.driver.event()
-                )
-                for _ in range(SLOTS)
-            ]
-        driver, token_out, token_in = self.driver, where[id(token)], where[id(latest)]
+        driver, token_out, token_in = self._driver(), where[id(token)], where[id(latest)]
+        forward = launches if mask is None else launches[:-1]
 
         def issue():
             driver.copy_on_device(token_in, token_out, 4)
-            issue_launches(driver, launches, where, programmatic=pdl_enabled())
+            issue_launches(driver, forward, where, programmatic=pdl_enabled())
 
         exe = driver.capture(issue)
+        masked = None if mask is None else driver.capture(lambda: issue_launches(driver, launches[-1:], where))
         positions = [(where[id(roped[0])], roped[1])] if roped else []
         # The storage's arrays are not held here: holding a pool would keep MLX from writing the next one into its
         # memory, and the replays would then be dropped at every prefill (_check_pools).
         kept_ids = {id(a) for a in self._kept()}
         arrays = [a for a in arrays if id(a) not in kept_ids]
-        return _Replay(seq_id, exe, token, token_out, where[id(readout)], ints_at, spans, positions, arrays)
+        mask_at = 0 if mask is None else where[id(mask)]
+        return _Replay(
+            seq_id, exe, token, token_out, where[id(readout)], ints_at, spans, positions, arrays, masked, mask_at
+        )
+
+    def _driver(self):
+        """The driver, its stream and the pinned buffers of the steps in flight, made at the first recording."""
+        from .kernels.cuda_driver import Driver
+
+        if self.driver is None:
+            self.driver = driver = Driver()
+            self.slots = [
+                _Slot(driver.pinned(4 * MAX_INTS), driver.pinned(64), driver.pinned(4), driver.event())
+                for _ in range(SLOTS)
+            ]
+        return self.driver
 
     def _drop(self, key: tuple) -> None:
         replay = self.replays.pop(key)
         if replay.exe is not None:
             self.settle()
             self.driver.destroy_graph(replay.exe)
+            if replay.masked is not None:
+                self.driver.destroy_graph(replay.masked)

@@ -8,9 +8,11 @@ import threading
 
 import mlx.core as mx
 import pytest
+from tiny_models import save_tiny_mlx_llama
 
 from mlxcel_core.bench import RandomIdTokenizer
-from mlxcel_core.engine import Engine, EngineConfig
+from mlxcel_core.engine import Engine, EngineConfig, constrained
+from mlxcel_core.loading import load_model
 from mlxcel_core.loading.shapes import build_random_model
 from mlxcel_core.server import engine_loop
 from mlxcel_core.server.engine_loop import EngineLoop
@@ -47,7 +49,7 @@ def test_the_warm_up_runs_on_its_own_engine_before_ready(monkeypatch, caplog):
     try:
         assert loop.state == "ready" and len(warmed) == 1 and warmed[0] is not loop.engine
         plan = warmup_plan(loop.engine_config)  # (on CPU one request, on a GPU more)
-        requests = 1 + (plan.rows if plan.rows > 1 else 0)
+        requests = 1 + (plan.rows if plan.rows > 1 else 0)  # (a constrained one needs a tokenizer with text)
         assert warmed[0].runner.prefill_tokens == requests * len(WARMUP_PROMPT) + sum(plan.prompt_lengths)  # ...
         assert loop.engine.runner.prefill_tokens == 0 and loop.engine.storage.stats().get("prefix_hits", 0) == 0
         assert not loop.engine.has_work()  # ... and the serving engine starts clean
@@ -143,12 +145,12 @@ def test_the_plan_on_a_gpu_covers_the_split_attention_and_the_kernels_rows_and_o
     assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(rows=1, prompt_lengths=())
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(
-        lone_tokens=2 * 64 + 1 - len(WARMUP_PROMPT), rows=4, prompt_lengths=tuple(range(1, 9))
+        lone_tokens=2 * 64 + 1 - len(WARMUP_PROMPT), rows=4, prompt_lengths=tuple(range(1, 9)), constrained=True
     )
     assert warmup_plan(EngineConfig(max_batch_size=32)).rows == 8
     assert (
         warmup_plan(EngineConfig(max_batch_size=32)).describe()
-        == "a lone reply of 113 tokens, decode batches of 1 to 8, prompts of 1 to 8 tokens"
+        == "a lone reply of 113 tokens, decode batches of 1 to 8, prompts of 1 to 8 tokens, a constrained reply"
     )
     assert WarmupPlan().describe() == f"a lone reply of {WARMUP_TOKENS} tokens"
 
@@ -170,3 +172,31 @@ def test_on_cuda_the_warm_up_records_and_replays_the_graph_and_prefills_each_sho
     assert engine.graph.recorded >= 2 and engine.graph.replayed >= 1, engine.graph.why_not
     assert min(splits) == 1 and max(splits) > 1  # both forms of the attention kernel ran
     assert engine.runner.prefill_tokens - before >= sum(plan.prompt_lengths) + len(WARMUP_PROMPT)
+
+
+def test_a_constrained_warm_up_request_decodes_digits_and_its_failure_is_only_a_warning(monkeypatch, caplog, tmp_path):
+    """On a GPU the plan adds a lone constrained request (the masked greedy kernel and its replay); a tokenizer whose
+    grammar fails leaves free requests served."""
+    loaded = load_model(str(save_tiny_mlx_llama(tmp_path / "tiny")), log=lambda m: None)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
+    produced = []
+    step = engine.step
+
+    def counting_step():
+        out = step()
+        produced.extend(o.token for o in out if o.token is not None and engine.sequence(o.seq_id).params.constraint)
+        return out
+
+    engine.step = counting_step
+    assert engine_loop.warm_up(engine, WarmupPlan(lone_tokens=2, constrained=True)) > 0
+    assert len(produced) == WARMUP_TOKENS and loaded.tokenizer.decode(produced).isdigit()
+    assert engine.runner.prefill_tokens == 2 * len(WARMUP_PROMPT)
+    caplog.set_level(logging.WARNING, logger="mlxcel.server")
+
+    def dead_end(self, allows_any):
+        raise constrained.ConstraintDeadEnd("llguidance cannot read this tokenizer (test)")
+
+    monkeypatch.setattr(constrained.RowConstraint, "check", dead_end)
+    broken = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
+    assert engine_loop.warm_up(broken, WarmupPlan(lone_tokens=2, constrained=True)) > 0
+    assert "constrained request failed" in caplog.text and "(test)" in caplog.text

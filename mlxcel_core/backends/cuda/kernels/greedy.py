@@ -1,6 +1,7 @@
 """The end of an all-greedy decode step, each row's token and its NaN readout, in one CUDA launch.
 
     tokens, readout = greedy_tokens(logits)   # logits [N, V] -> uint32 [N], int32 [N]
+    tokens, readout = masked_greedy_tokens(logits, bitmask)   # only the tokens each row's bitmask allows
 
 `tokens` is each row's argmax (the first index of the largest logit, as mx.argmax), the next step's input;
 `readout` is what the host reads: the token, or -1 where the row's logits hold a NaN (the engine ends that row).
@@ -9,6 +10,11 @@ As MLX ops that is an argmax, an isnan, an any, a cast and a select: on the H200
 ops of host work. The kernel reads the logits once: one block per row, 16-byte loads, a running (max, index, NaN)
 per thread, then warp shuffles and shared memory. Where it does not run (no CUDA device, or logits not [N, V] of a
 float type) the MLX ops compute the same arrays.
+
+The masked form is a constrained row's greedy step (engine/constrained.py): `bitmask` [N, words] int32, bit t % 32
+of word t // 32 set where token t is allowed. The kernel passes over the tokens a row's mask leaves out, so it reads
+the logits once and needs no masked copy of them: the argmax and the NaN readout of
+`apply_bitmask(logits, bitmask)` in one launch.
 """
 
 from __future__ import annotations
@@ -32,9 +38,10 @@ _SOURCE = r"""
     float best = 0.0f;
     int idx = -1;  // none yet
     bool nan = false;
+    ALLOWED_SETUP
     // Each thread sees its elements in increasing index order and keeps the first of equal maxima.
 #define CONSIDER_VALUE(value, at)                  \
-    {                                              \
+    if (ALLOWED(at)) {                             \
         const float v_ = (value);                  \
         nan = nan || isnan(v_);                    \
         if (idx < 0 || v_ > best) {                \
@@ -100,6 +107,14 @@ _SOURCE = r"""
         tokens[row] = static_cast<uint32_t>(idx);
         readout[row] = nan ? -1 : idx;
     }
+#undef ALLOWED
+"""
+_ALL = "\n#define ALLOWED(at) true\n"
+# (the row's mask words; a token past them is not allowed)
+_MASKED = """
+    const int W = bitmask_shape[1];
+    const int* words = bitmask + size_t(row) * W;
+#define ALLOWED(at) (((at) >> 5) < W && ((words[(at) >> 5] >> ((at) & 31)) & 1))
 """
 
 
@@ -109,7 +124,17 @@ def _kernel():
         name="mlxcel_greedy_tokens",
         input_names=["logits"],
         output_names=["tokens", "readout"],
-        source=_SOURCE,
+        source=_SOURCE.replace("ALLOWED_SETUP", _ALL),
+    )
+
+
+@functools.cache
+def _masked_kernel():
+    return cuda_kernel(
+        name="mlxcel_masked_greedy_tokens",
+        input_names=["logits", "bitmask"],
+        output_names=["tokens", "readout"],
+        source=_SOURCE.replace("ALLOWED_SETUP", _MASKED),
     )
 
 
@@ -135,15 +160,29 @@ def greedy_tokens(logits: mx.array) -> tuple[mx.array, mx.array]:
     """(tokens uint32 [N], readout int32 [N]) of logits [N, V]: each row's argmax, and it again or -1 where the row
     holds a NaN. One kernel launch where it runs, else MLX ops."""
     if kernel_runs(logits):
-        n = logits.shape[0]
-        tokens, readout = _kernel()(
-            inputs=[logits],
-            template=[("T", logits.dtype), ("TPB", THREADS)],
-            grid=(n * THREADS, 1, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(n,), (n,)],
-            output_dtypes=[mx.uint32, mx.int32],
-        )
-        return tokens, readout
+        return _launch(_kernel(), [logits])
     tokens = mx.argmax(logits, axis=-1)
     return tokens, readout_of(tokens, logits)
+
+
+def masked_greedy_tokens(logits: mx.array, bitmask: mx.array) -> tuple[mx.array, mx.array]:
+    """greedy_tokens of `apply_bitmask(logits, bitmask)` (bitmask int32 [N, words]): one kernel launch where it runs,
+    else those MLX ops."""
+    if kernel_runs(logits) and bitmask.dtype == mx.int32 and bitmask.ndim == 2 and bitmask.shape[0] == logits.shape[0]:
+        return _launch(_masked_kernel(), [logits, bitmask])
+    from mlxcel_core.engine.constrained import apply_bitmask
+
+    return greedy_tokens(apply_bitmask(logits, bitmask))
+
+
+def _launch(kernel, inputs: list[mx.array]) -> tuple[mx.array, mx.array]:
+    n = inputs[0].shape[0]
+    tokens, readout = kernel(
+        inputs=inputs,
+        template=[("T", inputs[0].dtype), ("TPB", THREADS)],
+        grid=(n * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(n,), (n,)],
+        output_dtypes=[mx.uint32, mx.int32],
+    )
+    return tokens, readout

@@ -3,9 +3,12 @@ replayer; EngineConfig.decode_graph=False builds an engine without it).
 
 On CPU: the engine's side with MLX standing in for the CUDA driver (a GraphDecoder whose `_build` keeps the step's
 layout and whose `_launch` computes the step with MLX from the same storage ints). Requests arriving and ending at
-different steps give the plain engine's tokens, the stand-in serves exactly the steps where one plain-greedy row
-decodes alone, and the engine settles it before anything of MLX's runs. `blockers` is checked on made-up launches.
-On CUDA: the real graph on a Llama-3.2-1B-shaped 4-bit model gives the plain engine's greedy tokens, replaying.
+different steps give the plain engine's tokens, the stand-in serves exactly the steps where one greedy row decodes
+alone, and the engine settles it before anything of MLX's runs. A constrained row's replays (forward, the engine's
+mask, masked greedy) give the plain engine's constrained tokens, also where the row ends between the two parts
+(grammar complete, dead end). `blockers` is checked on made-up launches.
+On CUDA: the real graph on a Llama-3.2-1B-shaped 4-bit model gives the plain engine's greedy tokens, replaying, free
+and constrained.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from tiny_models import save_tiny_llama
 from mlxcel_core import backends
 from mlxcel_core.backends.cuda.graph_decode import GraphDecoder, _Replay, _Slot, blockers, module_arrays
 from mlxcel_core.backends.cuda.kernels.cubin_cache import Launch
-from mlxcel_core.engine import Engine, EngineConfig
+from mlxcel_core.constraints import Constraint
+from mlxcel_core.engine import Engine, EngineConfig, constrained
 from mlxcel_core.engine.step_inputs import packed_ints
 from mlxcel_core.loading import load_model
 from mlxcel_core.sampling import SamplingParams
@@ -183,6 +187,55 @@ def test_blockers_name_what_a_replay_would_read_stale():
     assert len(blockers(backwards, where, {5000}, (200, 264), {300}, set())) == 1
 
 
+HEX = Constraint.regex("[0-9a-f]{40}")  # complete after 40 characters: the row stops on the grammar
+
+
+def _lone_tokens(engine, prompt, params) -> tuple[list[int], str, str | None]:
+    seq = engine.open(prompt, params)
+    outputs = []
+    while engine.has_work():
+        outputs += engine.step()
+    engine.release(seq)
+    return [o.token for o in outputs if o.token is not None], outputs[-1].finish_reason, outputs[-1].error
+
+
+@pytest.mark.parametrize("constraint", [HEX, Constraint.grammar('start: "(" ITEM ("," ITEM)* ")"\nITEM: /[a-c]/\n')])
+def test_a_constrained_row_replays_in_two_parts_and_gives_the_plain_tokens(loaded, constraint):
+    params = SamplingParams(max_tokens=60, constraint=constraint)
+    plain_engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged"))
+    free = _lone_tokens(plain_engine, PROMPTS[0], SamplingParams(max_tokens=20))
+    expected = _lone_tokens(plain_engine, PROMPTS[1], params)
+    engine, stand_in = _lone_engine(loaded)
+    assert _lone_tokens(engine, PROMPTS[1], params) == expected
+    assert stand_in.built_masked >= 1 and stand_in.masked_replays >= min(len(expected[0]) - 4, 20)
+    # a free row after it records its own (unmasked) replays: the keys differ, the tokens are its own
+    assert _lone_tokens(engine, PROMPTS[0], SamplingParams(max_tokens=20)) == free
+    assert stand_in.recorded > stand_in.built_masked and stand_in.usable
+
+
+def test_a_row_that_ends_between_the_two_parts_gets_no_token_and_the_graph_goes_on(loaded, monkeypatch):
+    engine, stand_in = _lone_engine(loaded)
+    tokens, reason, _ = _lone_tokens(engine, PROMPTS[1], SamplingParams(max_tokens=60, constraint=HEX))
+    assert reason == "stop" and len(tokens) <= 40  # the replay after the last token ran the forward alone
+    calls = {"n": 0}
+    check = constrained.RowConstraint.check
+
+    def dead_after_ten(self, allows_any):
+        calls["n"] += 1
+        if calls["n"] > 10:
+            raise constrained.ConstraintDeadEnd("no token can continue (test)")
+        check(self, allows_any)
+
+    monkeypatch.setattr(constrained.RowConstraint, "check", dead_after_ten)
+    tokens, reason, error = _lone_tokens(engine, PROMPTS[1], SamplingParams(max_tokens=60, constraint=HEX))
+    assert (len(tokens), reason) == (10, "error") and "(test)" in error
+    monkeypatch.undo()
+    assert stand_in.usable
+    plain_engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2, storage="paged"))
+    expected = _lone_tokens(plain_engine, PROMPTS[2], SamplingParams(max_tokens=30, constraint=HEX))
+    assert _lone_tokens(engine, PROMPTS[2], SamplingParams(max_tokens=30, constraint=HEX)) == expected
+
+
 def test_module_arrays_include_private_ones(loaded):
     model = loaded.model
     layer = model.layers[0]
@@ -270,6 +323,36 @@ def test_a_closed_graph_gives_back_the_driver_and_a_new_engine_replays_the_same_
     first = replayed_tokens()
     for _ in range(2):
         assert replayed_tokens() == first
+
+
+@cuda
+def test_the_cuda_graph_replays_a_constrained_row_with_the_plain_engines_tokens(monkeypatch, tmp_path):
+    """The two-part replay (forward graph, the host's mask, masked greedy graph) on the device, a free row's replays
+    beside it: the plain engine's tokens, every replayed constrained token allowed by the grammar."""
+    import dataclasses
+    import re
+
+    from tiny_models import save_tiny_mlx_llama
+
+    from mlxcel_core.bench import random_prompt
+    from mlxcel_core.loading.shapes import build_random_model
+
+    model, config = build_random_model("llama-3.2-1b", bits=4, seed=0)
+    tokenizer = load_model(str(save_tiny_mlx_llama(tmp_path / "tok")), log=lambda m: None).tokenizer
+    tokenizer = dataclasses.replace(tokenizer, eos_token_ids=set())  # (the grammar keeps its EOS: never reached)
+    prompt = random_prompt(config["vocab_size"], 100, 0, "graph-constrained-test")
+    hex_params = SamplingParams(max_tokens=50, constraint=Constraint.regex("[0-9a-f]{200}"))
+    free_params = SamplingParams(max_tokens=30)
+    plain_engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1, decode_graph=False))
+    plain = [_lone_tokens(plain_engine, prompt, p) for p in (hex_params, free_params, hex_params)]
+    monkeypatch.undo()  # the backend's own replayer from here on
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_size=1))
+    graph = engine.graph
+    got = [_lone_tokens(engine, prompt, p) for p in (hex_params, free_params, hex_params)]
+    counters = dict(recorded=graph.recorded, replayed=graph.replayed, adopted=graph.adopted, why_not=graph.why_not)
+    assert got == plain, counters
+    assert re.fullmatch("[0-9a-f]+", tokenizer.decode(got[0][0])) and len(got[0][0]) == 50
+    assert graph.usable and graph.replayed >= 110 and any(r.masked is not None for r in graph.replays.values())
 
 
 class FakeDriver:

@@ -1,4 +1,5 @@
-"""kernels/greedy.py: each row's argmax and its NaN readout, the CUDA kernel against MLX's ops.
+"""kernels/greedy.py: each row's argmax and its NaN readout, the CUDA kernel against MLX's ops; the masked form
+(a constrained row's) against the argmax of the allowed tokens.
 
 The kernel tests are skipped where MLX has no usable CUDA backend; the ops path (what runs there) is checked
 everywhere. On the device: python -m pytest tests/mlxcel_core/kernels/test_greedy.py
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlxcel_core.backends.cuda.kernels import greedy
-from mlxcel_core.backends.cuda.kernels.greedy import greedy_tokens, kernel_runs
+from mlxcel_core.backends.cuda.kernels.greedy import greedy_tokens, kernel_runs, masked_greedy_tokens
 from mlxcel_core.backends.cuda.paged_attention import cuda_kernel_available
 
 needs_cuda = pytest.mark.skipif(not cuda_kernel_available(), reason="needs MLX's CUDA backend and a CUDA device")
@@ -96,3 +97,65 @@ def test_kernel_inside_a_compiled_step():
     tokens, readout = step(mx.array(x).astype(mx.bfloat16))
     assert readout.tolist() == _expected(x)[1]
     assert greedy._kernel() is greedy._kernel()  # one compiled kernel object
+
+
+def _masks(x: np.ndarray, extra_words: int = 0, seed: int = 0) -> np.ndarray:
+    """Packed masks [n, words] allowing ~30% of the tokens, the row's maximum never among them; row 3's NaN is
+    allowed, and a NaN put into row 0 is not; bits past the vocabulary set (a tokenizer's ids beyond the logits)."""
+    n, v = x.shape
+    rng = np.random.default_rng(seed)
+    allowed = rng.random((n, v)) < 0.3
+    allowed[np.arange(n), np.nanargmax(np.where(np.isinf(x), 0, x), axis=-1)] = False
+    allowed[:, min(3, v - 1)] = True  # every row allows something
+    allowed[3] |= np.isnan(x[3])
+    x[0, v // 2] = np.nan
+    allowed[0, v // 2] = False
+    words = (v + 31) // 32 + extra_words
+    bits = np.zeros((n, words * 32), dtype=bool)
+    bits[:, :v] = allowed
+    bits[:, v:] = True
+    return (
+        np.packbits(bits.reshape(n, words, 32)[:, :, ::-1], axis=-1)
+        .view(">u4")
+        .astype(np.uint32)
+        .view(np.int32)
+        .reshape(n, words)
+    )
+
+
+def _check_masked(x: np.ndarray, bitmask: np.ndarray, dtype) -> None:
+    """Each row's token is its first largest allowed logit and the readout that token, or -1 where an allowed logit
+    is NaN; a row whose allowed logits are all -inf may give any token (the kernel an allowed one, the ops the
+    argmax of an all -inf row)."""
+    n, v = x.shape
+    unpacked = ((bitmask[:, :, None] >> np.arange(32)) & 1).reshape(n, -1)[:, :v].astype(bool)
+    want_tokens, want_readout = _expected(np.where(unpacked, x, -np.inf))
+    tokens, readout = masked_greedy_tokens(mx.array(x).astype(dtype), mx.array(bitmask))
+    got_tokens, got_readout = tokens.tolist(), readout.tolist()
+    for row in range(n):
+        if want_readout[row] < 0:
+            assert got_readout[row] == -1, f"row {row}"
+        elif not np.isfinite(x[row][unpacked[row]]).any():
+            assert got_readout[row] == got_tokens[row], f"row {row}"
+        else:
+            assert got_tokens[row] == got_readout[row] == want_tokens[row], f"row {row}"
+            assert unpacked[row, got_tokens[row]]
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("v", [1000, 4096])
+def test_masked_tokens_are_the_allowed_argmax(dtype, v):
+    """The ops path everywhere; on a CUDA device, the kernel."""
+    x = _tricky(v, dtype)
+    _check_masked(x, _masks(x, extra_words=2), dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("v", [128256, 49152, 1001, 7])
+def test_masked_kernel_matches_the_allowed_argmax(dtype, v):
+    assert kernel_runs(mx.zeros((1, v), dtype=dtype))
+    x = _tricky(v, dtype)
+    _check_masked(x, _masks(x, seed=v), dtype)
+    one = _logits(1, v, dtype, seed=2)
+    _check_masked(one, _masks(one, extra_words=1, seed=3), dtype)
