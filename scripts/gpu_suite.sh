@@ -20,7 +20,8 @@ case "${1:-}" in
   stage)
     ../shared/gpu/stage.sh platformdirs starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
       pytest-xdist execnet mlx-lm==0.32.2 ruff import-linter grimp pexpect ptyprocess llguidance jsonschema \
-      jsonschema-specifications referencing rpds-py attrs libgguf gguf pyyaml openai distro jiter sniffio tqdm
+      jsonschema-specifications referencing rpds-py attrs libgguf gguf pyyaml openai distro jiter sniffio tqdm \
+      httpx2 httpcore2 truststore anyio idna h11
     # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
     mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
     # The test extras' transformers (that machine's is older than the GGUF tests need) rides alone in a third call.
