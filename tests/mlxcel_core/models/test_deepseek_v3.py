@@ -316,13 +316,15 @@ def test_backend_kernel_not_taken_for_latent_layers(tiny_ds, monkeypatch):
 
 def test_tensor_parallelism_splits_query_heads_only(tiny_ds):
     """The latent key is shared by every head: only the query heads must divide (tests/mlxcel_core/distributed/
-    test_tensor_parallel_families.py runs the ranks)."""
-    from mlxcel_core.distributed.shard import check_shardable
+    test_tensor_parallel_families.py runs the ranks). Checked the way a rank loads: before the backend swaps in its
+    kernel modules."""
+    from tiny_models import FakeGroup
 
-    model = load_quiet(tiny_ds[1]).model
-    check_shardable(model, 2)
+    from mlxcel_core.loading import load_model
+
+    load_model(str(tiny_ds[1]), log=lambda m: None, group=FakeGroup(0, 2))
     with pytest.raises(UnsupportedModelError, match="4 query heads \\(over one shared latent key\\)"):
-        check_shardable(model, 3)
+        load_model(str(tiny_ds[1]), log=lambda m: None, group=FakeGroup(0, 3))
 
 
 def fp8_copy(src, dst, block=(32, 32)):

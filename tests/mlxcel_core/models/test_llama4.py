@@ -269,13 +269,16 @@ def test_released_config_values():
 
 
 def test_tensor_parallelism_needs_dividing_heads(tiny):
-    """(tests/mlxcel_core/distributed/test_tensor_parallel_families.py runs the ranks.)"""
-    from mlxcel_core.distributed.shard import check_shardable
+    """Loading as rank 0 of 2 shards; of 4, it is refused (tests/mlxcel_core/distributed/
+    test_tensor_parallel_families.py runs the ranks). Checked the way a rank loads: before the backend swaps in its
+    kernel modules."""
+    from tiny_models import FakeGroup
 
-    model = load_quiet(tiny).model
-    check_shardable(model, 2)
+    from mlxcel_core.loading import load_model
+
+    load_model(str(tiny), log=lambda m: None, group=FakeGroup(0, 2))
     with pytest.raises(UnsupportedModelError, match="4 query heads and 2 KV heads"):
-        check_shardable(model, 4)
+        load_model(str(tiny), log=lambda m: None, group=FakeGroup(0, 4))
 
 
 @pytest.mark.parametrize(

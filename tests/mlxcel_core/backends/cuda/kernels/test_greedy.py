@@ -100,14 +100,16 @@ def test_kernel_inside_a_compiled_step():
 
 
 def _masks(x: np.ndarray, extra_words: int = 0, seed: int = 0) -> np.ndarray:
-    """Packed masks [n, words] allowing ~30% of the tokens, the row's maximum never among them; row 3's NaN is
-    allowed, and a NaN put into row 0 is not; bits past the vocabulary set (a tokenizer's ids beyond the logits)."""
+    """Packed masks [n, words] allowing ~30% of the tokens, the row's maximum never among them; row 3's NaN (where
+    there is a row 3) is allowed, and a NaN put into row 0 is not; bits past the vocabulary set (a tokenizer's ids
+    beyond the logits)."""
     n, v = x.shape
     rng = np.random.default_rng(seed)
     allowed = rng.random((n, v)) < 0.3
     allowed[np.arange(n), np.nanargmax(np.where(np.isinf(x), 0, x), axis=-1)] = False
     allowed[:, min(3, v - 1)] = True  # every row allows something
-    allowed[3] |= np.isnan(x[3])
+    if n > 3:
+        allowed[3] |= np.isnan(x[3])
     x[0, v // 2] = np.nan
     allowed[0, v // 2] = False
     words = (v + 31) // 32 + extra_words
