@@ -4,7 +4,10 @@ A pool holds ``num_blocks`` blocks of ``block_size`` token slots; each sequence 
 block ids (its row of ``block_tables``). Decode attention gathers a row's blocks, cuts the key
 axis into ``num_splits`` contiguous chunks, reduces each chunk independently (max, sum of exp,
 weighted V) and merges the partials with log-sum-exp rescaling. ``num_splits`` only changes how
-the work is partitioned, never the result, so a tuner may pick it freely.
+the work is partitioned, never the result (up to rounding), so a tuner may pick it freely. One split
+(the default below 4096 keys) is one softmax over the whole key axis: no partials to merge, about half
+the ops, which a decode step pays per layer on every backend that runs this path (the CPU; on CUDA
+the calls no kernel takes: attention sinks, latent attention, chunked attention).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ def paged_decode_attention(
     k = k_pool[block_tables].reshape(B, T, Hkv, D)
     Dv = D if values_in_keys is None else values_in_keys
     v = v_pool[block_tables].reshape(B, T, Hkv, D) if values_in_keys is None else k[..., :Dv]
+    if S == 1:
+        return _whole(q, k, v, context_lens, scale, sinks, chunk)
     # Pad T so it splits evenly; the padding is masked out below like any position >= context_len.
     span = max(1, -(-T // S))  # keys per split
     pad = span * S - T
@@ -110,13 +115,8 @@ def paged_decode_attention(
     qg = (q.astype(f32) * scale).reshape(B, Hkv, 1, n_rep, D)
 
     scores = qg @ k.swapaxes(-1, -2)  # [B, Hkv, S, n_rep, span]
-    # Clamp to T so a too-large context_len cannot pull padding zeros into the softmax.
-    lens = mx.minimum(context_lens.astype(mx.int32), T)
-    positions = mx.arange(S * span).reshape(1, S, span)
-    valid = positions < lens.reshape(B, 1, 1)
-    if chunk is not None:  # the keys of the query's own chunk only
-        first = (context_lens.astype(mx.int32) - 1) // chunk * chunk
-        valid = mx.logical_and(valid, positions >= first.reshape(B, 1, 1))
+    valid = _valid(context_lens, T, chunk)[0]
+    valid = mx.pad(valid, [(0, 0), (0, pad)]).reshape(B, S, span) if pad else valid.reshape(B, S, span)
     scores = mx.where(valid.reshape(B, 1, S, 1, span), scores, -mx.inf)
     # Slots past a row's length (its last block's tail, the table's padding entries) hold whatever an earlier
     # sequence left there, NaN included: their weight is 0, but 0 * NaN is NaN, so their values are zeroed.
@@ -140,6 +140,37 @@ def paged_decode_attention(
         L = L + mx.exp(sink - M)[:, :, 0]
     O = (alpha * o).sum(axis=2)  # [B, Hkv, n_rep, Dv]
     out = mx.where(L > 0, O / mx.where(L > 0, L, 1.0), 0.0)
+    return out.reshape(*q.shape[:-1], Dv).astype(q.dtype)
+
+
+def _valid(context_lens: mx.array, T: int, chunk: int | None) -> tuple[mx.array, mx.array]:
+    """(valid [B, T]: the key positions each row attends to; lens [B]: context_lens clamped to T, so a too-large one
+    cannot pull padding into the softmax)."""
+    lens = mx.minimum(context_lens.astype(mx.int32), T)
+    positions = mx.arange(T)[None]
+    valid = positions < lens[:, None]
+    if chunk is not None:  # the keys of the query's own chunk only
+        first = (context_lens.astype(mx.int32) - 1) // chunk * chunk
+        valid = mx.logical_and(valid, positions >= first[:, None])
+    return valid, lens
+
+
+def _whole(q, k, v, context_lens, scale: float, sinks, chunk) -> mx.array:
+    """One split: the whole key axis in one softmax (the split path's result, in fewer ops: no partials to merge).
+    k [B, T, Hkv, D], v [B, T, Hkv, Dv] gathered; float32 throughout."""
+    B, T, Hkv, D = k.shape
+    Dv, n_rep, f32 = v.shape[-1], q.shape[1] // Hkv, mx.float32
+    valid, lens = _valid(context_lens, T, chunk)
+    qg = (q.astype(f32) * scale).reshape(B, Hkv, n_rep, D)
+    scores = qg @ k.astype(f32).transpose(0, 2, 3, 1)  # [B, Hkv, n_rep, T]
+    scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
+    if sinks is not None:  # one more logit per query head in the denominator, with no value
+        sink = mx.broadcast_to(sinks.astype(f32).reshape(1, Hkv, n_rep, 1), (B, Hkv, n_rep, 1))
+        scores = mx.concatenate([scores, sink], axis=-1)
+    p = mx.softmax(scores, axis=-1, precise=True)[..., :T]
+    # Slots past a row's length may hold NaN (an earlier sequence's): weight 0, and 0 * NaN is NaN, so zeroed.
+    v = mx.where(valid[:, None, :, None], v.astype(f32).transpose(0, 2, 1, 3), 0.0)  # [B, Hkv, T, Dv]
+    out = mx.where((lens > 0)[:, None, None, None], p @ v, 0.0)  # (a row with no keys: zeros, not NaN)
     return out.reshape(*q.shape[:-1], Dv).astype(q.dtype)
 
 

@@ -72,6 +72,22 @@ def test_more_splits_than_tokens():
         assert max_err(paged_decode_attention(*case, num_splits=s), ref) <= 1e-5
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_row_without_keys_yields_zeros_beside_the_others(splits):
+    """context_len 0 (a row with nothing to attend to): zeros, not NaN, also with sinks; its neighbour's values are
+    unchanged. NaN in the pools' unused slots reaches neither."""
+    q, kp, vp, table, lens = make_case([0, 37], 16, 8, 2)
+    used = np.zeros(kp.shape[0], bool)
+    used[np.array(table)[1, :3]] = True  # row 1's 37 tokens: 3 blocks of 16; every other block NaN
+    kp, vp = (mx.where(mx.array(used)[:, None, None, None], p, mx.nan) for p in (kp, vp))
+    ref = reference(q[1:], kp, vp, table[1:], lens[1:])
+    for sinks in (None, mx.linspace(-1.0, 1.0, 8)):
+        out = paged_decode_attention(q, kp, vp, table, lens, num_splits=splits, sinks=sinks)
+        assert mx.all(out[0] == 0).item() and mx.all(mx.isfinite(out)).item()
+        if sinks is None:
+            assert max_err(out[1:], ref) <= 1e-5
+
+
 def test_float16_every_split():
     case = make_case([1, 37, 200], 16, 8, 2, dtype=mx.float16, seed=1)
     ref = reference(*case)

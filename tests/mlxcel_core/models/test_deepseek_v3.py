@@ -271,14 +271,15 @@ def test_values_in_keys_cache_matches_explicit_values():
         assert cache.values.shape[-1] == 0 and all(a.shape[-1] == 0 for a in (cache._scales or [])[2:])
 
 
-def test_paged_decode_attention_values_in_keys():
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_decode_attention_values_in_keys(splits):
     """The portable paged decode reads values as the keys' prefix: each row's softmax over its blocks' keys,
-    weighting their first 32 dims."""
+    weighting their first 32 dims (the whole key axis at once, and in splits)."""
     k_pool = mx.random.normal((6, 4, 1, 48), key=mx.random.key(0))
     q = mx.random.normal((2, 4, 1, 48), key=mx.random.key(1))
     tables, lens = [[0, 2, 4], [5, 1, 3]], [9, 12]
     got = paged_decode_attention(
-        q, k_pool, k_pool[..., :0], mx.array(tables), mx.array(lens), num_splits=2, scale=0.2, values_in_keys=32
+        q, k_pool, k_pool[..., :0], mx.array(tables), mx.array(lens), num_splits=splits, scale=0.2, values_in_keys=32
     )
     assert got.shape == (2, 4, 1, 32)
     for row, (table, length) in enumerate(zip(tables, lens)):
