@@ -328,8 +328,8 @@ class Engine:
 
     def _masks(self, seqs: list[Sequence], outputs: list[StepOutput]) -> np.ndarray | None:
         """The host's part of `_constrain`, once the step's forward is on the device: read the earlier steps, then
-        compute the rows' packed masks (None: no row is constrained any more). The outputs read and the dead ends go
-        to `outputs`."""
+        compute the rows' packed masks (None: no constrained row goes on: each ended, or every row is at a dead end).
+        The outputs read and the dead ends go to `outputs`."""
         outputs += self._commit(keep=0)  # (this step's rows are not submitted yet: only earlier steps are read)
         rows = [s.constraint for s in seqs]  # (None for a row that has ended: _end drops its matcher)
         if all(row is None for row in rows):
