@@ -223,9 +223,9 @@ class GraphDecoder:
             driver.upload(address, host, 4)
         driver.launch_graph(replay.exe)
         ended = replay.masked is not None and not self._upload_mask(slot, replay, masks())
-        if replay.masked is not None and not ended:
-            driver.launch_graph(replay.masked)
         if not ended:
+            if replay.masked is not None:
+                driver.launch_graph(replay.masked)
             driver.download(slot.readout, replay.readout_at, 4)
         driver.record(slot.event)  # (also when ended: the slot's pinned ints may still feed a queued copy)
         slot.used = True

@@ -381,6 +381,9 @@ class FakeDriver:
     def record(self, event):
         self.calls.append(("record", event))
 
+    def pinned(self, nbytes):
+        return self.host(nbytes)
+
     def wait(self, event):
         self.calls.append(("wait", event))
 
@@ -447,3 +450,37 @@ def test_a_replay_uploads_the_steps_ints_and_position_then_reads_its_token_throu
     waits = [c for c in driver.calls if c[0] == "wait"]
     assert waits == [("wait", "event0"), ("wait", "event1")]
     assert readouts[-1].tolist() == [77] and driver.calls[-1] == ("wait", "event1")
+
+
+def test_a_constrained_replay_runs_the_forward_then_asks_for_the_mask_then_runs_the_masked_greedy():
+    """The mask is asked for once the forward graph is queued, copied into the recorded mask array through the slot's
+    pinned buffer, then the masked greedy graph runs and the readout comes back; a row that ended meanwhile (no mask)
+    gets neither, but its slot's event is recorded (its pinned ints may still feed a queued copy)."""
+    decoder = GraphDecoder(model=None, storage=None)
+    decoder.driver = driver = FakeDriver()
+    decoder.slots = [_Slot(driver.host(4096 * 4), driver.host(64), driver.host(4), f"event{i}") for i in range(4)]
+    token = mx.zeros((1,), mx.uint32)
+    replay = _Replay(0, "exe", token, 55, 77, 1000, [], [], [], masked="exe-mask", mask_at=3000)
+    parts = ([3], [4], [[0, 1, 2, 0]], [517], [518])
+    flat, _ = packed_ints(*parts)
+    bitmask = np.arange(1, 9, dtype=np.int32).reshape(1, 8)
+
+    def masks():
+        driver.calls.append(("masks",))
+        return bitmask
+
+    readout = decoder._launch(replay, parts, flat, masks)
+    assert driver.calls == [
+        ("upload", 1000),
+        ("graph", "exe"),
+        ("masks",),
+        ("upload", 3000),
+        ("graph", "exe-mask"),
+        ("download", 77),
+        ("record", "event0"),
+    ]
+    assert driver.device[3000] == bitmask.tobytes() and readout.tolist() == [77]
+    decoder.replayed += 1
+    driver.calls.clear()
+    assert decoder._launch(replay, parts, flat, lambda: None) is None
+    assert driver.calls == [("upload", 1000), ("graph", "exe"), ("record", "event1")]
