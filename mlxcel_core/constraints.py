@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Literal
 
 from .errors import InputError
@@ -93,9 +95,45 @@ class Constraint:
         return self.kind in ("json_schema", "json_object")
 
 
-@lru_cache(maxsize=256)
+COMPILED_CACHE_SIZE = 256  # constraints whose grammar (or error) is kept
+_lock = threading.Lock()
+_compiled_cache: OrderedDict[Constraint, Future] = OrderedDict()  # constraint -> (grammar, error), single flight
+
+
 def _compiled(constraint: Constraint) -> tuple[str, str]:
-    """(llguidance grammar, error message or ""), computed once per constraint (validating costs ~1 ms a schema)."""
+    """(llguidance grammar, error message or ""), computed once per constraint (validating costs ~0.5-1 ms a schema).
+    Threads asking for one constraint at once wait for one computation (the server's check and the engine's compile
+    of a new schema run side by side)."""
+    with _lock:
+        future = _compiled_cache.get(constraint)
+        owner = future is None
+        if owner:
+            future = _compiled_cache[constraint] = Future()
+            if len(_compiled_cache) > COMPILED_CACHE_SIZE:
+                _compiled_cache.popitem(last=False)
+        else:
+            _compiled_cache.move_to_end(constraint)
+    if owner:
+        try:
+            result = _compile(constraint)
+        except BaseException as exc:  # e.g. llguidance missing: the waiters see it, a later call tries again
+            with _lock:
+                if _compiled_cache.get(constraint) is future:
+                    del _compiled_cache[constraint]
+            future.set_exception(exc)
+            raise
+        future.set_result(result)
+    return future.result()
+
+
+def compiled_now(constraint: Constraint) -> bool:
+    """The constraint's grammar (or its error) is known: `grammar_of` answers at once."""
+    with _lock:
+        future = _compiled_cache.get(constraint)
+    return future is not None and future.done()
+
+
+def _compile(constraint: Constraint) -> tuple[str, str]:
     import llguidance
 
     try:
@@ -124,7 +162,8 @@ def grammar_of(constraint: Constraint) -> str:
 
 
 def check(constraint: Constraint | None) -> None:
-    """Raise ConstraintError now (before any model work) if the constraint cannot be compiled."""
+    """Raise ConstraintError if the constraint cannot be compiled (the CLI calls it before any model work; the server
+    beside the row's prefill, then refuses the request)."""
     if constraint is not None:
         grammar_of(constraint)
 

@@ -4,10 +4,11 @@ The life of a constrained row (engine.py drives it; the Constraint spec and its 
 mlxcel_core/constraints.py):
 
 - `Engine.open` makes the row's `RowConstraint`: an llguidance matcher for the constraint's grammar over the
-  model's tokenizer (the grammar itself was checked when the Constraint was: a bad one is refused there). The
-  matcher is compiled on a worker thread (llguidance drops the GIL), so it overlaps the prompt's prefill; the row's
-  first mask waits for it. The tokenizer's llguidance form (~1-2 s to build) is built once per tokenizer, ahead of
-  time where the caller knows it will be needed (`prepare`); a grammar seen before is a copy of a cached matcher.
+  model's tokenizer. The grammar is checked (a never-seen one) and the matcher compiled on a worker thread, beside
+  the prompt's prefill (the host mostly waits on the device there, outside the GIL); the row's first mask waits for
+  it. A bad grammar ends the row with "error" there; one known to be bad is refused by `Engine.open` itself. The
+  tokenizer's llguidance form (~1-2 s to build) is built once per tokenizer, ahead of time where the caller knows it
+  will be needed (`prepare`); a constraint seen before is a copy of a cached matcher.
 - Every step that samples the row: after the step's forward is submitted, the host computes the batch's bitmask of
   allowed tokens (`next_masks`: every constrained row's, in one array) while the device computes the
   logits; the packed bitmask goes to the device as it is and sets every other token's logit to -inf before the
@@ -31,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import backends
-from ..constraints import Constraint, grammar_of
+from ..constraints import Constraint, ConstraintError, compiled_now, grammar_of
 from ..sampling import apply_allowed
 
 MATCHER_CACHE_SIZE = 32  # compiled grammars kept per tokenizer (a deep copy costs ~10 us, a compile ms)
@@ -73,8 +74,9 @@ def prepare(tokenizer, n_vocab: int) -> Future:
 
 
 def _pool() -> ThreadPoolExecutor:
-    """The worker threads that build tokenizers and compile grammars (llguidance drops the GIL while it works).
-    Two: a matcher's compile waits for its tokenizer's build, which must not queue behind it."""
+    """The worker threads that build tokenizers and compile grammars. llguidance holds the GIL while it compiles: they
+    run while the engine's thread waits on the device or in MLX (which releases it). Two: a matcher's compile waits
+    for its tokenizer's build, which must not queue behind it."""
     global _builder
     if _builder is None:
         _builder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mlxcel-grammar")
@@ -136,28 +138,32 @@ class Grammars:
         """`n_vocab`: the model's logits width (masks cover it and the tokenizer's ids, whichever is more)."""
         self.tokenizer, self.n_vocab = tokenizer, n_vocab
         self.mask_vocab = max(n_vocab, tokenizer.vocab_size)
-        self._cache: OrderedDict[str, Future] = OrderedDict()  # grammar -> its compiled matcher, copied per row
+        self._cache: OrderedDict[Constraint, Future] = OrderedDict()  # its compiled matcher, copied per row
 
     def open(self, constraint: Constraint) -> "RowConstraint":
-        """The row's grammar state, its matcher compiling on a worker thread (ConstraintError: a bad grammar)."""
-        grammar = grammar_of(constraint)
-        template = self._cache.get(grammar)
+        """The row's grammar state, its matcher compiling on a worker thread. A constraint known to be bad raises
+        ConstraintError here; one never seen is checked on that thread, beside the prefill (a bad one ends the row
+        with "error" naming the problem, where its first mask is due)."""
+        if compiled_now(constraint):
+            grammar_of(constraint)
+        template = self._cache.get(constraint)
         if template is None:
             tokenizer = prepare(self.tokenizer, self.n_vocab)
-            template = self._cache[grammar] = _pool().submit(_compile, tokenizer, grammar)
+            template = self._cache[constraint] = _pool().submit(_compile, tokenizer, constraint)
             if len(self._cache) > MATCHER_CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
-            self._cache.move_to_end(grammar)
+            self._cache.move_to_end(constraint)
         return RowConstraint(constraint, template, self.mask_vocab)
 
 
-def _compile(tokenizer: Future, grammar: str):
-    """A fresh matcher for the grammar (on a worker thread); it is never advanced, only copied. Its first mask is
-    computed here once, on a copy: the lexer states that builds are shared by every copy, so a row's first mask (on
-    the way to its first token) does not build them."""
+def _compile(tokenizer: Future, constraint: Constraint):
+    """A fresh matcher for the constraint's grammar (on a worker thread; ConstraintError: a bad one); it is never
+    advanced, only copied. Its first mask is computed here once, on a copy: the lexer states that builds are shared
+    by every copy, so a row's first mask (on the way to its first token) does not build them."""
     import llguidance
 
+    grammar = grammar_of(constraint)
     limits = llguidance.LLParserLimits(verbose_errors=False)
     ll_tokenizer = tokenizer.result()
     matcher = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0, limits=limits)
@@ -180,6 +186,8 @@ class RowConstraint:
         if self._matcher is None:
             try:
                 template = self._template.result()
+            except ConstraintError as exc:  # a constraint first seen by Grammars.open, and bad
+                raise ConstraintDeadEnd(str(exc)) from None
             except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer llguidance cannot read
                 raise ConstraintDeadEnd(f"the {self.constraint.name} could not be compiled: {exc}") from None
             if template.is_error():

@@ -105,7 +105,7 @@ class Engine:
         if self.mirror is not None:
             params = self.mirror.prepare(params)
         row_constraint = None
-        if params.constraint is not None:  # ConstraintError (an InputError) when its grammar does not compile
+        if params.constraint is not None:  # ConstraintError (an InputError) when its grammar is known to be bad
             if self._grammars is None:
                 self._grammars = constrained.Grammars(self.tokenizer, self.vocab_size)
             row_constraint = self._grammars.open(params.constraint)

@@ -37,7 +37,7 @@ from .offload import Offload
 from .openapi import openapi_document
 from .replies import Reply, TokenFormatter
 from .reply_text import TextPlan, plan_text
-from .request_params import check_token_ids, response_constraint, sampling_params, validate_logit_bias
+from .request_params import check_token_ids, checked, response_constraint, sampling_params, validate_logit_bias
 from .schemas import SEED_LIMIT, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .shutdown import Drain
 from .tool_calls import plan_tools
@@ -255,6 +255,7 @@ async def generate(
     validate_logit_bias(body.logit_bias, server.vocab_size)
     check_token_ids(body.suppress_tokens or [], server.vocab_size, "suppress_tokens")
     body.penalty()  # both spellings of the repeat penalty agree
+    param = "tools" if constraint is not None else "response_format"
     constraint = constraint or await server.offload.run(response_constraint, body.response_format)
     if body.dry_multiplier:  # the breakers tokenized here, not on the engine thread (engine/dry_cache.py)
         breakers = body.dry_sequence_breakers
@@ -277,11 +278,16 @@ async def generate(
             pass
 
     jobs = [Job(prompt_ids, make_params(i), i, emit) for i in range(body.n)]
-    server.engine.submit(jobs)
+    checking = None if constraint is None else asyncio.ensure_future(server.offload.run(checked, constraint, param))
+    server.engine.submit(jobs)  # (beside the check: a new schema's validation is not in series with the prefill)
     try:
         await wait_opened(events, len(jobs))
+        if checking is not None:
+            await checking  # a bad grammar: the 400, and its rows cancelled
     except BaseException:
         server.engine.cancel(jobs)
+        if checking is not None:
+            checking.add_done_callback(lambda done: done.cancelled() or done.exception())  # (read: no warning)
         raise
     model = body.model or server.model_id
     reply = Reply(server, chat, model, logprobs is not None, body.include_usage, len(jobs), text_plan)

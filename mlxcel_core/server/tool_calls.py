@@ -225,7 +225,7 @@ def plan_tools(body, template: str | None) -> tuple[str | None, dict, object]:
     parsing; the chat template's variables, chat_template_kwargs among them; the Constraint of tool_choice
     "required" or a named function: calls in the family's format, of any tool or of the named one). tool_choice
     "none" renders no tools, as vLLM does; a named function is called once, as vLLM does."""
-    from ..constraints import Constraint, ConstraintError, check
+    from ..constraints import Constraint
     from .errors import bad_request
 
     mode, name = body.tool_mode()
@@ -239,12 +239,9 @@ def plan_tools(body, template: str | None) -> tuple[str | None, dict, object]:
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request("response_format cannot be combined with a required tool_choice.", "tool_choice")
     forced = [t for t in tools if name is None or t["function"]["name"] == name]
-    constraint = Constraint.grammar(call_grammar(family, forced, body.parallel_tool_calls and name is None))
-    try:
-        check(constraint)
-    except ConstraintError as exc:
-        raise bad_request(f"Invalid tools: {exc}.", "tools") from None
-    return family, variables, constraint
+    # (whether the grammar compiles, e.g. with the tools' schemas in it, is request_params.checked's question)
+    grammar = call_grammar(family, forced, body.parallel_tool_calls and name is None)
+    return family, variables, Constraint.grammar(grammar)
 
 
 # -- streaming ------------------------------------------------------------------------------------------------------

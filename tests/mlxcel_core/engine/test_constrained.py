@@ -36,9 +36,9 @@ def loaded(tiny_llama_dir):
     return load_model(str(tiny_llama_dir), log=lambda m: None)
 
 
-def run(loaded, rows, config=None, prompt="Hello world"):
+def run(loaded, rows, config=None, prompt="Hello world", engine=None):
     """[(params)...] -> [(text, tokens, finish_reason, error)], all rows opened at once."""
-    engine = Engine(loaded.model, loaded.tokenizer, config or EngineConfig(max_batch_size=max(len(rows), 1)))
+    engine = engine or Engine(loaded.model, loaded.tokenizer, config or EngineConfig(max_batch_size=max(len(rows), 1)))
     ids = [engine.open(loaded.tokenizer.encode(prompt), p) for p in rows]
     tokens, ends = {i: [] for i in ids}, {}
     while engine.has_work():
@@ -152,10 +152,17 @@ def test_no_allowed_token_is_an_error_for_that_row(loaded, monkeypatch):
     assert text == "abc"
 
 
-def test_a_bad_grammar_is_refused_when_the_row_opens(loaded):
-    engine = Engine(loaded.model, loaded.tokenizer)
+def test_a_new_bad_grammar_ends_its_row_and_a_known_one_is_refused_when_the_row_opens(loaded):
+    """A never-seen grammar is checked beside the prefill: a bad one ends its row with "error" naming the problem, its
+    neighbour goes on and the storage is freed. Then it is known: opening it again raises at once."""
+    bad = Constraint.grammar("start: nothing_here_" + str(id(loaded)))  # (a grammar no earlier test compiled)
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=2))
+    rows = [params(bad), params(Constraint.regex("abc"))]
+    (_, tokens, reason, error), (text, *_) = run(loaded, rows, engine=engine)
+    assert (tokens, reason) == ([], "error") and "unknown name" in error and error.startswith("invalid grammar")
+    assert text == "abc" and engine.storage.stats()["blocks_free"] == engine.storage.pool.num_blocks
     with pytest.raises(ConstraintError, match="unknown name"):
-        engine.open([1, 2, 3], params(Constraint.grammar("start: nothing_here")))
+        engine.open([1, 2, 3], params(bad))
     assert not engine.has_work()
 
 

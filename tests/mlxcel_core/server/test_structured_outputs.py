@@ -5,6 +5,7 @@ and a bad schema is a 400 naming response_format."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import jsonschema
@@ -145,6 +146,29 @@ def test_bad_schemas_are_400s_naming_response_format(server, route, response_for
     error = r.json()["error"]
     assert error["param"] == "response_format" and needle in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_schemas_rows_are_cancelled(server, stream):
+    """The schema's grammar is checked while the request's rows open (beside their prefill): a refused request leaves
+    no row running and no KV block held, and the next request is served."""
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "number", "minimum": 9, "maximum": 1}},
+    }
+    body = {"messages": MESSAGES, "max_tokens": 8, "n": 2, "stream": stream, "response_format": bad}
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "minimum" in r.json()["error"]["message"], r.text
+        for _ in range(100):
+            metrics = http.get("/metrics").text
+            if "\nllamacpp:requests_processing 0.0" in metrics and "\nmlxcel_kv_blocks_used 0.0" in metrics:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(metrics)
+        good = dict(body, response_format=JSON_SCHEMA_FORMAT, stream=False, n=1)
+        assert http.post("/v1/chat/completions", json=good).status_code == 200
 
 
 def test_an_unknown_type_is_a_400(server):

@@ -279,8 +279,8 @@ def test_parse_reads_the_arguments_into_the_pydantic_model(client, tool_server, 
     assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
-def test_a_forced_calls_grammar_is_compiled_off_the_event_loop(client, tool_server, monkeypatch):
-    """plan_tools compiles the call grammar to check it (as long as the tools' schemas make it): on a worker thread."""
+def test_a_forced_calls_grammar_is_checked_off_the_event_loop(client, tool_server, monkeypatch):
+    """The server checks the call grammar (as long as the tools' schemas make it): on a worker thread."""
     import threading
 
     from mlxcel_core.server import app
@@ -289,10 +289,10 @@ def test_a_forced_calls_grammar_is_compiled_off_the_event_loop(client, tool_serv
 
     def recording(*args):
         threads.append(threading.current_thread().name)
-        return plan_tools(*args)
+        return checked(*args)
 
-    plan_tools = app.plan_tools
-    monkeypatch.setattr(app, "plan_tools", recording)
+    checked = app.checked
+    monkeypatch.setattr(app, "checked", recording)
     named = {"type": "function", "function": {"name": "get_weather"}}
     check_weather_call(create(client, tool_server, tool_choice=named).choices[0].message.tool_calls[0])
     assert len(threads) == 1 and threads[0].startswith("mlxcel-prepare"), threads
