@@ -77,6 +77,7 @@ class Engine:
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
         self._latest: dict[int, mx.array] = {}  # newest sampled token per row, maybe not read yet
+        self._latest_batch: tuple = ((), [], None)  # the last whole batch: its rows, their tokens, its token array
         # Submitted steps not read yet, oldest first: each row's sampled token and the rows' tokens as one int32
         # vector (-1 where NaN).
         self._unread: list[tuple[dict[int, Sampled], mx.array]] = []
@@ -202,8 +203,16 @@ class Engine:
             return self._graph_decode(plan.graph_row, plan.produced)
         if not decode:
             return []
-        tokens = mx.concatenate([self._latest[s] for s in decode])  # one row: the array itself
+        tokens = self._latest_tokens(decode)
         return self._run(decode, plan.produced, lambda: self.runner.decode(decode, tokens))
+
+    def _latest_tokens(self, decode: list[int]) -> mx.array:
+        """The decoding rows' newest tokens as one array: the last batch's own token array where these rows are its
+        rows, in order, and their newest tokens still its slices (no slices and concatenation to build)."""
+        seq_ids, tokens, whole = self._latest_batch
+        if seq_ids == tuple(decode) and all(self._latest[s] is t for s, t in zip(decode, tokens)):
+            return whole
+        return mx.concatenate([self._latest[s] for s in decode])  # one row: the array itself
 
     def _prefill(self, plan: StepPlan) -> list[StepOutput]:
         """Chunks of several prompts in one forward, or one chunk of one prompt (a row is sampled where its chunk ends
@@ -227,10 +236,16 @@ class Engine:
         now with the step: made later in _commit it would queue behind the next step's forward and wait for it."""
         if not produced:
             return
-        readouts = [s.readout for s in produced.values()]
-        readout = readouts[0] if len(readouts) == 1 else mx.concatenate(readouts)
-        arrays = [a for sampled in produced.values() for a in sampled.arrays()]
-        mx.async_eval(arrays + ([readout] if isinstance(readout, mx.array) else []))  # (a replay's is the host's)
+        rows = list(produced.values())
+        whole = rows[0].whole
+        if whole is not None and len(rows) == whole[1].size and all(r.whole is whole for r in rows):
+            readout, arrays = whole[1], list(whole)  # one batch, every row of it: its two arrays, not a slice per row
+            self._latest_batch = (tuple(produced), [r.token for r in rows], whole[0])
+        else:
+            readouts = [r.readout for r in rows]
+            readout = readouts[0] if len(readouts) == 1 else mx.concatenate(readouts)
+            arrays = [a for r in rows for a in r.arrays()] + ([readout] if isinstance(readout, mx.array) else [])
+        mx.async_eval(arrays)  # (a replay's readout is the host's own)
         self._latest.update({s: sampled.token for s, sampled in produced.items()})
         self._unread.append((produced, readout))
 
@@ -295,8 +310,9 @@ class Engine:
                 tokens, readout = self.backend.greedy_tokens(logits)
             else:
                 tokens, readout = self.backend.masked_greedy_tokens(logits, masks)
-            live = ((i, s) for i, s in enumerate(seqs) if s.finish_reason is None)  # (_constrain may end rows)
-            produced.update({s.seq_id: Sampled(tokens[i : i + 1], readout[i : i + 1]) for i, s in live})
+            live = [(i, s) for i, s in enumerate(seqs) if s.finish_reason is None]  # (_constrain may end rows)
+            whole = (tokens, readout) if len(live) == len(seqs) else None
+            produced.update({s.seq_id: Sampled(tokens[i : i + 1], readout[i : i + 1], whole=whole) for i, s in live})
             return outputs
         masked = logits if masks is None else constrained.apply_bitmask(logits, masks)
         for i, seq in enumerate(seqs):

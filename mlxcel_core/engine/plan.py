@@ -20,6 +20,9 @@ class Sampled:
     token: mx.array  # [1]: the next step's input for this row
     readout: mx.array  # int32 [1]: the token as the host reads it, -1 where the logits held a NaN
     logprobs: mx.array | None = None  # the row's log-softmax [V] when the request asked for logprobs
+    # The batch's (tokens, readout) this row's token and readout are slices of, every row of it sampled in order:
+    # the engine submits and reads those two arrays, not a slice per row (each op costs the host time).
+    whole: tuple[mx.array, mx.array] | None = None
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.token, self.readout, self.logprobs) if isinstance(a, mx.array)]

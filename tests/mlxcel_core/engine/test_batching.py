@@ -294,3 +294,24 @@ def test_a_tensor_parallel_rank_ignores_the_backend_default(loaded, monkeypatch)
     assert Engine(loaded.model, loaded.tokenizer, config).scheduler.config.prefill_batch_size == 1
     explicit = EngineConfig(max_batch_size=8, storage="paged", prefill_batch_size=4)  # the same on every rank
     assert Engine(loaded.model, loaded.tokenizer, explicit).scheduler.config.prefill_batch_size == 4
+
+
+def test_a_whole_batch_goes_as_its_two_arrays(loaded, reference, monkeypatch):
+    """A decode step whose rows are all sampled greedily submits the batch's token and readout arrays, not a slice per
+    row, and the next step takes that token array as it is; the tokens stay the rows' own."""
+    from mlxcel_core.engine import engine as engine_module
+
+    submitted, concatenated = [], []
+    real_eval, real_concat = mx.async_eval, mx.concatenate
+    monkeypatch.setattr(
+        engine_module.mx, "async_eval", lambda arrays: submitted.append(len(arrays)) or real_eval(arrays)
+    )
+    monkeypatch.setattr(engine_module.mx, "concatenate", lambda xs: concatenated.append(len(xs)) or real_concat(xs))
+    engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4, storage="paged", block_size=8))
+    params = [SamplingParams(max_tokens=12) for _ in range(4)]
+    same = [PROMPTS[0]] * 4  # one length: every step after the prefill decodes all four rows together
+    outputs = drive(engine, same, [0] * 4, params)
+    assert all(out == reference[0] for out in outputs.values())  # (reference[0]: 12 tokens of PROMPTS[0] alone)
+    # Rows that start or end apart (here: after the first prompt's prefill, its cached prefix serves the others)
+    # still concatenate; the steps between take the batch's arrays.
+    assert submitted.count(2) >= 8 and len(concatenated) < submitted.count(2), (submitted, concatenated)
