@@ -40,11 +40,11 @@ class RunTiming:
 
 def prefill_wait_steps(config, prompts: list[list[int]]) -> int:
     """Steps the last of `prompts` (submitted together) may wait for its first token while the earlier rows decode,
-    at worst: each prompt's chunks one every prefill_grant_interval steps, one prompt after another (a recurrent
-    model's prompts with state-snapshot stops prefill one by one). Steady-mode runs add it to max_tokens so that no
-    row finishes before the window ends."""
+    at worst: one prompt after another (a recurrent model's prompts with state-snapshot stops prefill one by one), each
+    chunk in a step of its own after prefill_grant_interval decode-only steps (the scheduler's grant), plus the
+    readout's lookahead. Steady-mode runs add it to max_tokens so that no row finishes before the window ends."""
     chunks = sum(-(-len(p) // config.resolved_prefill_chunk) for p in prompts)
-    return chunks * config.resolved_prefill_grant_interval + len(prompts) + 2
+    return chunks * (config.resolved_prefill_grant_interval + 1) + 2
 
 
 def run_requests(

@@ -316,3 +316,18 @@ def test_graph_steps_count_the_timed_runs_replayed_steps(tiny, monkeypatch):
     assert r.graph_steps == r.to_dict()["graph_steps"] == 2 * 6  # tg6: the prompt's token, then 6 replayed steps
     (row,) = csv.DictReader(io.StringIO(render([r], "csv")))
     assert row["graph_steps"] == "12"
+
+
+@pytest.mark.parametrize("chunk,interval", [(32, 1), (16, 3), (4096, 16)])
+def test_steady_windows_hold_every_row_when_prompts_span_several_chunks(tiny, chunk, interval):
+    """prefill_wait_steps bounds the last row's wait (prompts prefilled one after another, chunk by chunk, between
+    decode steps), so a steady-mode run's rows all decode through the window: exactly b x n tokens in it."""
+    from mlxcel_core.bench import RandomIdTokenizer, prefill_wait_steps, run_requests
+    from mlxcel_core.engine import Engine, EngineConfig
+
+    b, gen = 8, 16
+    config = EngineConfig(max_batch_size=b, prefill_chunk_size=chunk, prefill_grant_interval=interval)
+    prompts = [random_prompt(tiny.vocab_size, 128, "window", b, i) for i in range(b)]
+    engine = Engine(tiny.model, RandomIdTokenizer(tiny.vocab_size), config)
+    run = run_requests(engine, prompts, gen + 1 + prefill_wait_steps(config, prompts), steady_tokens=gen)
+    assert run.window_tokens == b * gen
