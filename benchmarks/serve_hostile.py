@@ -366,16 +366,17 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="mlxcel-hostile-"))
-    os.environ.setdefault("MLXCEL_CACHE_DIR", str(work / "builder-cache"))
-    proc, port, log_lines = launch(args, work)
-    try:
-        refs = references(port, args)
-        result = run_load(port, args, refs)
-        result["server_alive"] = proc.poll() is None
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    with tempfile.TemporaryDirectory(prefix="mlxcel-hostile-") as scratch:  # the model and caches, removed after
+        work = Path(scratch)
+        os.environ.setdefault("MLXCEL_CACHE_DIR", str(work / "builder-cache"))
+        proc, port, log_lines = launch(args, work)
+        try:
+            refs = references(port, args)
+            result = run_load(port, args, refs)
+            result["server_alive"] = proc.poll() is None
+        finally:
+            proc.terminate()
+            proc.wait(60)
     result["config"] = {k: v for k, v in vars(args).items() if k not in ("json",)}
     result["server_log_lines"] = len(log_lines)
     failed = verdict(result, args) + ([] if result["server_alive"] else ["the server died"])

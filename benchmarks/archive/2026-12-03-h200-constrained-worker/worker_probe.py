@@ -27,6 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import mlxcel_core  # noqa: E402, F401  (first: on a CPU it installs the BLAS before MLX loads)
+
+# isort: split
 import mlx.core as mx  # noqa: E402
 from structured_outputs import decode_run, load, wide_schema  # noqa: E402
 
