@@ -193,7 +193,7 @@ def tune(
     ] = None,
     context_lengths: Annotated[
         str, typer.Option("--context-lengths", help="Comma-separated context lengths (tokens) of the matrix.")
-    ] = "1024,4096,16384",
+    ] = "1024,4096,16384,32768",
     dtype: Annotated[
         str, typer.Option("--dtype", help="KV and query dtype: float16, bfloat16 or float32.")
     ] = "float16",

@@ -25,16 +25,20 @@ paged-decode-splits: head_dim=128 q_heads=32 kv_heads=8 block_size=32 dtype=floa
       1     1024 |  num_splits=1  1,2,4,8,16,32  (dry run)
       1     4096 |  num_splits=2  1,2,4,8,16,32  (dry run)
       1    16384 |  num_splits=8  1,2,4,8,16,32  (dry run)
+      1    32768 | num_splits=16  1,2,4,8,16,32  (dry run)
       2     1024 |  num_splits=1  1,2,4,8,16,32  (dry run)
       2     4096 |  num_splits=2  1,2,4,8,16,32  (dry run)
       2    16384 |  num_splits=8  1,2,4,8,16,32  (dry run)
+      2    32768 | num_splits=16  1,2,4,8,16,32  (dry run)
       4     1024 |  num_splits=1  1,2,4,8,16,32  (dry run)
       4     4096 |  num_splits=2  1,2,4,8,16,32  (dry run)
       4    16384 |  num_splits=8  1,2,4,8,16,32  (dry run)
+      4    32768 | num_splits=16  1,2,4,8,16,32  (dry run)
       8     1024 |  num_splits=1  1,2,4,8,16,32  (dry run)
       8     4096 |  num_splits=2  1,2,4,8,16,32  (dry run)
       8    16384 |  num_splits=8  1,2,4,8,16,32  (dry run)
-dry run: 12 cells, nothing measured or written. Set MLXCEL_AUTOTUNE=cache (or 1) to consume these tactics at runtime.
+      8    32768 | num_splits=16  1,2,4,8,16,32  (dry run)
+dry run: 16 cells, nothing measured or written. Set MLXCEL_AUTOTUNE=cache (or 1) to consume these tactics at runtime.
 """
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +111,7 @@ def test_dry_run_imports_no_mlx(cache):
         env={**os.environ, "MLXCEL_CACHE_DIR": str(cache)},
     )
     assert proc.returncode == 0, proc.stderr
-    assert "dry run: 12 cells" in proc.stdout
+    assert "dry run: 16 cells" in proc.stdout
 
 
 def test_dry_run_json(capsys, cache):

@@ -218,6 +218,7 @@ def llama_params(c: dict) -> int:
     "name,expected",
     [
         ("llama-3-8b", 8_030_261_248),
+        ("llama-3.1-8b", 8_030_261_248),
         ("llama-3.2-1b", 1_235_814_400),
         ("llama-3-70b", 70_553_706_496),
         ("smollm2-135m", 134_515_008),

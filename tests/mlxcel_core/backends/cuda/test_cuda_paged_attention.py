@@ -91,7 +91,7 @@ def test_runner_is_the_kernel():
 # (row 0 is 5 tokens short of the cell's context, the others shorter still).
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float16, mx.float32], ids=["fp16", "fp32"])
-@pytest.mark.parametrize("context", [1024, 4096, 16384])
+@pytest.mark.parametrize("context", [1024, 4096, 16384, 32768])
 @pytest.mark.parametrize("batch", [1, 2, 4, 8])
 def test_default_matrix_llama3_8b(batch, context, dtype):
     lens = [context - (0 if b == 0 else 32 * b + 7) for b in range(batch)]
