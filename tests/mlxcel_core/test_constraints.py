@@ -72,3 +72,42 @@ def test_sampling_params_take_a_constraint_only():
 def test_parse_json():
     assert parse_json('{"a": [1, true]}') == {"a": [1, True]}
     assert parse_json('{"a": [1, tr') is None
+
+
+def test_threads_asking_for_a_new_constraint_at_once_compute_it_once(monkeypatch):
+    """The server's check and the engine's compile of a never-seen schema ask at once: one computation, one answer,
+    known afterwards; a failed computation is not kept (the next call tries again)."""
+    import threading
+    import time
+
+    from mlxcel_core import constraints
+
+    calls, real = [], constraints._compile
+
+    def slow(constraint):
+        calls.append(constraint)
+        time.sleep(0.05)
+        return real(constraint)
+
+    monkeypatch.setattr(constraints, "_compile", slow)
+    new = Constraint.regex(f"[a-c]{{{len(calls) + 7}}}x{id(calls)}")  # (no earlier test compiled it)
+    assert not constraints.compiled_now(new)
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(grammar_of(new))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(answers) == 4 and len(set(answers)) == 1
+    assert constraints.compiled_now(new)
+
+    def failing(constraint):
+        raise RuntimeError("llguidance went away")
+
+    other = Constraint.regex(f"q{id(calls)}")
+    monkeypatch.setattr(constraints, "_compile", failing)
+    with pytest.raises(RuntimeError):
+        grammar_of(other)
+    assert not constraints.compiled_now(other)
+    monkeypatch.setattr(constraints, "_compile", real)
+    assert grammar_of(other)
