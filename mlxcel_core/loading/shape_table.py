@@ -13,35 +13,28 @@ _LLAMA3_ROPE_SCALING = {
     "original_max_position_embeddings": 8192,
 }
 
+_LLAMA3_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-        tie_word_embeddings=False,
-    ),
+    "llama-3-8b": _LLAMA3_8B,
     # Llama 3.1 8B: Llama 3's 8B at its 128k context (RoPE scaled by 8 beyond 8192 positions): long-context runs.
-    "llama-3.1-8b": dict(
-        model_type="llama",
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        vocab_size=128256,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        rope_scaling={**_LLAMA3_ROPE_SCALING, "factor": 8.0},
-        tie_word_embeddings=False,
-    ),
+    "llama-3.1-8b": {
+        **_LLAMA3_8B,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {**_LLAMA3_ROPE_SCALING, "factor": 8.0},
+    },
     "llama-3.2-1b": dict(
         model_type="llama",
         hidden_size=2048,
