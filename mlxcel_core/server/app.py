@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
-from ..constraints import Constraint
+from ..constraints import Constraint, compiled_now
 from ..engine import EngineConfig
 from ..processors import DEFAULT_DRY_SEQUENCE_BREAKERS
 from .engine_loop import EngineLoop, Event, Job, log
@@ -278,8 +278,12 @@ async def generate(
             pass
 
     jobs = [Job(prompt_ids, make_params(i), i, emit) for i in range(body.n)]
-    checking = None if constraint is None else asyncio.ensure_future(server.offload.run(checked, constraint, param))
-    server.engine.submit(jobs)  # (beside the check: a new schema's validation is not in series with the prefill)
+    checking = None
+    if constraint is not None and compiled_now(constraint):
+        checked(constraint, param)  # known: answered at once, no worker (whose queue may hold long prompts)
+    elif constraint is not None:  # new: validated on a worker beside the rows' opening and prefill
+        checking = asyncio.ensure_future(server.offload.run(checked, constraint, param))
+    server.engine.submit(jobs)
     try:
         await wait_opened(events, len(jobs))
         if checking is not None:

@@ -45,8 +45,9 @@ def response_constraint(response_format) -> Constraint | None:
 
 def checked(constraint: Constraint, param: str) -> None:
     """A 400 naming `param` (response_format, or tools for a forced call's grammar) when the constraint's grammar does
-    not compile. Validating a new schema's grammar takes ~0.5-1 ms: the server runs it on a worker thread beside the
-    row's opening and prefill, not before them, and cancels the rows of a request it refuses."""
+    not compile. Validating a new schema's grammar takes ~0.5-1 ms: the server runs that on a worker thread beside the
+    row's opening and prefill, not before them, and cancels the rows of a request it refuses; a known one's answer is
+    a lookup."""
     try:
         check(constraint)
     except ConstraintError as exc:

@@ -280,9 +280,12 @@ def test_parse_reads_the_arguments_into_the_pydantic_model(client, tool_server, 
 
 
 def test_a_forced_calls_grammar_is_checked_off_the_event_loop(client, tool_server, monkeypatch):
-    """The server checks the call grammar (as long as the tools' schemas make it): on a worker thread."""
+    """The server checks a new call grammar (as long as the tools' schemas make it) on a worker thread; one it knows
+    is answered at once, without a worker."""
     import threading
+    from collections import OrderedDict
 
+    from mlxcel_core import constraints
     from mlxcel_core.server import app
 
     threads = []
@@ -293,6 +296,9 @@ def test_a_forced_calls_grammar_is_checked_off_the_event_loop(client, tool_serve
 
     checked = app.checked
     monkeypatch.setattr(app, "checked", recording)
+    monkeypatch.setattr(constraints, "_compiled_cache", OrderedDict())  # every grammar new again
     named = {"type": "function", "function": {"name": "get_weather"}}
-    check_weather_call(create(client, tool_server, tool_choice=named).choices[0].message.tool_calls[0])
-    assert len(threads) == 1 and threads[0].startswith("mlxcel-prepare"), threads
+    for _ in range(2):
+        check_weather_call(create(client, tool_server, tool_choice=named).choices[0].message.tool_calls[0])
+    assert len(threads) == 2 and threads[0].startswith("mlxcel-prepare"), threads
+    assert not threads[1].startswith("mlxcel-prepare"), threads
