@@ -23,6 +23,8 @@ forwards end and where sequences end).
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 
 from autotune.runtime import SplitsChooser
@@ -62,7 +64,12 @@ class PagedStorage:
         `cache_generated` False: the prefix cache keeps prompts only (a model whose decode steps compute other maths
         than its prompts: what a sequence generated is not what a prompt of the same tokens would hold)."""
         self.kv_bits = kv_bits
-        self.states = StatePool(state_layers, max_batch_size) if state_layers and any(state_layers) else None
+        noted = weakref.WeakMethod(self._wrote_in_place)  # (no cycle: a dropped storage frees its pools at once)
+        self.states = (
+            StatePool(state_layers, max_batch_size, lambda array: noted()(array))
+            if state_layers and any(state_layers)
+            else None
+        )
         if self.states is None or not prefix_cache:
             state_snapshots = 0
         prefix_cache = prefix_cache and (self.states is None or state_snapshots > 0)
@@ -285,6 +292,10 @@ class PagedStorage:
         submits them before any later pool update: see the module docstring)."""
         taken, self.written_in_place = self.written_in_place, []
         return taken
+
+    def _wrote_in_place(self, array: mx.array) -> None:
+        """A launch that updated the state pool's arrays in place (state_pool.py): submitted as the KV writes are."""
+        self.written_in_place.append(array)
 
     def submit_in_place_writes(self) -> None:
         """Submit those steps: a pool update built from here on runs after them."""

@@ -9,6 +9,13 @@ The paged storage hands each recurrent layer a `StateView` over the rows' slots 
 rows' state (or None, zeros, on a sequence's first tokens) and writes the new state back into the slots, so a prompt
 prefilled in chunks carries its state from chunk to chunk, and a decode step serves rows of any lengths.
 
+A backend's decode kernel may instead read and update the rows' slots in the pool's arrays themselves
+(`StateView.in_place`), as the CUDA paged attention writes keys and values: no gather, no scatter, and no copy of a
+whole array when MLX cannot reuse its buffer. MLX sees those arrays as the launch's inputs only, so the launch's
+output goes to the storage's in-place writes (`wrote_in_place`), which it submits before any later update of the
+pools (engine/paged.py); an update of the arrays (`write`) is a new array, so an array kept earlier (a speculative
+checkpoint's) is changed in place only in the slots of rows that decode meanwhile, never in its own row's.
+
 A state holds exactly the tokens it has seen: it cannot be cut back. So a model with recurrent layers reuses a cached
 prefix only where a copy of the state at its end was kept (`copy` and `load`; engine/state_snapshots.py), and
 speculative decoding takes rejected draft tokens back by going back to a checkpoint of the slot
@@ -19,11 +26,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .step_inputs import int_views
+
 
 class StatePool:
-    def __init__(self, recurrent: list[bool], slots: int):
-        """`recurrent`: per layer, whether it keeps a state; `slots`: sequences held at once (the batch limit)."""
+    def __init__(self, recurrent: list[bool], slots: int, wrote_in_place=None):
+        """`recurrent`: per layer, whether it keeps a state; `slots`: sequences held at once (the batch limit);
+        `wrote_in_place(array)`: the storage's record of a launch that updated the arrays in place."""
         self.recurrent = recurrent
+        self.wrote_in_place = wrote_in_place or (lambda array: None)
         self.num_slots = slots
         self.arrays: list[list[mx.array] | None] = [None] * len(recurrent)  # made at a layer's first write
         self._free = list(range(slots))
@@ -70,7 +81,7 @@ class StatePool:
         """`caches` (the storage's per-layer views for these rows) with each recurrent layer's replaced by a
         StateView over the rows' slots; `fresh`: the rows start from zeros (their prompts' first tokens); `padding`:
         the rows' left padding in this forward's inputs (prompts prefilled together)."""
-        slots = mx.array([self.slot(s) for s in seq_ids], mx.int32)
+        (slots,) = int_views([self.slot(s) for s in seq_ids])  # (a kernel may read it: not a tiny array)
         return [
             StateView(self, layer, slots, fresh, padding, getattr(cache, "offset", 0)) if recurrent else cache
             for layer, (cache, recurrent) in enumerate(zip(caches, self.recurrent))
@@ -106,6 +117,18 @@ class StateView:
 
     def update_state(self, state: list[mx.array], length: int) -> None:
         self.pool.write(self.layer, self.slots, state)
+
+    def in_place(self) -> tuple[list[mx.array], mx.array] | None:
+        """(the layer's state arrays [slots, ...], the rows' slots [B]) for a kernel that reads and updates the rows'
+        state in those arrays itself, then hands its output to `wrote_in_place`: where the rows have a state and no
+        padding (decode steps); None otherwise."""
+        parts = self.pool.arrays[self.layer]
+        if self.fresh or parts is None or self._padding is not None:
+            return None
+        return parts, self.slots
+
+    def wrote_in_place(self, array: mx.array) -> None:
+        self.pool.wrote_in_place(array)
 
     @property
     def state_padding(self) -> mx.array | None:

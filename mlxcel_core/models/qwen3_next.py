@@ -121,7 +121,8 @@ class CausalConv1d(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """Qwen3NextGatedDeltaNet: the linear-attention token mixer. Its projections (`init_projections`, `project`) are
-    the override points Qwen3.5 changes; the rest (convolution, delta rule, gated norm) is shared."""
+    the override points Qwen3.5 changes; the rest (convolution, delta rule, gated norm) is shared. `mix` (convolution
+    and delta rule over the rows' state) is where a backend's decode kernels come in."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -164,13 +165,26 @@ class GatedDeltaNet(nn.Module):
         """`cache` holds the rows' state ([conv inputs, delta-rule state]); `last_only`: the state takes every
         position, the output (and the residual) is the last position's only."""
         x = normed(x, norm)
-        B, L, _ = x.shape
+        L = x.shape[1]
         padding = None if cache is None else cache.state_padding
         if padding is not None:  # a left-padded row's pad columns: zero inputs leave a zero state as it is
             x = mx.where((mx.arange(L)[None, :] >= padding[:, None])[..., None], x, mx.zeros((), x.dtype))
+        mixed, z, b, a = self.project(x)
+        out = self.mix(mixed, b, a, cache)
+        if last_only:
+            out, z = out[:, -1:], z[:, -1:]
+            residual = None if residual is None else residual[:, -1:]
+        out = self.norm(out, z).reshape(out.shape[0], out.shape[1], -1)
+        return add_projection(self.out_proj, out, residual)
+
+    def mix(self, mixed: mx.array, b: mx.array, a: mx.array, cache: RecurrentCache | None) -> mx.array:
+        """The token mixing after the projections (the override point a backend's decode kernels take): the causal
+        convolution over q, k and v side by side (`mixed` [B, L, conv_dim]), the gated delta rule with beta =
+        sigmoid(b) and the log decay from `a` [B, L, Hv], the rows' state read from and written to `cache`; returns
+        the outputs [B, L, Hv, Dv]."""
+        B, L, _ = mixed.shape
         state = None if cache is None else cache.recurrent_state()
         conv_state, delta_state = (None, None) if state is None else state
-        mixed, z, b, a = self.project(x)
         mixed, conv_state = causal_conv(mixed, conv_state, self.conv1d.weight)
         q, k, v = mx.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
         q, k = (t.reshape(B, L, self.num_k_heads, self.head_k_dim) for t in (q, k))
@@ -179,11 +193,7 @@ class GatedDeltaNet(nn.Module):
         out, delta_state = gated_delta(q, k, v, mx.sigmoid(b), g, delta_state)
         if cache is not None:
             cache.update_state([conv_state, delta_state], L)
-        if last_only:
-            out, z = out[:, -1:], z[:, -1:]
-            residual = None if residual is None else residual[:, -1:]
-        out = self.norm(out, z).reshape(out.shape[0], out.shape[1], -1)
-        return add_projection(self.out_proj, out, residual)
+        return out
 
     def state_parts(self) -> tuple:
         """The per-row state this layer keeps (base.state_layout): the convolution's inputs (activations' dtype)

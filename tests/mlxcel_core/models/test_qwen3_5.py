@@ -13,6 +13,8 @@ import transformers as tf
 from parity import assert_parity, checkpoint_logits, load_unfused, save_tiny_checkpoint
 from test_qwen3_next import condition
 
+from mlxcel_core.backends.cuda.paged_attention import cuda_kernel_available
+
 # Layers: linear, full, linear, full (full_attention_interval 2, as transformers derives layer_types from it); the
 # multimodal RoPE's sections cover the 8 rotated frequency pairs (partial rotary 0.5 of head_dim 32).
 COMMON = dict(
@@ -118,6 +120,20 @@ def test_shared_expert_gate_matters(checkpoints, tmp_path):
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_engine_paths(checkpoints, name):
     family_checks.assert_engine_paths(checkpoints[name])
+
+
+@pytest.mark.skipif(not cuda_kernel_available(), reason="the delta-net decode kernels need MLX's CUDA backend")
+def test_paged_decode_runs_the_delta_net_kernels_with_the_plain_paths_tokens(checkpoints, monkeypatch):
+    """On CUDA the engine's paged decode steps (compiled, batched rows of mixed lengths) run the delta-net kernels
+    (backends/cuda/kernels/delta_net.py), and every prompt gets the plain path's greedy tokens (dense storage: the
+    ops path)."""
+    from mlxcel_core.backends.cuda.kernels import delta_net
+
+    launches = []
+    rule_step = delta_net.rule_step
+    monkeypatch.setattr(delta_net, "rule_step", lambda *a: launches.append(1) or rule_step(*a))
+    family_checks.assert_engine_paths(checkpoints["dense"])
+    assert launches, "no decode step ran the delta-net kernels"
 
 
 def test_quantized(checkpoints, tmp_path):
