@@ -288,6 +288,7 @@ class CompiledDecoder:
             logits, pools, states.arrays = self.traces.paged_states(
                 *inputs, view.storage.pools, state_slots=slots, states=states.arrays
             )
+            states.replaced()
         view.storage.pools = pools  # as in the dense case, the old pools are updated in place
         view.storage.pools_version += 1
         # Its attention kernels may have written the pools in place: later pool updates wait for it (paged.py).

@@ -204,6 +204,7 @@ class PagedStorage:
         """Advance each row one position: the step's ints (slot blocks, slot offsets, block tables, positions,
         context lengths) as `int_views` takes them."""
         if self.snapshots is not None:
+            self.submit_in_place_writes()  # (the copies read what the steps before wrote in place)
             self.snapshots.capture()
         positions = []
         for seq_id in seq_ids:
@@ -256,6 +257,7 @@ class PagedStorage:
         if not self.cache_generated:
             written = min(written, len(prompt))
         if self.snapshots is not None:
+            self.submit_in_place_writes()
             self.snapshots.capture()
         table.cache_full_blocks(tokens[:written])  # a later turn of the same conversation reuses them
         if self.snapshots is not None:

@@ -37,6 +37,7 @@ class StatePool:
         self.wrote_in_place = wrote_in_place or (lambda array: None)
         self.num_slots = slots
         self.arrays: list[list[mx.array] | None] = [None] * len(recurrent)  # made at a layer's first write
+        self.versions = [0] * len(recurrent)  # per layer, counts the forwards that changed its state
         self._free = list(range(slots))
         self.slot_of: dict[int, int] = {}
 
@@ -87,7 +88,12 @@ class StatePool:
             for layer, (cache, recurrent) in enumerate(zip(caches, self.recurrent))
         ]
 
+    def replaced(self) -> None:
+        """Every recurrent layer's state changed (a compiled step's arrays came back)."""
+        self.versions = [v + 1 for v in self.versions]
+
     def write(self, layer: int, slots: mx.array, state: list[mx.array]) -> None:
+        self.versions[layer] += 1
         if self.arrays[layer] is None:
             self.arrays[layer] = [mx.zeros((self.num_slots, *part.shape[1:]), part.dtype) for part in state]
         updated = []
@@ -128,6 +134,7 @@ class StateView:
         return parts, self.slots
 
     def wrote_in_place(self, array: mx.array) -> None:
+        self.pool.versions[self.layer] += 1
         self.pool.wrote_in_place(array)
 
     @property

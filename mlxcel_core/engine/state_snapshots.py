@@ -54,7 +54,7 @@ class StateSnapshots:
         self.states, self.pool, self.most, self.tokens, self.budget = states, pool, most, max(tokens, 1), budget
         self._kept: OrderedDict[BlockHash, State] = OrderedDict()  # by the hash of the block they end; LRU first
         self._taken: dict[int, dict[int, State]] = {}  # per running sequence: position -> state there, not kept yet
-        self._pending: list[tuple[int, int, list[int | None]]] = []  # (seq, position, its layers' array ids)
+        self._pending: list[tuple[int, int, list[int | None]]] = []  # (seq, position, its layers' versions)
         self._restore: dict[int, State] = {}  # per admitted sequence: the state its first forward starts from
         self._stops: dict[int, tuple[int, ...]] = {}
         self._prompt_len: dict[int, int] = {}
@@ -97,7 +97,7 @@ class StateSnapshots:
 
     def expect(self, seq_id: int, position: int) -> None:
         """The forward being prepared leaves the sequence's state after `position` tokens, a boundary to keep."""
-        self._pending.append((seq_id, position, self._array_ids()))
+        self._pending.append((seq_id, position, self._versions()))
 
     def capture(self) -> None:
         """Copy the states that the forwards prepared since `expect` left; called before anything writes a state
@@ -169,13 +169,13 @@ class StateSnapshots:
     def _forget(self, block_hash: BlockHash) -> None:
         self._kept.pop(block_hash, None)
 
-    def _array_ids(self) -> list[int | None]:
-        return [id(parts[0]) if parts else None for parts in self.states.arrays]
+    def _versions(self) -> list[int | None]:
+        return [v if parts else None for v, parts in zip(self.states.versions, self.states.arrays)]
 
     def _replaced(self, ids: list[int | None]) -> bool:
-        """Whether every recurrent layer's state arrays are other objects than when `ids` were taken (a forward
-        replaces them; a write never changes an array in place)."""
-        now = self._array_ids()
+        """Whether every recurrent layer's state changed since `ids` were taken (the pool's versions: a forward
+        writes every layer's state, through new arrays or a kernel's in-place update)."""
+        now = self._versions()
         return all(
             new is not None and new != old for new, old, recurrent in zip(now, ids, self.states.recurrent) if recurrent
         )

@@ -133,3 +133,28 @@ def test_a_state_some_layer_did_not_write_is_not_kept():
         states.write(layer, mx.array([states.slot(7)]), state)
     snapshots.capture()
     assert snapshots.count == 1 and snapshots.nbytes == 2 * 3 * 4
+
+
+def test_a_state_a_kernel_updated_in_place_is_kept():
+    """A decode step whose kernels updated the rows' state in the pool's own arrays (StateView.in_place: the arrays
+    stay the same objects) replaced the state as a write does; a compiled step's returned arrays too."""
+    written = []
+    states = StatePool([True, False, True], slots=2, wrote_in_place=written.append)
+    snapshots = StateSnapshots(states, BlockPool(8, block_size=4), most=4)
+    for layer in (0, 2):
+        states.write(layer, mx.array([states.slot(7)]), [mx.ones((1, 3))])
+    views = states.views([None] * 3, [7], fresh=False)
+    before = [states.arrays[layer] for layer in (0, 2)]
+    snapshots.expect(7, 4)
+    for layer in (0, 2):
+        parts, slots = views[layer].in_place()
+        assert parts is states.arrays[layer] and slots.tolist() == [states.slot_of[7]]
+        views[layer].wrote_in_place(mx.zeros((1,)))
+    assert [states.arrays[layer] for layer in (0, 2)] == before and len(written) == 2
+    snapshots.capture()
+    assert snapshots.count == 1
+    snapshots.expect(7, 8)
+    states.replaced()
+    snapshots.capture()
+    assert snapshots.count == 1 and 8 in snapshots._taken[7]  # the newer decode boundary replaced the older
+    assert states.views([None] * 3, [7], fresh=True)[0].in_place() is None  # a sequence's first tokens: no state
