@@ -4,6 +4,7 @@ on a random model shape, under torch.profiler (CUPTI records every kernel of the
     python benchmarks/gpu_profile.py --model-shape llama-3-8b --dtype bfloat16
     MLXCEL_CUDA=0 python benchmarks/gpu_profile.py --model-shape llama-3-8b --top 25   # MLX's kernels only
     python benchmarks/gpu_profile.py --model-shape llama-3.2-1b --prefill   # a prompt's prefill (TTFT) instead
+    python benchmarks/gpu_profile.py --model-shape llama-3-8b --bits 4 --side mlxcel --batch 32   # 32-row steps
 
 With --prefill the unit is one request's time to its first token (a new random prompt each, on one engine /
 through generate_step), not one decode token.
@@ -53,6 +54,22 @@ def mlxcel_tokens(model, vocab: int, prompt: list[int], warm: int, count: int, s
             if out.token is not None:
                 yield out.token
     engine.release(seq)
+
+
+def mlxcel_steps(model, vocab: int, batch: int, prompt_tokens: int, warm: int, count: int):
+    """A generator over the engine's decode steps of `batch` rows (one item a step in which every row got a token):
+    `batch` random prompts opened at once, as a server's batch runs them."""
+    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=batch))
+    prompts = [random_prompt(vocab, prompt_tokens, 0, "gpu-profile", i) for i in range(batch)]
+    seqs = [engine.open(p, SamplingParams(max_tokens=warm + count + 8)) for p in prompts]  # (prefills stagger)
+    while engine.has_work():
+        outs = [out for out in engine.step() if out.token is not None or out.finish_reason == "error"]
+        if any(out.finish_reason == "error" for out in outs):
+            raise RuntimeError(f"mlxcel: {next(o.error for o in outs if o.finish_reason == 'error')}")
+        if len(outs) == batch:
+            yield outs
+    for seq in seqs:
+        engine.release(seq)
 
 
 def mlx_lm_tokens(model, prompt: list[int], warm: int, count: int):
@@ -179,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side", choices=("both", "mlxcel", "mlx-lm"), default="both")
     parser.add_argument("--shapes", action="store_true", help="also rank launches by (kernel, grid, block)")
     parser.add_argument(
+        "--batch", type=int, default=1, help="mlxcel's decode steps of this many rows (the unit is a step; mlxcel only)"
+    )
+    parser.add_argument(
         "--prefill",
         action="store_true",
         help="profile prompts' prefills (time to first token), --warm and --tokens of them",
@@ -196,11 +216,19 @@ def main(argv: list[str] | None = None) -> int:
     vocab = config["vocab_size"]
     prompt = random_prompt(vocab, args.prompt_tokens, 0, "gpu-profile")
     unit = "prefill" if args.prefill else "token"
+    if args.batch > 1:
+        if args.prefill or args.side != "mlxcel":
+            print("--batch profiles mlxcel's decode steps only: give --side mlxcel, no --prefill", file=sys.stderr)
+            return 2
+        unit = f"step(b={args.batch})"
     print(
         f"{describe_shape(args.model_shape, args.bits, args.dtype)}; {environment()}; prompt {args.prompt_tokens}, "
         f"{args.warm} warm-up {unit}s, {args.tokens} profiled"
     )
-    if args.side in ("both", "mlxcel"):
+    if args.batch > 1:
+        steps = mlxcel_steps(ours, vocab, args.batch, args.prompt_tokens, args.warm, args.tokens)
+        report("mlxcel", profile_tokens(steps, args.warm, args.tokens, args.shapes), args.tokens, args.top, unit)
+    elif args.side in ("both", "mlxcel"):
         tokens_of = functools.partial(mlxcel_tokens, ours, vocab)
         tokens = (
             first_tokens(tokens_of, vocab, args.prompt_tokens)
