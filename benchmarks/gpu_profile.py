@@ -61,7 +61,8 @@ def mlxcel_steps(model, vocab: int, batch: int, prompt_tokens: int, warm: int, c
     `batch` random prompts opened at once, as a server's batch runs them."""
     engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=batch))
     prompts = [random_prompt(vocab, prompt_tokens, 0, "gpu-profile", i) for i in range(batch)]
-    seqs = [engine.open(p, SamplingParams(max_tokens=warm + count + 8)) for p in prompts]  # (prefills stagger)
+    steps = warm + count + 2 * batch + 8  # (prompts prefill over several steps: the rows start apart)
+    seqs = [engine.open(p, SamplingParams(max_tokens=steps)) for p in prompts]
     while engine.has_work():
         outs = [out for out in engine.step() if out.token is not None or out.finish_reason == "error"]
         if any(out.finish_reason == "error" for out in outs):
