@@ -17,7 +17,8 @@ Here, where the rows' state lives in the paged storage's state pool (engine/stat
 The arithmetic is the ops path's, element for element, in the same dtypes (float32 products, the outputs rounded to
 the activations' dtype, beta rounded to it as mx.sigmoid(b) is); the sums over Dk run in another order, so outputs
 agree to float32 rounding, not bit for bit (tests/mlxcel_core/backends/cuda/kernels/test_delta_net.py). Prompts,
-speculative verification (several tokens a row), rows without a state yet and other storages keep the ops path.
+forwards over generated tokens (speculative verification and its re-run, whose checkpoint holds the pool's arrays),
+rows without a state yet and other storages keep the ops path.
 
 The layer's class is swapped, in place, to a subclass of its own with `mix` overridden (as fused_projections.py
 does for attention blocks); parameters and every other path are unchanged.
@@ -205,7 +206,10 @@ class DeltaNetKernelsMixin:
     otherwise. Mixed into the layer's own class by use_delta_net_kernels."""
 
     def mix(self, mixed: mx.array, b: mx.array, a: mx.array, cache) -> mx.array:
-        found = getattr(cache, "in_place", lambda: None)()
+        # (a forward over generated tokens, speculative verification or its re-run, may be taken back to a checkpoint
+        # that holds the pool's arrays as they are: it writes new arrays)
+        in_place = None if getattr(cache, "decode_tokens", False) else getattr(cache, "in_place", None)
+        found = None if in_place is None else in_place()
         if found is None or not takes(self, mixed, b, a, found[0]):
             return super().mix(mixed, b, a, cache)
         (conv_pool, rule_pool), slots = found

@@ -11,6 +11,7 @@ import pytest
 from test_qmv import needs_cuda
 
 from mlxcel_core.backends.cuda.kernels import delta_net
+from mlxcel_core.engine.recurrent_rollback import DecodeTokens
 from mlxcel_core.models import model_class_for
 
 ARGS = dict(
@@ -90,8 +91,8 @@ def test_every_delta_net_layer_is_swapped_and_restored():
 
 
 def test_the_ops_path_stays_where_the_state_is_not_in_place():
-    """A prompt (several tokens), a cache that offers no in-place state, or the CPU: the layer's own mix, the same
-    arrays as the plain class's."""
+    """A cache that offers no in-place state, a forward over generated tokens (its checkpoint keeps the pool's
+    arrays), or the CPU: the layer's own mix, the same arrays as the plain class's."""
     layer = _layer()
     mixed, b, a, parts = _inputs(layer, rows=2, dtype=mx.float32)
     slots = mx.array([3, 1], mx.int32)
@@ -99,6 +100,8 @@ def test_the_ops_path_stays_where_the_state_is_not_in_place():
     delta_net.use_delta_net_kernels(layer)
     got = layer.mix(mixed, b, a, _Cache(parts, slots, in_place=False))
     assert mx.array_equal(got, want)
+    verify = DecodeTokens(_Cache(parts, slots, in_place=True))  # speculative verification's (a checkpoint holds parts)
+    assert mx.array_equal(layer.mix(mixed, b, a, verify), want) and verify.noted == []
     if not delta_net.on_gpu():
         cache = _Cache(parts, slots, in_place=True)
         assert mx.array_equal(layer.mix(mixed, b, a, cache), want) and cache.noted == []
