@@ -187,6 +187,13 @@ class SamplingParams:
         """Greedy with at most a grammar mask: the argmax of the masked logits, still shared with the batch."""
         return self.greedy and not (self.needs_history or self.logit_bias or self.suppress_tokens)
 
+    def check_token_ids(self, vocab_size: int) -> None:
+        """InputError where logit_bias or suppress-tokens names a token outside the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("suppress-tokens", self.suppress_tokens)):
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise InputError(f"{name}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -348,3 +355,14 @@ class RowSampler:
 
     def __call__(self, logits: mx.array, tokens: list[int] | None = None) -> mx.array:
         return self.draw(self.process(logits, tokens))
+
+
+def token_logprobs(logprobs: mx.array, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability, and the `top` most likely tokens with theirs (most likely first)."""
+    chosen = logprobs[token].item()
+    if top == 0:
+        return chosen, []
+    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+    values = logprobs[ids]
+    order = mx.argsort(-values)
+    return chosen, list(zip(ids[order].tolist(), values[order].tolist()))

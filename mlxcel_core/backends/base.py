@@ -119,6 +119,12 @@ class Backend:
         as the step; not on CPU, where it gains nothing (compute-bound) and a first run JIT-compiles."""
         return on_gpu()
 
+    def masks_on_worker(self) -> bool:
+        """Whether a constrained step's host work (reading the previous step, the grammars' masks) runs on a worker
+        thread beside its forward's submission (engine/mask_worker.py): on a GPU, where a batch's step is host-bound;
+        not on CPU, where the forward's compute bounds the step and hides that work after the submission."""
+        return on_gpu()
+
     def dense_mask_is_slow(self) -> bool:
         """Whether attention over a dense cache with an array mask leaves MLX's fused kernel (CUDA does)."""
         return False

@@ -29,12 +29,13 @@ from ..detokenizer import IncrementalDetokenizer, StopMatcher
 from ..distributed.group import is_launched
 from ..errors import InputError
 from ..models.base import CausalLM, has_recurrent_layers
-from ..sampling import RowSampler, SamplingParams
+from ..sampling import RowSampler, SamplingParams, token_logprobs
 from ..tokenizer import Tokenizer
 from . import constrained
 from .budget import state_tokens_per_sequence
 from .compiled_decode import compile_enabled
 from .dry_cache import DryBreakerCache
+from .mask_worker import MaskWorker
 from .plan import EngineMirror, Sampled, StepPlan
 from .runner import ModelRunner
 from .scheduler import BatchScheduler, ScheduledBatch, SchedulerConfig
@@ -86,6 +87,10 @@ class Engine:
         self.dry_cache = dry_cache if dry_cache is not None else DryBreakerCache(tokenizer)
         self.speculator: Speculator | None = None
         self._grammars: constrained.Grammars | None = None  # made at the first constrained row
+        # Where a constrained step's host work runs beside its forward's submission (mask_worker.py), and the rows it
+        # ended meanwhile, whose storage the engine's thread frees.
+        self._mask_worker = MaskWorker() if self.backend.masks_on_worker() else None
+        self._ended_on_worker: list[Sequence] | None = None
         # Rank 0 under tensor parallelism: a LeaderMirror that sends this engine's inputs to the other ranks.
         self.mirror: EngineMirror | None = None
         if self.config.speculative is not None:
@@ -102,7 +107,7 @@ class Engine:
             capped = self.config.max_context is not None and self.max_context == self.config.max_context
             context = "the context is capped at" if capped else "the model's context is"
             raise InputError(f"prompt has {len(prompt_ids)} tokens; {context} {self.max_context}")
-        self._check_token_ids(params)
+        params.check_token_ids(self.vocab_size)
         if self.mirror is not None:
             params = self.mirror.prepare(params)
         row_constraint = None
@@ -274,12 +279,6 @@ class Engine:
     def _live(self):
         return (s for s in self._sequences.values() if s.finish_reason is None)
 
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("suppress-tokens", params.suppress_tokens)):
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InputError(f"{name}: token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
-
     def _breakers(self, params: SamplingParams) -> dict | None:
         """The request's DRY sequence breakers as token sequences (dry_cache.py: computed once per set of breakers)."""
         if not params.dry_multiplier:
@@ -334,12 +333,23 @@ class Engine:
         """The packed masks of `seqs`' allowed tokens (constrained.next_masks; None: no constrained row), and the
         outputs of the steps read to compute them. A mask depends on the row's last token: with lookahead that step is
         still unread, so the forward goes to the device first and the host reads the unread steps and computes the
-        masks meanwhile. A dead end (no allowed token) ends its row with "error"."""
+        masks meanwhile (where the backend says so, on a worker thread while this one submits the forward:
+        mask_worker.py). A dead end (no allowed token) ends its row with "error"."""
         if not any(s.constraint is not None for s in seqs):
             return [], None
-        mx.async_eval(logits)
         outputs = []
-        bitmask = self._masks(seqs, outputs)
+        reads_logprobs = any(s.logprobs is not None for step, _ in self._unread for s in step.values())
+        if self._mask_worker is None or reads_logprobs:  # (a logprobs row's read computes with MLX: this thread's)
+            mx.async_eval(logits)
+            bitmask = self._masks(seqs, outputs)
+        else:
+            self._ended_on_worker = []
+            try:
+                bitmask = self._mask_worker.beside(partial(self._masks, seqs, outputs), partial(mx.async_eval, logits))
+            finally:
+                ended, self._ended_on_worker = self._ended_on_worker, None
+                for seq in ended:
+                    self._free(seq)
         return outputs, None if bitmask is None else mx.array(bitmask)
 
     def _masks(self, seqs: list[Sequence], outputs: list[StepOutput]) -> np.ndarray | None:
@@ -439,7 +449,7 @@ class Engine:
                 continue
             out = self._append(seq, token)
             if sampled.logprobs is not None:
-                out.logprob, out.top_logprobs = _token_logprobs(sampled.logprobs, token, seq.params.logprobs)
+                out.logprob, out.top_logprobs = token_logprobs(sampled.logprobs, token, seq.params.logprobs)
             outputs.append(out)
         return outputs
 
@@ -451,14 +461,14 @@ class Engine:
                 return self._dead_end(seq, refused)
         seq.output_ids.append(token)
         if eos:
-            return self._end(seq, "stop", token, text=self._flush(seq))
+            return self._end(seq, "stop", token, text=seq.flush_text())
         text, stopped = seq.stop_matcher.feed(seq.detokenizer.add(token))
         if stopped:  # the stop string and anything after it are never emitted
             return self._end(seq, "stop", token, text=text)
         if seq.constraint is not None and seq.constraint.stopped:  # the grammar is complete
-            return self._end(seq, "stop", token, text=text + self._flush(seq))
+            return self._end(seq, "stop", token, text=text + seq.flush_text())
         if len(seq.output_ids) >= seq.max_tokens:
-            return self._end(seq, "length", token, text=text + self._flush(seq))
+            return self._end(seq, "length", token, text=text + seq.flush_text())
         return StepOutput(seq.seq_id, token, text)
 
     def _end(
@@ -469,30 +479,20 @@ class Engine:
         self._conversations.pop(seq.seq_id, None)  # never admitted: nothing to keep
         seq.timings.finished = time.perf_counter()
         self.scheduler.finish(seq.seq_id)
+        if self._ended_on_worker is not None:  # (freeing submits MLX work: the engine's thread does it, mask_worker.py)
+            self._ended_on_worker.append(seq)
+        else:
+            self._free(seq)
+        self._latest.pop(seq.seq_id, None)
+        return StepOutput(seq.seq_id, token, text, reason, error)
+
+    def _free(self, seq: Sequence) -> None:
         self.storage.free(seq.seq_id, seq.prompt_ids + seq.output_ids)
         if self.speculator is not None:
             self.speculator.drafter.free(seq.seq_id)
-        self._latest.pop(seq.seq_id, None)
-        return StepOutput(seq.seq_id, token, text, reason, error)
 
     def _dead_end(self, seq: Sequence, message: str) -> StepOutput:
         """End a constrained row whose grammar allows no further token: "error", marked as the output's failure."""
         out = self._end(seq, "error", None, message)
         out.dead_end = True
         return out
-
-    @staticmethod
-    def _flush(seq: Sequence) -> str:
-        """Text held back for a possible stop string or partial character, now that no more follows."""
-        text, stopped = seq.stop_matcher.feed(seq.detokenizer.flush())
-        return text if stopped else text + seq.stop_matcher.flush()
-
-
-def _token_logprobs(logprobs: mx.array, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    chosen = logprobs[token].item()
-    if top == 0:
-        return chosen, []
-    ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
-    values = logprobs[ids]
-    order = mx.argsort(-values)
-    return chosen, list(zip(ids[order].tolist(), values[order].tolist()))

@@ -204,3 +204,8 @@ class Sequence:
     timings: SequenceTimings = field(default_factory=SequenceTimings)
     spec: SpecStats = field(default_factory=SpecStats)  # speculative decoding, when the engine has a drafter
     constraint: Any = None  # a constrained row's grammar state (constrained.RowConstraint); dropped when it ends
+
+    def flush_text(self) -> str:
+        """Text held back for a possible stop string or partial character, now that no more follows."""
+        text, stopped = self.stop_matcher.feed(self.detokenizer.flush())
+        return text if stopped else text + self.stop_matcher.flush()
