@@ -379,10 +379,12 @@ class PagedStorage:
         sinks: bool = False,
         values_in_keys: bool = False,
         chunked: bool = False,
+        window: int | None = None,
     ):
         """(attention function, num_splits, whether it is a kernel of the backend's) for a decode step; `sinks`:
         the step's attention has sinks, `values_in_keys`: its values are its keys' prefix, `chunked`: it is Llama 4's
-        chunked attention (no backend kernel takes any of them: the portable path runs)."""
+        chunked attention (no backend kernel takes any of them: the portable path runs); `window`: a sliding-window
+        layer's, whose splits cut at most that many keys."""
         batch, q_heads, _, head_dim = queries.shape
         backend = backends.current()
         only_if_set = {name: True for name, value in (("values_in_keys", values_in_keys), ("chunk", chunked)) if value}
@@ -390,7 +392,7 @@ class PagedStorage:
         bs = self.pool.block_size
         splits = self.choose_splits(
             batch,
-            block_tables.shape[1] * bs,
+            min(block_tables.shape[1] * bs, window or block_tables.shape[1] * bs),
             q_heads,
             pools[0].shape[2],
             head_dim,

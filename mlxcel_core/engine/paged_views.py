@@ -160,7 +160,7 @@ class DecodeView:
         keys, values = keys.reshape(B, Hkv, D), None if values is None else values.reshape(B, Hkv, D)
         context_lens = self.context_lens
         storage = self.storage
-        if window is None and softcap is None and storage.kv_bits is None:
+        if softcap is None and storage.kv_bits is None:
             pools = storage.layer_pools(self.layer, [keys] if values is None else [keys, values])
             attention, num_splits, on_kernel = storage.decode_attention(
                 queries,
@@ -169,6 +169,7 @@ class DecodeView:
                 sinks=sinks is not None,
                 values_in_keys=values_in_keys is not None,
                 chunked=chunk is not None,
+                window=window,
             )
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
             extra_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
@@ -178,6 +179,8 @@ class DecodeView:
                 extra_args["values_in_keys"] = values_in_keys
             if chunk is not None:  # (nor chunked attention)
                 extra_args["chunk"] = chunk
+            if window is not None:
+                extra_args["window"] = window
             if on_kernel and storage.kv_in_kernel:
                 out = attention(
                     queries,
@@ -204,7 +207,7 @@ class DecodeView:
                 **extra_args,
             )
         pools = storage.write(self.layer, self.slots, keys, values)
-        # Quantized, sliding-window or soft-capped layers: gather the rows densely and mask per row (sinks as given).
+        # Quantized or soft-capped layers: gather the rows densely and mask per row (window and sinks as given).
         all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)
         all_values = read_values(all_keys, all_values, values_in_keys)
         k_pos = mx.arange(all_keys.shape[2])[None, :]
@@ -224,9 +227,13 @@ class DecodeView:
         launch's output, so it runs after it; so do the combine counters' launches, which it shares)."""
         storage = self.storage
         pools = storage.pools[self.layer]
-        if window is None and softcap is None and storage.kv_bits is None:
-            attention, num_splits, on_kernel = storage.decode_attention(queries, pools, self.block_tables)
+        if softcap is None and storage.kv_bits is None:
+            attention, num_splits, on_kernel = storage.decode_attention(
+                queries, pools, self.block_tables, window=window
+            )
             extra_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
+            if window is not None:
+                extra_args["window"] = window
             return attention(
                 queries,
                 pools[0],

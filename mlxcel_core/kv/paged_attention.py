@@ -63,6 +63,7 @@ def paged_decode_attention(
     sinks: mx.array | None = None,
     values_in_keys: int | None = None,
     chunk: int | None = None,
+    window: int | None = None,
 ) -> mx.array:
     """One decode step of attention for B rows. q: [B, Hq, D] (or [B, Hq, 1, D], the model's layout at one token);
     pools: [num_blocks, block_size, Hkv, D]; block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens,
@@ -78,12 +79,17 @@ def paged_decode_attention(
 
     `chunk` (Llama 4's chunked local attention): a row's query (at position context_len - 1) sees only the keys of its
     own chunk of `chunk` positions, from (context_len - 1) // chunk * chunk on. Routed here too
-    (Backend.paged_runner_for)."""
+    (Backend.paged_runner_for).
+
+    `window` (a sliding-window layer): a row's query sees its last `window` keys only, positions context_len - window
+    on (causal_mask's q - k < window). The CUDA kernel takes it too."""
     if values_in_keys is not None and not 0 < values_in_keys <= k_pool.shape[-1]:
         raise ValueError(f"values_in_keys must be in [1, {k_pool.shape[-1]}], got {values_in_keys}")
     check_decode_arguments(
         q, k_pool, v_pool if values_in_keys is None else k_pool, block_tables, context_lens, num_splits
     )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
@@ -98,7 +104,7 @@ def paged_decode_attention(
     Dv = D if values_in_keys is None else values_in_keys
     v = v_pool[block_tables].reshape(B, T, Hkv, D) if values_in_keys is None else k[..., :Dv]
     if S == 1:
-        return _whole(q, k, v, context_lens, scale, sinks, chunk)
+        return _whole(q, k, v, context_lens, scale, sinks, chunk, window)
     # Pad T so it splits evenly; the padding is masked out below like any position >= context_len.
     span = max(1, -(-T // S))  # keys per split
     pad = span * S - T
@@ -115,7 +121,7 @@ def paged_decode_attention(
     qg = (q.astype(f32) * scale).reshape(B, Hkv, 1, n_rep, D)
 
     scores = qg @ k.swapaxes(-1, -2)  # [B, Hkv, S, n_rep, span]
-    valid = _valid(context_lens, T, chunk)[0]
+    valid = _valid(context_lens, T, chunk, window)[0]
     valid = mx.pad(valid, [(0, 0), (0, pad)]).reshape(B, S, span) if pad else valid.reshape(B, S, span)
     scores = mx.where(valid.reshape(B, 1, S, 1, span), scores, -mx.inf)
     # Slots past a row's length (its last block's tail, the table's padding entries) hold whatever an earlier
@@ -143,7 +149,7 @@ def paged_decode_attention(
     return out.reshape(*q.shape[:-1], Dv).astype(q.dtype)
 
 
-def _valid(context_lens: mx.array, T: int, chunk: int | None) -> tuple[mx.array, mx.array]:
+def _valid(context_lens: mx.array, T: int, chunk: int | None, window: int | None) -> tuple[mx.array, mx.array]:
     """(valid [B, T]: the key positions each row attends to; lens [B]: context_lens clamped to T, so a too-large one
     cannot pull padding into the softmax)."""
     lens = mx.minimum(context_lens.astype(mx.int32), T)
@@ -152,15 +158,17 @@ def _valid(context_lens: mx.array, T: int, chunk: int | None) -> tuple[mx.array,
     if chunk is not None:  # the keys of the query's own chunk only
         first = (context_lens.astype(mx.int32) - 1) // chunk * chunk
         valid = mx.logical_and(valid, positions >= first[:, None])
+    if window is not None:  # the last `window` keys only
+        valid = mx.logical_and(valid, positions >= (context_lens.astype(mx.int32) - window)[:, None])
     return valid, lens
 
 
-def _whole(q, k, v, context_lens, scale: float, sinks, chunk) -> mx.array:
+def _whole(q, k, v, context_lens, scale: float, sinks, chunk, window) -> mx.array:
     """One split: the whole key axis in one softmax (the split path's result, in fewer ops: no partials to merge).
     k [B, T, Hkv, D], v [B, T, Hkv, Dv] gathered; float32 throughout."""
     B, T, Hkv, D = k.shape
     Dv, n_rep, f32 = v.shape[-1], q.shape[1] // Hkv, mx.float32
-    valid, lens = _valid(context_lens, T, chunk)
+    valid, lens = _valid(context_lens, T, chunk, window)
     qg = (q.astype(f32) * scale).reshape(B, Hkv, n_rep, D)
     scores = qg @ k.astype(f32).transpose(0, 2, 3, 1)  # [B, Hkv, n_rep, T]
     scores = mx.where(valid[:, None, None, :], scores, -mx.inf)

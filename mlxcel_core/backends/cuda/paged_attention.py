@@ -6,7 +6,8 @@ D], block_tables int [B, max_blocks], context_lens int [B]; returns q's shape an
 context is empty.
 
 Kernel ("paged_decode_split"): one thread block per (split, kv head x query-head group, row). A row's
-context is cut into ``num_splits`` contiguous chunks of ceil(len / num_splits) tokens; the block of split
+context (a sliding-window layer's: its last WINDOW positions) is cut into ``num_splits`` contiguous chunks of
+ceil(len / num_splits) tokens; the block of split
 s walks its chunk straight through the block table (no gather): NVG lane groups of LPT lanes, each
 group with UNROLL tokens' loads in flight, each lane holding EPL elements of the head dim. Every lane
 group keeps an online softmax (running max m, sum l, weighted V) in float32 for the G query heads that
@@ -151,6 +152,7 @@ def cuda_paged_decode_attention(
     scale: float | None = None,
     new_kv: tuple | None = None,
     counters: mx.array | None = None,
+    window: int | None = None,
     _two_launches: bool = False,
 ) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring). One split
@@ -162,8 +164,13 @@ def cuda_paged_decode_attention(
     The kernel attends to them as each row's last position (context_lens - 1, whose slot they are) and writes them
     into the pools in place: no scatter op, and no copy of a whole pool when MLX cannot reuse its buffer (a KV scatter
     encoded while the step before it still runs on the GPU copies the pool). The caller orders later pool updates
-    after this launch (engine/paged.py)."""
+    after this launch (engine/paged.py).
+
+    `window`: a sliding-window layer's (the ops path's `window`), the kernel's WINDOW template constant: the splits
+    cut only the row's last `window` positions."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
@@ -186,6 +193,7 @@ def cuda_paged_decode_attention(
         ("EPL", geo["EPL"]),
         ("TPB", THREADS),
         ("UNROLL", UNROLL),
+        ("WINDOW", window or 0),
     ]
     grid = (S * THREADS, Hkv * (n_rep // geo["G"]), B)
     if S == 1 and not _two_launches:

@@ -1,7 +1,7 @@
 """Attention sinks (gpt-oss: a learned logit per query head in each softmax's denominator) through every attention
 path: the no-cache path, the dense KV cache (plain and quantized), compiled decode steps, and the paged storage's
 prefill views (first chunk, later chunks, prompts prefilled together) and decode views (the portable paged decode
-attention for full layers, the gathered path for sliding, quantized pools). Each against transformers' eager
+attention for full and sliding layers, the gathered path for quantized pools). Each against transformers' eager
 definition: the scores with the sink logit appended, softmax, the sink's column dropped."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_compiled_decode_step(window):
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_prefill_chunks_and_decode(window):
     """A first chunk of 10 (attends over its own keys), a later one of 6 (gathers the blocks), then decode steps:
-    full layers take paged_decode_attention with the sinks, sliding ones the gathered path."""
+    full and sliding layers take paged_decode_attention with the sinks (and the window)."""
     storage = PagedStorage(num_layers=1, block_size=4, kv_budget_tokens=64)
     storage.add(0, list(range(16)))
     q, k, v = qkv(19, 5)

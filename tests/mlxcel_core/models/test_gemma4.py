@@ -315,13 +315,17 @@ def test_kv_shared_layers_read_on_the_kernel_without_writing(checkpoints, monkey
     want = run()
     calls = []
 
-    def kernel_stand_in(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None):
-        calls.append((q.shape[-1], new_kv is not None, counters is not None))
+    def kernel_stand_in(
+        q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None, window=None
+    ):
+        calls.append((q.shape[-1], new_kv is not None, counters is not None, window))
         if new_kv is not None:  # in place: the storage's pool arrays themselves take the step's keys and values
             k, v, blocks, offsets = new_kv
             k_pool[blocks, offsets] = k
             v_pool[blocks, offsets] = v
-        return paged_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale)
+        return paged_decode_attention(
+            q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale, window=window
+        )
 
     class StandIn(Backend):
         kv_written_in_kernel = True
@@ -338,15 +342,19 @@ def test_kv_shared_layers_read_on_the_kernel_without_writing(checkpoints, monkey
     monkeypatch.setattr(backends, "_current", StandIn())
     assert run() == want
     # Each decode step: full layer 1 writes its keys in the kernel, then layer 4 (sharing them) reads them there;
-    # the sliding layers take the portable masked path.
-    assert len(calls) >= 2 * (len(want) - 1)
-    assert calls == [(64, True, True), (64, False, True)] * (len(calls) // 2)
+    # the sliding layers take the kernel too, with their window.
+    full = [call[:3] for call in calls if call[3] is None]
+    assert len(full) >= 2 * (len(want) - 1)
+    assert full == [(64, True, True), (64, False, True)] * (len(full) // 2)
+    sliding = [call for call in calls if call[3] is not None]
+    assert sliding and {call[3] for call in sliding} == {loaded.model.args.sliding_window}
 
 
 @pytest.mark.skipif(not backends_cuda(), reason="needs MLX on a CUDA device")
 def test_kv_shared_layers_read_on_the_cuda_kernel(checkpoints, monkeypatch):
     """On CUDA, the real kernel: the KV-shared full layer's decode attention runs on it read-only, after its
-    source's launch wrote the step's keys in place; the tokens are the portable backend's."""
+    source's launch wrote the step's keys in place, and the sliding layers' with their window; the tokens are the
+    portable backend's."""
     from mlxcel_core import backends
     from mlxcel_core.backends.base import Backend
     from mlxcel_core.backends.cuda import backend as cuda_backend
@@ -370,7 +378,7 @@ def test_kv_shared_layers_read_on_the_cuda_kernel(checkpoints, monkeypatch):
     def recording(runner):
         attention = real(runner)
         return lambda *args, **kwargs: (
-            kernel_runs.append(kwargs.get("new_kv") is not None) or attention(*args, **kwargs)
+            kernel_runs.append((kwargs.get("new_kv") is not None, kwargs.get("window"))) or attention(*args, **kwargs)
         )
 
     monkeypatch.setattr(cuda_backend, "decode_attention_for", recording)
@@ -378,7 +386,9 @@ def test_kv_shared_layers_read_on_the_cuda_kernel(checkpoints, monkeypatch):
     on_kernel = run()
     monkeypatch.setattr(backends, "_current", Backend())
     assert on_kernel == run()
-    assert kernel_runs and kernel_runs == [True, False] * (len(kernel_runs) // 2)
+    full = [writes for writes, window in kernel_runs if window is None]  # (the sliding layers' calls have a window)
+    assert full and full == [True, False] * (len(full) // 2)
+    assert {window for _, window in kernel_runs} == {None, loaded.model.args.sliding_window}
 
 
 def test_tensor_parallelism_needs_every_layers_heads_to_divide(checkpoints):

@@ -214,6 +214,32 @@ def test_the_steps_keys_and_values_written_in_the_kernel(splits, dtype):
     assert mx.array_equal(again, out).item()
 
 
+@needs_cuda
+@pytest.mark.parametrize("window", [1, 5, 32, 100, 4096])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_sliding_window_reads_the_last_keys_only(window, dtype):
+    """`window`: the kernel's splits cut the row's last `window` positions (rows shorter and longer than it), in
+    every launch form: two launches, the last block combining (counters), and with the step's keys and values."""
+    case = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
+    ref = ops_reference(*case, num_splits=1, window=window)
+    assert window >= 300 or max_err(ref, ops_reference(*case, num_splits=1)) > TOL[dtype]  # the window matters
+    counters = mx.zeros((4096,), mx.int32)
+    for s in SPLITS:
+        for kwargs in ({"_two_launches": True}, {"counters": counters}):
+            out = cuda_paged_decode_attention(*case, num_splits=s, window=window, **kwargs)
+            err = max_err(out, ref)
+            assert err <= TOL[dtype], f"num_splits={s} {list(kwargs)}: max abs error {err:.3g}"
+    q, k_pool, v_pool, table, lens = case
+    k, v, blocks, offsets = step_kv(case)
+    pools = [p * 1 for p in (k_pool, v_pool)]
+    mx.eval(pools, k, v, blocks, offsets)
+    out = cuda_paged_decode_attention(
+        q, *pools, table, lens, num_splits=3, window=window, new_kv=(k, v, blocks, offsets)
+    )
+    mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
+    assert max_err(out, ops_reference(q, *pools, table, lens, window=window)) <= TOL[dtype]
+
+
 def test_new_kv_is_checked():
     q, k_pool, v_pool, table, lens = make_case([10, 20], 32, 8, 2, 64, mx.float32)
     k, v = mx.zeros((2, 2, 64)), mx.zeros((2, 2, 64))
@@ -245,6 +271,7 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
         "EPL": geo["EPL"],
         "TPB": cpa.THREADS,
         "UNROLL": cpa.UNROLL,
+        "WINDOW": 4096,
     }
     if one_split or combines:
         template["OUT"] = mx.bfloat16
