@@ -8,7 +8,8 @@
 #                                            tokenizer stand-in: --tokenizer-model /tmp/tokenizer-stand-in
 #   device call 3, carry [".devwheels/b"]:  scripts/gpu_suite.sh run PART     # right away (the machine idles out)
 #
-# PART splits the suite so each call stays under the device's 10-minute limit (about 5 minutes each on 14 workers):
+# PART splits the suite so each call stays under the device's 10-minute limit (about 4-8 minutes each on 14 workers;
+# on a machine of several GPUs, 14 workers a GPU):
 #   device   tests/mlxcel_core/{backends,engine,server} tests/autotune (the CUDA kernels, the graph, the paged kernel)
 #   models   tests/mlxcel_core/models (the families' parity against transformers)
 #   rest     everything else
@@ -62,8 +63,11 @@ case "${1:-}" in
       all) paths=(tests) ;;
       *) echo "unknown part: ${2}" >&2; exit 2 ;;
     esac
+    # 14 workers a GPU (16 cores each on these machines), each worker on one GPU (tests/conftest.py)
+    gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
+    export GPU_SUITE_GPUS=$(( gpus > 1 ? gpus : 1 ))
     workers=()
-    python3 -c "import xdist" 2>/dev/null && workers=(-n 14)
+    python3 -c "import xdist" 2>/dev/null && workers=(-n $(( 14 * GPU_SUITE_GPUS )))
     python3 -m pytest -v -p no:cacheprovider -rfE -m "not real_model" "${workers[@]}" "${paths[@]}" 2>&1 \
       | grep -v -e PytestBenchmarkWarning -e "warner(" | tee "${OUT:-/tmp}/gpu_suite_${2:-all}.txt" | grep -v -e " PASSED " -e " SKIPPED " | tail -60
     ;;

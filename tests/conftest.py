@@ -13,6 +13,11 @@ import pytest
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+# On a host with several GPUs (scripts/gpu_suite.sh sets GPU_SUITE_GPUS), xdist's workers spread over them, one GPU
+# each, chosen before MLX starts; tests that need two GPUs (tests/ranks.py) skip there, as on one GPU.
+_gpus, _worker = int(os.environ.get("GPU_SUITE_GPUS") or 1), os.environ.get("PYTEST_XDIST_WORKER", "")
+if _gpus > 1 and _worker.startswith("gw") and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % _gpus)
 # Before anything imports mlx: mlxcel_core keeps float32 float32 on a GPU, and routes MLX's float32 products on the
 # CPU through OpenBLAS (cpu_blas.py), as for every mlxcel command.
 from tiny_models import save_tiny_llama  # noqa: E402  (imports mlx)
