@@ -84,16 +84,13 @@ class Backend:
         """Which paged decode attention runs for this head size (autotune keys its results on it)."""
         return RUNNER_OPS
 
-    def paged_runner_for(
-        self, head_dim: int, sinks: bool = False, values_in_keys: bool = False, chunk: bool = False
-    ) -> str:
+    def paged_runner_for(self, head_dim: int, sinks: bool = False, values_in_keys: bool = False) -> str:
         """The runner of one decode attention call: `paged_runner`'s, except that a call with attention sinks (gpt-oss)
         runs the portable MLX-ops path, which takes them (`paged_decode_attention(sinks=)`): no backend kernel does.
         So does a call whose values are its keys' prefix (`values_in_keys`, DeepSeek-V3's latent attention: one pool,
         of another head size than the output's), which the kernels, reading separate K and V pools of one head
-        size, cannot take; and a chunked call (`chunk`, Llama 4's chunked local attention,
-        `paged_decode_attention(chunk=)`): the kernels know sliding windows, not chunks."""
-        return RUNNER_OPS if sinks or values_in_keys or chunk else self.paged_runner(head_dim)
+        size, cannot take. Sliding windows and Llama 4's chunks (`window=`, `chunk=`) the kernels take."""
+        return RUNNER_OPS if sinks or values_in_keys else self.paged_runner(head_dim)
 
     def paged_attention(self, runner: str) -> Callable:
         """The attention function of `runner`: paged_decode_attention's contract (kv/paged_attention.py), plus

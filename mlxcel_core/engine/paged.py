@@ -378,21 +378,22 @@ class PagedStorage:
         block_tables: mx.array,
         sinks: bool = False,
         values_in_keys: bool = False,
-        chunked: bool = False,
         window: int | None = None,
+        chunk: int | None = None,
     ):
         """(attention function, num_splits, whether it is a kernel of the backend's) for a decode step; `sinks`:
-        the step's attention has sinks, `values_in_keys`: its values are its keys' prefix, `chunked`: it is Llama 4's
-        chunked attention (no backend kernel takes any of them: the portable path runs); `window`: a sliding-window
-        layer's, whose splits cut at most that many keys."""
+        the step's attention has sinks, `values_in_keys`: its values are its keys' prefix (no backend kernel takes
+        either: the portable path runs); `window` / `chunk`: a sliding-window layer's or a chunked one's (Llama 4),
+        whose splits cut at most that many keys."""
         batch, q_heads, _, head_dim = queries.shape
         backend = backends.current()
-        only_if_set = {name: True for name, value in (("values_in_keys", values_in_keys), ("chunk", chunked)) if value}
-        runner = backend.paged_runner_for(head_dim, sinks=sinks, **only_if_set)
+        latent = {"values_in_keys": True} if values_in_keys else {}  # (only when set: stand-in backends in tests)
+        runner = backend.paged_runner_for(head_dim, sinks=sinks, **latent)
         bs = self.pool.block_size
+        width = block_tables.shape[1] * bs
         splits = self.choose_splits(
             batch,
-            min(block_tables.shape[1] * bs, window or block_tables.shape[1] * bs),
+            min(width, window or width, chunk or width),
             q_heads,
             pools[0].shape[2],
             head_dim,

@@ -168,8 +168,8 @@ class DecodeView:
                 self.block_tables,
                 sinks=sinks is not None,
                 values_in_keys=values_in_keys is not None,
-                chunked=chunk is not None,
                 window=window,
+                chunk=chunk,
             )
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
             extra_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
@@ -177,10 +177,7 @@ class DecodeView:
                 extra_args["sinks"] = sinks
             if values_in_keys is not None:  # (never on a kernel either)
                 extra_args["values_in_keys"] = values_in_keys
-            if chunk is not None:  # (nor chunked attention)
-                extra_args["chunk"] = chunk
-            if window is not None:
-                extra_args["window"] = window
+            extra_args.update({name: n for name, n in (("window", window), ("chunk", chunk)) if n is not None})
             if on_kernel and storage.kv_in_kernel:
                 out = attention(
                     queries,
@@ -207,7 +204,7 @@ class DecodeView:
                 **extra_args,
             )
         pools = storage.write(self.layer, self.slots, keys, values)
-        # Quantized or soft-capped layers: gather the rows densely and mask per row (window and sinks as given).
+        # Quantized or soft-capped layers: gather the rows densely and mask per row (window, chunk and sinks as given).
         all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)
         all_values = read_values(all_keys, all_values, values_in_keys)
         k_pos = mx.arange(all_keys.shape[2])[None, :]

@@ -78,18 +78,18 @@ def paged_decode_attention(
     routed here too, never to a kernel.
 
     `chunk` (Llama 4's chunked local attention): a row's query (at position context_len - 1) sees only the keys of its
-    own chunk of `chunk` positions, from (context_len - 1) // chunk * chunk on. Routed here too
-    (Backend.paged_runner_for).
+    own chunk of `chunk` positions, from (context_len - 1) // chunk * chunk on.
 
     `window` (a sliding-window layer): a row's query sees its last `window` keys only, positions context_len - window
-    on (causal_mask's q - k < window). The CUDA kernel takes it too."""
+    on (causal_mask's q - k < window). The CUDA kernel takes `chunk` and `window` too."""
     if values_in_keys is not None and not 0 < values_in_keys <= k_pool.shape[-1]:
         raise ValueError(f"values_in_keys must be in [1, {k_pool.shape[-1]}], got {values_in_keys}")
     check_decode_arguments(
         q, k_pool, v_pool if values_in_keys is None else k_pool, block_tables, context_lens, num_splits
     )
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    for name, n in (("window", window), ("chunk", chunk)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]

@@ -6,8 +6,8 @@ D], block_tables int [B, max_blocks], context_lens int [B]; returns q's shape an
 context is empty.
 
 Kernel ("paged_decode_split"): one thread block per (split, kv head x query-head group, row). A row's
-context (a sliding-window layer's: its last WINDOW positions) is cut into ``num_splits`` contiguous chunks of
-ceil(len / num_splits) tokens; the block of split
+context (a sliding-window layer's: its last WINDOW positions; a chunked layer's: its own CHUNK) is cut into
+``num_splits`` contiguous chunks of ceil(len / num_splits) tokens; the block of split
 s walks its chunk straight through the block table (no gather): NVG lane groups of LPT lanes, each
 group with UNROLL tokens' loads in flight, each lane holding EPL elements of the head dim. Every lane
 group keeps an online softmax (running max m, sum l, weighted V) in float32 for the G query heads that
@@ -153,6 +153,7 @@ def cuda_paged_decode_attention(
     new_kv: tuple | None = None,
     counters: mx.array | None = None,
     window: int | None = None,
+    chunk: int | None = None,
     _two_launches: bool = False,
 ) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring). One split
@@ -166,11 +167,12 @@ def cuda_paged_decode_attention(
     encoded while the step before it still runs on the GPU copies the pool). The caller orders later pool updates
     after this launch (engine/paged.py).
 
-    `window`: a sliding-window layer's (the ops path's `window`), the kernel's WINDOW template constant: the splits
-    cut only the row's last `window` positions."""
+    `window`, `chunk`: a sliding-window or chunked layer's (the ops path's), the kernel's WINDOW and CHUNK template
+    constants: the splits cut only the row's last `window` positions, or its own chunk's."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    for name, n in (("window", window), ("chunk", chunk)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
@@ -194,6 +196,7 @@ def cuda_paged_decode_attention(
         ("TPB", THREADS),
         ("UNROLL", UNROLL),
         ("WINDOW", window or 0),
+        ("CHUNK", chunk or 0),
     ]
     grid = (S * THREADS, Hkv * (n_rep // geo["G"]), B)
     if S == 1 and not _two_launches:

@@ -23,7 +23,10 @@ _SOURCE = r"""
     const int max_blocks = block_tables_shape[1];
     int len = context_lens[b];
     len = len < 0 ? 0 : (len > max_blocks * BS ? max_blocks * BS : len);
-    const int lo = (WINDOW > 0 && len > WINDOW) ? len - WINDOW : 0;  // a sliding window's first visible key
+    // The first visible key: a sliding window's (its last WINDOW positions), a chunked layer's (its own chunk).
+    const int lo_window = (WINDOW > 0 && len > WINDOW) ? len - WINDOW : 0;
+    const int lo_chunk = (CHUNK > 0 && len > 0) ? (len - 1) / CHUNK * CHUNK : 0;
+    const int lo = max(lo_window, lo_chunk);
     const int chunk = (len - lo + S - 1) / S;
     const int t0 = min(len, lo + split * chunk);
     const int t1 = min(len, t0 + chunk);

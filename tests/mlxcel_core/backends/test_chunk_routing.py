@@ -1,7 +1,7 @@
-"""A backend's paged decode kernel knows sliding windows but not Llama 4's chunked attention: a chunked decode call runs
-the portable MLX-ops path (kv/paged_attention.py, `chunk=`), while the calls of the same model's full-attention layers
-still take the kernel. Shown on the CPU with stand-in backends (this process's backend swapped by monkeypatching
-`backends._current`); the portable path's chunked attention against a dense reference."""
+"""Llama 4's chunked attention on a backend's paged decode kernel: a chunked decode call takes the kernel with its chunk
+(the CUDA kernel cuts its splits from the row's own chunk), as the same model's full-attention layers take it without.
+Shown on the CPU with stand-in backends (this process's backend swapped by monkeypatching `backends._current`); the
+portable path's chunked attention (kv/paged_attention.py, `chunk=`) against a dense reference."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from stand_in_backends import with_kernel
 
 from mlxcel_core import backends
 from mlxcel_core.backends.base import Backend
-from mlxcel_core.backends.cuda.backend import CudaBackend
 from mlxcel_core.engine.paged import PagedStorage
-from mlxcel_core.kv.paged_attention import RUNNER_OPS, paged_decode_attention
+from mlxcel_core.kv.paged_attention import paged_decode_attention
 from mlxcel_core.models.base import causal_mask, scaled_dot_product_attention
 
 HQ, HKV, D = 4, 2, 16
@@ -37,7 +36,7 @@ def decode_step(chunk, prompt_len: int = 6):
 
 
 @pytest.mark.parametrize("chunk", [None, CHUNK], ids=["full", "chunked"])
-def test_a_chunked_decode_call_leaves_the_kernel(monkeypatch, chunk):
+def test_a_chunked_decode_call_takes_the_kernel_with_its_chunk(monkeypatch, chunk):
     monkeypatch.setattr(backends, "_current", Backend())
     portable, dense = decode_step(chunk)
     np.testing.assert_allclose(np.array(portable), np.array(dense), rtol=0, atol=1e-5)
@@ -45,21 +44,7 @@ def test_a_chunked_decode_call_leaves_the_kernel(monkeypatch, chunk):
     monkeypatch.setattr(backends, "_current", with_kernel(calls))
     got, _ = decode_step(chunk)
     assert mx.allclose(got, portable, atol=1e-6).item()
-    if chunk is None:
-        assert [name for name, _ in calls] == ["kernel"]
-    else:  # the portable path, with the chunk and none of the kernel's keywords (the storage writes the pools)
-        assert [name for name, _ in calls] == ["ops"]
-        assert calls[0][1]["chunk"] == CHUNK and not {"new_kv", "counters"} & calls[0][1].keys()
-
-
-def test_the_cuda_backend_routes_chunks_to_the_portable_path(monkeypatch):
-    from mlxcel_core.backends.cuda import backend as cuda_backend
-
-    monkeypatch.setattr(cuda_backend, "runner_for", lambda head_dim: "cuda-kernel-v1")  # as on a CUDA device
-    cuda = CudaBackend()
-    assert cuda.paged_runner_for(64) == "cuda-kernel-v1"
-    assert cuda.paged_runner_for(64, chunk=True) == RUNNER_OPS
-    assert Backend().paged_runner_for(64, chunk=True) == RUNNER_OPS
+    assert calls == [("kernel", {} if chunk is None else {"chunk": CHUNK})]
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -85,10 +70,10 @@ def test_portable_chunked_decode_matches_dense_attention(num_splits):
         np.testing.assert_allclose(np.array(got[row : row + 1]), np.array(want), rtol=0, atol=1e-5)
 
 
-def test_a_llama4_model_takes_the_kernel_on_its_full_layers_only(monkeypatch):
+def test_a_llama4_model_takes_the_kernel_on_every_layer(monkeypatch):
     """A random tiny Llama 4 through the paged engine under a kernel backend: the chunked (RoPE) layers' decode calls
-    run the portable path with their chunk, the NoPE (full-attention) layers' the kernel, and the greedy tokens are
-    the portable backend's."""
+    take the kernel with their chunk, the NoPE (full-attention) layers' without, and the greedy tokens are the
+    portable backend's."""
     from mlxcel_core.bench import RandomIdTokenizer
     from mlxcel_core.engine import Engine, EngineConfig
     from mlxcel_core.models import llama4
@@ -128,6 +113,6 @@ def test_a_llama4_model_takes_the_kernel_on_its_full_layers_only(monkeypatch):
     calls = []
     monkeypatch.setattr(backends, "_current", with_kernel(calls))
     assert run() == want
-    ops = [kwargs for name, kwargs in calls if name == "ops"]
-    assert ops and all(kwargs["chunk"] == CHUNK for kwargs in ops)
-    assert len(ops) == len(calls) - len(ops)  # one chunked and one full layer: as many kernel calls
+    assert calls and {name for name, _ in calls} == {"kernel"}
+    chunked = [kwargs for _, kwargs in calls if kwargs.get("chunk") == CHUNK]
+    assert len(chunked) == len(calls) // 2  # one chunked and one full layer

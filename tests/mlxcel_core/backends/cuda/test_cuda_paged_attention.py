@@ -215,29 +215,32 @@ def test_the_steps_keys_and_values_written_in_the_kernel(splits, dtype):
 
 
 @needs_cuda
-@pytest.mark.parametrize("window", [1, 5, 32, 100, 4096])
+@pytest.mark.parametrize(
+    "limit",
+    [("window", 1), ("window", 5), ("window", 100), ("window", 4096), ("chunk", 1), ("chunk", 32), ("chunk", 100)],
+)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_a_sliding_window_reads_the_last_keys_only(window, dtype):
-    """`window`: the kernel's splits cut the row's last `window` positions (rows shorter and longer than it), in
-    every launch form: two launches, the last block combining (counters), and with the step's keys and values."""
+def test_a_window_or_a_chunk_reads_its_keys_only(limit, dtype):
+    """`window` (the row's last positions) and `chunk` (the row's own chunk): the kernel's splits cut only those keys
+    (rows shorter and longer than them), in every launch form: two launches, the last block combining (counters), and
+    with the step's keys and values."""
+    kwargs = dict([limit])
     case = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
-    ref = ops_reference(*case, num_splits=1, window=window)
-    assert window >= 300 or max_err(ref, ops_reference(*case, num_splits=1)) > TOL[dtype]  # the window matters
+    ref = ops_reference(*case, num_splits=1, **kwargs)
+    assert limit[1] >= 300 or max_err(ref, ops_reference(*case, num_splits=1)) > TOL[dtype]  # the limit matters
     counters = mx.zeros((4096,), mx.int32)
     for s in SPLITS:
-        for kwargs in ({"_two_launches": True}, {"counters": counters}):
-            out = cuda_paged_decode_attention(*case, num_splits=s, window=window, **kwargs)
+        for form in ({"_two_launches": True}, {"counters": counters}):
+            out = cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form)
             err = max_err(out, ref)
-            assert err <= TOL[dtype], f"num_splits={s} {list(kwargs)}: max abs error {err:.3g}"
+            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
     q, k_pool, v_pool, table, lens = case
     k, v, blocks, offsets = step_kv(case)
     pools = [p * 1 for p in (k_pool, v_pool)]
     mx.eval(pools, k, v, blocks, offsets)
-    out = cuda_paged_decode_attention(
-        q, *pools, table, lens, num_splits=3, window=window, new_kv=(k, v, blocks, offsets)
-    )
+    out = cuda_paged_decode_attention(q, *pools, table, lens, num_splits=3, new_kv=(k, v, blocks, offsets), **kwargs)
     mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
-    assert max_err(out, ops_reference(q, *pools, table, lens, window=window)) <= TOL[dtype]
+    assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
 
 
 def test_new_kv_is_checked():
@@ -272,6 +275,7 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
         "TPB": cpa.THREADS,
         "UNROLL": cpa.UNROLL,
         "WINDOW": 4096,
+        "CHUNK": 8192,
     }
     if one_split or combines:
         template["OUT"] = mx.bfloat16
