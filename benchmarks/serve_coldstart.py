@@ -161,9 +161,11 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
         warm = next((m.group(1) for line in log_lines if (m := re.search(r"warm-up: ([\d.]+) s", line))), "-")
+        ours = next((m.group(1) for line in log_lines if (m := re.search(r"mlxcel's kernels: (.*)$", line))), "")
+        ours = f"; mlxcel's kernels: {ours}" if ours else ""  # (its own compiles; MLX's are the rest)
         files = sum(1 for p in (cache / "kernels").rglob("*") if p.is_file()) if (cache / "kernels").exists() else 0
         print(
-            f"{run:9s} ready {ready:6.1f} s (warm-up {warm} s) | first request TTFT {first[0] * 1e3:8.1f} ms, "
+            f"{run:9s} ready {ready:6.1f} s (warm-up {warm} s{ours}) | first request TTFT {first[0] * 1e3:8.1f} ms, "
             f"total {first[1] * 1e3:8.1f} ms | second TTFT {second[0] * 1e3:7.1f} ms, total {second[1] * 1e3:7.1f}"
             f" ms | kernel cache {files} files",
             flush=True,

@@ -116,6 +116,10 @@ class Backend:
         as the step; not on CPU, where it gains nothing (compute-bound) and a first run JIT-compiles."""
         return on_gpu()
 
+    def kernel_compiles(self) -> tuple[int, float]:
+        """(variants, seconds) of this process's compiles of the backend's own kernels so far: none here."""
+        return 0, 0.0
+
     def masks_on_worker(self) -> bool:
         """Whether a constrained step's host work (reading the previous step, the grammars' masks) runs on a worker
         thread beside its forward's submission (engine/mask_worker.py): on a GPU, where a batch's step is host-bound;

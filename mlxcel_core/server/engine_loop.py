@@ -29,7 +29,7 @@ from ..engine.dry_cache import DryBreakerCache
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import ServerMetrics
-from .warmup import warm_up, warmup_plan
+from .warmup import compiled, warm_up, warmup_plan
 
 log = logging.getLogger("mlxcel.server")
 
@@ -189,7 +189,7 @@ class EngineLoop:
                 self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
             if self.warmup:  # (on an engine like the serving one, dropped after)
                 plan = warmup_plan(self.engine_config)
-                log.info("warm-up: %.1f s (%s)", warm_up(self._new_engine(), plan), plan.describe())
+                log.info("warm-up: %.1f s (%s)%s", warm_up(self._new_engine(), plan), plan.describe(), compiled())
             self.engine = self._new_engine()
             # The tokenizer in llguidance's form, built on a worker thread now so that the first request with a
             # response_format does not wait for it (engine/constrained.py).

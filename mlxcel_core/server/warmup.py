@@ -63,6 +63,15 @@ def warmup_plan(config: EngineConfig) -> WarmupPlan:
     )
 
 
+def compiled() -> str:
+    """What the warm-up log adds about the backend's own kernels compiled in this process (on a fresh machine, the part
+    of the warm-up that is mlxcel's compiles; MLX's of its own kernels are the rest of the compile time)."""
+    from .. import backends
+
+    variants, seconds = backends.current().kernel_compiles()
+    return f"; mlxcel's kernels: {variants} compiled in {seconds:.1f} s" if variants else ""
+
+
 def _step(engine: Engine) -> None:
     for out in engine.step():
         if out.error is not None:

@@ -29,6 +29,11 @@ class CudaBackend(Backend):
     def greedy_tokens(self, logits: mx.array) -> tuple[mx.array, mx.array]:
         return greedy_tokens(logits)
 
+    def kernel_compiles(self) -> tuple[int, float]:
+        from .kernels.cubin_cache import COMPILES
+
+        return COMPILES.variants, COMPILES.seconds
+
     def masked_greedy_tokens(self, logits: mx.array, bitmask: mx.array) -> tuple[mx.array, mx.array]:
         return masked_greedy_tokens(logits, bitmask)
 

@@ -58,6 +58,28 @@ def test_the_warm_up_runs_on_its_own_engine_before_ready(monkeypatch, caplog):
         loop.stop()
 
 
+def test_the_warm_up_log_counts_the_backends_own_compiles(monkeypatch, caplog):
+    """The backend's kernels compiled in the process (CUDA: the kernel cache's NVRTC compiles) join the warm-up's log
+    line; a backend that compiles none adds nothing."""
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
+
+    class Compiling(Backend):
+        def kernel_compiles(self):
+            return 42, 12.345
+
+    caplog.set_level(logging.INFO, logger="mlxcel.server")
+    monkeypatch.setattr(backends, "_current", Compiling())
+    loop, _ = _start(monkeypatch, warmup=True)
+    loop.stop()
+    assert "; mlxcel's kernels: 42 compiled in 12.3 s" in caplog.text
+    monkeypatch.setattr(backends, "_current", Backend())
+    caplog.clear()
+    loop, _ = _start(monkeypatch, warmup=True)
+    loop.stop()
+    assert "warm-up: " in caplog.text and "mlxcel's kernels" not in caplog.text
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"warmup": False}])
 def test_no_warm_up_unless_asked(monkeypatch, kwargs):
     loop, warmed = _start(monkeypatch, **kwargs)

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,18 @@ _warned = False
 
 
 @dataclass
+class Compiles:
+    """This process's NVRTC compiles of cached kernels (the server's warm-up reports them: on a fresh machine they are
+    the part of its wait that is mlxcel's own, beside MLX's compiles of its kernels)."""
+
+    variants: int = 0
+    seconds: float = 0.0
+
+
+COMPILES = Compiles()
+
+
+@dataclass
 class Launch:
     """One launch of a cached kernel as MLX will make it (custom_kernel.cpp): the arguments are the inputs' and outputs'
     data pointers, then `scalars` as ints; the grid is in threads (blocks = ceil(grid / threadgroup)). `func` is None
@@ -358,7 +371,10 @@ class CachedKernel:
             except OSError:
                 cubin = b""
             if not cubin.startswith(ELF_MAGIC):  # none yet, or not a cubin (damaged): compile it again
+                began = time.perf_counter()
                 cubin = (self._compile or compile_cubin)(draft.replace("KERNEL_NAME", func), func, arch)
+                COMPILES.variants += 1
+                COMPILES.seconds += time.perf_counter() - began
                 tmp = path.with_suffix(f".tmp{os.getpid()}")
                 try:
                     tmp.write_bytes(cubin)

@@ -68,6 +68,7 @@ def test_a_variant_is_compiled_once_per_machine(tmp_path, machine):
         return CachedKernel("mlxcel_t", ["x", "w"], ["y"], BODY, directory=tmp_path, compile=compile_stub)
 
     args = ([("T", mx.bfloat16), ("SCALE", 3), ("FLAG", True)], [mx.bfloat16, mx.uint32], [2, 1], [mx.bfloat16])
+    counted = cubin_cache.COMPILES.variants
     first = kernel()
     name, cubin = first.variant(*args)
     assert first.variant(*args) == (name, cubin) and compiled == [name]
@@ -78,6 +79,7 @@ def test_a_variant_is_compiled_once_per_machine(tmp_path, machine):
     rank, _ = kernel().variant(args[0], args[1], [3, 1], args[3])  # x's rank changes its parameters
     assert rank not in (name, other) and len(compiled) == 3
     assert not list(tmp_path.glob("*.tmp*"))
+    assert cubin_cache.COMPILES.variants - counted == len(compiled) == 3  # (what the warm-up's log reports)
     (tmp_path / f"{name}.cubin").write_bytes(b"garbage")  # a damaged file is compiled again and replaced
     assert kernel().variant(*args) == (name, cubin) and compiled[-1] == name and len(compiled) == 4
     assert (tmp_path / f"{name}.cubin").read_bytes() == cubin
