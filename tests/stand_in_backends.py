@@ -14,17 +14,14 @@ def with_kernel(calls: list):
     """A backend with a decode kernel of its own (as CUDA has), writing the step's keys and values in place; the kernel
     and the portable path record their calls."""
 
-    def kernel(
-        q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None, window=None, chunk=None
-    ):
-        calls.append(("kernel", {name: n for name, n in (("window", window), ("chunk", chunk)) if n is not None}))
+    def kernel(q, k_pool, v_pool, tables, lens, num_splits=1, scale=None, new_kv=None, counters=None, **limits):
+        """`limits`: window, chunk and sinks, as the CUDA kernel takes them (recorded where given)."""
+        calls.append(("kernel", {name: value for name, value in limits.items() if value is not None}))
         if new_kv is not None:
             k, v, blocks, offsets = new_kv
             k_pool[blocks, offsets] = k
             v_pool[blocks, offsets] = v
-        return paged_decode_attention(
-            q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale, window=window, chunk=chunk
-        )
+        return paged_decode_attention(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale, **limits)
 
     def portable(*args, **kwargs):
         calls.append(("ops", kwargs))

@@ -8,7 +8,7 @@ What differs by backend:
 - `prepare_model` / `unprepare_model`: swap kernel modules into a built model (fused projections, matvec kernels)
   and back;
 - the decode attention over the paged pools (`paged_runner`, `paged_attention`, `kv_written_in_kernel`,
-  `combine_counters`; `paged_runner_for` keeps calls with attention sinks on the portable path);
+  `combine_counters`; `paged_runner_for` keeps latent-attention calls on the portable path);
 - the greedy readout of a decode step (`greedy_tokens`, and `masked_greedy_tokens` for constrained rows);
 - a decode-step replayer (`graph_decoder`: a lone greedy row's steps as one recorded graph);
 - the step inputs' placement (`own_step_inputs`) and per-backend defaults (`compile_by_default`,
@@ -84,13 +84,13 @@ class Backend:
         """Which paged decode attention runs for this head size (autotune keys its results on it)."""
         return RUNNER_OPS
 
-    def paged_runner_for(self, head_dim: int, sinks: bool = False, values_in_keys: bool = False) -> str:
-        """The runner of one decode attention call: `paged_runner`'s, except that a call with attention sinks (gpt-oss)
-        runs the portable MLX-ops path, which takes them (`paged_decode_attention(sinks=)`): no backend kernel does.
-        So does a call whose values are its keys' prefix (`values_in_keys`, DeepSeek-V3's latent attention: one pool,
-        of another head size than the output's), which the kernels, reading separate K and V pools of one head
-        size, cannot take. Sliding windows and Llama 4's chunks (`window=`, `chunk=`) the kernels take."""
-        return RUNNER_OPS if sinks or values_in_keys else self.paged_runner(head_dim)
+    def paged_runner_for(self, head_dim: int, values_in_keys: bool = False) -> str:
+        """The runner of one decode attention call: `paged_runner`'s, except that a call whose values are its keys'
+        prefix (`values_in_keys`, DeepSeek-V3's latent attention: one pool, of another head size than the output's)
+        runs the portable MLX-ops path (`paged_decode_attention(values_in_keys=)`): the kernels read separate K and V
+        pools of one head size. Sliding windows, Llama 4's chunks and attention sinks (`window=`, `chunk=`, `sinks=`)
+        the kernels take."""
+        return RUNNER_OPS if values_in_keys else self.paged_runner(head_dim)
 
     def paged_attention(self, runner: str) -> Callable:
         """The attention function of `runner`: paged_decode_attention's contract (kv/paged_attention.py), plus

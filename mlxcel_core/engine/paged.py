@@ -376,19 +376,18 @@ class PagedStorage:
         queries: mx.array,
         pools: list[mx.array],
         block_tables: mx.array,
-        sinks: bool = False,
         values_in_keys: bool = False,
         window: int | None = None,
         chunk: int | None = None,
     ):
-        """(attention function, num_splits, whether it is a kernel of the backend's) for a decode step; `sinks`:
-        the step's attention has sinks, `values_in_keys`: its values are its keys' prefix (no backend kernel takes
-        either: the portable path runs); `window` / `chunk`: a sliding-window layer's or a chunked one's (Llama 4),
-        whose splits cut at most that many keys."""
+        """(attention function, num_splits, whether it is a kernel of the backend's) for a decode step;
+        `values_in_keys`: its values are its keys' prefix (no backend kernel takes that: the portable path runs);
+        `window` / `chunk`: a sliding-window layer's or a chunked one's (Llama 4), whose splits cut at most that many
+        keys."""
         batch, q_heads, _, head_dim = queries.shape
         backend = backends.current()
         latent = {"values_in_keys": True} if values_in_keys else {}  # (only when set: stand-in backends in tests)
-        runner = backend.paged_runner_for(head_dim, sinks=sinks, **latent)
+        runner = backend.paged_runner_for(head_dim, **latent)
         bs = self.pool.block_size
         width = block_tables.shape[1] * bs
         splits = self.choose_splits(

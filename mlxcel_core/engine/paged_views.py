@@ -166,16 +166,15 @@ class DecodeView:
                 queries,
                 pools,
                 self.block_tables,
-                sinks=sinks is not None,
                 values_in_keys=values_in_keys is not None,
                 window=window,
                 chunk=chunk,
             )
             # queries [B, Hq, 1, D] as they are: the attention returns that shape (no reshape ops around it)
             extra_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
-            if sinks is not None:  # (never on a kernel: decode_attention routes sinks to the portable path)
+            if sinks is not None:
                 extra_args["sinks"] = sinks
-            if values_in_keys is not None:  # (never on a kernel either)
+            if values_in_keys is not None:  # (never on a kernel: decode_attention routes it to the portable path)
                 extra_args["values_in_keys"] = values_in_keys
             extra_args.update({name: n for name, n in (("window", window), ("chunk", chunk)) if n is not None})
             if on_kernel and storage.kv_in_kernel:

@@ -7,7 +7,7 @@ weighted V) and merges the partials with log-sum-exp rescaling. ``num_splits`` o
 the work is partitioned, never the result (up to rounding), so a tuner may pick it freely. One split
 (the default below 4096 keys) is one softmax over the whole key axis: no partials to merge, about half
 the ops, which a decode step pays per layer on every backend that runs this path (the CPU; on CUDA
-the calls no kernel takes: attention sinks, latent attention, chunked attention).
+the calls no kernel takes: latent attention).
 """
 
 from __future__ import annotations
@@ -70,12 +70,11 @@ def paged_decode_attention(
     current one included). Returns q's shape and dtype. A row with context_len 0 yields zeros.
 
     `sinks` [Hq] (gpt-oss): a logit per query head that joins every row's softmax denominator and no value (merged
-    with the splits' partials like one more split holding only that logit). The backends' kernels take none
-    (Backend.paged_runner_for routes a call with sinks here).
+    with the splits' partials like one more split holding only that logit).
 
     `values_in_keys` n (multi-head latent attention, DeepSeek-V3): the values are the keys' first n dims, `v_pool` is
     not read (the paged storage has a key pool only and passes it again), and the output is [..., n]. Such calls are
-    routed here too, never to a kernel.
+    routed here, never to a kernel (Backend.paged_runner_for).
 
     `chunk` (Llama 4's chunked local attention): a row's query (at position context_len - 1) sees only the keys of its
     own chunk of `chunk` positions, from (context_len - 1) // chunk * chunk on.

@@ -39,10 +39,10 @@ import mlx.core as mx
 from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments
 
 from .paged_attention_source import (
-    _COMBINE_SOURCE,
     RUNNER_CUDA,
     THREADS,
     UNROLL,
+    combine_source,
     kernel_source,
 )
 from .small_arrays import float32_bits
@@ -87,29 +87,35 @@ NEW_KV_INPUTS = ("k_new", "v_new", "slot_blocks", "slot_offsets")
 
 
 @functools.cache
-def _kernel(one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False):
+def _kernel(one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False, sinks: bool = False):
     from .kernels.cubin_cache import cuda_kernel  # (here: the kernels package imports this module)
 
     kind = "one_split" if one_split else ("split_combine" if last_block_combines else "split")
+    takes_sinks = sinks and (one_split or last_block_combines)  # (a split's partials never read them)
     return cuda_kernel(
-        name=f"paged_decode_{kind}{'_new_kv' if new_kv else ''}",
-        input_names=[*INPUTS, *(NEW_KV_INPUTS if new_kv else ()), *(("counters",) if last_block_combines else ())],
+        name=f"paged_decode_{kind}{'_new_kv' if new_kv else ''}{'_sinks' if takes_sinks else ''}",
+        input_names=[
+            *INPUTS,
+            *(NEW_KV_INPUTS if new_kv else ()),
+            *(("counters",) if last_block_combines else ()),
+            *(("sinks",) if takes_sinks else ()),
+        ],
         output_names=["out"]
         if one_split
         else [*(("out",) if last_block_combines else ()), "o_part", "m_part", "l_part"],
-        source=kernel_source(one_split, new_kv, last_block_combines),
+        source=kernel_source(one_split, new_kv, last_block_combines, takes_sinks),
     )
 
 
 @functools.cache
-def _combine_kernel():
+def _combine_kernel(sinks: bool = False):
     from .kernels.cubin_cache import cuda_kernel
 
     return cuda_kernel(
-        name="paged_decode_combine",
-        input_names=["o_part", "m_part", "l_part"],
+        name=f"paged_decode_combine{'_sinks' if sinks else ''}",
+        input_names=["o_part", "m_part", "l_part", *(("sinks",) if sinks else ())],
         output_names=["out"],
-        source=_COMBINE_SOURCE,
+        source=combine_source(sinks),
     )
 
 
@@ -154,6 +160,7 @@ def cuda_paged_decode_attention(
     counters: mx.array | None = None,
     window: int | None = None,
     chunk: int | None = None,
+    sinks: mx.array | None = None,
     _two_launches: bool = False,
 ) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring). One split
@@ -168,11 +175,15 @@ def cuda_paged_decode_attention(
     after this launch (engine/paged.py).
 
     `window`, `chunk`: a sliding-window or chunked layer's (the ops path's), the kernel's WINDOW and CHUNK template
-    constants: the splits cut only the row's last `window` positions, or its own chunk's."""
+    constants: the splits cut only the row's last `window` positions, or its own chunk's. `sinks` [Hq] (gpt-oss): each
+    head's sink logit joins the softmax where the output is normalized (the ops path's `sinks`)."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
     for name, n in (("window", window), ("chunk", chunk)):
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
+    with_sinks = [] if sinks is None else [sinks]  # (read in their own dtype: no conversion op in the step)
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
@@ -200,8 +211,8 @@ def cuda_paged_decode_attention(
     ]
     grid = (S * THREADS, Hkv * (n_rep // geo["G"]), B)
     if S == 1 and not _two_launches:
-        (out,) = _kernel(True, writes)(
-            inputs=inputs,
+        (out,) = _kernel(True, writes, False, sinks is not None)(
+            inputs=inputs + with_sinks,
             template=template + [("OUT", q.dtype)],
             grid=grid,
             threadgroup=(THREADS, 1, 1),
@@ -215,8 +226,8 @@ def cuda_paged_decode_attention(
     if counters is not None and not _two_launches and counters.size >= grid[1] * B and fits:
         if counters.dtype != mx.int32:
             raise ValueError(f"combine counters must be int32, got {counters.dtype}")
-        out, *_ = _kernel(False, writes, True)(
-            inputs=inputs + [counters],
+        out, *_ = _kernel(False, writes, True, sinks is not None)(
+            inputs=inputs + [counters] + with_sinks,
             template=template + [("OUT", q.dtype)],
             grid=grid,
             threadgroup=(THREADS, 1, 1),
@@ -233,8 +244,8 @@ def cuda_paged_decode_attention(
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
     combine_threads = 256
-    (out,) = _combine_kernel()(
-        inputs=[o_part, m_part, l_part],
+    (out,) = _combine_kernel(sinks is not None)(
+        inputs=[o_part, m_part, l_part] + with_sinks,
         template=[("OUT", q.dtype), ("D", D)],
         grid=(-(-B * Hq * D // combine_threads) * combine_threads, 1, 1),
         threadgroup=(combine_threads, 1, 1),

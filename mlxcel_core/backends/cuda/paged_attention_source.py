@@ -155,6 +155,7 @@ _SOURCE = r"""
         for (int w = 0; w < NVG; ++w) {
             mx_ = fmaxf(mx_, sm_m[w][g]);
         }
+/*MERGE_SINK*/
         float ls = 0.0f;
         float os = 0.0f;
         if (mx_ != NEG_INF) {
@@ -164,6 +165,7 @@ _SOURCE = r"""
                 os += a * sm_o[w][g][d];
             }
         }
+/*MERGE_SINK_SUM*/
         const size_t row = (size_t(b) * HQ + h0 + g) * S + split;
         o_part[row * D + d] = os;
         if (d == 0) {
@@ -246,12 +248,14 @@ _LAST_BLOCK_COMBINES = r"""    __threadfence();  // this block's partials, visib
         for (int s = 0; s < S; ++s) {
             mx_ = fmaxf(mx_, weights[tid * S + s]);
         }
+/*COMBINE_SINK*/
         float ls = 0.0f;
         for (int s = 0; s < S; ++s) {
             const float a = mx_ != NEG_INF ? expf(weights[tid * S + s] - mx_) : 0.0f;  // 0 for an empty split
             ls += a * weights[G * S + tid * S + s];
             weights[tid * S + s] = a;
         }
+/*COMBINE_SINK_SUM*/
         sums[tid] = ls;
     }
     __syncthreads();
@@ -293,14 +297,40 @@ _LAST_BLOCK_COMBINES = r"""    __threadfence();  // this block's partials, visib
     }"""
 
 
-def kernel_source(one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False) -> str:
+# Attention sinks (gpt-oss; extra input `sinks` [HQ], in the model's dtype): a logit per query head that joins the
+# softmax's maximum and denominator where the output is normalized, and nothing else (the ops path merges it as one
+# more split holding only that logit). A split's partials leave it out; it joins once, in the step writing the output.
+_SINK_MAX = """        const float sink = static_cast<float>(sinks[SINK_HEAD]);
+        mx_ = fmaxf(mx_, sink);"""
+_SINK_SUM = """        ls += expf(sink - mx_);"""
+_SINK_HEADS = {"MERGE": "h0 + g", "COMBINE": "h0 + tid", "TWO_LAUNCH": "row % m_part_shape[1]"}
+
+
+def _with_sinks(source: str, where: str, sinks: bool) -> str:
+    """`source` with its `where` placeholders filled: the sink's terms (`sinks`), or nothing."""
+    maximum = _SINK_MAX.replace("SINK_HEAD", _SINK_HEADS[where]) if sinks else ""
+    source = source.replace(f"/*{where}_SINK*/", maximum)
+    return source.replace(f"/*{where}_SINK_SUM*/", _SINK_SUM if sinks else "")
+
+
+def kernel_source(
+    one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False, sinks: bool = False
+) -> str:
     """The split kernel's source (partials; with `last_block_combines` also the output, `_LAST_BLOCK_COMBINES`), or
-    with one split the output itself; with or without the step's keys and values (`_WITH_NEW_KV`)."""
+    with one split the output itself; with or without the step's keys and values (`_WITH_NEW_KV`); with `sinks`, the
+    output's normalization takes each head's sink (a split's partials never do)."""
     if one_split and last_block_combines:
         raise ValueError("one split writes the output itself: there is nothing to combine")
     source = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else _SOURCE
-    source = source.replace("/*LAST_BLOCK*/", _LAST_BLOCK_COMBINES if last_block_combines else "")
+    source = _with_sinks(source, "MERGE", sinks and one_split)
+    block = _with_sinks(_LAST_BLOCK_COMBINES, "COMBINE", sinks) if last_block_combines else ""
+    source = source.replace("/*LAST_BLOCK*/", block)
     return source.replace("/*NEW_KV*/", _WITH_NEW_KV if new_kv else _POOLS_ONLY)
+
+
+def combine_source(sinks: bool = False) -> str:
+    """The two-launch form's combine kernel (`_COMBINE_SOURCE`), with or without the heads' sinks."""
+    return _with_sinks(_COMBINE_SOURCE, "TWO_LAUNCH", sinks)
 
 
 # The combine step: one thread per (row, query head, d) merges the S partials of its column, the same
@@ -321,6 +351,7 @@ _COMBINE_SOURCE = r"""
     for (int s = 0; s < S; ++s) {
         mx_ = fmaxf(mx_, m[s]);
     }
+/*TWO_LAUNCH_SINK*/
     float ls = 0.0f;
     float os = 0.0f;
     if (mx_ != NEG_INF) {
@@ -330,6 +361,7 @@ _COMBINE_SOURCE = r"""
             os += a * o_part[(row * S + s) * D + d];
         }
     }
+/*TWO_LAUNCH_SINK_SUM*/
     out[idx] = static_cast<OUT>(ls > 0.0f ? os / ls : 0.0f);
 """
 
@@ -339,6 +371,7 @@ UNROLL = 2  # tokens in flight per lane group (loads issued together)
 
 # Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
 KERNEL_HASH = hashlib.sha256(
-    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{THREADS}/{UNROLL}".encode()
+    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{_SINK_MAX}{_SINK_SUM}"
+    f"{THREADS}/{UNROLL}".encode()
 ).hexdigest()[:8]
 RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"

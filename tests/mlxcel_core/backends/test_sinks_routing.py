@@ -1,6 +1,7 @@
-"""A backend's paged decode kernel takes no attention sinks: a decode call with sinks runs the portable MLX-ops path
-(kv/paged_attention.py, which takes them), while calls without sinks still take the kernel. Shown on the CPU with
-stand-in backends (this process's backend swapped by monkeypatching `backends._current`)."""
+"""Attention sinks on a backend's paged decode kernel: a decode call with sinks takes the kernel with them (the CUDA
+kernel joins each head's sink where it normalizes the output), as calls without sinks take it without. Shown on the
+CPU with stand-in backends (this process's backend swapped by monkeypatching `backends._current`); the portable path
+(kv/paged_attention.py, `sinks=`) is the reference."""
 
 from __future__ import annotations
 
@@ -31,34 +32,31 @@ def decode_step(sinks):
 
 
 @pytest.mark.parametrize("sinks", [None, SINKS], ids=["without-sinks", "with-sinks"])
-def test_a_decode_call_with_sinks_leaves_the_kernel(monkeypatch, sinks):
+def test_a_decode_call_takes_the_kernel_with_its_sinks(monkeypatch, sinks):
     monkeypatch.setattr(backends, "_current", Backend())
     want = decode_step(sinks)
     calls = []
     monkeypatch.setattr(backends, "_current", with_kernel(calls))
     got = decode_step(sinks)
     assert mx.allclose(got, want, atol=1e-6).item()
-    if sinks is None:
-        assert [name for name, _ in calls] == ["kernel"]
-    else:  # the portable path, with the sinks and none of the kernel's keywords (the storage writes the pools)
-        assert [name for name, _ in calls] == ["ops"]
-        assert calls[0][1]["sinks"] is SINKS and not {"new_kv", "counters"} & calls[0][1].keys()
+    assert calls == [("kernel", {} if sinks is None else {"sinks": SINKS})]
 
 
-def test_the_cuda_backend_routes_sinks_to_the_portable_path(monkeypatch):
+def test_only_latent_attention_leaves_the_cuda_kernel(monkeypatch):
     from mlxcel_core.backends.cuda import backend as cuda_backend
 
     monkeypatch.setattr(cuda_backend, "runner_for", lambda head_dim: "cuda-kernel-v1")  # as on a CUDA device
     cuda = CudaBackend()
     assert cuda.paged_runner_for(64) == "cuda-kernel-v1"
-    assert cuda.paged_runner_for(64, sinks=True) == RUNNER_OPS
+    assert cuda.paged_runner_for(64, values_in_keys=True) == RUNNER_OPS
     assert cuda.paged_attention(RUNNER_OPS) is paged_decode_attention
-    assert Backend().paged_runner_for(64, sinks=True) == RUNNER_OPS
+    assert Backend().paged_runner_for(64) == RUNNER_OPS
 
 
-def test_a_gpt_oss_model_decodes_on_the_portable_path_under_a_kernel_backend(monkeypatch):
-    """A random tiny gpt-oss through the paged engine: every decode attention call leaves the kernel (all its layers
-    have sinks), and the greedy tokens are the portable backend's."""
+def test_a_gpt_oss_model_decodes_on_the_kernel_with_its_sinks(monkeypatch):
+    """A random tiny gpt-oss through the paged engine under a kernel backend: every decode attention call takes the
+    kernel with the layer's sinks (the sliding layer's with its window too), and the greedy tokens are the portable
+    backend's."""
     from mlxcel_core.bench import RandomIdTokenizer
     from mlxcel_core.engine import Engine, EngineConfig
     from mlxcel_core.models import gpt_oss
@@ -98,4 +96,5 @@ def test_a_gpt_oss_model_decodes_on_the_portable_path_under_a_kernel_backend(mon
     calls = []
     monkeypatch.setattr(backends, "_current", with_kernel(calls))
     assert run() == want
-    assert calls and all(name == "ops" and "sinks" in kwargs for name, kwargs in calls)
+    assert calls and all(name == "kernel" and "sinks" in kwargs for name, kwargs in calls)
+    assert len([kwargs for _, kwargs in calls if kwargs.get("window") == 4]) == len(calls) // 2  # the sliding layer

@@ -243,6 +243,36 @@ def test_a_window_or_a_chunk_reads_its_keys_only(limit, dtype):
     assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
 
 
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_sinks_join_the_softmax_where_the_output_is_normalized(window, dtype):
+    """`sinks` [Hq] (gpt-oss): the kernel's output is the ops path's with the sinks, in every launch form (one split,
+    two launches, the last block combining, with the step's keys and values); a row without keys gives zeros."""
+    case = make_case([0, 1, 33, 300], 32, 8, 2, 64, dtype)
+    sinks = mx.array(np.linspace(-3.0, 4.0, 8).astype(np.float32)).astype(dtype)
+    kwargs = {"sinks": sinks, "window": window}
+    ref = ops_reference(*case, num_splits=1, **kwargs)
+    assert max_err(ref, ops_reference(*case, num_splits=1, window=window)) > TOL[dtype]  # the sinks matter
+    counters = mx.zeros((4096,), mx.int32)
+    for s in SPLITS:
+        for form in ({"_two_launches": True}, {"counters": counters}):
+            out = cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form)
+            assert mx.all(out[0] == 0).item()
+            err = max_err(out, ref)
+            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
+    q, k_pool, v_pool, table, lens = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
+    k, v, blocks, offsets = step_kv((q, k_pool, v_pool, table, lens))
+    pools = [p * 1 for p in (k_pool, v_pool)]
+    mx.eval(pools, k, v, blocks, offsets)
+    for s in (1, 3):
+        out = cuda_paged_decode_attention(
+            q, *pools, table, lens, num_splits=s, new_kv=(k, v, blocks, offsets), **kwargs
+        )
+        mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
+        assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
+
+
 def test_new_kv_is_checked():
     q, k_pool, v_pool, table, lens = make_case([10, 20], 32, 8, 2, 64, mx.float32)
     k, v = mx.zeros((2, 2, 64)), mx.zeros((2, 2, 64))
@@ -255,12 +285,12 @@ def test_new_kv_is_checked():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kind", ["split", "one_split", "last_block_combines"])
+@pytest.mark.parametrize("kind", ["split", "one_split", "last_block_combines", "one_split_sinks", "combines_sinks"])
 @pytest.mark.parametrize("new_kv", [False, True])
 def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
-    """The split kernel in its six variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
-    one_split, combines = kind == "one_split", kind == "last_block_combines"
-    source = cpa.kernel_source(one_split, new_kv, combines)
+    """The split kernel in its variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
+    one_split, combines, sinks = kind.startswith("one_split"), "combines" in kind, kind.endswith("sinks")
+    source = cpa.kernel_source(one_split, new_kv, combines, sinks)
     geo = launch_geometry(128, 4)
     template = {
         "KV": mx.bfloat16,
@@ -285,15 +315,18 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
         "v_pool": "__nv_bfloat16",
         "k_new": "__nv_bfloat16",
         "v_new": "__nv_bfloat16",
+        "sinks": "__nv_bfloat16",
     }
     params = []
-    for name in (*cpa.INPUTS, *(cpa.NEW_KV_INPUTS if new_kv else ()), *(("counters",) if combines else ())):
+    names = (*cpa.INPUTS, *(cpa.NEW_KV_INPUTS if new_kv else ()), *(("counters",) if combines else ()))
+    for name in (*names, *(("sinks",) if sinks else ())):
         params.append(f"    const {types.get(name, 'int32_t')}* {name}")
         if f"{name}_shape" in source:
             params.append(f"    const __grid_constant__ Shape {name}_shape")
     params += ["    __nv_bfloat16* out"] if one_split or combines else []
     params += [] if one_split else [f"    float* {n}" for n in ("o_part", "m_part", "l_part")]
     assert ("k_pool_shape" in source) == new_kv and ("atomicAdd" in source) == combines
+    assert ("sinks[" in source) == sinks and "/*" not in source.replace("/*NEW_KV*/", "")  # (every placeholder filled)
     compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source))
 
 
