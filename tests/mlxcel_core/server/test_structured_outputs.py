@@ -205,3 +205,37 @@ def test_a_dead_end_finishes_its_choice_with_error(client, server, tokenizer, st
         model=server.model_id, messages=MESSAGES, response_format=JSON_SCHEMA_FORMAT, max_tokens=60, temperature=0
     )
     jsonschema.validate(json.loads(again.choices[0].message.content), SCHEMA)
+
+
+def test_a_batch_on_the_mask_worker(server, make_server, monkeypatch):
+    """With a constrained step's host work on the mask worker (engine/mask_worker.py; the default on a GPU), concurrent
+    constrained and free requests share batches: every constrained reply validates and every free reply is the one a
+    server without the worker gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlxcel_core import backends
+    from mlxcel_core.engine.mask_worker import MaskWorker
+
+    free = [{"prompt": f"Tell me about {topic}", "max_tokens": 16, "temperature": 0} for topic in ("tea", "rain")]
+    schema = {"max_tokens": 60, "temperature": 0, "response_format": JSON_SCHEMA_FORMAT, "messages": MESSAGES}
+
+    def send(target, body):
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        with target.client(timeout=60) as http:
+            r = http.post(route, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    plain = [send(server, body)["text"] for body in free]
+    steps = []
+    beside = MaskWorker.beside
+    monkeypatch.setattr(MaskWorker, "beside", lambda self, *a: steps.append(1) or beside(self, *a))
+    monkeypatch.setattr(type(backends.current()), "masks_on_worker", lambda self: True)
+    on_worker = make_server(max_batch_size=8, ctx_size=128)
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(lambda body: send(on_worker, body), [schema] * 4 + free))
+    for choice in replies[:4]:
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
+    assert [choice["text"] for choice in replies[4:]] == plain
+    assert len(steps) >= 10  # the constrained steps ran there
