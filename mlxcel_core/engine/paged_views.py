@@ -160,7 +160,7 @@ class DecodeView:
         keys, values = keys.reshape(B, Hkv, D), None if values is None else values.reshape(B, Hkv, D)
         context_lens = self.context_lens
         storage = self.storage
-        if softcap is None and storage.kv_bits is None:
+        if storage.kv_bits is None:
             pools = storage.layer_pools(self.layer, [keys] if values is None else [keys, values])
             attention, num_splits, on_kernel = storage.decode_attention(
                 queries,
@@ -176,7 +176,8 @@ class DecodeView:
                 extra_args["sinks"] = sinks
             if values_in_keys is not None:  # (never on a kernel: decode_attention routes it to the portable path)
                 extra_args["values_in_keys"] = values_in_keys
-            extra_args.update({name: n for name, n in (("window", window), ("chunk", chunk)) if n is not None})
+            limits = (("window", window), ("chunk", chunk), ("softcap", softcap))
+            extra_args.update({name: n for name, n in limits if n is not None})
             if on_kernel and storage.kv_in_kernel:
                 out = attention(
                     queries,
@@ -203,7 +204,7 @@ class DecodeView:
                 **extra_args,
             )
         pools = storage.write(self.layer, self.slots, keys, values)
-        # Quantized or soft-capped layers: gather the rows densely and mask per row (window, chunk and sinks as given).
+        # Quantized KV: gather the rows densely and mask per row (window, chunk, soft-capping and sinks as given).
         all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)
         all_values = read_values(all_keys, all_values, values_in_keys)
         k_pos = mx.arange(all_keys.shape[2])[None, :]
@@ -223,13 +224,12 @@ class DecodeView:
         launch's output, so it runs after it; so do the combine counters' launches, which it shares)."""
         storage = self.storage
         pools = storage.pools[self.layer]
-        if softcap is None and storage.kv_bits is None:
+        if storage.kv_bits is None:
             attention, num_splits, on_kernel = storage.decode_attention(
                 queries, pools, self.block_tables, window=window
             )
             extra_args = {"counters": storage.combine_counters[self.layer]} if on_kernel else {}
-            if window is not None:
-                extra_args["window"] = window
+            extra_args.update({name: n for name, n in (("window", window), ("softcap", softcap)) if n is not None})
             return attention(
                 queries,
                 pools[0],

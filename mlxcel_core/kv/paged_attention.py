@@ -64,6 +64,7 @@ def paged_decode_attention(
     values_in_keys: int | None = None,
     chunk: int | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """One decode step of attention for B rows. q: [B, Hq, D] (or [B, Hq, 1, D], the model's layout at one token);
     pools: [num_blocks, block_size, Hkv, D]; block_tables: int [B, max_blocks]; context_lens: int [B] (valid tokens,
@@ -80,7 +81,8 @@ def paged_decode_attention(
     own chunk of `chunk` positions, from (context_len - 1) // chunk * chunk on.
 
     `window` (a sliding-window layer): a row's query sees its last `window` keys only, positions context_len - window
-    on (causal_mask's q - k < window). The CUDA kernel takes `chunk` and `window` too."""
+    on (causal_mask's q - k < window). `softcap` (Gemma 2): each score s becomes tanh(s / softcap) * softcap before
+    the softmax. The CUDA kernel takes `chunk`, `window` and `softcap` too."""
     if values_in_keys is not None and not 0 < values_in_keys <= k_pool.shape[-1]:
         raise ValueError(f"values_in_keys must be in [1, {k_pool.shape[-1]}], got {values_in_keys}")
     check_decode_arguments(
@@ -91,6 +93,8 @@ def paged_decode_attention(
             raise ValueError(f"{name} must be an int >= 1, got {n!r}")
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0, got {softcap!r}")
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv
@@ -103,7 +107,7 @@ def paged_decode_attention(
     Dv = D if values_in_keys is None else values_in_keys
     v = v_pool[block_tables].reshape(B, T, Hkv, D) if values_in_keys is None else k[..., :Dv]
     if S == 1:
-        return _whole(q, k, v, context_lens, scale, sinks, chunk, window)
+        return _whole(q, k, v, context_lens, scale, sinks, chunk, window, softcap)
     # Pad T so it splits evenly; the padding is masked out below like any position >= context_len.
     span = max(1, -(-T // S))  # keys per split
     pad = span * S - T
@@ -119,7 +123,7 @@ def paged_decode_attention(
     # GQA without repeating K/V: query heads of one kv head share its keys. [B, Hkv, 1, n_rep, D]
     qg = (q.astype(f32) * scale).reshape(B, Hkv, 1, n_rep, D)
 
-    scores = qg @ k.swapaxes(-1, -2)  # [B, Hkv, S, n_rep, span]
+    scores = _capped(qg @ k.swapaxes(-1, -2), softcap)  # [B, Hkv, S, n_rep, span]
     valid = _valid(context_lens, T, chunk, window)[0]
     valid = mx.pad(valid, [(0, 0), (0, pad)]).reshape(B, S, span) if pad else valid.reshape(B, S, span)
     scores = mx.where(valid.reshape(B, 1, S, 1, span), scores, -mx.inf)
@@ -162,14 +166,19 @@ def _valid(context_lens: mx.array, T: int, chunk: int | None, window: int | None
     return valid, lens
 
 
-def _whole(q, k, v, context_lens, scale: float, sinks, chunk, window) -> mx.array:
+def _capped(scores: mx.array, softcap: float | None) -> mx.array:
+    """Gemma 2's attention-logit soft-capping of float32 scores (none without a cap)."""
+    return scores if softcap is None else mx.tanh(scores / softcap) * softcap
+
+
+def _whole(q, k, v, context_lens, scale: float, sinks, chunk, window, softcap) -> mx.array:
     """One split: the whole key axis in one softmax (the split path's result, in fewer ops: no partials to merge).
     k [B, T, Hkv, D], v [B, T, Hkv, Dv] gathered; float32 throughout."""
     B, T, Hkv, D = k.shape
     Dv, n_rep, f32 = v.shape[-1], q.shape[1] // Hkv, mx.float32
     valid, lens = _valid(context_lens, T, chunk, window)
     qg = (q.astype(f32) * scale).reshape(B, Hkv, n_rep, D)
-    scores = qg @ k.astype(f32).transpose(0, 2, 3, 1)  # [B, Hkv, n_rep, T]
+    scores = _capped(qg @ k.astype(f32).transpose(0, 2, 3, 1), softcap)  # [B, Hkv, n_rep, T]
     scores = mx.where(valid[:, None, None, :], scores, -mx.inf)
     if sinks is not None:  # one more logit per query head in the denominator, with no value
         sink = mx.broadcast_to(sinks.astype(f32).reshape(1, Hkv, n_rep, 1), (B, Hkv, n_rep, 1))

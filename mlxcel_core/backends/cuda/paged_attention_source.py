@@ -114,6 +114,10 @@ _SOURCE = r"""
                 for (int o = LPT / 2; o > 0; o >>= 1) {
                     s += __shfl_xor_sync(0xffffffffu, s, o);
                 }
+                if (SOFTCAP_BITS != 0) {  // Gemma 2's soft-capping: s = tanh(s / cap) * cap
+                    const float cap = __int_as_float(SOFTCAP_BITS);
+                    s = tanhf(s / cap) * cap;
+                }
                 if (valid[u]) {
                     const float m_new = fmaxf(m[g], s);
                     const float corr = expf(m[g] - m_new);  // 0 while m is still -inf

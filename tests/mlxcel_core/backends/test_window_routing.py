@@ -1,7 +1,7 @@
 """A sliding-window layer's paged decode runs the backend's decode kernel with its window (the CUDA kernel cuts its
-splits from the row's last `window` positions), not a dense gather of every key. Shown on the CPU with the stand-in
-kernel backend (this process's backend swapped by monkeypatching `backends._current`); the portable path's window
-against dense attention with causal_mask's window."""
+splits from the row's last `window` positions), and a soft-capped one (Gemma 2) with its cap, not a dense gather of
+every key. Shown on the CPU with the stand-in kernel backend (this process's backend swapped by monkeypatching
+`backends._current`); the portable path's window and soft-capping against dense attention with causal_mask's window."""
 
 from __future__ import annotations
 
@@ -38,6 +38,29 @@ def test_portable_windowed_decode_matches_dense_attention(num_splits, window):
         k = k_pool[tables[row]].reshape(-1, HKV, D)[:n].transpose(1, 0, 2)[None]
         v = v_pool[tables[row]].reshape(-1, HKV, D)[:n].transpose(1, 0, 2)[None]
         want = scaled_dot_product_attention(q[row : row + 1], k, v, D**-0.5, causal_mask(1, n, None, window))
+        np.testing.assert_allclose(np.array(got[row : row + 1]), np.array(want), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 3])
+def test_portable_softcapped_decode_matches_dense_attention(num_splits, window):
+    block_size, blocks, softcap = 4, 6, 2.0
+    lens = [1, 4, 9, 24]
+    B = len(lens)
+    keys = mx.random.split(mx.random.key(3), 3)
+    q = mx.random.normal((B, HQ, 1, D), key=keys[0]) * 3  # (scores well past the cap)
+    k_pool = mx.random.normal((B * blocks, block_size, HKV, D), key=keys[1])
+    v_pool = mx.random.normal((B * blocks, block_size, HKV, D), key=keys[2])
+    tables = mx.arange(B * blocks).reshape(B, blocks)
+    kwargs = dict(num_splits=num_splits, scale=D**-0.5, window=window)
+    got = paged_decode_attention(q, k_pool, v_pool, tables, mx.array(lens), softcap=softcap, **kwargs)
+    uncapped = paged_decode_attention(q, k_pool, v_pool, tables, mx.array(lens), **kwargs)
+    assert mx.abs(got - uncapped).max().item() > 1e-2  # the cap matters
+    for row, n in enumerate(lens):
+        k = k_pool[tables[row]].reshape(-1, HKV, D)[:n].transpose(1, 0, 2)[None]
+        v = v_pool[tables[row]].reshape(-1, HKV, D)[:n].transpose(1, 0, 2)[None]
+        mask = causal_mask(1, n, None, window)
+        want = scaled_dot_product_attention(q[row : row + 1], k, v, D**-0.5, mask, softcap)
         np.testing.assert_allclose(np.array(got[row : row + 1]), np.array(want), rtol=0, atol=1e-5)
 
 
@@ -97,3 +120,47 @@ def test_a_sliding_window_model_takes_the_kernel_on_every_layer(monkeypatch):
     assert calls and {name for name, _ in calls} == {"kernel"}
     windowed = [kwargs for _, kwargs in calls if kwargs.get("window") == 3]
     assert len(windowed) == len(calls) // 2  # one sliding layer of two
+
+
+def test_a_softcapped_model_takes_the_kernel_with_its_cap(monkeypatch):
+    """A random tiny Gemma 2 (soft-capped attention; a window-3 layer and a full one) through the paged engine under a
+    kernel backend: every decode call takes the kernel with the cap (the sliding one with its window too), and the
+    greedy tokens are those of the dense storage and of the portable backend."""
+    from mlxcel_core.bench import RandomIdTokenizer
+    from mlxcel_core.engine import Engine, EngineConfig
+    from mlxcel_core.models import gemma2
+    from mlxcel_core.sampling import SamplingParams
+
+    args = gemma2.ModelArgs.from_dict(
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=HQ,
+            num_key_value_heads=HKV,
+            head_dim=D,
+            sliding_window=3,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=30.0,
+            vocab_size=64,
+        )
+    )
+
+    def run(storage: str) -> list[list[int]]:
+        mx.random.seed(0)
+        model = gemma2.Model(args)
+        mx.eval(model.parameters())
+        engine = Engine(model, RandomIdTokenizer(64), EngineConfig(max_batch_size=2, storage=storage, block_size=4))
+        seqs = [engine.open(p, SamplingParams(max_tokens=10)) for p in ([5, 6, 7, 8, 9, 10], [11, 12])]
+        while engine.has_work():
+            engine.step()
+        return [engine.sequence(s).output_ids for s in seqs]
+
+    monkeypatch.setattr(backends, "_current", Backend())
+    want = run("dense")
+    assert run("paged") == want
+    calls = []
+    monkeypatch.setattr(backends, "_current", with_kernel(calls))
+    assert run("paged") == want
+    assert calls and all(name == "kernel" and kwargs.get("softcap") == 2.0 for name, kwargs in calls)
+    assert 0 < len([kwargs for _, kwargs in calls if kwargs.get("window") == 3]) < len(calls)

@@ -14,62 +14,21 @@ lengths that are not multiples of the block size, and for every split count a tu
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from cuda_compile import compile_sm90, kernel_file, needs_nvcc
+from cuda_paged_cases import SPLITS, TOL, make_case, max_err, needs_cuda, ops_reference, step_kv
 from tiny_models import save_tiny_llama
 
 from mlxcel_core.backends.cuda import paged_attention as cpa
 from mlxcel_core.backends.cuda.paged_attention import (
     RUNNER_CUDA,
     combine_partials,
-    cuda_kernel_available,
     cuda_paged_decode_attention,
     launch_geometry,
     runner_for,
 )
-from mlxcel_core.kv.paged_attention import paged_decode_attention
-
-needs_cuda = pytest.mark.skipif(not cuda_kernel_available(), reason="needs MLX's CUDA backend and a CUDA device")
-
-TOL = {mx.float16: 1e-3, mx.float32: 1e-5, mx.bfloat16: 8e-3}
-SPLITS = [1, 2, 4, 8, 16, 32]
-
-
-def make_case(lens, block_size, hq, hkv, d, dtype, seed=0, extra_width=1):
-    """Random pools (values in [-1, 1]), shuffled non-overlapping block tables padded with 0 entries."""
-    rng = np.random.default_rng(seed)
-    need = [math.ceil(n / block_size) for n in lens]
-    width = max(need + [1]) + extra_width
-    num_blocks = sum(need) * 2 + 3
-    shape = (num_blocks, block_size, hkv, d)
-    k_pool = mx.array(rng.uniform(-1, 1, shape).astype(np.float32)).astype(dtype)
-    v_pool = mx.array(rng.uniform(-1, 1, shape).astype(np.float32)).astype(dtype)
-    ids = rng.permutation(num_blocks)
-    table = np.zeros((len(lens), width), np.int32)
-    start = 0
-    for b, n in enumerate(need):
-        table[b, :n] = ids[start : start + n]
-        start += n
-    q = mx.array(rng.uniform(-1, 1, (len(lens), hq, d)).astype(np.float32)).astype(dtype)
-    lens = mx.array(np.array(lens, np.int32))
-    mx.eval(q, k_pool, v_pool)
-    return q, k_pool, v_pool, mx.array(table), lens
-
-
-def max_err(a, b) -> float:
-    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
-
-
-def ops_reference(*case, **kwargs):
-    """The ops path in plain float32 arithmetic (CPU stream)."""
-    with mx.stream(mx.cpu):
-        out = paged_decode_attention(*case, **kwargs)
-        mx.eval(out)
-    return out
 
 
 def check(case, dtype, splits=SPLITS, scale=None):
@@ -174,19 +133,6 @@ def test_one_split_is_one_launch_with_the_two_launch_values():
         assert heads_first.shape == (4, 8, 1, 64) and mx.array_equal(heads_first.reshape(one.shape), one).item()
 
 
-def step_kv(case, seed=1):
-    """A decode step's own keys and values [B, Hkv, D] and each row's slot: its last position's place in its table
-    (every row here has at least one token)."""
-    q, k_pool, v_pool, table, lens = case
-    rng = np.random.default_rng(seed)
-    B, (_, bs, hkv, d) = q.shape[0], k_pool.shape
-    k = mx.array(rng.uniform(-1, 1, (B, hkv, d)).astype(np.float32)).astype(k_pool.dtype)
-    v = mx.array(rng.uniform(-1, 1, (B, hkv, d)).astype(np.float32)).astype(k_pool.dtype)
-    last = np.array(lens) - 1
-    blocks = mx.array(np.array(table)[np.arange(B), last // bs].astype(np.int32))
-    return k, v, blocks, mx.array((last % bs).astype(np.int32))
-
-
 @needs_cuda
 @pytest.mark.parametrize("splits", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
@@ -212,65 +158,6 @@ def test_the_steps_keys_and_values_written_in_the_kernel(splits, dtype):
     assert mx.array_equal(pools[0], k_ref).item() and mx.array_equal(pools[1], v_ref).item()
     again = cuda_paged_decode_attention(q, *pools, table, lens, num_splits=splits)  # reads the written slot back
     assert mx.array_equal(again, out).item()
-
-
-@needs_cuda
-@pytest.mark.parametrize(
-    "limit",
-    [("window", 1), ("window", 5), ("window", 100), ("window", 4096), ("chunk", 1), ("chunk", 32), ("chunk", 100)],
-)
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_a_window_or_a_chunk_reads_its_keys_only(limit, dtype):
-    """`window` (the row's last positions) and `chunk` (the row's own chunk): the kernel's splits cut only those keys
-    (rows shorter and longer than them), in every launch form: two launches, the last block combining (counters), and
-    with the step's keys and values."""
-    kwargs = dict([limit])
-    case = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
-    ref = ops_reference(*case, num_splits=1, **kwargs)
-    assert limit[1] >= 300 or max_err(ref, ops_reference(*case, num_splits=1)) > TOL[dtype]  # the limit matters
-    counters = mx.zeros((4096,), mx.int32)
-    for s in SPLITS:
-        for form in ({"_two_launches": True}, {"counters": counters}):
-            out = cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form)
-            err = max_err(out, ref)
-            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
-    q, k_pool, v_pool, table, lens = case
-    k, v, blocks, offsets = step_kv(case)
-    pools = [p * 1 for p in (k_pool, v_pool)]
-    mx.eval(pools, k, v, blocks, offsets)
-    out = cuda_paged_decode_attention(q, *pools, table, lens, num_splits=3, new_kv=(k, v, blocks, offsets), **kwargs)
-    mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
-    assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
-
-
-@needs_cuda
-@pytest.mark.parametrize("window", [None, 40])
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_sinks_join_the_softmax_where_the_output_is_normalized(window, dtype):
-    """`sinks` [Hq] (gpt-oss): the kernel's output is the ops path's with the sinks, in every launch form (one split,
-    two launches, the last block combining, with the step's keys and values); a row without keys gives zeros."""
-    case = make_case([0, 1, 33, 300], 32, 8, 2, 64, dtype)
-    sinks = mx.array(np.linspace(-3.0, 4.0, 8).astype(np.float32)).astype(dtype)
-    kwargs = {"sinks": sinks, "window": window}
-    ref = ops_reference(*case, num_splits=1, **kwargs)
-    assert max_err(ref, ops_reference(*case, num_splits=1, window=window)) > TOL[dtype]  # the sinks matter
-    counters = mx.zeros((4096,), mx.int32)
-    for s in SPLITS:
-        for form in ({"_two_launches": True}, {"counters": counters}):
-            out = cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form)
-            assert mx.all(out[0] == 0).item()
-            err = max_err(out, ref)
-            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
-    q, k_pool, v_pool, table, lens = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
-    k, v, blocks, offsets = step_kv((q, k_pool, v_pool, table, lens))
-    pools = [p * 1 for p in (k_pool, v_pool)]
-    mx.eval(pools, k, v, blocks, offsets)
-    for s in (1, 3):
-        out = cuda_paged_decode_attention(
-            q, *pools, table, lens, num_splits=s, new_kv=(k, v, blocks, offsets), **kwargs
-        )
-        mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
-        assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
 
 
 def test_new_kv_is_checked():
@@ -306,6 +193,7 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
         "UNROLL": cpa.UNROLL,
         "WINDOW": 4096,
         "CHUNK": 8192,
+        "SOFTCAP_BITS": cpa.float32_bits(50.0),
     }
     if one_split or combines:
         template["OUT"] = mx.bfloat16
