@@ -17,6 +17,9 @@
 #                     an 8B shape's three batches take most of a call)
 #   phases            request_phases.py: each request's TTFT and first engine steps on one engine, graph on (with
 #                     mlx-lm run between requests, as compare_mlx_lm does, then without) and graph off (--no-graph)
+#   families SHAPE..  issue 36's table: 4-bit shapes at batch 1 and 8 beside mlx-lm's BatchGenerator (batch_decode.py,
+#                     2 runs a cell, 170 s a shape; default: the shapes whose attention last moved onto the kernel),
+#                     then llama-4-scout's batch-1 peer (compare_mlx_lm.py, 3 rounds: BatchGenerator cannot batch it)
 #   restart           serve's first request: request_phases.py --serve-warmup in a process that compiles (empty cache
 #                     dir) and one that loads (a restart), then serve_coldstart.py cold and warm (1B bf16)
 #   coldstart SHAPE.. the kernel cache: the same `mlxcel bench` in two processes on an empty cache dir; the first
@@ -95,6 +98,15 @@ case "${1:-}" in
       echo "== $what"
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
     done ;;
+  families)
+    shift
+    for shape in ${@:-olmo-3-7b gemma-4-e4b gpt-oss-20b}; do
+      echo "== $shape"
+      timeout 170 python benchmarks/batch_decode.py --model-shape "$shape" --bits 4 --batches 1,8 --reps 2 \
+        --no-arch-check 2>&1 | tee "${OUT:-/tmp}/families_$shape.txt" | grep -E "^\| (mlxcel|mlx-lm)"
+    done
+    timeout 240 python benchmarks/compare_mlx_lm.py --model-shape llama-4-scout --bits 4 $A --rounds 3 2>&1 \
+      | tee "${OUT:-/tmp}/families_llama-4-scout.txt" | tail -8 ;;
   restart)
     # serve's first request: serve's warm-up on a throwaway engine, then each request on a new engine (as serve does),
     # in a process that compiles every kernel (empty cache dir) and one that loads them (a restart); then `mlxcel
