@@ -71,96 +71,57 @@ def test_a_bad_window_is_a_value_error():
             paged_decode_attention(q, pool, pool, mx.zeros((1, 2), mx.int32), mx.array([3]), window=window)
 
 
-def tiny_olmo3():
-    from mlxcel_core.models import olmo3
+def tiny_args(family: str, **extra):
+    """A random tiny config of `family` (two layers: a window-3 one and a full one), and its Model class."""
+    import importlib
 
-    return olmo3.ModelArgs.from_dict(
-        dict(
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=HQ,
-            num_key_value_heads=HKV,
-            head_dim=D,
-            sliding_window=3,
-            layer_types=["sliding_attention", "full_attention"],
-            vocab_size=64,
-        )
-    )
+    module = importlib.import_module(f"mlxcel_core.models.{family}")
+    base = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=HQ)
+    base.update(num_key_value_heads=HKV, head_dim=D, sliding_window=3, vocab_size=64)
+    return module.ModelArgs.from_dict({**base, **extra}), module.Model
 
 
-def olmo3_tokens(storage: str) -> list[list[int]]:
+def engine_tokens(family: str, storage: str, **extra) -> list[list[int]]:
+    """Two rows' greedy tokens through the engine, a model of its own per run with the same weights (a compiled
+    decode step, the default on a GPU, is traced once per model)."""
     from mlxcel_core.bench import RandomIdTokenizer
     from mlxcel_core.engine import Engine, EngineConfig
-    from mlxcel_core.models import olmo3
     from mlxcel_core.sampling import SamplingParams
 
-    # A model per run, the same weights: a compiled decode step (the default on a GPU) is traced once per model.
+    args, model_class = tiny_args(family, **extra)
     mx.random.seed(0)
-    model = olmo3.Model(tiny_olmo3())
+    model = model_class(args)
     mx.eval(model.parameters())
-    config = EngineConfig(max_batch_size=2, storage=storage, block_size=4)
-    engine = Engine(model, RandomIdTokenizer(64), config)
+    engine = Engine(model, RandomIdTokenizer(64), EngineConfig(max_batch_size=2, storage=storage, block_size=4))
     seqs = [engine.open(p, SamplingParams(max_tokens=10)) for p in ([5, 6, 7, 8, 9, 10], [11, 12])]
     while engine.has_work():
         engine.step()
     return [engine.sequence(s).output_ids for s in seqs]
 
 
-def test_a_sliding_window_model_takes_the_kernel_on_every_layer(monkeypatch):
-    """A random tiny OLMo 3 (a window-3 layer and a full one) through the paged engine under a kernel backend: both
-    layers' decode calls take the kernel, the sliding one with its window, and the greedy tokens are those of the
-    dense storage (causal_mask's window) and of the portable backend."""
+def kernel_calls(monkeypatch, family: str, **extra) -> list:
+    """The stand-in kernel backend's calls in a paged run of `family`, checked to give the greedy tokens of the dense
+    storage (causal_mask's window) and of the portable backend's paged run."""
     monkeypatch.setattr(backends, "_current", Backend())
-    want = olmo3_tokens("dense")
-    assert olmo3_tokens("paged") == want
+    want = engine_tokens(family, "dense", **extra)
+    assert engine_tokens(family, "paged", **extra) == want
     calls = []
     monkeypatch.setattr(backends, "_current", with_kernel(calls))
-    assert olmo3_tokens("paged") == want
+    assert engine_tokens(family, "paged", **extra) == want
     assert calls and {name for name, _ in calls} == {"kernel"}
-    windowed = [kwargs for _, kwargs in calls if kwargs.get("window") == 3]
-    assert len(windowed) == len(calls) // 2  # one sliding layer of two
+    return [kwargs for _, kwargs in calls]
+
+
+def test_a_sliding_window_model_takes_the_kernel_on_every_layer(monkeypatch):
+    """A random tiny OLMo 3 (a window-3 layer and a full one) through the paged engine under a kernel backend: both
+    layers' decode calls take the kernel, the sliding one with its window."""
+    calls = kernel_calls(monkeypatch, "olmo3", layer_types=["sliding_attention", "full_attention"])
+    assert len([kwargs for kwargs in calls if kwargs.get("window") == 3]) == len(calls) // 2  # one layer of two
 
 
 def test_a_softcapped_model_takes_the_kernel_with_its_cap(monkeypatch):
-    """A random tiny Gemma 2 (soft-capped attention; a window-3 layer and a full one) through the paged engine under a
-    kernel backend: every decode call takes the kernel with the cap (the sliding one with its window too), and the
-    greedy tokens are those of the dense storage and of the portable backend."""
-    from mlxcel_core.bench import RandomIdTokenizer
-    from mlxcel_core.engine import Engine, EngineConfig
-    from mlxcel_core.models import gemma2
-    from mlxcel_core.sampling import SamplingParams
-
-    args = gemma2.ModelArgs.from_dict(
-        dict(
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=HQ,
-            num_key_value_heads=HKV,
-            head_dim=D,
-            sliding_window=3,
-            attn_logit_softcapping=2.0,
-            final_logit_softcapping=30.0,
-            vocab_size=64,
-        )
-    )
-
-    def run(storage: str) -> list[list[int]]:
-        mx.random.seed(0)
-        model = gemma2.Model(args)
-        mx.eval(model.parameters())
-        engine = Engine(model, RandomIdTokenizer(64), EngineConfig(max_batch_size=2, storage=storage, block_size=4))
-        seqs = [engine.open(p, SamplingParams(max_tokens=10)) for p in ([5, 6, 7, 8, 9, 10], [11, 12])]
-        while engine.has_work():
-            engine.step()
-        return [engine.sequence(s).output_ids for s in seqs]
-
-    monkeypatch.setattr(backends, "_current", Backend())
-    want = run("dense")
-    assert run("paged") == want
-    calls = []
-    monkeypatch.setattr(backends, "_current", with_kernel(calls))
-    assert run("paged") == want
-    assert calls and all(name == "kernel" and kwargs.get("softcap") == 2.0 for name, kwargs in calls)
-    assert 0 < len([kwargs for _, kwargs in calls if kwargs.get("window") == 3]) < len(calls)
+    """A random tiny Gemma 2 (soft-capped attention; a window-3 layer and a full one): every decode call takes the
+    kernel with the cap, the sliding one with its window too."""
+    calls = kernel_calls(monkeypatch, "gemma2", attn_logit_softcapping=2.0, final_logit_softcapping=30.0)
+    assert all(kwargs.get("softcap") == 2.0 for kwargs in calls)
+    assert len([kwargs for kwargs in calls if kwargs.get("window") == 3]) == len(calls) // 2
