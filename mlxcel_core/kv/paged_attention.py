@@ -13,6 +13,7 @@ the calls no kernel takes: latent attention).
 from __future__ import annotations
 
 import math
+import numbers
 
 import mlx.core as mx
 
@@ -52,6 +53,16 @@ def check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_sp
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
 
 
+def check_limits(window, chunk, softcap) -> None:
+    """A call's window and chunk (whole numbers >= 1, numpy's too) and soft-cap (a positive, finite number), where
+    given: what the ops path and the CUDA kernel validate alike."""
+    for name, n in (("window", window), ("chunk", chunk)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    if softcap is not None and not (isinstance(softcap, numbers.Real) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a positive, finite number, got {softcap!r}")
+
+
 def paged_decode_attention(
     q,
     k_pool,
@@ -88,13 +99,11 @@ def paged_decode_attention(
     check_decode_arguments(
         q, k_pool, v_pool if values_in_keys is None else k_pool, block_tables, context_lens, num_splits
     )
-    for name, n in (("window", window), ("chunk", chunk)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    check_limits(window, chunk, softcap)
+    window, chunk = (None if n is None else int(n) for n in (window, chunk))
+    softcap = None if softcap is None else float(softcap)
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0, got {softcap!r}")
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     _, block_size, Hkv, _ = k_pool.shape
     n_rep = Hq // Hkv

@@ -36,7 +36,7 @@ import math
 
 import mlx.core as mx
 
-from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments
+from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments, check_limits
 
 from .paged_attention_source import (
     RUNNER_CUDA,
@@ -180,13 +180,9 @@ def cuda_paged_decode_attention(
     head's sink logit joins the softmax where the output is normalized (the ops path's `sinks`). `softcap` (Gemma 2):
     the scores' soft-capping, the SOFTCAP_BITS template constant (its float32 bits; 0 without)."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
-    for name, n in (("window", window), ("chunk", chunk)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    check_limits(window, chunk, softcap)
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be a positive, finite number, got {softcap!r}")
     with_sinks = [] if sinks is None else [sinks]  # (read in their own dtype: no conversion op in the step)
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     _, block_size, Hkv, _ = k_pool.shape
@@ -210,8 +206,8 @@ def cuda_paged_decode_attention(
         ("EPL", geo["EPL"]),
         ("TPB", THREADS),
         ("UNROLL", UNROLL),
-        ("WINDOW", window or 0),
-        ("CHUNK", chunk or 0),
+        ("WINDOW", int(window or 0)),
+        ("CHUNK", int(chunk or 0)),
         ("SOFTCAP_BITS", 0 if softcap is None else float32_bits(float(softcap))),
     ]
     grid = (S * THREADS, Hkv * (n_rep // geo["G"]), B)
