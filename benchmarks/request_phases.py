@@ -142,10 +142,20 @@ def main(argv: list[str] | None = None) -> int:
         return mlxcel_engine(model, vocab, args.storage, args.max_batch, decode_graph=not args.no_graph)
 
     if args.serve_warmup:
-        from mlxcel_core.server.warmup import warm_up, warmup_plan
+        from dataclasses import replace
+
+        from mlxcel_core.server.warmup import warm_up_ahead, warmup_plan
+
+        def warmup_engine(**changes) -> Engine:  # (the dry run's: serve's EngineLoop._new_engine does the same)
+            engine = new_engine()
+            if changes:
+                config = replace(engine.config, storage=engine.config.resolved_storage, **changes)
+                engine = Engine(model, engine.tokenizer, config)
+            return engine
 
         plan = warmup_plan(EngineConfig(max_batch_size=args.max_batch))
-        print(f"serve's warm-up on a throwaway engine: {warm_up(new_engine(), plan):.2f} s ({plan.describe()})")
+        seconds = warm_up_ahead(warmup_engine, plan)
+        print(f"serve's warm-up on a throwaway engine: {seconds:.2f} s ({plan.describe()})")
         gc.collect()
     engine = new_engine()
     backend = backends.current()

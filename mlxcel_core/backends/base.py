@@ -120,6 +120,16 @@ class Backend:
         """(variants, seconds) of this process's compiles of the backend's own kernels so far: none here."""
         return 0, 0.0
 
+    def compile_ahead(self):
+        """A context for a dry run of what a process will launch (serve's warm-up), within which the backend's own
+        kernels give zeros and compile side by side, all ended on exit (cuda/kernels/compile_ahead.py); None where the
+        backend compiles nothing of its own, so there is nothing to run ahead."""
+        return None
+
+    def in_dry_run(self) -> bool:
+        """Whether a `compile_ahead` dry run is going on (its kernels give zeros: autotuning measures nothing then)."""
+        return False
+
     def masks_on_worker(self) -> bool:
         """Whether a constrained step's host work (reading the previous step, the grammars' masks) runs on a worker
         thread beside its forward's submission (engine/mask_worker.py): on a GPU, where a batch's step is host-bound;

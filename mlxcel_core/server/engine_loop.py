@@ -14,6 +14,7 @@ If `step()` itself raises, every live job gets a final error and a fresh Engine 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,7 +30,7 @@ from ..engine.dry_cache import DryBreakerCache
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import ServerMetrics
-from .warmup import compiled, warm_up, warmup_plan
+from .warmup import compiled, warm_up_ahead, warmup_plan
 
 log = logging.getLogger("mlxcel.server")
 
@@ -160,12 +161,15 @@ class EngineLoop:
         self._wake.set()
 
     # -- the engine thread -----------------------------------------------------------------------
-    def _new_engine(self) -> Engine:
+    def _new_engine(self, **changes) -> Engine:
+        """An engine on the loaded model; `changes`: EngineConfig fields that differ from the serving one's (the
+        warm-up's dry run), its storage kept."""
         if self.dry_cache is None:
             self.dry_cache = DryBreakerCache(self.loaded.tokenizer)
-        engine = Engine(
-            self.loaded.model, self.loaded.tokenizer, self.engine_config, draft=self.draft, dry_cache=self.dry_cache
-        )
+        config = self.engine_config
+        if changes:
+            config = dataclasses.replace(config, storage=config.resolved_storage, **changes)
+        engine = Engine(self.loaded.model, self.loaded.tokenizer, config, draft=self.draft, dry_cache=self.dry_cache)
         ctx = engine.max_context
         if self.ctx_size:
             ctx = min(ctx, self.ctx_size)
@@ -189,7 +193,8 @@ class EngineLoop:
                 self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
             if self.warmup:  # (on an engine like the serving one, dropped after)
                 plan = warmup_plan(self.engine_config)
-                log.info("warm-up: %.1f s (%s)%s", warm_up(self._new_engine(), plan), plan.describe(), compiled())
+                seconds = warm_up_ahead(self._new_engine, plan)
+                log.info("warm-up: %.1f s (%s)%s", seconds, plan.describe(), compiled())
             self.engine = self._new_engine()
             # The tokenizer in llguidance's form, built on a worker thread now so that the first request with a
             # response_format does not wait for it (engine/constrained.py).

@@ -5,13 +5,16 @@ a second once mlxcel's kernel cache holds the kernels.
 What needs it on a GPU is built per shape: the decode kernels per row count (a decode batch's sequences, or a short
 prompt's tokens: a prefill of up to 8 tokens runs the same matvec kernels), the compiled decode step per batch size,
 the CUDA graph a lone greedy request's steps are replayed as (its recording's own small kernels), and a constrained
-request's masked greedy kernel and two-part graph (engine/constrained.py), where the tokenizer takes grammars."""
+request's masked greedy kernel and two-part graph (engine/constrained.py), where the tokenizer takes grammars.
+Where the backend compiles kernels of its own, the plan first runs dry (`warm_up_ahead`) so that they compile side by
+side rather than one launch at a time."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
@@ -72,6 +75,31 @@ def compiled() -> str:
     return f"; mlxcel's kernels: {variants} compiled in {seconds:.1f} s" if variants else ""
 
 
+def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan) -> float:
+    """`warm_up(new_engine(), plan)`, first run dry where the backend compiles kernels of its own
+    (Backend.compile_ahead): the same plan on a throwaway engine whose kernel launches give zeros while every variant
+    they need compiles side by side, so the warm-up proper finds them all compiled. Its engine neither compiles its
+    steps nor records a graph (either would keep the zeros: an mx.compile trace as constants); it keeps the real
+    one's storage. `new_engine(**changes)`: an engine with those EngineConfig fields changed. A dry run that fails
+    only costs its time (a warning): the warm-up proper compiles what it still needs. Returns the wall time."""
+    from .. import backends
+
+    start = time.perf_counter()
+    ahead = backends.current().compile_ahead()
+    if ahead is not None:
+        try:
+            with ahead:
+                dry = new_engine(compile_decode=False, decode_graph=False)
+                warm_up(dry, plan, dry_run=True)
+                del dry
+        except Exception as exc:  # noqa: BLE001 - only the compiles ahead are lost
+            log.warning(
+                "mlxcel: the warm-up's dry run failed (%s: %s); it compiles as it goes", type(exc).__name__, exc
+            )
+    warm_up(new_engine(), plan)
+    return time.perf_counter() - start
+
+
 def _step(engine: Engine) -> None:
     for out in engine.step():
         if out.error is not None:
@@ -83,18 +111,22 @@ def _finish(engine: Engine) -> None:
         _step(engine)
 
 
-def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan()) -> float:
+def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = False) -> float:
     """Run `plan` through `engine`, which is then dropped; returns its wall time in seconds.
 
     First one greedy request alone (its steps after the second are the CUDA graph's: recorded, then replayed).
     Then, with `plan.rows` > 1, requests that join one a step (a new one's prefill is granted at once), so the
     decode batch runs at every size from 1 to `rows`. Then each short prompt alone; each starts with its own
-    token, so none is a cached prefix of another."""
+    token, so none is a cached prefix of another. `dry_run` (warm_up_ahead): the logits are zeros, whose greedy
+    token may be an end-of-sequence one: those are suppressed so that every request runs its length; no constrained
+    request (its grammar refuses such tokens)."""
     start = time.perf_counter()
     room = max(1, min(len(WARMUP_PROMPT), engine.max_context - WARMUP_TOKENS))  # (a model with a tiny context)
+    suppress = tuple(sorted(engine.tokenizer.eos_token_ids)) if dry_run else ()
 
     def open_request(prompt: list[int], tokens: int) -> None:
-        engine.open(prompt, SamplingParams(max_tokens=max(1, min(tokens, engine.max_context - len(prompt)))))
+        limit = max(1, min(tokens, engine.max_context - len(prompt)))
+        engine.open(prompt, SamplingParams(max_tokens=limit, suppress_tokens=suppress))
 
     open_request(WARMUP_PROMPT[:room], plan.lone_tokens)
     _finish(engine)
@@ -109,7 +141,7 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan()) -> float:
         if length < engine.max_context:
             open_request([WARMUP_PROMPT[(length + i) % len(WARMUP_PROMPT)] for i in range(length)], 1)
             _finish(engine)
-    if plan.constrained and getattr(engine.tokenizer, "backend", None) is not None:
+    if plan.constrained and not dry_run and getattr(engine.tokenizer, "backend", None) is not None:
         _constrained(engine, (WARMUP_PROMPT[9:] + WARMUP_PROMPT[:9])[:room])  # (its own first token: no cached prefix)
     return time.perf_counter() - start
 

@@ -152,6 +152,29 @@ def test_tune_mode_profiles_a_miss_once_stores_it_and_logs(monkeypatch, capsys, 
     assert SplitsChooser()(**SHAPE) == n  # a later process reads what was stored
 
 
+def test_tune_mode_measures_nothing_in_a_dry_run_and_tunes_after_it(monkeypatch):
+    """A dry run's kernels give zeros (backends/cuda/kernels/compile_ahead.py): a miss then takes the heuristic and
+    is not remembered, so the first use after it tunes."""
+    from mlxcel_core import backends
+    from mlxcel_core.backends.base import Backend
+
+    class Dry(Backend):
+        dry = True
+
+        def in_dry_run(self):
+            return self.dry
+
+    backend = Dry()
+    monkeypatch.setattr(backends, "_current", backend)
+    monkeypatch.setenv("MLXCEL_AUTOTUNE", "1")
+    calls = []
+    monkeypatch.setattr(ops, "profile_cell", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(MemoryError()))
+    assert SplitsChooser()(**SHAPE) == default_splits(BUCKET, "mlx-ops") and calls == []
+    backend.dry = False
+    SplitsChooser()(**SHAPE)
+    assert len(calls) == 1
+
+
 def test_tune_mode_failure_falls_back_to_the_heuristic(monkeypatch, capsys):
     monkeypatch.setenv("MLXCEL_AUTOTUNE", "on")
 

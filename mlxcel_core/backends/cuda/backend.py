@@ -34,6 +34,16 @@ class CudaBackend(Backend):
 
         return COMPILES.variants, COMPILES.seconds
 
+    def compile_ahead(self):
+        from .kernels.compile_ahead import collecting
+
+        return collecting()
+
+    def in_dry_run(self) -> bool:
+        from .kernels.compile_ahead import active
+
+        return active()
+
     def masked_greedy_tokens(self, logits: mx.array, bitmask: mx.array) -> tuple[mx.array, mx.array]:
         return masked_greedy_tokens(logits, bitmask)
 

@@ -14,7 +14,7 @@ from mlxcel_core.bench import RandomIdTokenizer
 from mlxcel_core.engine import Engine, EngineConfig, constrained
 from mlxcel_core.loading import load_model
 from mlxcel_core.loading.shapes import build_random_model
-from mlxcel_core.server import engine_loop
+from mlxcel_core.server import warmup
 from mlxcel_core.server.engine_loop import EngineLoop
 from mlxcel_core.server.metrics import ServerMetrics
 from mlxcel_core.server.warmup import WARMUP_PROMPT, WARMUP_TOKENS, WarmupPlan, warmup_plan
@@ -29,13 +29,13 @@ class _Loaded:
 def _start(monkeypatch, **kwargs):
     """An EngineLoop on the tiny model, started and waited for; the engines that warm_up ran."""
     warmed = []
-    real = engine_loop.warm_up
+    real = warmup.warm_up
 
-    def spy(engine, plan=WarmupPlan()):
+    def spy(engine, plan=WarmupPlan(), **kwargs):
         warmed.append(engine)
-        return real(engine, plan)
+        return real(engine, plan, **kwargs)
 
-    monkeypatch.setattr(engine_loop, "warm_up", spy)
+    monkeypatch.setattr(warmup, "warm_up", spy)
     loop = EngineLoop(_Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), **kwargs)
     loop.start()
     while loop.state == "loading":
@@ -105,23 +105,23 @@ def test_warm_up_decodes_its_tokens():
         return out
 
     engine.step = counting_step
-    assert engine_loop.warm_up(engine) > 0 and len(produced) == WARMUP_TOKENS
+    assert warmup.warm_up(engine) > 0 and len(produced) == WARMUP_TOKENS
 
 
 def test_warm_up_fits_a_short_context():
     loaded = _Loaded()
     engine = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
     engine.max_context = 10  # (as --ctx-size would cap it)
-    assert engine_loop.warm_up(engine) > 0 and engine.runner.prefill_tokens == 10 - WARMUP_TOKENS
+    assert warmup.warm_up(engine) > 0 and engine.runner.prefill_tokens == 10 - WARMUP_TOKENS
 
 
 def test_a_failing_warm_up_fails_the_load(monkeypatch):
     failed = []
 
-    def broken(engine, plan=WarmupPlan()):
+    def broken(engine, plan=WarmupPlan(), **kwargs):
         raise RuntimeError("the warm-up request failed: boom")
 
-    monkeypatch.setattr(engine_loop, "warm_up", broken)
+    monkeypatch.setattr(warmup, "warm_up", broken)
     loop = EngineLoop(
         _Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), warmup=True, on_load_failed=failed.append
     )
@@ -155,7 +155,7 @@ def test_the_warm_up_runs_a_lone_request_then_every_batch_size_then_each_short_p
         return out
 
     engine.runner.decode, engine.runner.prefill = spying_decode, spying_prefill
-    assert engine_loop.warm_up(engine, WarmupPlan(lone_tokens=6, rows=3, prompt_lengths=(1, 2, 5))) > 0
+    assert warmup.warm_up(engine, WarmupPlan(lone_tokens=6, rows=3, prompt_lengths=(1, 2, 5))) > 0
     # The lone request's 5 decode steps, then batches of each size up to 3 (on CPU 1, 2, 3 in order; on a GPU a new
     # row's prefill takes its own step, so the first batch there is 2); the short prompts decode nothing.
     assert sizes[:5] == [1] * 5 and set(sizes[5:]) <= {1, 2, 3} and {2, 3} <= set(sizes[5:])
@@ -190,7 +190,7 @@ def test_on_cuda_the_warm_up_records_and_replays_the_graph_and_prefills_each_sho
     splits = []
     choose = engine.storage.choose_splits
     engine.storage.choose_splits = lambda *args: splits.append(choose(*args)) or splits[-1]
-    engine_loop.warm_up(engine, plan)
+    warmup.warm_up(engine, plan)
     assert engine.graph.recorded >= 2 and engine.graph.replayed >= 1, engine.graph.why_not
     assert min(splits) == 1 and max(splits) > 1  # both forms of the attention kernel ran
     assert engine.runner.prefill_tokens - before >= sum(plan.prompt_lengths) + len(WARMUP_PROMPT)
@@ -210,7 +210,7 @@ def test_a_constrained_warm_up_request_decodes_digits_and_its_failure_is_only_a_
         return out
 
     engine.step = counting_step
-    assert engine_loop.warm_up(engine, WarmupPlan(lone_tokens=2, constrained=True)) > 0
+    assert warmup.warm_up(engine, WarmupPlan(lone_tokens=2, constrained=True)) > 0
     assert len(produced) == WARMUP_TOKENS and loaded.tokenizer.decode(produced).isdigit()
     assert engine.runner.prefill_tokens == 2 * len(WARMUP_PROMPT)
     caplog.set_level(logging.WARNING, logger="mlxcel.server")
@@ -220,5 +220,5 @@ def test_a_constrained_warm_up_request_decodes_digits_and_its_failure_is_only_a_
 
     monkeypatch.setattr(constrained.RowConstraint, "check", dead_end)
     broken = Engine(loaded.model, loaded.tokenizer, EngineConfig(max_batch_size=4))
-    assert engine_loop.warm_up(broken, WarmupPlan(lone_tokens=2, constrained=True)) > 0
+    assert warmup.warm_up(broken, WarmupPlan(lone_tokens=2, constrained=True)) > 0
     assert "constrained request failed" in caplog.text and "(test)" in caplog.text
