@@ -7,6 +7,9 @@
     python benchmarks/llama_cpp_peer.py write --model-shape llama-3-8b --type q4_0 /tmp/m.gguf
     python benchmarks/llama_cpp_peer.py run /tmp/m.gguf --batches 8,32 --out $OUT/peer
 
+Or build the tools on the CPU VM (benchmarks/llama_cpp_prebuild.py) and carry them: `unpack` then puts them where
+`build` would, and no build runs on the device.
+
 The device machine cannot download and takes 64 MiB a call, so `stage` packs what the build needs into folders of
 60 MiB at most (a file larger than that in pieces): llama.cpp's source as vendored by the package index's
 llama-cpp-python sdist (without its models, docs and other backends), cmake and ninja wheels, and a CUDA 13
@@ -140,6 +143,10 @@ def unpack() -> None:
     if source.exists() and not (WORK / "llama.cpp").exists():
         with tarfile.open(source) as t:
             t.extractall(WORK, filter="data")
+    built = WORK / "llama-bin.tar.gz"  # tools built on the CPU VM (llama_cpp_prebuild.py): where `build` puts its own
+    if built.exists() and not (WORK / "build" / "bin" / TARGETS[0]).exists():
+        with tarfile.open(built) as t:
+            t.extractall(WORK / "build" / "bin", filter="data")
     print("in", WORK, ":", " ".join(sorted(p.name for p in WORK.iterdir())))
 
 
@@ -327,8 +334,16 @@ def _mlxcel(path: Path, args, log: Path) -> dict[str, float]:
     return cells
 
 
+def _library_path(bin_dir: Path) -> None:
+    """Where the tools find the libraries they load: those packed beside prebuilt ones, then the machine's cuBLAS 13."""
+    cublas = _find_cublas()
+    found = [str(bin_dir)] + ([str(cublas)] if cublas else []) + [os.environ.get("LD_LIBRARY_PATH", "")]
+    os.environ["LD_LIBRARY_PATH"] = ":".join(filter(None, found))
+
+
 def _llama_cpp(path: Path, bin_dir: Path, args, log: Path) -> dict[str, float]:
     """llama.cpp's tok/s by the same cells: llama-bench at batch 1, llama-batched-bench's aggregate decode."""
+    _library_path(bin_dir)
     cmd = [str(bin_dir / "llama-bench"), "-m", str(path), "-p", str(args.prompt), "-n", str(args.gen)]
     cells = {}
     for row in json.loads(_run_logged(cmd + ["-r", "1", "-ngl", "99", "-o", "json"], log)):
