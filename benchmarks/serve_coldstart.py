@@ -170,6 +170,9 @@ def main() -> None:
             f" ms | kernel cache {files} files",
             flush=True,
         )
+        for line in log_lines:  # where the warm-up's time went (its dry run's and its own parts)
+            if m := re.search(r"(warm-up(?: dry run)? parts: .*)$", line):
+                print(f"{'':9s} {m.group(1)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -128,8 +128,16 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = Fal
         limit = max(1, min(tokens, engine.max_context - len(prompt)))
         engine.open(prompt, SamplingParams(max_tokens=limit, suppress_tokens=suppress))
 
+    parts, mark = [], time.perf_counter()
+
+    def part(name: str) -> None:  # (the log line below: on a fresh machine, where the compile time goes)
+        nonlocal mark
+        parts.append(f"{name} {time.perf_counter() - mark:.1f} s")
+        mark = time.perf_counter()
+
     open_request(WARMUP_PROMPT[:room], plan.lone_tokens)
     _finish(engine)
+    part("lone reply")
     if plan.rows > 1:
         tokens = WARMUP_TOKENS + plan.rows - 1  # the first still decodes in the step where the last one first does
         prompt = WARMUP_PROMPT[-room:][::-1]  # (not the lone request's, whose blocks are cached: a whole prefill)
@@ -137,12 +145,17 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = Fal
             open_request(prompt, tokens)
             _step(engine)
         _finish(engine)
+        part("batches")
     for length in plan.prompt_lengths:
         if length < engine.max_context:
             open_request([WARMUP_PROMPT[(length + i) % len(WARMUP_PROMPT)] for i in range(length)], 1)
             _finish(engine)
+    if plan.prompt_lengths:
+        part("short prompts")
     if plan.constrained and not dry_run and getattr(engine.tokenizer, "backend", None) is not None:
         _constrained(engine, (WARMUP_PROMPT[9:] + WARMUP_PROMPT[:9])[:room])  # (its own first token: no cached prefix)
+        part("constrained reply")
+    log.info("warm-up%s parts: %s", " dry run" if dry_run else "", ", ".join(parts))
     return time.perf_counter() - start
 
 

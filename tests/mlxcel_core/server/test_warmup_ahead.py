@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import threading
 from contextlib import contextmanager
 from dataclasses import replace
@@ -73,10 +74,15 @@ def _start(monkeypatch, backend, broken_dry_run=False):
     return loop, calls
 
 
-def test_the_dry_run_comes_first_inside_the_backends_context_on_an_engine_that_keeps_nothing(monkeypatch):
+def test_the_dry_run_comes_first_inside_the_backends_context_on_an_engine_that_keeps_nothing(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="mlxcel.server")
     backend = _Ahead()
     loop, calls = _start(monkeypatch, backend)
     try:
+        dry_log = next(r.getMessage() for r in caplog.records if "dry run parts" in r.getMessage())
+        real_log = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up parts"))
+        assert re.fullmatch(r"warm-up dry run parts: lone reply [\d.]+ s", dry_log), dry_log  # (CPU: one request)
+        assert re.fullmatch(r"warm-up parts: lone reply [\d.]+ s", real_log), real_log
         assert loop.state == "ready" and backend.entered == 1 and len(calls) == 2
         (dry, dry_flag, dry_inside), (real, real_flag, real_inside) = calls
         assert dry_flag and dry_inside and not real_flag and not real_inside
