@@ -34,11 +34,14 @@ class WarmupPlan:
     rows: int = 1  # decode batches of 1..rows sequences
     prompt_lengths: tuple[int, ...] = ()  # short prompts prefilled one at a time (one kernel variant a length)
     constrained: bool = False  # a lone constrained request of WARMUP_TOKENS, where the tokenizer takes grammars
+    burst: int = 0  # requests opened at once, as a burst of clients arrives: batches grow a prefill batch a step
 
     def describe(self) -> str:
         parts = [f"a lone reply of {self.lone_tokens} tokens"]
         if self.rows > 1:
             parts.append(f"decode batches of 1 to {self.rows}")
+        if self.burst:
+            parts.append(f"a burst of {self.burst} requests")
         if self.prompt_lengths:
             parts.append(f"prompts of {self.prompt_lengths[0]} to {self.prompt_lengths[-1]} tokens")
         if self.constrained:
@@ -48,9 +51,11 @@ class WarmupPlan:
 
 def warmup_plan(config: EngineConfig) -> WarmupPlan:
     """On a GPU: a lone request long enough for the attention kernel's split form (its one-split form runs before),
-    every batch size up to the batch limit and 8, and every prompt length up to 8 (the decode kernels' rows). Else a
-    machine's first longer reply, first batch of a size, or first chat turn with a few uncached tokens, stalls every
-    client while they compile. On CPU nothing is compiled: one short request."""
+    every batch size up to the batch limit and 8, and every prompt length up to 8 (the decode kernels' rows); with a
+    batch limit above 8, a burst of that many requests (its batches grow by a prefill batch a step, as a burst of
+    clients' do: the tensor-core kernel's variants, one per 8 rows, and the compiled steps of those sizes). Else a
+    machine's first longer reply, first batch of a size, first burst, or first chat turn with a few uncached tokens,
+    stalls every client while they compile. On CPU nothing is compiled: one short request."""
     if mx.default_device().type != mx.DeviceType.gpu:
         return WarmupPlan()
     from autotune.ops import MIN_CUDA_SPLIT_TOKENS  # past 2x this, the attention kernel splits the context
@@ -63,6 +68,7 @@ def warmup_plan(config: EngineConfig) -> WarmupPlan:
         rows=max(1, min(config.max_batch_size, rows)),
         prompt_lengths=tuple(range(1, rows + 1)),
         constrained=True,
+        burst=config.max_batch_size if config.max_batch_size > rows else 0,
     )
 
 
@@ -146,6 +152,13 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = Fal
             _step(engine)
         _finish(engine)
         part("batches")
+    if plan.burst > 1:
+        # every row still decodes in the step where the last one's prefill batch joins them
+        ramp = -(-plan.burst // engine.config.resolved_prefill_batch) + 1
+        for i in range(plan.burst):
+            open_request([WARMUP_PROMPT[(i + j) % len(WARMUP_PROMPT)] for j in range(room)], WARMUP_TOKENS + ramp)
+        _finish(engine)
+        part("burst")
     for length in plan.prompt_lengths:
         if length < engine.max_context:
             open_request([WARMUP_PROMPT[(length + i) % len(WARMUP_PROMPT)] for i in range(length)], 1)

@@ -162,6 +162,24 @@ def test_the_warm_up_runs_a_lone_request_then_every_batch_size_then_each_short_p
     assert prefills == [len(WARMUP_PROMPT)] * 4 + [1, 2, 5] and not engine.has_work()
 
 
+def test_a_burst_grows_the_decode_batch_a_prefill_batch_a_step_up_to_the_whole_burst():
+    """As a burst of clients does on a GPU (prefill batches of 8 there; of 4 here): every size it passes through, and
+    the burst's own, runs a decode step, so its compiled steps and kernel variants are built before a client waits."""
+    loaded = _Loaded()
+    config = EngineConfig(max_batch_size=10, prefill_batch_size=4, prefill_chunk_size=2048)
+    engine = Engine(loaded.model, loaded.tokenizer, config)
+    sizes, decode = [], engine.runner.decode
+
+    def spying_decode(seq_ids, tokens):
+        sizes.append(len(seq_ids))
+        return decode(seq_ids, tokens)
+
+    engine.runner.decode = spying_decode
+    assert warmup.warm_up(engine, WarmupPlan(burst=10)) > 0 and not engine.has_work()
+    burst = sizes[WARMUP_TOKENS - 1 :]  # (after the lone request's steps)
+    assert burst[:3] == [4, 8, 10] and max(burst) == 10
+
+
 def test_the_plan_on_a_gpu_covers_the_split_attention_and_the_kernels_rows_and_on_cpu_one_request(monkeypatch):
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
     assert warmup_plan(EngineConfig(max_batch_size=4)) == WarmupPlan(rows=1, prompt_lengths=())
@@ -172,7 +190,12 @@ def test_the_plan_on_a_gpu_covers_the_split_attention_and_the_kernels_rows_and_o
     assert warmup_plan(EngineConfig(max_batch_size=32)).rows == 8
     assert (
         warmup_plan(EngineConfig(max_batch_size=32)).describe()
-        == "a lone reply of 113 tokens, decode batches of 1 to 8, prompts of 1 to 8 tokens, a constrained reply"
+        == "a lone reply of 113 tokens, decode batches of 1 to 8, a burst of 32 requests, prompts of 1 to 8 tokens, "
+        "a constrained reply"
+    )
+    assert (
+        warmup_plan(EngineConfig(max_batch_size=32)).burst == 32
+        and warmup_plan(EngineConfig(max_batch_size=8)).burst == 0
     )
     assert WarmupPlan().describe() == f"a lone reply of {WARMUP_TOKENS} tokens"
 
