@@ -35,8 +35,11 @@ class CudaBackend(Backend):
         return COMPILES.variants, COMPILES.seconds
 
     def compile_ahead(self):
+        from ...paths import use_kernel_cache
         from .kernels.compile_ahead import collecting
 
+        if not hasattr(mx.fast, "precompiled_cuda_kernel") or use_kernel_cache() is None:
+            return None  # (the kernels are MLX's own, compiled in every process: nothing to compile ahead)
         return collecting()
 
     def in_dry_run(self) -> bool:

@@ -118,12 +118,16 @@ def test_one_dry_run_at_a_time_and_an_error_inside_still_waits_for_the_compiles(
     assert (tmp_path / f"{ahead.submitted[0]}.cubin").exists()  # the compile ended before the error came out
 
 
-def test_the_cuda_backend_runs_its_dry_runs_through_the_seam():
+def test_the_cuda_backend_runs_its_dry_runs_through_the_seam_where_it_keeps_kernels(monkeypatch, tmp_path):
     from mlxcel_core.backends.base import Backend
     from mlxcel_core.backends.cuda.backend import CudaBackend
 
     backend = CudaBackend()
     assert Backend().compile_ahead() is None and not Backend().in_dry_run()
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **_: [], raising=False)
+    monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: None)
+    assert backend.compile_ahead() is None  # no kernel cache: the kernels are MLX's own
+    monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: tmp_path)
     assert not backend.in_dry_run()
     with backend.compile_ahead():
         assert backend.in_dry_run()
