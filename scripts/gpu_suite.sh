@@ -16,6 +16,12 @@
 #   all      the whole suite in one call
 #   exec CMD ...  any command in the staged environment (a probe, a benchmark)
 # The install happens once a machine: a second `run PART` on the same warm machine reuses /tmp/site.
+#
+# The kernel cache (MLX's compiled kernels and ours, the driver's JIT cache) lives in /tmp/mlxcel-cache there: each
+# `run` leaves it in $OUT/kcache.tgz (where it fits a call's 64 MiB). Bring it back here with
+#   scripts/gpu_suite.sh keep /work/.device/N      # -> .devwheels/kcache/kcache.tgz
+# and carry it in a copy call (carry [".devwheels/kcache"]) on the next machine: kernels whose source is unchanged are
+# then read, not compiled (a variant's file name carries its source's hash), and the suite spends less time compiling.
 # Real-model tests (marker real_model) need the SmolLM2 download, which that machine cannot make: CI runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,9 +46,25 @@ case "${1:-}" in
     if [ -d .devwheels/a ]; then cp .devwheels/a/* /tmp/dw/; fi
     if [ -d .devwheels/c ]; then cp .devwheels/c/*.whl /tmp/dwc/; fi
     if [ -d .devwheels/c/tokenizer-stand-in ]; then cp -r .devwheels/c/tokenizer-stand-in /tmp/; fi
+    if [ -f .devwheels/kcache/kcache.tgz ]; then
+      mkdir -p /tmp/mlxcel-cache && tar xzf .devwheels/kcache/kcache.tgz -C /tmp/mlxcel-cache
+      echo "kernel cache: $(find /tmp/mlxcel-cache -type f | wc -l) files"
+    fi
+    ;;
+  keep)  # here: the kernel cache a device call left in its files folder, to carry to the next machine
+    mkdir -p .devwheels/kcache && cp "${2:?the files folder of the device call}/kcache.tgz" .devwheels/kcache/
+    ls -la .devwheels/kcache
     ;;
   run)
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
+    export MLXCEL_CACHE_DIR="${MLXCEL_CACHE_DIR:-/tmp/mlxcel-cache}"
+    keep_cache() {  # (the kernel cache back to this machine, where it fits a call's transfer)
+      if [ -n "${OUT:-}" ] && [ -d "$MLXCEL_CACHE_DIR/kernels" ]; then
+        tar czf "$OUT/kcache.tgz" -C "$MLXCEL_CACHE_DIR" kernels
+        if [ "$(stat -c %s "$OUT/kcache.tgz")" -gt $((60 << 20)) ]; then rm "$OUT/kcache.tgz"; fi
+        ls -la "$OUT"/kcache.tgz 2>/dev/null || echo "kernel cache too large to bring back"
+      fi
+    }
     if ! python3 -c "import mlx.core" 2>/dev/null; then
       cp .devwheels/b/*.whl /tmp/dw/ 2>/dev/null || true
       bash .devwheels/b/install.sh >/dev/null
@@ -54,7 +76,8 @@ case "${1:-}" in
       export PYTHONPATH="/tmp/site_tf:$PYTHONPATH"
     fi
     python3 -c "import mlx.core as mx, transformers; print('mlx', mx.__version__, 'transformers', transformers.__version__)"
-    if [ "${2:-}" = exec ]; then shift 2; exec "$@"; fi  # any command in the staged environment
+    status=0
+    if [ "${2:-}" = exec ]; then shift 2; "$@" || status=$?; keep_cache; exit $status; fi  # any command, staged
     case "${2:-all}" in
       device) paths=(tests/mlxcel_core/backends tests/mlxcel_core/engine tests/mlxcel_core/server tests/autotune) ;;
       models) paths=(tests/mlxcel_core/models) ;;
@@ -69,7 +92,10 @@ case "${1:-}" in
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n $(( 14 * GPU_SUITE_GPUS )))
     python3 -m pytest -v -p no:cacheprovider -rfE -m "not real_model" "${workers[@]}" "${paths[@]}" 2>&1 \
-      | grep -v -e PytestBenchmarkWarning -e "warner(" | tee "${OUT:-/tmp}/gpu_suite_${2:-all}.txt" | grep -v -e " PASSED " -e " SKIPPED " | tail -60
+      | grep -v -e PytestBenchmarkWarning -e "warner(" | tee "${OUT:-/tmp}/gpu_suite_${2:-all}.txt" | grep -v -e " PASSED " -e " SKIPPED " | tail -60 \
+      || status=$?
+    keep_cache
+    exit $status
     ;;
   *)
     sed -n '2,15p' "$0"; exit 2
