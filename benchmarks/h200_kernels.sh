@@ -20,6 +20,8 @@
 #   families SHAPE..  issue 36's table: 4-bit shapes at batch 1 and 8 beside mlx-lm's BatchGenerator (batch_decode.py,
 #                     2 runs a cell, 170 s a shape; default: the shapes whose attention last moved onto the kernel),
 #                     then llama-4-scout's batch-1 peer (compare_mlx_lm.py, 3 rounds: BatchGenerator cannot batch it)
+#   longctx           issue 42's target 5: llama-3.1-8b 4-bit decode and TTFT at a 32k-token context beside mlx-lm
+#                     (compare_mlx_lm.py, 2 rounds), then where one decode token's GPU time goes there (mlxcel's side)
 #   restart           serve's first request: request_phases.py --serve-warmup in a process that compiles (empty cache
 #                     dir) and one that loads (a restart), then serve_coldstart.py cold and warm (1B bf16)
 #   coldstart SHAPE.. the kernel cache: the same `mlxcel bench` in two processes on an empty cache dir; the first
@@ -107,6 +109,11 @@ case "${1:-}" in
     done
     timeout 240 python benchmarks/compare_mlx_lm.py --model-shape llama-4-scout --bits 4 $A --rounds 3 2>&1 \
       | tee "${OUT:-/tmp}/families_llama-4-scout.txt" | tail -8 ;;
+  longctx)
+    timeout 360 python benchmarks/compare_mlx_lm.py --model-shape llama-3.1-8b --bits 4 --prompt-tokens 32768 \
+      --gen-tokens 128 --rounds 2 2>&1 | tee "${OUT:-/tmp}/longctx_compare.txt" | tail -8
+    timeout 200 python benchmarks/gpu_profile.py --model-shape llama-3.1-8b --bits 4 --prompt-tokens 32768 \
+      --side mlxcel --top 12 --shapes 2>&1 | grep -vi "warn" | tee "${OUT:-/tmp}/longctx_profile.txt" ;;
   restart)
     # serve's first request: serve's warm-up on a throwaway engine, then each request on a new engine (as serve does),
     # in a process that compiles every kernel (empty cache dir) and one that loads them (a restart); then `mlxcel
