@@ -123,9 +123,9 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = Fal
     First one greedy request alone (its steps after the second are the CUDA graph's: recorded, then replayed).
     Then, with `plan.rows` > 1, requests that join one a step (a new one's prefill is granted at once), so the
     decode batch runs at every size from 1 to `rows`. Then `plan.burst` requests opened at once. Then each short
-    prompt alone; each starts with its own token, so none is a cached prefix of another. `dry_run` (warm_up_ahead): the logits are zeros, whose greedy
-    token may be an end-of-sequence one: those are suppressed so that every request runs its length; no constrained
-    request (its grammar refuses such tokens)."""
+    prompt alone; each starts with its own token, so none is a cached prefix of another. `dry_run` (warm_up_ahead):
+    the logits are zeros, whose greedy token may be an end-of-sequence one: those are suppressed so that every
+    request runs its length; no constrained request (its grammar refuses such tokens)."""
     start = time.perf_counter()
     room = max(1, min(len(WARMUP_PROMPT), engine.max_context - WARMUP_TOKENS))  # (a model with a tiny context)
     suppress = tuple(sorted(engine.tokenizer.eos_token_ids)) if dry_run else ()
