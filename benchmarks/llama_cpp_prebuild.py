@@ -1,15 +1,17 @@
 """llama.cpp's bench tools built here, on the CPU VM, for the device's GPU: the device then only unpacks and runs them.
 
     python benchmarks/llama_cpp_prebuild.py build [--arch 90] [-j 2]   # here: an hour or so on 2 cores; resumable
-    python benchmarks/llama_cpp_prebuild.py pack                       # here: .devwheels/lcp_bin/ (60 MiB pieces)
-    device, carry [".devwheels/lcp_bin"]:  python benchmarks/llama_cpp_peer.py unpack   # WORK/build/bin, as `build`
+    python benchmarks/llama_cpp_prebuild.py pack                       # here: .devwheels/lcp_bin_1, _2, ...
+    device, one call a folder, carry [".devwheels/lcp_bin_K"]:  python benchmarks/llama_cpp_peer.py unpack
+    (the last one joins the pieces and puts the tools in WORK/build/bin, where `build` would)
     then `llama_cpp_peer.py write` and `run` as after a build there (llama_cpp_peer.py's docstring).
 
 Building on the device (llama_cpp_peer.py `build`) costs its scarce minutes; this VM has a CUDA 13 compiler without a
 GPU, cuBLAS or driver library. So: llama.cpp as the package index's llama-cpp-python sdist vendors it (the same
 source as `stage`), a toolkit root assembled beside the system's (its compiler copied, its libraries linked) with the
-package index's cuBLAS 13 wheel's headers and libraries, and a driver library stub without symbols (the tools link
-with --allow-shlib-undefined; the device's driver supplies them). ggml statically linked into each tool
+package index's cuBLAS 13 wheel's headers and libraries, and a driver library stub (libcuda.so.1's soname, the
+driver functions ggml calls as functions that do nothing: the tools link against it, and on the device its driver
+library is loaded in its place). ggml statically linked into each tool
 (BUILD_SHARED_LIBS=OFF), no host-CPU tuning (GGML_NATIVE=OFF: the device's CPU is another), CUDA code for one
 architecture (sm_90: the H200). `pack` puts the two tools with the CUDA runtime and OpenMP libraries they load into a
 tarball; cuBLAS (600 MB) is the device's own (its PyTorch's cu13 wheels), found at run time by llama_cpp_peer.py.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,14 +91,27 @@ def _toolkit(into: Path, cublas: Path) -> Path:
     for f in (cublas / "lib").glob("libcublas*.so.*"):
         (root / "lib" / f.name).symlink_to(f)
         (root / "lib" / f.name.split(".so.")[0]).with_suffix(".so").symlink_to(f.name)
-    stub = root / "lib" / "stubs"
-    stub.mkdir()
-    (into / "empty.c").write_text("")
-    subprocess.run(
-        ["gcc", "-shared", "-o", str(stub / "libcuda.so"), "-Wl,-soname,libcuda.so.1", str(into / "empty.c")],
-        check=True,
-    )
+    driver_stub(root, [])
     return root
+
+
+def driver_stub(root: Path, symbols: list[str]) -> Path:
+    """root/lib/stubs/libcuda.so: `symbols` as functions that do nothing, under the driver's soname (libcuda.so.1),
+    so that the tools link; at run time the device's driver library stands in its place."""
+    stub = root / "lib" / "stubs"
+    stub.mkdir(exist_ok=True)
+    source = stub / "libcuda_stub.c"
+    source.write_text("".join(f"int {name}(void) {{ return 0; }}\n" for name in symbols))
+    subprocess.run(
+        ["gcc", "-shared", "-o", str(stub / "libcuda.so"), "-Wl,-soname,libcuda.so.1", str(source)], check=True
+    )
+    return stub / "libcuda.so"
+
+
+def driver_symbols(archive: Path) -> list[str]:
+    """The driver functions (cuXxx) a static library calls, which the tools then call themselves."""
+    listed = subprocess.run(["nm", "-u", "--format=posix", str(archive)], capture_output=True, text=True).stdout
+    return sorted({line.split()[0] for line in listed.splitlines() if re.match(r"cu[A-Z]", line)})
 
 
 def configure(source: Path, root: Path, out: Path, arch: str, env: dict) -> None:
@@ -115,7 +131,10 @@ def build(arch: str, jobs: int) -> Path:
     if not (out / "build.ninja").exists():
         configure(source, root, out, arch, env)
     start = time.perf_counter()
-    subprocess.run(["cmake", "--build", str(out), "-j", str(jobs), "--target", *TARGETS], check=True, env=env)
+    build = ["cmake", "--build", str(out), "-j", str(jobs), "--target"]
+    subprocess.run(build + ["ggml-cuda"], check=True, env=env)  # (its driver calls: the stub's symbols)
+    driver_stub(root, driver_symbols(out / "ggml" / "src" / "ggml-cuda" / "libggml-cuda.a"))
+    subprocess.run(build + list(TARGETS), check=True, env=env)
     print(f"built {', '.join(TARGETS)} for sm_{arch} in {time.perf_counter() - start:.0f} s: {out / 'bin'}")
     return out / "bin"
 
@@ -129,22 +148,29 @@ def _system_library(name: str) -> Path:
 
 
 def pack(bin_dir: Path, dest: Path) -> list[Path]:
-    """The tools and the runtime libraries they load, as .devwheels/lcp_bin/llama-bin.tar.gz (in pieces if large)."""
+    """The tools and the runtime libraries they load as llama-bin.tar.gz, in pieces of at most llama_cpp_peer's CHUNK,
+    one piece a folder (.devwheels/lcp_bin_1, _2, ...: one device call carries one folder)."""
     missing = [t for t in TARGETS if not (bin_dir / t).exists()]
     if missing:
         raise SystemExit(f"not built yet: {', '.join(missing)} (run `build`)")
-    folder = dest / "lcp_bin"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    with tarfile.open(folder / TARBALL, "w:gz") as t:
+    for old in dest.glob("lcp_bin*"):
+        shutil.rmtree(old)
+    work = dest / "lcp_bin_tmp"
+    work.mkdir(parents=True)
+    with tarfile.open(work / TARBALL, "w:gz") as t:
         for tool in TARGETS:
             t.add(bin_dir / tool, arcname=tool)
         for lib in RUNTIME_LIBS:
             t.add(_system_library(lib), arcname=lib)
-    pieces = _pieces([folder / TARBALL], folder)
-    for p in pieces:
-        print(f"{p}: {p.stat().st_size / 2**20:.1f} MiB")
-    return pieces
+    folders = []
+    for i, piece in enumerate(_pieces([work / TARBALL], work), 1):
+        folder = dest / f"lcp_bin_{i}"
+        folder.mkdir()
+        piece.rename(folder / piece.name)
+        folders.append(folder)
+        print(f"{folder}: {piece.name}, {(folder / piece.name).stat().st_size / 2**20:.1f} MiB")
+    work.rmdir()
+    return folders
 
 
 def main(argv=None) -> int:

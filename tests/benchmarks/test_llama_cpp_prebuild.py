@@ -54,11 +54,20 @@ def test_packed_tools_arrive_where_run_looks_and_find_their_libraries(tmp_path, 
     monkeypatch.setattr(llama_cpp_prebuild, "_system_library", lambda name: libs / name)
     monkeypatch.setattr(llama_cpp_peer, "CHUNK", 2000)  # (random bytes do not compress: several pieces)
     repo = tmp_path / "repo"
-    pieces = llama_cpp_prebuild.pack(built, repo / ".devwheels")
-    assert len(pieces) > 1 and all(p.parent == repo / ".devwheels" / "lcp_bin" for p in pieces)
+    folders = llama_cpp_prebuild.pack(built, repo / ".devwheels")
+    assert len(folders) > 1 and [f.name for f in folders] == [f"lcp_bin_{i}" for i in range(1, len(folders) + 1)]
+    assert all(len(list(f.iterdir())) == 1 for f in folders)  # one piece a folder: one device call each
     monkeypatch.setattr(llama_cpp_peer, "ROOT", repo)
     monkeypatch.setattr(llama_cpp_peer, "WORK", tmp_path / "work")
-    llama_cpp_peer.unpack()
+    stash = tmp_path / "stash"
+    stash.mkdir()
+    for folder in folders:
+        folder.rename(stash / folder.name)
+    for i, folder in enumerate(folders):  # one device call a folder, each with only its own folder carried
+        assert not (tmp_path / "work" / "build").exists()  # (not every piece there yet)
+        (stash / folder.name).rename(folder)
+        llama_cpp_peer.unpack()
+        folder.rename(stash / f"carried_{i}")
     bin_dir = tmp_path / "work" / "build" / "bin"
     for tool, data in tools.items():
         assert (bin_dir / tool).read_bytes() == data and (bin_dir / tool).stat().st_mode & stat.S_IXUSR
@@ -68,3 +77,19 @@ def test_packed_tools_arrive_where_run_looks_and_find_their_libraries(tmp_path, 
     monkeypatch.setattr(llama_cpp_peer, "_find_cublas", lambda: Path("/site/nvidia/cu13/lib"))
     llama_cpp_peer._library_path(bin_dir)
     assert os.environ["LD_LIBRARY_PATH"] == f"{bin_dir}:/site/nvidia/cu13/lib:/elsewhere"
+
+
+def test_the_driver_stub_defines_the_driver_functions_a_static_library_calls(tmp_path):
+    import subprocess
+
+    (tmp_path / "pool.c").write_text(
+        "int cuMemCreate(void); int cudaFree(void); int f(void) { return cuMemCreate() + cudaFree(); }\n"
+    )
+    subprocess.run(["gcc", "-c", "-o", str(tmp_path / "pool.o"), str(tmp_path / "pool.c")], check=True)
+    subprocess.run(["ar", "rcs", str(tmp_path / "libpool.a"), str(tmp_path / "pool.o")], check=True)
+    symbols = llama_cpp_prebuild.driver_symbols(tmp_path / "libpool.a")
+    assert symbols == ["cuMemCreate"]  # (the runtime's cudaFree is cudart's, not the driver's)
+    (tmp_path / "lib").mkdir()
+    stub = llama_cpp_prebuild.driver_stub(tmp_path, symbols)
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(stub)], capture_output=True, text=True).stdout
+    assert " T cuMemCreate" in exported
