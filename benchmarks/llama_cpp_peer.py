@@ -171,12 +171,21 @@ def _tools() -> Path:
 
 
 def _find_cublas() -> Path | None:
-    """The lib folder of the cuBLAS 13 that the machine's pip packages (PyTorch's) installed."""
+    """The lib folder of the cuBLAS 13 that the machine's pip packages (PyTorch's) installed, else of the one MLX's
+    CUDA backend loads (read from this process's maps once MLX has started it)."""
     for entry in sys.path:
         for lib in Path(entry or ".").glob("nvidia/cu13/lib"):
             if any(lib.glob("libcublas.so.*")) and WORK not in lib.parents:
                 return lib
-    return None
+    try:
+        import mlx.core as mx
+
+        mx.eval(mx.ones((2, 2)) @ mx.ones((2, 2)))  # (MLX loads cuBLAS for a product on the GPU)
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except (ImportError, OSError, RuntimeError):
+        return None
+    found = [line.split()[-1] for line in maps if "/libcublas.so.13" in line]
+    return Path(found[0]).parent if found else None
 
 
 def _find_libcuda() -> Path | None:
