@@ -24,6 +24,7 @@ from parity import dequantized_logits, load_quiet, logits, prompt_ids
 
 # Mixed lengths: one longer than small windows and chunks, one of a single token, two in between.
 LENGTHS = (23, 1, 9, 40)
+BITS = (4, 8)  # the quantized copies a family's test_quantized checks, one parametrized test each
 STEPS = 40
 TEXT = "The capital of France is Paris. A quick brown fox jumps over the lazy dog"
 SPECIAL = (0, 1, 2)
@@ -74,7 +75,7 @@ def assert_engine_paths(path: Path, steps: int = STEPS) -> None:
             assert got == want, f"{name}: prompt {i} ({LENGTHS[i]} tokens) differs from the plain path"
 
 
-def assert_quantized(path: Path, tmp_path: Path, bits: tuple[int, ...] = (4, 8), steps: int = 16) -> None:
+def assert_quantized(path: Path, tmp_path: Path, bits: tuple[int, ...] = BITS, steps: int = 16) -> None:
     """Each `bits` copy: logits within 1e-4 of the fp32 architecture on its dequantized weights, and the batched
     paged path's greedy tokens equal to the plain path's."""
     from mlxcel_core.quantize import quantize_checkpoint

@@ -431,13 +431,14 @@ def test_engine_paths(tiny_ds):
     family_checks.assert_engine_paths(tiny_ds[1])
 
 
-def test_quantized(tiny_ds, tmp_path):
-    """4- and 8-bit copies: projections, expert banks and per-head latent maps whose input splits into groups of 64
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny_ds, tmp_path, bits):
+    """The 4- or 8-bit copy: projections, expert banks and per-head latent maps whose input splits into groups of 64
     quantized, the router left as it is."""
-    family_checks.assert_quantized(tiny_ds[1], tmp_path)
-    model = load_quiet(tmp_path / "q4").model
+    family_checks.assert_quantized(tiny_ds[1], tmp_path, bits=(bits,))
+    model = load_quiet(tmp_path / f"q{bits}").model
     attn = model.layers[1].self_attn
-    assert isinstance(attn.kv_a_proj_with_mqa, nn.QuantizedLinear) and attn.kv_a_proj_with_mqa.bits == 4
+    assert isinstance(attn.kv_a_proj_with_mqa, nn.QuantizedLinear) and attn.kv_a_proj_with_mqa.bits == bits
     assert type(model.layers[1].mlp.gate) is GroupedTopKRouter
 
 

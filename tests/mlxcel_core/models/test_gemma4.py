@@ -219,8 +219,9 @@ def test_engine_paths(checkpoints, name):
     family_checks.assert_engine_paths(checkpoints[name])
 
 
-def test_quantized(checkpoints, tmp_path):
-    family_checks.assert_quantized(checkpoints["dense"], tmp_path)
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(checkpoints, tmp_path, bits):
+    family_checks.assert_quantized(checkpoints["dense"], tmp_path, bits=(bits,))
 
 
 def test_cli_and_server(checkpoints):

@@ -187,12 +187,13 @@ def test_engine_paths(tiny_glm):
     family_checks.assert_engine_paths(tiny_glm[1])
 
 
-def test_quantized(tiny_glm, tmp_path):
-    """4- and 8-bit copies: expert banks and dense layers quantized, the router left as it is (mlx-lm's layout)."""
-    family_checks.assert_quantized(tiny_glm[1], tmp_path)
-    model = load_quiet(tmp_path / "q4").model
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny_glm, tmp_path, bits):
+    """The 4- or 8-bit copy: expert banks and dense layers quantized, the router left as it is (mlx-lm's layout)."""
+    family_checks.assert_quantized(tiny_glm[1], tmp_path, bits=(bits,))
+    model = load_quiet(tmp_path / f"q{bits}").model
     block = model.layers[-1].mlp
-    assert isinstance(block.switch_mlp.down_proj, QuantizedSwitchLinear) and block.switch_mlp.down_proj.bits == 4
+    assert isinstance(block.switch_mlp.down_proj, QuantizedSwitchLinear) and block.switch_mlp.down_proj.bits == bits
     assert isinstance(block.shared_experts.up_proj, nn.QuantizedLinear)
     assert type(block.gate) is GroupedTopKRouter and block.gate.weight.dtype == mx.float32
 

@@ -233,8 +233,9 @@ def test_engine_paths(tiny_gpt_oss):
     family_checks.assert_engine_paths(tiny_gpt_oss)
 
 
-def test_quantized(tiny_gpt_oss, tmp_path):
-    family_checks.assert_quantized(tiny_gpt_oss, tmp_path)
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny_gpt_oss, tmp_path, bits):
+    family_checks.assert_quantized(tiny_gpt_oss, tmp_path, bits=(bits,))
 
 
 @REFERENCE

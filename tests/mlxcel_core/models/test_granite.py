@@ -133,7 +133,14 @@ def test_refusals():
             model_cls(args_cls.from_dict(full))
 
 
-def test_engine_paths_quantized_cli_and_server(granite, tmp_path):
+def test_engine_paths(granite):
     family_checks.assert_engine_paths(granite)
-    family_checks.assert_quantized(granite, tmp_path)
+
+
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(granite, tmp_path, bits):
+    family_checks.assert_quantized(granite, tmp_path, bits=(bits,))
+
+
+def test_cli_and_server(granite):
     family_checks.assert_cli_and_server(granite)

@@ -136,8 +136,9 @@ def test_recurrent_state_paths(tiny):
     recurrent_checks.assert_state_paths(tiny, "lfm2")
 
 
-def test_quantized(tiny, tmp_path):
-    family_checks.assert_quantized(tiny, tmp_path)
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny, tmp_path, bits):
+    family_checks.assert_quantized(tiny, tmp_path, bits=(bits,))
 
 
 def test_cli_and_server(tiny):

@@ -74,9 +74,20 @@ def test_last_only_is_the_last_position_of_the_full_logits():
         assert mx.allclose(last[:, 0], full[:, -1], rtol=0, atol=1e-5).item()
 
 
-def test_engine_paths_quantized_cli_and_server(tmp_path):
-    """The per-family checks (tests/family_checks.py) on the tiny Llama: the baseline every new family meets."""
-    path = save_tiny_llama(tmp_path / "llama", max_position_embeddings=128)
-    family_checks.assert_engine_paths(path)
-    family_checks.assert_quantized(path, tmp_path)
-    family_checks.assert_cli_and_server(path)
+# The per-family checks (tests/family_checks.py) on the tiny Llama: the baseline every new family meets.
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), max_position_embeddings=128)
+
+
+def test_engine_paths(tiny_llama):
+    family_checks.assert_engine_paths(tiny_llama)
+
+
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny_llama, tmp_path, bits):
+    family_checks.assert_quantized(tiny_llama, tmp_path, bits=(bits,))
+
+
+def test_cli_and_server(tiny_llama):
+    family_checks.assert_cli_and_server(tiny_llama)

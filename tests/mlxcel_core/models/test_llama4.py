@@ -241,8 +241,9 @@ def test_engine_paths(tiny):
     family_checks.assert_engine_paths(tiny)
 
 
-def test_quantized(tiny, tmp_path):
-    family_checks.assert_quantized(tiny, tmp_path)
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny, tmp_path, bits):
+    family_checks.assert_quantized(tiny, tmp_path, bits=(bits,))
 
 
 def test_cli_and_server(tiny):

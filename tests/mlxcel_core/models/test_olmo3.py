@@ -115,8 +115,9 @@ def test_engine_paths(tiny_olmo3):
     family_checks.assert_engine_paths(tiny_olmo3)
 
 
-def test_quantized(tiny_olmo3, tmp_path):
-    family_checks.assert_quantized(tiny_olmo3, tmp_path)
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny_olmo3, tmp_path, bits):
+    family_checks.assert_quantized(tiny_olmo3, tmp_path, bits=(bits,))
 
 
 def test_cli_and_server(tiny_olmo3):

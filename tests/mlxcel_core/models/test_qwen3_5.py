@@ -136,8 +136,9 @@ def test_paged_decode_runs_the_delta_net_kernels_with_the_plain_paths_tokens(che
     assert launches, "no decode step ran the delta-net kernels"
 
 
-def test_quantized(checkpoints, tmp_path):
-    family_checks.assert_quantized(checkpoints["moe"], tmp_path)
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(checkpoints, tmp_path, bits):
+    family_checks.assert_quantized(checkpoints["moe"], tmp_path, bits=(bits,))
 
 
 def test_cli_and_server(checkpoints):

@@ -274,8 +274,9 @@ def test_kv_budget_counts_the_recurrent_state(tiny):
         engine.open(prompt_ids(11), SamplingParams(max_tokens=10))
 
 
-def test_quantized(tiny, tmp_path):
-    family_checks.assert_quantized(tiny, tmp_path)
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(tiny, tmp_path, bits):
+    family_checks.assert_quantized(tiny, tmp_path, bits=(bits,))
 
 
 def test_cli_and_server(tiny):

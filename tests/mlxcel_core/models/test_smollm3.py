@@ -175,7 +175,14 @@ def test_tensor_parallel_shards_it(sliding):
     check_shardable(load_unfused(sliding).model, 2)  # (sharding happens before the backend fuses)
 
 
-def test_engine_paths_quantized_cli_and_server(sliding, tmp_path):
+def test_engine_paths(sliding):
     family_checks.assert_engine_paths(sliding)
-    family_checks.assert_quantized(sliding, tmp_path)
+
+
+@pytest.mark.parametrize("bits", family_checks.BITS)
+def test_quantized(sliding, tmp_path, bits):
+    family_checks.assert_quantized(sliding, tmp_path, bits=(bits,))
+
+
+def test_cli_and_server(sliding):
     family_checks.assert_cli_and_server(sliding)
