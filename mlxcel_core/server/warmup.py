@@ -86,7 +86,8 @@ def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan) -> float:
     (Backend.compile_ahead): the same plan on a throwaway engine whose kernel launches give zeros while every variant
     they need compiles side by side, so the warm-up proper finds them all compiled. Its engine neither compiles its
     steps nor records a graph (either would keep the zeros: an mx.compile trace as constants); it keeps the real
-    one's storage. `new_engine(**changes)`: an engine with those EngineConfig fields changed. A dry run that fails
+    one's storage. `new_engine(**changes)`: an engine with those EngineConfig fields changed. A dry run whose lone
+    reply compiled nothing stops there (a restart: the kernel cache holds the model's kernels). A dry run that fails
     only costs its time (a warning): the warm-up proper compiles what it still needs. Returns the wall time."""
     from .. import backends
 
@@ -94,9 +95,9 @@ def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan) -> float:
     ahead = backends.current().compile_ahead()
     if ahead is not None:
         try:
-            with ahead:
+            with ahead as compiles:
                 dry = new_engine(compile_decode=False, decode_graph=False)
-                warm_up(dry, plan, dry_run=True)
+                warm_up(dry, plan, dry_run=True, compiling=lambda: compiles is None or bool(compiles.submitted))
                 del dry
         except Exception as exc:  # noqa: BLE001 - only the compiles ahead are lost
             log.warning(
@@ -117,7 +118,9 @@ def _finish(engine: Engine) -> None:
         _step(engine)
 
 
-def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = False) -> float:
+def warm_up(
+    engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = False, compiling: Callable[[], bool] | None = None
+) -> float:
     """Run `plan` through `engine`, which is then dropped; returns its wall time in seconds.
 
     First one greedy request alone (its steps after the second are the CUDA graph's: recorded, then replayed).
@@ -125,7 +128,8 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = Fal
     decode batch runs at every size from 1 to `rows`. Then `plan.burst` requests opened at once. Then each short
     prompt alone; each starts with its own token, so none is a cached prefix of another. `dry_run` (warm_up_ahead):
     the logits are zeros, whose greedy token may be an end-of-sequence one: those are suppressed so that every
-    request runs its length; no constrained request (its grammar refuses such tokens)."""
+    request runs its length; no constrained request (its grammar refuses such tokens). `compiling`: asked after the
+    lone reply; False ends the run there."""
     start = time.perf_counter()
     room = max(1, min(len(WARMUP_PROMPT), engine.max_context - WARMUP_TOKENS))  # (a model with a tiny context)
     suppress = tuple(sorted(engine.tokenizer.eos_token_ids)) if dry_run else ()
@@ -134,16 +138,13 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = Fal
         limit = max(1, min(tokens, engine.max_context - len(prompt)))
         engine.open(prompt, SamplingParams(max_tokens=limit, suppress_tokens=suppress))
 
-    parts, mark = [], time.perf_counter()
-
-    def part(name: str) -> None:  # (the log line below: on a fresh machine, where the compile time goes)
-        nonlocal mark
-        parts.append(f"{name} {time.perf_counter() - mark:.1f} s")
-        mark = time.perf_counter()
-
+    part = _Parts("warm-up dry run parts" if dry_run else "warm-up parts")
     open_request(WARMUP_PROMPT[:room], plan.lone_tokens)
     _finish(engine)
     part("lone reply")
+    if compiling is not None and not compiling():
+        part.log(" (nothing left to compile)")
+        return time.perf_counter() - start
     if plan.rows > 1:
         tokens = WARMUP_TOKENS + plan.rows - 1  # the first still decodes in the step where the last one first does
         prompt = WARMUP_PROMPT[-room:][::-1]  # (not the lone request's, whose blocks are cached: a whole prefill)
@@ -168,8 +169,22 @@ def warm_up(engine: Engine, plan: WarmupPlan = WarmupPlan(), dry_run: bool = Fal
     if plan.constrained and not dry_run and getattr(engine.tokenizer, "backend", None) is not None:
         _constrained(engine, (WARMUP_PROMPT[9:] + WARMUP_PROMPT[:9])[:room])  # (its own first token: no cached prefix)
         part("constrained reply")
-    log.info("warm-up%s parts: %s", " dry run" if dry_run else "", ", ".join(parts))
+    part.log()
     return time.perf_counter() - start
+
+
+class _Parts:
+    """The warm-up's parts and their times, for its log line: on a fresh machine, where the compile time goes."""
+
+    def __init__(self, title: str):
+        self.title, self.done, self.mark = title, [], time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        self.done.append(f"{name} {time.perf_counter() - self.mark:.1f} s")
+        self.mark = time.perf_counter()
+
+    def log(self, note: str = "") -> None:
+        log.info("%s: %s%s", self.title, ", ".join(self.done), note)
 
 
 def _constrained(engine: Engine, prompt: list[int]) -> None:

@@ -59,11 +59,11 @@ def _start(monkeypatch, backend, broken_dry_run=False):
     calls = []
     real = warmup.warm_up
 
-    def spy(engine, plan=WarmupPlan(), dry_run=False):
+    def spy(engine, plan=WarmupPlan(), dry_run=False, compiling=None):
         calls.append((engine, dry_run, getattr(backend, "inside", False)))
         if dry_run and broken_dry_run:
             raise RuntimeError("boom")
-        return real(engine, plan, dry_run=dry_run)
+        return real(engine, plan, dry_run=dry_run, compiling=compiling)
 
     monkeypatch.setattr(warmup, "warm_up", spy)
     monkeypatch.setattr(backends, "_current", backend)
@@ -138,6 +138,36 @@ def test_a_dry_run_suppresses_end_of_sequence_tokens_so_each_request_runs_its_le
         warmup.warm_up(engine, WarmupPlan(lone_tokens=6), dry_run=dry_run)
         assert [p.suppress_tokens for p in opened] == [tuple(first[:1]) if dry_run else ()]
         assert len(made) == tokens
+
+
+@pytest.mark.parametrize("compiled", [[], ["mlxcel_qmv_1"]])
+def test_a_dry_run_whose_lone_reply_compiled_nothing_stops_there(monkeypatch, caplog, compiled):
+    """A restart: the kernel cache holds the model's kernels, so the rest of the dry run would compile nothing
+    either; the warm-up proper still runs the whole plan."""
+    caplog.set_level(logging.INFO, logger="mlxcel.server")
+
+    class Collecting(Backend):
+        def compile_ahead(self):
+            @contextmanager
+            def ahead():
+                yield type("Ahead", (), {"submitted": compiled})()
+
+            return ahead()
+
+    monkeypatch.setattr(backends, "_current", Collecting())
+    loaded = _Loaded()
+    opened = []
+
+    def new_engine(**changes):
+        engine = Engine(loaded.model, loaded.tokenizer, replace(EngineConfig(max_batch_size=3), **changes))
+        open_ = engine.open
+        engine.open = lambda prompt, params: opened.append(bool(changes)) or open_(prompt, params)
+        return engine
+
+    warm_up_ahead(new_engine, WarmupPlan(lone_tokens=5, rows=3, prompt_lengths=(1, 2)))
+    dry, real = opened.count(True), opened.count(False)
+    assert real == 1 + 3 + 2 and dry == (1 if not compiled else real)
+    assert ("(nothing left to compile)" in caplog.text) == (not compiled)
 
 
 @pytest.mark.skipif(not (getattr(mx, "cuda", None) and mx.cuda.is_available()), reason="needs CUDA")
