@@ -12,6 +12,34 @@ from cuda_paged_cases import SPLITS, TOL, make_case, max_err, needs_cuda, ops_re
 from mlxcel_core.backends.cuda.paged_attention import cuda_paged_decode_attention
 
 
+def assert_every_launch_form(case, ref, kwargs, dtype, rowless=None):
+    """The kernel gives `ref` at every split count, as two launches and with the last block combining; `rowless`: a
+    row without keys, whose output must be zeros."""
+    counters = mx.zeros((4096,), mx.int32)
+    for s in SPLITS:
+        for form in ({"_two_launches": True}, {"counters": counters}):
+            out = cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form)
+            if rowless is not None:
+                assert mx.all(out[rowless] == 0).item()
+            err = max_err(out, ref)
+            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
+
+
+def assert_with_the_steps_kv(case, kwargs, dtype, splits=(3,)):
+    """Given the step's keys and values, the kernel writes them into the pools and attends to them as the ops path
+    does over the pools it wrote."""
+    q, k_pool, v_pool, table, lens = case
+    k, v, blocks, offsets = step_kv(case)
+    pools = [p * 1 for p in (k_pool, v_pool)]
+    mx.eval(pools, k, v, blocks, offsets)
+    for s in splits:
+        out = cuda_paged_decode_attention(
+            q, *pools, table, lens, num_splits=s, new_kv=(k, v, blocks, offsets), **kwargs
+        )
+        mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
+        assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
+
+
 @needs_cuda
 @pytest.mark.parametrize(
     "limit",
@@ -26,19 +54,8 @@ def test_a_window_or_a_chunk_reads_its_keys_only(limit, dtype):
     case = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
     ref = ops_reference(*case, num_splits=1, **kwargs)
     assert limit[1] >= 300 or max_err(ref, ops_reference(*case, num_splits=1)) > TOL[dtype]  # the limit matters
-    counters = mx.zeros((4096,), mx.int32)
-    for s in SPLITS:
-        for form in ({"_two_launches": True}, {"counters": counters}):
-            out = cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form)
-            err = max_err(out, ref)
-            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
-    q, k_pool, v_pool, table, lens = case
-    k, v, blocks, offsets = step_kv(case)
-    pools = [p * 1 for p in (k_pool, v_pool)]
-    mx.eval(pools, k, v, blocks, offsets)
-    out = cuda_paged_decode_attention(q, *pools, table, lens, num_splits=3, new_kv=(k, v, blocks, offsets), **kwargs)
-    mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
-    assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
+    assert_every_launch_form(case, ref, kwargs, dtype)
+    assert_with_the_steps_kv(case, kwargs, dtype)
 
 
 @needs_cuda
@@ -52,23 +69,8 @@ def test_sinks_join_the_softmax_where_the_output_is_normalized(window, dtype):
     kwargs = {"sinks": sinks, "window": window}
     ref = ops_reference(*case, num_splits=1, **kwargs)
     assert max_err(ref, ops_reference(*case, num_splits=1, window=window)) > TOL[dtype]  # the sinks matter
-    counters = mx.zeros((4096,), mx.int32)
-    for s in SPLITS:
-        for form in ({"_two_launches": True}, {"counters": counters}):
-            out = cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form)
-            assert mx.all(out[0] == 0).item()
-            err = max_err(out, ref)
-            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
-    q, k_pool, v_pool, table, lens = make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype)
-    k, v, blocks, offsets = step_kv((q, k_pool, v_pool, table, lens))
-    pools = [p * 1 for p in (k_pool, v_pool)]
-    mx.eval(pools, k, v, blocks, offsets)
-    for s in (1, 3):
-        out = cuda_paged_decode_attention(
-            q, *pools, table, lens, num_splits=s, new_kv=(k, v, blocks, offsets), **kwargs
-        )
-        mx.eval(out)  # (the launch writes the step's keys and values into the pools the reference then reads)
-        assert max_err(out, ops_reference(q, *pools, table, lens, **kwargs)) <= TOL[dtype]
+    assert_every_launch_form(case, ref, kwargs, dtype, rowless=0)
+    assert_with_the_steps_kv(make_case([1, 33, 64, 300], 32, 8, 2, 64, dtype), kwargs, dtype, splits=(1, 3))
 
 
 @needs_cuda
@@ -81,8 +83,4 @@ def test_softcapped_scores(window, dtype):
     kwargs = {"softcap": 1.5, "window": window}
     ref = ops_reference(*case, num_splits=1, **kwargs)
     assert max_err(ref, ops_reference(*case, num_splits=1, window=window)) > TOL[dtype]  # the cap matters
-    counters = mx.zeros((4096,), mx.int32)
-    for s in SPLITS:
-        for form in ({"_two_launches": True}, {"counters": counters}):
-            err = max_err(cuda_paged_decode_attention(*case, num_splits=s, **kwargs, **form), ref)
-            assert err <= TOL[dtype], f"num_splits={s} {list(form)}: max abs error {err:.3g}"
+    assert_every_launch_form(case, ref, kwargs, dtype)
