@@ -16,3 +16,18 @@ def drive(engine, prompts, arrivals, params) -> dict[int, list[int]]:
                 out.setdefault(o.seq_id, []).append(o.token)
         step += 1
     return {i: out.get(s, []) for i, s in ids.items()}
+
+
+def run_rows(engine, prompt: list[int], params) -> list[tuple[list[int], str | None, str | None]]:
+    """Open one row per SamplingParams at once on `prompt`, run them out; per row (tokens, finish_reason, error). A
+    finished row's grammar matcher (if any) goes with it."""
+    ids = [engine.open(prompt, p) for p in params]
+    tokens, ends = {i: [] for i in ids}, {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.token is not None:
+                tokens[out.seq_id].append(out.token)
+            if out.finished:
+                ends[out.seq_id] = (out.finish_reason, out.error)
+                assert engine.sequence(out.seq_id).constraint is None  # the matcher went with the row
+    return [(tokens[i], *ends[i]) for i in ids]

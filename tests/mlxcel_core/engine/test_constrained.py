@@ -11,6 +11,7 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
+from engine_drive import run_rows
 
 from mlxcel_core.constraints import Constraint, ConstraintError
 from mlxcel_core.engine import Engine, EngineConfig, SpeculativeConfig, constrained
@@ -39,16 +40,8 @@ def loaded(tiny_llama_dir):
 def run(loaded, rows, config=None, prompt="Hello world", engine=None):
     """[(params)...] -> [(text, tokens, finish_reason, error)], all rows opened at once."""
     engine = engine or Engine(loaded.model, loaded.tokenizer, config or EngineConfig(max_batch_size=max(len(rows), 1)))
-    ids = [engine.open(loaded.tokenizer.encode(prompt), p) for p in rows]
-    tokens, ends = {i: [] for i in ids}, {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.token is not None:
-                tokens[out.seq_id].append(out.token)
-            if out.finished:
-                ends[out.seq_id] = (out.finish_reason, out.error)
-                assert engine.sequence(out.seq_id).constraint is None  # the matcher went with the row
-    return [(loaded.tokenizer.decode(tokens[i]), tokens[i], *ends[i]) for i in ids]
+    ran = run_rows(engine, loaded.tokenizer.encode(prompt), rows)
+    return [(loaded.tokenizer.decode(tokens), tokens, reason, error) for tokens, reason, error in ran]
 
 
 def params(constraint=None, **kw):

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from engine_drive import run_rows
 
 from mlxcel_core import backends
 from mlxcel_core.constraints import Constraint
@@ -41,15 +42,9 @@ def rows(loaded):
 
 
 def run(engine, loaded, params, prompt="Hello world"):
-    ids = [engine.open(loaded.tokenizer.encode(prompt), p) for p in params]
-    tokens, ends = {i: [] for i in ids}, {}
-    while engine.has_work():
-        for out in engine.step():
-            if out.token is not None:
-                tokens[out.seq_id].append(out.token)
-            if out.finished:
-                ends[out.seq_id] = (out.finish_reason, out.error, out.text)
-    return [(tokens[i], ends[i][:2]) for i in ids]
+    return [
+        (tokens, (reason, error)) for tokens, reason, error in run_rows(engine, loaded.tokenizer.encode(prompt), params)
+    ]
 
 
 @pytest.fixture
