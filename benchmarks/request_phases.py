@@ -142,16 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         return mlxcel_engine(model, vocab, args.storage, args.max_batch, decode_graph=not args.no_graph)
 
     if args.serve_warmup:
-        from dataclasses import replace
+        from mlxcel_core.server.warmup import dry_run_config, warm_up_ahead, warmup_plan
 
-        from mlxcel_core.server.warmup import warm_up_ahead, warmup_plan
-
-        def warmup_engine(**changes) -> Engine:  # (the dry run's: serve's EngineLoop._new_engine does the same)
+        def warmup_engine(dry: bool = False) -> Engine:  # (as serve's EngineLoop makes them)
             engine = new_engine()
-            if changes:
-                config = replace(engine.config, storage=engine.config.resolved_storage, **changes)
-                engine = Engine(model, engine.tokenizer, config)
-            return engine
+            return Engine(model, engine.tokenizer, dry_run_config(engine.config)) if dry else engine
 
         plan = warmup_plan(EngineConfig(max_batch_size=args.max_batch))
         seconds = warm_up_ahead(warmup_engine, plan)

@@ -14,7 +14,6 @@ If `step()` itself raises, every live job gets a final error and a fresh Engine 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -30,7 +29,7 @@ from ..engine.dry_cache import DryBreakerCache
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import ServerMetrics
-from .warmup import compiled, warm_up_ahead, warmup_plan
+from .warmup import compiled, dry_run_config, warm_up_ahead, warmup_plan
 
 log = logging.getLogger("mlxcel.server")
 
@@ -161,14 +160,11 @@ class EngineLoop:
         self._wake.set()
 
     # -- the engine thread -----------------------------------------------------------------------
-    def _new_engine(self, **changes) -> Engine:
-        """An engine on the loaded model; `changes`: EngineConfig fields that differ from the serving one's (the
-        warm-up's dry run), its storage kept."""
+    def _new_engine(self, dry: bool = False) -> Engine:
+        """An engine on the loaded model; `dry`: the warm-up's dry run's (warmup.dry_run_config)."""
         if self.dry_cache is None:
             self.dry_cache = DryBreakerCache(self.loaded.tokenizer)
-        config = self.engine_config
-        if changes:
-            config = dataclasses.replace(config, storage=config.resolved_storage, **changes)
+        config = dry_run_config(self.engine_config) if dry else self.engine_config
         engine = Engine(self.loaded.model, self.loaded.tokenizer, config, draft=self.draft, dry_cache=self.dry_cache)
         ctx = engine.max_context
         if self.ctx_size:

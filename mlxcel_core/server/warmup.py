@@ -11,6 +11,7 @@ side rather than one launch at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -81,12 +82,18 @@ def compiled() -> str:
     return f"; mlxcel's kernels: {variants} compiled in {seconds:.1f} s" if variants else ""
 
 
+def dry_run_config(config: EngineConfig) -> EngineConfig:
+    """The dry run's engine: the serving one's storage, no compiled steps, no recorded graph (either would keep the
+    dry run's zeros: an mx.compile trace as constants, a recording as launches to replay)."""
+    return dataclasses.replace(config, storage=config.resolved_storage, compile_decode=False, decode_graph=False)
+
+
 def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan) -> float:
     """`warm_up(new_engine(), plan)`, first run dry where the backend compiles kernels of its own
     (Backend.compile_ahead): the same plan on a throwaway engine whose kernel launches give zeros while every variant
     they need compiles side by side, so the warm-up proper finds them all compiled. Its engine neither compiles its
     steps nor records a graph (either would keep the zeros: an mx.compile trace as constants); it keeps the real
-    one's storage. `new_engine(**changes)`: an engine with those EngineConfig fields changed. A dry run whose lone
+    one's storage. `new_engine(dry=True)`: an engine of `dry_run_config`'s. A dry run whose lone
     reply compiled nothing stops there (a restart: the kernel cache holds the model's kernels). A dry run that fails
     only costs its time (a warning): the warm-up proper compiles what it still needs. Returns the wall time."""
     from .. import backends
@@ -96,7 +103,7 @@ def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan) -> float:
     if ahead is not None:
         try:
             with ahead as compiles:
-                dry = new_engine(compile_decode=False, decode_graph=False)
+                dry = new_engine(dry=True)
                 warm_up(dry, plan, dry_run=True, compiling=lambda: compiles is None or bool(compiles.submitted))
                 del dry
         except Exception as exc:  # noqa: BLE001 - only the compiles ahead are lost

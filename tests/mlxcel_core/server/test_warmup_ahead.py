@@ -12,7 +12,6 @@ import logging
 import re
 import threading
 from contextlib import contextmanager
-from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -26,7 +25,7 @@ from mlxcel_core.sampling import SamplingParams
 from mlxcel_core.server import warmup
 from mlxcel_core.server.engine_loop import EngineLoop
 from mlxcel_core.server.metrics import ServerMetrics
-from mlxcel_core.server.warmup import WARMUP_PROMPT, WarmupPlan, warm_up_ahead, warmup_plan
+from mlxcel_core.server.warmup import WARMUP_PROMPT, WarmupPlan, dry_run_config, warm_up_ahead, warmup_plan
 
 
 class _Loaded:
@@ -158,10 +157,11 @@ def test_a_dry_run_whose_lone_reply_compiled_nothing_stops_there(monkeypatch, ca
     loaded = _Loaded()
     opened = []
 
-    def new_engine(**changes):
-        engine = Engine(loaded.model, loaded.tokenizer, replace(EngineConfig(max_batch_size=3), **changes))
+    def new_engine(dry=False):
+        config = EngineConfig(max_batch_size=3)
+        engine = Engine(loaded.model, loaded.tokenizer, dry_run_config(config) if dry else config)
         open_ = engine.open
-        engine.open = lambda prompt, params: opened.append(bool(changes)) or open_(prompt, params)
+        engine.open = lambda prompt, params: opened.append(dry) or open_(prompt, params)
         return engine
 
     warm_up_ahead(new_engine, WarmupPlan(lone_tokens=5, rows=3, prompt_lengths=(1, 2)))
@@ -202,7 +202,8 @@ def test_on_cuda_the_warm_up_after_a_dry_run_compiles_nothing_the_dry_run_launch
 
     monkeypatch.setattr(cubin_cache, "compile_cubin", compile_cubin)
 
-    warm_up_ahead(lambda **changes: Engine(model, tokenizer, replace(serving, **changes)), warmup_plan(serving))
+    new_engine = lambda dry=False: Engine(model, tokenizer, dry_run_config(serving) if dry else serving)  # noqa: E731
+    warm_up_ahead(new_engine, warmup_plan(serving))
     ahead = [name for name, thread in compiled if thread.startswith("mlxcel-nvrtc")]
     later = [name for name, thread in compiled if not thread.startswith("mlxcel-nvrtc")]
     assert len(ahead) >= 10 and not set(later) & set(ahead), (len(ahead), later)
