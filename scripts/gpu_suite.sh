@@ -65,6 +65,9 @@ case "${1:-}" in
         ls -la "$OUT"/kcache.tgz 2>/dev/null || echo "kernel cache too large to bring back"
       fi
     }
+    if ! python3 -c "import mlx.core" 2>/dev/null && [ ! -f /tmp/dw/cudawheel.name ]; then
+      echo "gpu_suite.sh: nothing staged on this machine (a fresh one): the copy calls first" >&2; exit 3
+    fi
     if ! python3 -c "import mlx.core" 2>/dev/null; then
       cp .devwheels/b/*.whl /tmp/dw/ 2>/dev/null || true
       bash .devwheels/b/install.sh >/dev/null

@@ -32,7 +32,8 @@ def _start(monkeypatch, **kwargs):
     real = warmup.warm_up
 
     def spy(engine, plan=WarmupPlan(), **kwargs):
-        warmed.append(engine)
+        if not kwargs.get("dry_run"):  # (a GPU's backend runs the plan dry first, on an engine of its own)
+            warmed.append(engine)
         return real(engine, plan, **kwargs)
 
     monkeypatch.setattr(warmup, "warm_up", spy)
@@ -176,7 +177,8 @@ def test_a_burst_grows_the_decode_batch_a_prefill_batch_a_step_up_to_the_whole_b
 
     engine.runner.decode = spying_decode
     assert warmup.warm_up(engine, WarmupPlan(burst=10)) > 0 and not engine.has_work()
-    burst = sizes[WARMUP_TOKENS - 1 :]  # (after the lone request's steps)
+    burst = sizes[sizes.index(next(s for s in sizes if s > 1)) :]  # (after the lone request's steps: on a GPU its
+    # replayed graph steps do not call runner.decode)
     assert burst[:3] == [4, 8, 10] and max(burst) == 10
 
 

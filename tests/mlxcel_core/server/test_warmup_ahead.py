@@ -80,8 +80,9 @@ def test_the_dry_run_comes_first_inside_the_backends_context_on_an_engine_that_k
     try:
         dry_log = next(r.getMessage() for r in caplog.records if "dry run parts" in r.getMessage())
         real_log = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up parts"))
-        assert re.fullmatch(r"warm-up dry run parts: lone reply [\d.]+ s", dry_log), dry_log  # (CPU: one request)
-        assert re.fullmatch(r"warm-up parts: lone reply [\d.]+ s", real_log), real_log
+        # (CPU: one request; on a GPU the dry run's lone reply compiles the real kernels, so the run goes on)
+        assert re.fullmatch(r"warm-up dry run parts: lone reply [\d.]+ s(, .+)?", dry_log), dry_log
+        assert re.fullmatch(r"warm-up parts: lone reply [\d.]+ s(, .+)?", real_log), real_log
         assert loop.state == "ready" and backend.entered == 1 and len(calls) == 2
         (dry, dry_flag, dry_inside), (real, real_flag, real_inside) = calls
         assert dry_flag and dry_inside and not real_flag and not real_inside
