@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from llama_cpp_peer import CMAKE_OPTIONS, SDIST, TARGETS, _pieces  # noqa: E402
 
-# (kept beside the staged wheels, which outlive a session on this VM: a build cut off resumes in the next one)
+# (beside the staged wheels; a new session's checkout starts without .devwheels, so the build and `pack` run in the
+# session that carries the pieces to the device)
 HERE = Path(os.environ.get("LCP_PREBUILD_DIR", str(ROOT / ".devwheels" / "lcp_prebuild")))
 SYSTEM_CUDA = Path("/usr/local/cuda")
 TARBALL = "llama-bin.tar.gz"  # llama_cpp_peer.py `unpack` extracts it into WORK/build/bin
