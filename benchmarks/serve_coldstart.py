@@ -10,6 +10,10 @@ process on one MLXCEL_CACHE_DIR that starts empty:
   nowarmup  --no-warmup: /health turns 200 at once and the first request pays whatever is left to compile
 For each: seconds to ready, the server's `warm-up: N s` log line, then two streaming completions one after the other
 (TTFT = request sent -> first streamed chunk, and the whole request), and the kernel files cached after the run.
+`--burst N` (issue 42's "first burst as fast as later ones") then sends N streaming completions at once, twice, one
+burst after the other, and prints each burst's TTFT p50 / p99 and its output tok/s (N x --max-tokens over the burst's
+wall time), first against second: a first burst that waits on compiles the warm-up left shows as a ratio above 1.
+`--max-batch-size` is passed to the server (a burst larger than the batch limit queues its rest).
 Only 127.0.0.1 is contacted.
 """
 
@@ -20,6 +24,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,6 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # (the packages from this tree, before tests/'s folders of the same names)
 RUNS = {"cold": ["--warmup"], "warm": ["--warmup"], "nowarmup": ["--no-warmup"]}
 
 
@@ -40,7 +46,7 @@ def save_model(shape: str, bits: int | None, dtype: str, path: Path) -> Path:
     from mlxcel_core.backends.base import Backend
     from mlxcel_core.loading.shapes import QUANT_GROUP_SIZE, build_random_model
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.append(str(ROOT / "tests"))
     from tiny_models import CHATML, build_tokenizer
 
     previous = backends.use(Backend())  # built on the portable backend: plain parameters, as a checkpoint holds them
@@ -125,6 +131,32 @@ def timed_request(port: int, max_tokens: int) -> tuple[float, float]:
     return first if first is not None else float("nan"), time.perf_counter() - start
 
 
+def burst(port: int, clients: int, max_tokens: int) -> tuple[float, float, float]:
+    """(TTFT p50, TTFT p99, output tok/s) of `clients` streaming completions sent at once."""
+    results: list[tuple[float, float] | BaseException] = []
+    gate = threading.Barrier(clients)
+
+    def client() -> None:
+        gate.wait()
+        try:
+            results.append(timed_request(port, max_tokens))
+        except BaseException as e:  # (reported below: a failed request is not a fast one)
+            results.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    if failed := [r for r in results if isinstance(r, BaseException)]:
+        raise RuntimeError(f"{len(failed)} of {clients} burst requests failed: {failed[0]}")
+    ttfts = sorted(r[0] for r in results)
+    pick = lambda q: ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))]  # noqa: E731
+    return pick(0.5), pick(0.99), clients * max_tokens / wall
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-shape", default="llama-3.2-1b")
@@ -133,6 +165,8 @@ def main() -> None:
     parser.add_argument("--runs", default="cold,warm,nowarmup", help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ready-timeout", type=float, default=300)
+    parser.add_argument("--burst", type=int, default=0, help="clients of the two bursts after the two requests")
+    parser.add_argument("--max-batch-size", type=int, default=None, help="the server's batch limit")
     args = parser.parse_args()
     runs = args.runs.split(",")
     if unknown := [r for r in runs if r not in RUNS]:
@@ -140,39 +174,53 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="mlxcel-coldstart-"))
     os.environ["MLXCEL_CACHE_DIR"] = str(work / "builder-cache")  # the builder's own compiles stay out of `cache`
+    try:
+        began = time.perf_counter()
+        model = save_model(args.model_shape, args.bits, args.dtype, work / "model")
+        kind = f"{args.bits}-bit" if args.bits else args.dtype
+        print(f"model {args.model_shape} {kind} saved in {time.perf_counter() - began:.1f} s", flush=True)
+        for run in runs:
+            one_run(run, args, model, work / "cache")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # (an 8B model is 4.5 GB)
+
+
+def one_run(run: str, args: argparse.Namespace, model: Path, cache: Path) -> None:
+    """One server process on `cache`: ready, two requests one after the other, the bursts; its lines printed."""
+    log_lines: list[str] = []
     began = time.perf_counter()
-    model = save_model(args.model_shape, args.bits, args.dtype, work / "model")
+    flags = RUNS[run] + (["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else [])
+    proc, port = start_server(model, cache, flags, log_lines)
+    try:
+        wait_ready(port, proc, args.ready_timeout)
+        ready = time.perf_counter() - began
+        first = timed_request(port, args.max_tokens)
+        second = timed_request(port, args.max_tokens)
+        bursts = [burst(port, args.burst, args.max_tokens) for _ in range(2)] if args.burst else []
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    warm = next((m.group(1) for line in log_lines if (m := re.search(r"warm-up: ([\d.]+) s", line))), "-")
+    ours = next((m.group(1) for line in log_lines if (m := re.search(r"mlxcel's kernels: (.*)$", line))), "")
+    ours = f"; mlxcel's kernels: {ours}" if ours else ""  # (its own compiles; MLX's are the rest)
+    files = sum(1 for p in (cache / "kernels").rglob("*") if p.is_file()) if (cache / "kernels").exists() else 0
     print(
-        f"model {args.model_shape} {'%d-bit' % args.bits if args.bits else args.dtype} saved in "
-        f"{time.perf_counter() - began:.1f} s",
+        f"{run:9s} ready {ready:6.1f} s (warm-up {warm} s{ours}) | first request TTFT {first[0] * 1e3:8.1f} ms, "
+        f"total {first[1] * 1e3:8.1f} ms | second TTFT {second[0] * 1e3:7.1f} ms, total {second[1] * 1e3:7.1f}"
+        f" ms | kernel cache {files} files",
         flush=True,
     )
-    cache = work / "cache"
-    for run in runs:
-        log_lines: list[str] = []
-        began = time.perf_counter()
-        proc, port = start_server(model, cache, RUNS[run], log_lines)
-        try:
-            wait_ready(port, proc, args.ready_timeout)
-            ready = time.perf_counter() - began
-            first = timed_request(port, args.max_tokens)
-            second = timed_request(port, args.max_tokens)
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        warm = next((m.group(1) for line in log_lines if (m := re.search(r"warm-up: ([\d.]+) s", line))), "-")
-        ours = next((m.group(1) for line in log_lines if (m := re.search(r"mlxcel's kernels: (.*)$", line))), "")
-        ours = f"; mlxcel's kernels: {ours}" if ours else ""  # (its own compiles; MLX's are the rest)
-        files = sum(1 for p in (cache / "kernels").rglob("*") if p.is_file()) if (cache / "kernels").exists() else 0
+    if bursts:
+        (p50, p99, rate), (p50b, p99b, rateb) = bursts
         print(
-            f"{run:9s} ready {ready:6.1f} s (warm-up {warm} s{ours}) | first request TTFT {first[0] * 1e3:8.1f} ms, "
-            f"total {first[1] * 1e3:8.1f} ms | second TTFT {second[0] * 1e3:7.1f} ms, total {second[1] * 1e3:7.1f}"
-            f" ms | kernel cache {files} files",
+            f"{'':9s} burst of {args.burst}: first TTFT p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
+            f"{rate:.1f} tok/s | second TTFT p50 {p50b * 1e3:.1f} ms, p99 {p99b * 1e3:.1f} ms, {rateb:.1f} tok/s"
+            f" | first / second: TTFT p50 {p50 / p50b:.2f}x, tok/s {rate / rateb:.2f}x",
             flush=True,
         )
-        for line in log_lines:  # where the warm-up's time went (its dry run's and its own parts)
-            if m := re.search(r"(warm-up(?: dry run)? parts: .*)$", line):
-                print(f"{'':9s} {m.group(1)}", flush=True)
+    for line in log_lines:  # where the warm-up's time went (its dry run's and its own parts)
+        if m := re.search(r"(warm-up(?: dry run)? parts: .*)$", line):
+            print(f"{'':9s} {m.group(1)}", flush=True)
 
 
 if __name__ == "__main__":
