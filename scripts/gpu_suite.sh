@@ -60,7 +60,11 @@ case "${1:-}" in
     export MLXCEL_CACHE_DIR="${MLXCEL_CACHE_DIR:-/tmp/mlxcel-cache}"
     keep_cache() {  # (the kernel cache back to this machine, where it fits a call's transfer)
       if [ -n "${OUT:-}" ] && [ -d "$MLXCEL_CACHE_DIR/kernels" ]; then
+        du -sh "$MLXCEL_CACHE_DIR"/kernels/* 2>/dev/null | sort -h | tail -4
         tar czf "$OUT/kcache.tgz" -C "$MLXCEL_CACHE_DIR" kernels
+        if [ "$(stat -c %s "$OUT/kcache.tgz")" -gt $((60 << 20)) ]; then  # without the driver's JIT cache, then
+          tar czf "$OUT/kcache.tgz" -C "$MLXCEL_CACHE_DIR" --exclude=kernels/cuda-driver kernels
+        fi
         if [ "$(stat -c %s "$OUT/kcache.tgz")" -gt $((60 << 20)) ]; then rm "$OUT/kcache.tgz"; fi
         ls -la "$OUT"/kcache.tgz 2>/dev/null || echo "kernel cache too large to bring back"
       fi
