@@ -100,6 +100,15 @@ SETTINGS: tuple[Setting, ...] = (
         _positive_int,
     ),
     Setting(
+        "MLXCEL_QMM_STAGED",
+        "0/1",
+        False,
+        "Experiment: 1 runs decode batches of 9-32 rows on 4-bit weights through the tensor-core kernel that "
+        "stages x in shared memory and loads each group's weights ahead (kernels/qmm_staged.py), in place of "
+        "kernels/qmm.py; same results bit for bit. Kept until the H200 measures which is faster.",
+        _switch,
+    ),
+    Setting(
         "MLXCEL_NET_TIMEOUT",
         "float",
         30.0,

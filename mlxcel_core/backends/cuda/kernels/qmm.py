@@ -32,7 +32,9 @@ import hashlib
 
 import mlx.core as mx
 
-from . import qmv, qmv_source
+from mlxcel_core import settings
+
+from . import qmm_staged, qmv, qmv_source
 from .cubin_cache import cuda_kernel
 from .matvec_config import QMM_TARGET_BLOCKS as TARGET_BLOCKS  # noqa: F401
 from .matvec_config import qmm_split_k as split_k  # the untuned rule
@@ -230,19 +232,29 @@ KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hex
 
 
 @functools.cache
-def _kernel():
+def _kernel(staged: bool = False):
+    header, source = kernel_source(staged)
     return cuda_kernel(
-        name=KERNEL_NAME,
+        name=kernel_name(staged),
         input_names=["x", "w", "scales", "biases"],
         output_names=["partial"],
-        source=_SOURCE,
-        header=_HEADER,
+        source=source,
+        header=header,
     )
 
 
-def kernel_source() -> tuple[str, str]:
-    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input)."""
-    return _HEADER, _SOURCE
+def kernel_source(staged: bool = False) -> tuple[str, str]:
+    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input); `staged`: qmm_staged.py's."""
+    return qmm_staged.kernel_source(_HEADER) if staged else (_HEADER, _SOURCE)
+
+
+def kernel_name(staged: bool = False) -> str:
+    return qmm_staged.kernel_name(_HEADER) if staged else KERNEL_NAME
+
+
+def staged() -> bool:
+    """MLXCEL_QMM_STAGED: the experiment's kernel (qmm_staged.py) in place of this one."""
+    return settings.get("MLXCEL_QMM_STAGED")
 
 
 def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
@@ -295,6 +307,6 @@ def quantized_matmul(
             f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
-    partial = _kernel()(inputs=[x, w, scales, biases], **args)[0]
+    partial = _kernel(staged())(inputs=[x, w, scales, biases], **args)[0]
     y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)

@@ -223,8 +223,11 @@ def test_other_activations_and_biases_take_the_matmul_path():
     x = mx.random.normal((1, 2, 16), key=mx.random.key(0))
     want = geglu(gate(x), up(x))
     fused = FusedProjection([gate, up])
-    assert mx.array_equal(fused.gated(x, geglu), want).item()
-    assert mx.array_equal(fused.gated(x, swiglu), swiglu(gate(x), up(x))).item()
+    # (one product of the joined weights against two: on a CPU, OpenBLAS's kernels for 48 and 24 columns may round
+    # the last bit differently, by CPU model)
+    assert mx.allclose(fused.gated(x, geglu), want, rtol=1e-6, atol=1e-6).item()
+    assert mx.allclose(fused.gated(x, swiglu), swiglu(gate(x), up(x)), rtol=1e-6, atol=1e-6).item()
+    assert not mx.allclose(fused.gated(x, geglu), swiglu(gate(x), up(x)), rtol=1e-3, atol=1e-3).item()
 
 
 def test_fusion_swaps_the_blocks_classes_and_back():

@@ -9,13 +9,15 @@ CUDA only: the kernel against the same reference (test_qmv.py's tolerance), 1..3
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from cuda_compile import CUDA_TYPES, compile_sm90, kernel_file, needs_nvcc
 from test_qmv import check_close, make_operands, needs_cuda, reference
 
-from mlxcel_core.backends.cuda.kernels import qmm
+from mlxcel_core.backends.cuda.kernels import qmm, qmm_staged
 
 
 def _pair(h: int) -> tuple[int, int]:
@@ -128,9 +130,10 @@ def test_launch_args():
     "x_dtype,s_dtype,m,group_size",
     [(mx.bfloat16, mx.bfloat16, 32, 64), (mx.float16, mx.float16, 9, 128), (mx.bfloat16, mx.float32, 17, 32)],
 )
-def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
+@pytest.mark.parametrize("staged", [False, True], ids=["plain", "staged"])
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, staged):
     args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
-    header, source = qmm.kernel_source()
+    header, source = qmm.kernel_source(staged)
     params = [
         f"    const {CUDA_TYPES[x_dtype]}* x",
         "    const __grid_constant__ Shape x_shape",
@@ -141,7 +144,11 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
         f"    const {CUDA_TYPES[s_dtype]}* biases",
         "    float* partial",
     ]
-    compile_sm90(tmp_path, kernel_file(qmm.KERNEL_NAME, params, dict(args["template"]), source, header))
+    text = kernel_file(qmm.kernel_name(staged), params, dict(args["template"]), source, header)
+    report = compile_sm90(tmp_path, text)
+    if staged:  # two chunk buffers of 32 rows in static shared memory (a block may hold at most 48 KiB)
+        smem = int(re.search(r"(\d+) bytes smem", report).group(1))
+        assert smem == 2 * -(-m // 8) * 8 * (qmm_staged.CHUNK_K + 4) * 2 <= 48 << 10, report
 
 
 @needs_cuda
@@ -185,3 +192,24 @@ def test_kernel_name_carries_the_source_hash():
 
     header, source = qmm.kernel_source()
     assert qmm.KERNEL_NAME == "mlxcel_qmm_mma_" + hashlib.sha256((header + source).encode()).hexdigest()[:8]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "n,k,group_size,gps",
+    [(4096, 4096, 64, None), (1000, 14336, 64, None), (333, 1024, 128, 3), (100, 512, 32, 5), (64, 4096, 64, 64)],
+)
+def test_the_staged_kernel_gives_the_plain_kernels_outputs_bit_for_bit(monkeypatch, dtype, n, k, group_size, gps):
+    """MLXCEL_QMM_STAGED=1 (qmm_staged.py): the same arithmetic with x staged in shared memory, over row counts that
+    leave a tile part empty, weights whose last block has warps past N, splits that end inside a staged chunk (gps
+    not a multiple of the chunk's groups) and a whole K in one split; and x as a view at an odd offset."""
+    x, w, scales, biases = make_operands(33, n, k, dtype, group_size=group_size, seed=n + k)
+    rows = [x[:m] for m in (1, 8, 9, 19, 32)] + [x.reshape(-1)[1 : 1 + 12 * k].reshape(12, k)]
+    for xs in rows:
+        monkeypatch.setenv("MLXCEL_QMM_STAGED", "0")
+        plain = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
+        monkeypatch.setenv("MLXCEL_QMM_STAGED", "1")
+        staged = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
+        assert staged.dtype == plain.dtype and staged.shape == plain.shape
+        assert mx.array_equal(staged, plain).item(), f"M={xs.shape[0]} N={n} K={k} gps={gps}"

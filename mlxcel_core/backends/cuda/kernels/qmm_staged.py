@@ -1,0 +1,192 @@
+"""kernels/qmm.py's tensor-core 4-bit product with its data movement changed, not its arithmetic: an experiment
+(MLXCEL_QMM_STAGED=1) until the H200 A/B at batch 32 decides which kernel stays.
+
+Why: in qmm.py every warp loads its own copy of x from global memory, 8 bytes at a time, 8 rows by 4 offsets a load
+(32 sectors touched, a quarter of each used), and a group's weights are loaded only when the group starts, so each
+warp waits a memory latency a group. Here a block's 4 warps share x: the block copies a chunk of it (all rows,
+CHUNK_K values of K) into shared memory with cp.async, the next chunk copying while the warps compute on this one
+(two buffers); rows are padded by 8 bytes, so a warp's 8-byte reads of 4 rows by 4 offsets hit 16 different bank
+pairs (no conflict). Each warp loads the next group's weight words, scales and biases before it computes the group.
+
+The per-warp arithmetic is qmm.py's, step for step (same fragments, same mma order, same scaling), and rows of x past
+M read zeros from shared memory where qmm.py passes zeros: the outputs are bit for bit qmm.py's
+(tests/mlxcel_core/backends/cuda/kernels/test_qmm.py). Same launch: grid, block, splits and output.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+CHUNK_K = 256  # values of K a staged chunk (whole groups: 8, 4 or 2 of 32, 64 or 128)
+
+_HEADER = r"""
+// 8 bytes global -> shared, asynchronously (cp.async.ca: through L1, 8-byte granularity, sm_80+).
+__device__ __forceinline__ void mlxcel_qmm_cp8(void* dst, const void* src) {
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(at), "l"(src));
+}
+"""
+
+_SOURCE = r"""
+    constexpr int STEPS = G / 16;  // mma k-steps a group
+    constexpr int CG = CHUNK_K / G;  // groups a chunk
+    constexpr int RS = CHUNK_K + 4;  // a staged row's 16-bit values: 8 bytes of padding (see the module docstring)
+    constexpr int Q = G / 4;
+    constexpr int WORDS = G / 32;
+    __shared__ __align__(16) T xsh[2][NT * 8][RS];
+    int M = 1;
+    for (int d = 0; d < x_ndim - 1; ++d) {
+        M *= x_shape[d];
+    }
+    const int N = w_shape[0];
+    const int KW = w_shape[1];
+    const int K = KW * 8;
+    const int NG = K / G;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int t = lane & 3;
+    const int n0 = (blockIdx.x * 4 + warp) * 16;
+    const bool live = n0 < N;  // a warp past the last row still stages and synchronizes with the block
+    const int r0 = min(n0 + g, N - 1);
+    const int r1 = min(n0 + g + 8, N - 1);
+    const int gbeg = blockIdx.y * GPS;
+    const int gend = min(gbeg + GPS, NG);
+    const int chunks = (gend - gbeg + CG - 1) / CG;
+    const uint32_t* w0 = w + size_t(r0) * KW;
+    const uint32_t* w1 = w + size_t(r1) * KW;
+    const bool whole = (reinterpret_cast<uintptr_t>(x) & 7u) == 0;  // else x is a view at an odd offset
+
+    // Rows M .. NT * 8 - 1 of both buffers hold zeros (no copy writes them).
+    for (int i = threadIdx.x; i < 2 * (NT * 8 - M) * RS; i += blockDim.x) {
+        const int b = i / ((NT * 8 - M) * RS);
+        const int r = i - b * (NT * 8 - M) * RS;
+        xsh[b][M + r / RS][r % RS] = T(0.0f);
+    }
+    // Chunk c of this split's groups into buffer c % 2: 8-byte pieces, copied asynchronously where x is aligned.
+    auto stage = [&](int c) {
+        const int g0 = gbeg + c * CG;
+        const int row_pieces = min(CG, gend - g0) * (G / 4);
+        for (int p = threadIdx.x; p < M * row_pieces; p += blockDim.x) {
+            const int m = p / row_pieces;
+            const int j = p - m * row_pieces;
+            const T* src = x + size_t(m) * K + size_t(g0) * G + 4 * j;
+            T* dst = &xsh[c & 1][m][4 * j];
+            if (whole) {
+                mlxcel_qmm_cp8(dst, src);
+            } else {
+                dst[0] = src[0]; dst[1] = src[1]; dst[2] = src[2]; dst[3] = src[3];
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::);
+    };
+
+    float tot[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.0f;
+    }
+    // The first group's weights, scales and biases; each group then loads the next one's before its own mma steps.
+    uint32_t q0[WORDS], q1[WORDS];
+    mlxcel_qmm_words<WORDS>(q0, w0 + gbeg * (G / 8) + t * WORDS);
+    mlxcel_qmm_words<WORDS>(q1, w1 + gbeg * (G / 8) + t * WORDS);
+    float s0 = static_cast<float>(scales[size_t(r0) * NG + gbeg]);
+    float s1 = static_cast<float>(scales[size_t(r1) * NG + gbeg]);
+    float c0 = static_cast<float>(biases[size_t(r0) * NG + gbeg]);
+    float c1 = static_cast<float>(biases[size_t(r1) * NG + gbeg]);
+    stage(0);
+    for (int c = 0; c < chunks; ++c) {
+        if (c + 1 < chunks) {
+            stage(c + 1);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        const int g0 = gbeg + c * CG;
+        for (int gi = g0; live && gi < min(g0 + CG, gend); ++gi) {
+            uint32_t p0[WORDS], p1[WORDS];  // this group's words; q0, q1 take the next group's
+#pragma unroll
+            for (int i = 0; i < WORDS; ++i) {
+                p0[i] = q0[i];
+                p1[i] = q1[i];
+            }
+            const float ps0 = s0, ps1 = s1, pc0 = c0, pc1 = c1;
+            if (gi + 1 < gend) {
+                mlxcel_qmm_words<WORDS>(q0, w0 + (gi + 1) * (G / 8) + t * WORDS);
+                mlxcel_qmm_words<WORDS>(q1, w1 + (gi + 1) * (G / 8) + t * WORDS);
+                s0 = static_cast<float>(scales[size_t(r0) * NG + gi + 1]);
+                s1 = static_cast<float>(scales[size_t(r1) * NG + gi + 1]);
+                c0 = static_cast<float>(biases[size_t(r0) * NG + gi + 1]);
+                c1 = static_cast<float>(biases[size_t(r1) * NG + gi + 1]);
+            }
+            float acc[NT][4];
+            float xs[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+                xs[nt] = 0.0f;
+            }
+#pragma unroll
+            for (int s = 0; s < STEPS; ++s) {
+                const uint32_t h0 = p0[s >> 1] >> (16 * (s & 1));
+                const uint32_t h1 = p1[s >> 1] >> (16 * (s & 1));
+                const int kc = (gi - g0) * G + t * Q + 4 * s;  // k within the chunk
+                uint32_t a[4];
+                a[0] = mlxcel_qmm_pair<T>(h0);
+                a[1] = mlxcel_qmm_pair<T>(h1);
+                a[2] = mlxcel_qmm_pair<T>(h0 >> 8);
+                a[3] = mlxcel_qmm_pair<T>(h1 >> 8);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
+                    uint32_t b[2] = {v.x, v.y};
+                    xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
+                    mlxcel_qmm_mma<T>(acc[nt], a, b);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float v = xs[nt];
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 2);
+                const float xa = __shfl_sync(0xffffffffu, v, 8 * t);
+                const float xb = __shfl_sync(0xffffffffu, v, 8 * t + 4);
+                tot[nt][0] += ps0 * acc[nt][0] + pc0 * xa;
+                tot[nt][1] += ps0 * acc[nt][1] + pc0 * xb;
+                tot[nt][2] += ps1 * acc[nt][2] + pc1 * xa;
+                tot[nt][3] += ps1 * acc[nt][3] + pc1 * xb;
+            }
+        }
+        __syncthreads();  // every warp is done with this buffer before the next stage() refills it
+    }
+    if (!live) {
+        return;
+    }
+    float* out = partial + size_t(blockIdx.y) * M * N;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int ma = nt * 8 + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int m = ma + (i & 1);
+            const int n = n0 + g + (i >> 1) * 8;
+            if (m < M && n < N) {
+                out[size_t(m) * N + n] = tot[nt][i];
+            }
+        }
+    }
+"""
+
+
+def kernel_source(qmm_header: str) -> tuple[str, str]:
+    """(header, body) of the staged kernel: qmm.py's helpers (`qmm_header`), the copy helper, CHUNK_K."""
+    return qmm_header + _HEADER + f"\n#define CHUNK_K {CHUNK_K}\n", _SOURCE
+
+
+@functools.cache
+def kernel_name(qmm_header: str) -> str:
+    """The name carries a hash of the whole source (MLX and our cubin cache key compiled kernels by name)."""
+    header, body = kernel_source(qmm_header)
+    return f"mlxcel_qmm_staged_{hashlib.sha256((header + body).encode()).hexdigest()[:8]}"
