@@ -22,9 +22,11 @@ CHUNK_K = 256  # values of K a staged chunk (whole groups: 8, 4 or 2 of 32, 64 o
 
 _HEADER = r"""
 // 8 bytes global -> shared, asynchronously (cp.async.ca: through L1, 8-byte granularity, sm_80+).
+// (The shared-window address by PTX's cvta: no runtime-header intrinsic, which NVRTC may not declare.)
 __device__ __forceinline__ void mlxcel_qmm_cp8(void* dst, const void* src) {
-    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(at), "l"(src));
+    unsigned at;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(at) : "l"(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(at), "l"(src) : "memory");
 }
 """
 
@@ -79,7 +81,7 @@ _SOURCE = r"""
                 dst[0] = src[0]; dst[1] = src[1]; dst[2] = src[2]; dst[3] = src[3];
             }
         }
-        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
 
     float tot[NT][4];
@@ -99,9 +101,9 @@ _SOURCE = r"""
     for (int c = 0; c < chunks; ++c) {
         if (c + 1 < chunks) {
             stage(c + 1);
-            asm volatile("cp.async.wait_group 1;\n" ::);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
         } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
         }
         __syncthreads();
         const int g0 = gbeg + c * CG;
