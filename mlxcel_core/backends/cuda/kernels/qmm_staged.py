@@ -6,11 +6,13 @@ Why: in qmm.py every warp loads its own copy of x from global memory, 8 bytes at
 warp waits a memory latency a group. Here a block's 4 warps share x: the block copies a chunk of it (all rows,
 CHUNK_K values of K) into shared memory with cp.async, the next chunk copying while the warps compute on this one
 (two buffers); rows are padded by 8 bytes, so a warp's 8-byte reads of 4 rows by 4 offsets hit 16 different bank
-pairs (no conflict). Each warp loads the next group's weight words, scales and biases before it computes the group.
+pairs (no conflict). And each warp keeps D groups of its weights (words, scales, biases) in flight in a ring of
+registers, loading a group D groups before its turn, where qmm.py waits for each group's load.
 
-The per-warp arithmetic is qmm.py's, step for step (same fragments, same mma order, same scaling), and rows of x past
-M read zeros from shared memory where qmm.py passes zeros: the outputs are bit for bit qmm.py's
-(tests/mlxcel_core/backends/cuda/kernels/test_qmm.py). Same launch: grid, block, splits and output.
+The per-warp arithmetic is qmm.py's, step for step (same fragments, same mma order, same scaling; rows of x past M
+read zeros from shared memory where qmm.py passes zeros), so the outputs are qmm.py's up to how the compiler
+contracts a multiply-add (tests/mlxcel_core/backends/cuda/kernels/test_qmm.py: within one unit in the last place).
+Same launch: grid, block, splits and output.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _SOURCE = r"""
     constexpr int RS = CHUNK_K + 4;  // a staged row's 16-bit values: 8 bytes of padding (see the module docstring)
     constexpr int Q = G / 4;
     constexpr int WORDS = G / 32;
+    constexpr int D = CG < 4 ? CG : 4;  // groups of weights a warp loads ahead (divides CG)
     __shared__ __align__(16) T xsh[2][NT * 8][RS];
     int M = 1;
     for (int d = 0; d < x_ndim - 1; ++d) {
@@ -89,14 +92,24 @@ _SOURCE = r"""
     for (int nt = 0; nt < NT; ++nt) {
         tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.0f;
     }
-    // The first group's weights, scales and biases; each group then loads the next one's before its own mma steps.
-    uint32_t q0[WORDS], q1[WORDS];
-    mlxcel_qmm_words<WORDS>(q0, w0 + gbeg * (G / 8) + t * WORDS);
-    mlxcel_qmm_words<WORDS>(q1, w1 + gbeg * (G / 8) + t * WORDS);
-    float s0 = static_cast<float>(scales[size_t(r0) * NG + gbeg]);
-    float s1 = static_cast<float>(scales[size_t(r1) * NG + gbeg]);
-    float c0 = static_cast<float>(biases[size_t(r0) * NG + gbeg]);
-    float c1 = static_cast<float>(biases[size_t(r1) * NG + gbeg]);
+    // Groups of weights in flight a warp: slot d of the ring holds group gbeg + d (mod D) (its words, scales and
+    // biases); when a group's turn comes its slot is copied out and refilled with the group D further on.
+    uint32_t rq0[D][WORDS], rq1[D][WORDS];
+    float rsc[D][4];
+    auto fetch = [&](int gg, uint32_t* q0, uint32_t* q1, float* sc) {
+        mlxcel_qmm_words<WORDS>(q0, w0 + gg * (G / 8) + t * WORDS);
+        mlxcel_qmm_words<WORDS>(q1, w1 + gg * (G / 8) + t * WORDS);
+        sc[0] = static_cast<float>(scales[size_t(r0) * NG + gg]);
+        sc[1] = static_cast<float>(scales[size_t(r1) * NG + gg]);
+        sc[2] = static_cast<float>(biases[size_t(r0) * NG + gg]);
+        sc[3] = static_cast<float>(biases[size_t(r1) * NG + gg]);
+    };
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+        if (gbeg + d < gend) {
+            fetch(gbeg + d, rq0[d], rq1[d], rsc[d]);
+        }
+    }
     stage(0);
     for (int c = 0; c < chunks; ++c) {
         if (c + 1 < chunks) {
@@ -107,58 +120,64 @@ _SOURCE = r"""
         }
         __syncthreads();
         const int g0 = gbeg + c * CG;
-        for (int gi = g0; live && gi < min(g0 + CG, gend); ++gi) {
-            uint32_t p0[WORDS], p1[WORDS];  // this group's words; q0, q1 take the next group's
+        for (int sb = 0; live && sb < CG; sb += D) {  // (D divides CG: group gi's slot is gi - g0 - sb)
 #pragma unroll
-            for (int i = 0; i < WORDS; ++i) {
-                p0[i] = q0[i];
-                p1[i] = q1[i];
-            }
-            const float ps0 = s0, ps1 = s1, pc0 = c0, pc1 = c1;
-            if (gi + 1 < gend) {
-                mlxcel_qmm_words<WORDS>(q0, w0 + (gi + 1) * (G / 8) + t * WORDS);
-                mlxcel_qmm_words<WORDS>(q1, w1 + (gi + 1) * (G / 8) + t * WORDS);
-                s0 = static_cast<float>(scales[size_t(r0) * NG + gi + 1]);
-                s1 = static_cast<float>(scales[size_t(r1) * NG + gi + 1]);
-                c0 = static_cast<float>(biases[size_t(r0) * NG + gi + 1]);
-                c1 = static_cast<float>(biases[size_t(r1) * NG + gi + 1]);
-            }
-            float acc[NT][4];
-            float xs[NT];
+            for (int d = 0; d < D; ++d) {
+                const int gi = g0 + sb + d;
+                if (gi >= gend) {
+                    break;
+                }
+                uint32_t p0[WORDS], p1[WORDS];
+                float ps[4];
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-                xs[nt] = 0.0f;
-            }
+                for (int i = 0; i < WORDS; ++i) {
+                    p0[i] = rq0[d][i];
+                    p1[i] = rq1[d][i];
+                }
 #pragma unroll
-            for (int s = 0; s < STEPS; ++s) {
-                const uint32_t h0 = p0[s >> 1] >> (16 * (s & 1));
-                const uint32_t h1 = p1[s >> 1] >> (16 * (s & 1));
-                const int kc = (gi - g0) * G + t * Q + 4 * s;  // k within the chunk
-                uint32_t a[4];
-                a[0] = mlxcel_qmm_pair<T>(h0);
-                a[1] = mlxcel_qmm_pair<T>(h1);
-                a[2] = mlxcel_qmm_pair<T>(h0 >> 8);
-                a[3] = mlxcel_qmm_pair<T>(h1 >> 8);
+                for (int i = 0; i < 4; ++i) {
+                    ps[i] = rsc[d][i];
+                }
+                if (gi + D < gend) {
+                    fetch(gi + D, rq0[d], rq1[d], rsc[d]);
+                }
+                float acc[NT][4];
+                float xs[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
-                    uint32_t b[2] = {v.x, v.y};
-                    xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
-                    mlxcel_qmm_mma<T>(acc[nt], a, b);
+                    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+                    xs[nt] = 0.0f;
                 }
-            }
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                float v = xs[nt];
-                v += __shfl_xor_sync(0xffffffffu, v, 1);
-                v += __shfl_xor_sync(0xffffffffu, v, 2);
-                const float xa = __shfl_sync(0xffffffffu, v, 8 * t);
-                const float xb = __shfl_sync(0xffffffffu, v, 8 * t + 4);
-                tot[nt][0] += ps0 * acc[nt][0] + pc0 * xa;
-                tot[nt][1] += ps0 * acc[nt][1] + pc0 * xb;
-                tot[nt][2] += ps1 * acc[nt][2] + pc1 * xa;
-                tot[nt][3] += ps1 * acc[nt][3] + pc1 * xb;
+                for (int s = 0; s < STEPS; ++s) {
+                    const uint32_t h0 = p0[s >> 1] >> (16 * (s & 1));
+                    const uint32_t h1 = p1[s >> 1] >> (16 * (s & 1));
+                    const int kc = (gi - g0) * G + t * Q + 4 * s;  // k within the chunk
+                    uint32_t a[4];
+                    a[0] = mlxcel_qmm_pair<T>(h0);
+                    a[1] = mlxcel_qmm_pair<T>(h1);
+                    a[2] = mlxcel_qmm_pair<T>(h0 >> 8);
+                    a[3] = mlxcel_qmm_pair<T>(h1 >> 8);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
+                        uint32_t b[2] = {v.x, v.y};
+                        xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
+                        mlxcel_qmm_mma<T>(acc[nt], a, b);
+                    }
+                }
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    float v = xs[nt];
+                    v += __shfl_xor_sync(0xffffffffu, v, 1);
+                    v += __shfl_xor_sync(0xffffffffu, v, 2);
+                    const float xa = __shfl_sync(0xffffffffu, v, 8 * t);
+                    const float xb = __shfl_sync(0xffffffffu, v, 8 * t + 4);
+                    tot[nt][0] += ps[0] * acc[nt][0] + ps[2] * xa;
+                    tot[nt][1] += ps[0] * acc[nt][1] + ps[2] * xb;
+                    tot[nt][2] += ps[1] * acc[nt][2] + ps[3] * xa;
+                    tot[nt][3] += ps[1] * acc[nt][3] + ps[3] * xb;
+                }
             }
         }
         __syncthreads();  // every warp is done with this buffer before the next stage() refills it
