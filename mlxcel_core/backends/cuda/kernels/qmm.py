@@ -104,6 +104,45 @@ __device__ __forceinline__ void mlxcel_qmm_words(uint32_t* r, const uint32_t* p)
     }
 }
 
+// A group's sums into the totals: weight rows g and g + 8 times their scales s0, s1, plus their biases c0, c1 times
+// each x row's sum over the group (xs: this thread's part of x row nt * 8 + g's; two shuffles sum the quad's).
+template <int NT>
+__device__ __forceinline__ void mlxcel_qmm_scale(float (&tot)[NT][4], const float (&acc)[NT][4], const float (&xs)[NT],
+                                                 float s0, float s1, float c0, float c1, int t) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        float v = xs[nt];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        // accumulator (i, j) = (weight row g or g + 8, x row nt * 8 + 2t or 2t + 1); quad 2t holds x row 2t's sum
+        const float xa = __shfl_sync(0xffffffffu, v, 8 * t);
+        const float xb = __shfl_sync(0xffffffffu, v, 8 * t + 4);
+        tot[nt][0] += s0 * acc[nt][0] + c0 * xa;
+        tot[nt][1] += s0 * acc[nt][1] + c0 * xb;
+        tot[nt][2] += s1 * acc[nt][2] + c1 * xa;
+        tot[nt][3] += s1 * acc[nt][3] + c1 * xb;
+    }
+}
+
+// A warp's results into one split's partial sums [M, N]: accumulator (i, j) of tile nt is weight row n0 + g (+ 8)
+// against x row nt * 8 + 2t (+ 1); rows past M and columns past N are dropped.
+template <int NT>
+__device__ __forceinline__ void mlxcel_qmm_store(float* out, int M, int N, int n0, int g, int t,
+                                                 const float (&tot)[NT][4]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int ma = nt * 8 + 2 * t;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int m = ma + (i & 1);
+            const int n = n0 + g + (i >> 1) * 8;
+            if (m < M && n < N) {
+                out[size_t(m) * N + n] = tot[nt][i];
+            }
+        }
+    }
+}
+
 // The two T values packed in v, as floats, summed.
 template <typename T>
 __device__ __forceinline__ float mlxcel_qmm_sum2(uint32_t v) {
@@ -198,33 +237,9 @@ _SOURCE = r"""
         const float s1 = static_cast<float>(scales[size_t(r1) * NG + gi]);
         const float c0 = static_cast<float>(biases[size_t(r0) * NG + gi]);
         const float c1 = static_cast<float>(biases[size_t(r1) * NG + gi]);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float v = xs[nt];  // this thread's part of x row nt * 8 + g's sum over the group
-            v += __shfl_xor_sync(0xffffffffu, v, 1);
-            v += __shfl_xor_sync(0xffffffffu, v, 2);
-            // accumulator (i, j) = (weight row g or g + 8, x row nt * 8 + 2t or 2t + 1); quad 2t holds x row 2t's sum
-            const float xa = __shfl_sync(0xffffffffu, v, 8 * t);
-            const float xb = __shfl_sync(0xffffffffu, v, 8 * t + 4);
-            tot[nt][0] += s0 * acc[nt][0] + c0 * xa;
-            tot[nt][1] += s0 * acc[nt][1] + c0 * xb;
-            tot[nt][2] += s1 * acc[nt][2] + c1 * xa;
-            tot[nt][3] += s1 * acc[nt][3] + c1 * xb;
-        }
+        mlxcel_qmm_scale<NT>(tot, acc, xs, s0, s1, c0, c1, t);
     }
-    float* out = partial + size_t(blockIdx.y) * M * N;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int ma = nt * 8 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int m = ma + (i & 1);
-            const int n = n0 + g + (i >> 1) * 8;
-            if (m < M && n < N) {
-                out[size_t(m) * N + n] = tot[nt][i];
-            }
-        }
-    }
+    mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
 """
 
 # The name carries a hash of the source: MLX caches compiled kernels on disk by name (see kernels/qmv.py).

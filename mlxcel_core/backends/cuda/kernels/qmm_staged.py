@@ -166,18 +166,7 @@ _SOURCE = r"""
                         mlxcel_qmm_mma<T>(acc[nt], a, b);
                     }
                 }
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    float v = xs[nt];
-                    v += __shfl_xor_sync(0xffffffffu, v, 1);
-                    v += __shfl_xor_sync(0xffffffffu, v, 2);
-                    const float xa = __shfl_sync(0xffffffffu, v, 8 * t);
-                    const float xb = __shfl_sync(0xffffffffu, v, 8 * t + 4);
-                    tot[nt][0] += ps[0] * acc[nt][0] + ps[2] * xa;
-                    tot[nt][1] += ps[0] * acc[nt][1] + ps[2] * xb;
-                    tot[nt][2] += ps[1] * acc[nt][2] + ps[3] * xa;
-                    tot[nt][3] += ps[1] * acc[nt][3] + ps[3] * xb;
-                }
+                mlxcel_qmm_scale<NT>(tot, acc, xs, ps[0], ps[1], ps[2], ps[3], t);
             }
         }
         __syncthreads();  // every warp is done with this buffer before the next stage() refills it
@@ -185,19 +174,7 @@ _SOURCE = r"""
     if (!live) {
         return;
     }
-    float* out = partial + size_t(blockIdx.y) * M * N;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int ma = nt * 8 + 2 * t;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int m = ma + (i & 1);
-            const int n = n0 + g + (i >> 1) * 8;
-            if (m < M && n < N) {
-                out[size_t(m) * N + n] = tot[nt][i];
-            }
-        }
-    }
+    mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
 """
 
 
