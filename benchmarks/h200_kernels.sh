@@ -242,7 +242,7 @@ for line in sys.stdin:
     # the plain one's), both kernels per 8B projection, then the 8B 4-bit decode at b=32 and 64 under each
     timeout 200 python -m pytest -q -p no:cacheprovider $CUDA_TESTS/kernels/test_qmm.py 2>&1 | tail -3
     timeout 120 python benchmarks/qmm_ab.py --rounds 3
-    for s in 0 1 0 1; do
+    for s in 0 1; do  # (each builds the 8B model again: a second pair is a second call)
       echo "== MLXCEL_QMM_STAGED=$s"
       MLXCEL_QMM_STAGED=$s timeout 150 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
         --batches 32,64 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "mlxcel \|"
