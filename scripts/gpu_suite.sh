@@ -27,6 +27,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   stage)
+    python3 -c "import transformers" 2>/dev/null || { echo "gpu_suite.sh stage: install the test extras first" \
+      "(README: pip install -e \".[test]\")" >&2; exit 2; }
     ../shared/gpu/stage.sh platformdirs starlette uvicorn pydantic pydantic-core annotated-types typing-inspection \
       pytest-xdist execnet mlx-lm==0.32.2 ruff import-linter grimp pexpect ptyprocess llguidance jsonschema \
       jsonschema-specifications referencing rpds-py attrs libgguf gguf pyyaml openai distro jiter sniffio tqdm \
@@ -39,6 +41,7 @@ case "${1:-}" in
       "huggingface_hub>=1.31,<2"
     # The default model's tokenizer beside a 1-layer model (~10 MB), for the benchmarks' --tokenizer-model there:
     # copied to /tmp/tokenizer-stand-in.
+    python3 -m mlxcel_cli generate -p hi --max-tokens 1 >/dev/null  # (fetches the default model where it is missing)
     python3 benchmarks/tokenizer_stand_in.py .devwheels/c/tokenizer-stand-in
     ;;
   copy)  # once with carry [".devwheels/a"], then (if staged) once with carry [".devwheels/c"]
