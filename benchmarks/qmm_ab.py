@@ -14,7 +14,6 @@ under each value measures the whole step.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -55,11 +54,10 @@ def operands(n: int, k: int, m: int, group_size: int):
 
 def timed(staged: bool, x, weights, group_size: int, calls: int) -> tuple[float, mx.array]:
     """Seconds a call, `calls` queued back to back over the weight's copies in turn; the first copy's output."""
-    os.environ["MLXCEL_QMM_STAGED"] = "1" if staged else "0"
-    y = qmm.quantized_matmul(x, *weights[0], group_size)
+    y = qmm.quantized_matmul(x, *weights[0], group_size, staged_kernel=staged)
     mx.eval(y)  # (a first call compiles)
     start = time.perf_counter()
-    outs = [qmm.quantized_matmul(x, *weights[i % len(weights)], group_size) for i in range(calls)]
+    outs = [qmm.quantized_matmul(x, *weights[i % len(weights)], group_size, staged_kernel=staged) for i in range(calls)]
     mx.eval(outs)
     return (time.perf_counter() - start) / calls, y
 

@@ -105,7 +105,8 @@ SETTINGS: tuple[Setting, ...] = (
         False,
         "Experiment: 1 runs decode batches of 9-32 rows on 4-bit weights through the tensor-core kernel that "
         "stages x in shared memory and keeps several groups of weights in flight (kernels/qmm_staged.py), in "
-        "place of kernels/qmm.py; the same sums in the same order. Kept until the H200 measures which is faster.",
+        "place of kernels/qmm.py; the same sums in the same order. Read once a process. Kept until the H200 "
+        "measures which is faster.",
         _switch,
     ),
     Setting(

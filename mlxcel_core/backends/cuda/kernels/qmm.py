@@ -267,8 +267,10 @@ def kernel_name(staged: bool = False) -> str:
     return qmm_staged.kernel_name(_HEADER) if staged else KERNEL_NAME
 
 
+@functools.cache
 def staged() -> bool:
-    """MLXCEL_QMM_STAGED: the experiment's kernel (qmm_staged.py) in place of this one."""
+    """MLXCEL_QMM_STAGED: the experiment's kernel (qmm_staged.py) in place of this one. Read once a process: a
+    decode step calls the kernel for every 4-bit projection, and the setting costs microseconds a read."""
     return settings.get("MLXCEL_QMM_STAGED")
 
 
@@ -311,10 +313,17 @@ def launch_args(
 
 
 def quantized_matmul(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, gps: int | None = None
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int,
+    gps: int | None = None,
+    staged_kernel: bool | None = None,
 ) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
-    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split."""
+    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split; `staged_kernel`
+    picks the kernel (None: `staged()`, the setting)."""
     n, k = w.shape[0], w.shape[1] * 8
     args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
     if args is None:
@@ -322,6 +331,6 @@ def quantized_matmul(
             f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
-    partial = _kernel(staged())(inputs=[x, w, scales, biases], **args)[0]
+    partial = _kernel(staged() if staged_kernel is None else staged_kernel)(inputs=[x, w, scales, biases], **args)[0]
     y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)

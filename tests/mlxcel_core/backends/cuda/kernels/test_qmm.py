@@ -186,6 +186,18 @@ def test_kernel_on_misaligned_views():
         )
 
 
+def test_the_setting_picks_the_kernel_once_a_process(monkeypatch):
+    """MLXCEL_QMM_STAGED decides `staged()`, read once (a decode step calls the kernel per 4-bit projection)."""
+    for raw, want in [("1", True), ("0", False), ("", False)]:
+        monkeypatch.setenv("MLXCEL_QMM_STAGED", raw)
+        qmm.staged.cache_clear()
+        assert qmm.staged() is want
+        monkeypatch.setenv("MLXCEL_QMM_STAGED", "0" if want else "1")
+        assert qmm.staged() is want  # (the first read stands)
+    qmm.staged.cache_clear()
+    assert qmm.kernel_name(True).startswith("mlxcel_qmm_staged_") and qmm.kernel_name(False) == qmm.KERNEL_NAME
+
+
 def test_kernel_name_carries_the_source_hash():
     """MLX caches compiled kernels on disk by name: an edited source must get a new name."""
     import hashlib
@@ -200,7 +212,7 @@ def test_kernel_name_carries_the_source_hash():
     "n,k,group_size,gps",
     [(4096, 4096, 64, None), (1000, 14336, 64, None), (333, 1024, 128, 3), (100, 512, 32, 5), (64, 4096, 64, 64)],
 )
-def test_the_staged_kernel_gives_the_plain_kernels_outputs(monkeypatch, dtype, n, k, group_size, gps):
+def test_the_staged_kernel_gives_the_plain_kernels_outputs(dtype, n, k, group_size, gps):
     """MLXCEL_QMM_STAGED=1 (qmm_staged.py): the same arithmetic with x staged in shared memory, over row counts that
     leave a tile part empty, weights whose last block has warps past N, splits that end inside a staged chunk (gps
     not a multiple of the chunk's groups) and a whole K in one split; and x as a view at an odd offset. Within the
@@ -212,10 +224,8 @@ def test_the_staged_kernel_gives_the_plain_kernels_outputs(monkeypatch, dtype, n
     odd_ref, odd_mag = reference(odd, w, scales, biases, group_size)
     for xs, want, want_mag in [(x[:m], ref[:m], mag[:m]) for m in (1, 8, 9, 19, 32)] + [(odd, odd_ref, odd_mag)]:
         what = f"M={xs.shape[0]} N={n} K={k} gps={gps}"
-        monkeypatch.setenv("MLXCEL_QMM_STAGED", "0")
-        plain = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
-        monkeypatch.setenv("MLXCEL_QMM_STAGED", "1")
-        staged = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
+        plain = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps, staged_kernel=False)
+        staged = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps, staged_kernel=True)
         assert staged.dtype == plain.dtype == dtype and staged.shape == plain.shape
         check_close(staged, want, want_mag, dtype, what)
         a, b = (np.array(y.astype(mx.float32)).astype(np.float64) for y in (staged, plain))
