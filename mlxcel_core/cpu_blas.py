@@ -1,4 +1,4 @@
-"""MLX's float32 matrix products on the CPU through OpenBLAS, in fixed 16-row tiles.
+"""MLX's float32 matrix products on the CPU through OpenBLAS, in fixed row tiles (16, or fewer where they round apart).
 
 Why: MLX's Linux CPU wheel (`mlx[cpu]`) carries the reference BLAS, whose sgemm runs at 1-3 GFLOP/s on an x86 core;
 OpenBLAS runs the same products 20-60x faster (benchmarks/RESULTS.md, "CPU: MLX's float32 products through OpenBLAS").
@@ -7,11 +7,17 @@ Every float32 matmul of a model on the CPU goes through it: projections, attenti
 How: `csrc/blas_tiles.c` defines `cblas_sgemm`. Compiled once with the system's C compiler into the cache dir and
 loaded with RTLD_GLOBAL before MLX's library, it takes MLX's calls (a library loaded later binds its undefined
 symbols in the global scope first) and hands them to scipy-openblas32's `scipy_cblas_sgemm` (prefixed symbols, so
-nothing else in the process is affected), 16 rows of the product at a time, the last tile padded with zero rows.
-OpenBLAS picks other kernels for other row counts, which round otherwise; in fixed tiles a row's result is the same
-alone or in a batch of any size (tests/mlxcel_core/test_cpu_blas.py), so batched rows, chunked prefill and speculative
-verification keep a lone row's greedy tokens as the engine's exact-token tests require. (A product's width still
-matters: OpenBLAS rounds a column by the number of columns, so a fused projection is not bit-equal to its parts.)
+nothing else in the process is affected), a fixed number of rows of the product at a time, the last tile padded with
+zero rows. OpenBLAS picks other kernels for other row counts, which round otherwise; in fixed tiles a row's result is
+the same alone or in a batch of any size (tests/mlxcel_core/test_cpu_blas.py), so batched rows, chunked prefill and
+speculative verification keep a lone row's greedy tokens as the engine's exact-token tests require. (A product's width
+still matters: OpenBLAS rounds a column by the number of columns, so a fused projection is not bit-equal to its parts.)
+
+The tile: within one call some OpenBLAS kernels round a row by its place in the tile (its Haswell kernel, run on one
+thread, rounds rows 6-15 of 16 apart from rows 0-5), and how a call splits its rows depends on the kernel and the
+threads it runs on. So `install` checks the tile sizes 16, 8, 4, 2 in turn, end to end through the tiled library on
+every thread count up to this process's, and keeps the first whose rows come out the same alone and together; one row
+a call is the same by construction. The choice is cached per OpenBLAS build, kernel and thread count.
 
 `install` runs when mlxcel_core is imported. It does nothing, and MLX's own BLAS serves, where: MLX is already
 imported (its symbols are bound), the platform is not Linux, MLX's CPU wheel's reference BLAS is not there (a CUDA
@@ -30,15 +36,20 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
-TILE_ROWS = 16
+CANDIDATE_TILES = (16, 8, 4, 2)  # largest first; 1 row a call, the fallback, is the same alone by construction
+# (columns n, depth k) of the products checked: a small one (one thread, whatever the thread count), a projection's and
+# one deeper than OpenBLAS's depth block
+CHECK_SHAPES = ((100, 64), (1536, 576), (576, 1536))
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 SOURCE = Path(__file__).with_name("csrc") / "blas_tiles.c"
 
 _status = "not installed"
 
 
 def status() -> str:
-    """'openblas (16-row tiles)' when MLX's float32 products go through OpenBLAS; else why not."""
+    """'openblas (N-row tiles)' when MLX's float32 products go through OpenBLAS; else why not."""
     return _status
 
 
@@ -120,7 +131,84 @@ def _load() -> str:
         openblas = ctypes.CDLL(str(_openblas()))
         tiles = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
         tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
-        tiles.mlxcel_blas_init(ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p), TILE_ROWS)
+        rows = _cached_tile(openblas, lambda: pick_tile(tiles, openblas), library)
+        tiles.mlxcel_blas_init(ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p), rows)
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         return f"OpenBLAS could not be loaded ({type(exc).__name__}: {exc}): MLX's reference BLAS serves"
-    return f"openblas ({TILE_ROWS}-row tiles)"
+    return f"openblas ({rows}-row tiles)"
+
+
+def _cached_tile(openblas: ctypes.CDLL, pick: Callable[[], int], library: Path) -> int:
+    """The tile `pick` chooses, cached beside the library per OpenBLAS build, kernel and thread count."""
+    text = ctypes.c_char_p
+    openblas.scipy_openblas_get_config.restype = openblas.scipy_openblas_get_corename.restype = text
+    key = "|".join(
+        [
+            openblas.scipy_openblas_get_config().decode(),
+            openblas.scipy_openblas_get_corename().decode(),
+            str(openblas.scipy_openblas_get_num_threads()),
+            repr((CANDIDATE_TILES, CHECK_SHAPES)),
+        ]
+    )
+    cached = library.parent / f"tile-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    try:
+        return int(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    rows = pick()
+    partial = cached.with_name(f"{cached.name}.{os.getpid()}")
+    partial.write_text(f"{rows}\n")
+    os.replace(partial, cached)
+    return rows
+
+
+def pick_tile(tiles: ctypes.CDLL, openblas: ctypes.CDLL) -> int:
+    """The largest of CANDIDATE_TILES whose rows OpenBLAS computes the same alone and together on every thread count
+    up to the process's (1 where none is); leaves OpenBLAS at the process's thread count."""
+    threads = openblas.scipy_openblas_get_num_threads()
+    fn = ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p)
+    try:
+        for rows in CANDIDATE_TILES:
+            tiles.mlxcel_blas_init(fn, rows)
+            if all(_same_alone(tiles, rows, count, openblas) for count in range(1, threads + 1)):
+                return rows
+        return 1
+    finally:
+        openblas.scipy_openblas_set_num_threads(threads)
+
+
+def _same_alone(tiles: ctypes.CDLL, rows: int, threads: int, openblas: ctypes.CDLL) -> bool:
+    openblas.scipy_openblas_set_num_threads(threads)
+    return all(
+        rows_same_alone(tiles.cblas_sgemm, rows, n, k, ta, tb)
+        for n, k in CHECK_SHAPES
+        for ta in (NO_TRANS, TRANS)
+        for tb in (NO_TRANS, TRANS)
+    )
+
+
+def rows_same_alone(sgemm, rows: int, n: int, k: int, ta: int, tb: int) -> bool:
+    """Whether every row of a product of 2 tiles and a padded one through `sgemm` (a row-major cblas_sgemm) equals,
+    bit for bit, the row computed alone (the tile's first row, the rest padding)."""
+    import numpy as np
+
+    rng = np.random.default_rng(rows * n + k + ta + tb)
+    m = 2 * rows + 3
+    a = rng.standard_normal((k, m) if ta == TRANS else (m, k), dtype=np.float32)
+    b = rng.standard_normal((n, k) if tb == TRANS else (k, n), dtype=np.float32)
+    together = _product(sgemm, ta, tb, a, b, 0, m, n, k)
+    return all(np.array_equal(_product(sgemm, ta, tb, a, b, i, 1, n, k)[0], together[i]) for i in range(m))
+
+
+def _product(sgemm, ta: int, tb: int, a, b, first: int, m: int, n: int, k: int):
+    """Rows first..first+m of op(a) @ op(b) through `sgemm`."""
+    import numpy as np
+
+    c = np.zeros((m, n), dtype=np.float32)
+    lda, ldb = a.shape[1], b.shape[1]
+    start = a.ctypes.data + 4 * (first * lda if ta == NO_TRANS else first)
+    args = (ROW_MAJOR, ta, tb, m, n, k, 1.0, start, lda, b.ctypes.data, ldb, 0.0, c.ctypes.data, n)
+    pointer, number, scalar = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    sgemm.argtypes = [number] * 6 + [scalar, pointer, number, pointer, number, scalar, pointer, number]
+    sgemm(*args)
+    return c

@@ -26,9 +26,9 @@ from ..kv.paged_attention import RUNNER_OPS, paged_decode_attention
 GPU_PREFILL_BATCH = 8  # waiting prompts one prefill forward takes on a GPU (bandwidth-bound: one pass of the weights)
 # Prompt tokens one prefill forward computes while other rows decode (engine/scheduler.py), so that a long prompt
 # holds the running rows for about a second at most (benchmarks/RESULTS.md, "The prefill chunk beside running rows").
-# On CPU the float32 products run in 16-row tiles (cpu_blas.py): a chunk of a few tiles keeps the running rows' wait
-# near a decode step's while the prompt's tokens share each pass over the weights. On a GPU one forward takes a whole
-# prompt of up to 2048 tokens.
+# On CPU the float32 products run in tiles of 16 rows or fewer (cpu_blas.py): a chunk of a few tiles keeps the
+# running rows' wait near a decode step's while the prompt's tokens share each pass over the weights. On a GPU one
+# forward takes a whole prompt of up to 2048 tokens.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 32
 # Decode-only steps between two chunks of a prompt already started while rows decode (engine/scheduler.py). A GPU

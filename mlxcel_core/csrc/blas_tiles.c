@@ -1,10 +1,10 @@
-/* cblas_sgemm for MLX's CPU library: OpenBLAS's sgemm, 16 rows of the product at a time.
+/* cblas_sgemm for MLX's CPU library: OpenBLAS's sgemm, a fixed number of rows of the product at a time.
  *
  * Loaded with RTLD_GLOBAL before MLX (mlxcel_core/cpu_blas.py says why and how). Every call is turned into row-major
- * form and computed TILE rows at a time, the last tile padded with zero rows: OpenBLAS picks other kernels for other
+ * form and computed `tile` rows at a time, the last tile padded with zero rows: OpenBLAS picks other kernels for other
  * row counts, so without tiles a row of a product would round differently alone than in a batch.
- * `mlxcel_blas_init` hands over OpenBLAS's prefixed sgemm (scipy-openblas32's scipy_cblas_sgemm); until then, and if
- * it is never called, a plain loop computes the product (correct, slow). */
+ * `mlxcel_blas_init` hands over OpenBLAS's prefixed sgemm (scipy-openblas32's scipy_cblas_sgemm) and the tile that
+ * cpu_blas.py checked; until then, and if it is never called, a plain loop computes the product (correct, slow). */
 #include <stdlib.h>
 #include <string.h>
 

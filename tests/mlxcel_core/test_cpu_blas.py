@@ -1,12 +1,15 @@
-"""MLX's float32 products on the CPU through OpenBLAS in 16-row tiles (mlxcel_core/cpu_blas.py): installed when
-mlxcel_core is imported, right for every transposition, a row's result the same alone or in a batch of any size, and
-the C library's own loop (before OpenBLAS is handed over) right too."""
+"""MLX's float32 products on the CPU through OpenBLAS in fixed row tiles (mlxcel_core/cpu_blas.py): installed when
+mlxcel_core is imported, right for every transposition, a row's result the same alone or in a batch of any size (on
+one OpenBLAS thread and on two), the tile the largest whose rows the kernel computes the same, and the C library's own
+loop (before OpenBLAS is handed over) right too."""
 
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -21,7 +24,7 @@ openblas = pytest.mark.skipif(
 
 def test_the_test_process_uses_openblas_where_mlx_carries_the_reference_blas():
     if sys.platform.startswith("linux") and cpu_blas._reference_blas() is not None:
-        assert cpu_blas.status() == "openblas (16-row tiles)"
+        assert re.fullmatch(r"openblas \((16|8|4|2|1)-row tiles\)", cpu_blas.status())
     else:
         assert not cpu_blas.status().startswith("openblas")
 
@@ -105,3 +108,111 @@ def _status_in_a_new_process(code: str, **env) -> str:
 def test_it_can_be_turned_off_and_says_why_not():
     assert _status_in_a_new_process("import mlxcel_core", MLXCEL_CPU_BLAS="0") == "off (MLXCEL_CPU_BLAS=0)"
     assert "imported before" in _status_in_a_new_process("import mlx.core\nimport mlxcel_core")
+
+
+@openblas
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_rows_come_out_the_same_alone_on_one_openblas_thread_and_on_two(threads):
+    """The tile chosen for the thread count holds rows apart (a new process: OpenBLAS reads its threads at load)."""
+    code = """
+import mlxcel_core, mlx.core as mx
+from mlxcel_core import cpu_blas
+with mx.stream(mx.cpu):
+    mx.random.seed(1)
+    w, x = mx.random.normal((1536, 576)), mx.random.normal((37, 576))
+    together = x @ w.T
+    apart = [i for i in range(37) if not mx.array_equal(together[i], (x[i : i + 1] @ w.T)[0]).item()]
+print(cpu_blas.status(), apart)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=_env(OPENBLAS_NUM_THREADS=threads)
+    )
+    assert out.stdout.strip().endswith("[]"), out.stdout
+
+
+def _env(**extra):
+    import os
+
+    return {**os.environ, **extra}
+
+
+def _fake_openblas(threads: int, apart: dict[tuple[int, int], int]) -> SimpleNamespace:
+    """An OpenBLAS stand-in (a numpy sgemm): a call of R rows on T threads computes rows from apart[(R, T)] on one
+    unit in the last place off, as a kernel that rounds rows by their place does."""
+    state = {"threads": threads}
+    ptr = ctypes.c_void_p
+
+    signature = ctypes.CFUNCTYPE(
+        None,
+        *[ctypes.c_int] * 6,
+        ctypes.c_float,
+        ptr,
+        ctypes.c_int,
+        ptr,
+        ctypes.c_int,
+        ctypes.c_float,
+        ptr,
+        ctypes.c_int,
+    )
+
+    def sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+        assert order == cpu_blas.ROW_MAJOR
+        left = _view(a, (m, lda) if ta == cpu_blas.NO_TRANS else (k, lda))
+        left = left[:, :k] if ta == cpu_blas.NO_TRANS else left[:, :m].T
+        right = _view(b, (k, ldb) if tb == cpu_blas.NO_TRANS else (n, ldb))
+        right = right[:, :n] if tb == cpu_blas.NO_TRANS else right[:, :k].T
+        out = _view(c, (m, ldc))[:, :n]
+        product = alpha * (left.astype(np.float64) @ right) + beta * out
+        first = apart.get((m, state["threads"]), m)
+        product[first:] = np.nextafter(product[first:].astype(np.float32), np.float32(np.inf))
+        out[:] = product
+
+    state["fn"] = signature(sgemm)
+    return SimpleNamespace(
+        scipy_cblas_sgemm=state["fn"],
+        scipy_openblas_get_num_threads=lambda: threads,
+        scipy_openblas_set_num_threads=lambda count: state.update(threads=count),
+        state=state,
+    )
+
+
+def _view(address: int, shape: tuple[int, int]) -> np.ndarray:
+    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_float)), shape=shape)
+
+
+@openblas
+@pytest.mark.parametrize(
+    "threads,apart,want",
+    [
+        (1, {}, 16),  # every row the same alone: the largest tile
+        (1, {(16, 1): 6}, 8),  # rows 6-15 of a 16-row call apart (OpenBLAS's Haswell kernel on one thread)
+        (2, {(16, 1): 6}, 8),  # on a process of two threads too: a small product runs on one
+        (2, {(16, 2): 8, (8, 2): 4}, 4),  # apart on two threads only
+        (2, {(16, 1): 1, (8, 1): 1, (4, 2): 3, (2, 1): 1}, 1),  # none holds: one row a call
+    ],
+)
+def test_the_tile_is_the_largest_whose_rows_come_out_the_same_alone(tmp_path, monkeypatch, threads, apart, want):
+    monkeypatch.setattr(cpu_blas, "CHECK_SHAPES", ((20, 9), (33, 70)))
+    library = tmp_path / "copy.so"
+    library.write_bytes(cpu_blas._library().read_bytes())
+    tiles = ctypes.CDLL(str(library))
+    tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    fake = _fake_openblas(threads, apart)
+    assert cpu_blas.pick_tile(tiles, fake) == want
+    assert fake.state["threads"] == threads  # (left at the process's count)
+
+
+@openblas
+def test_the_tile_is_picked_once_per_openblas_build_kernel_and_thread_count(tmp_path):
+    picks = []
+    fake = SimpleNamespace(
+        scipy_openblas_get_config=lambda: b"OpenBLAS 0.3 fake",
+        scipy_openblas_get_corename=lambda: b"Fake",
+        scipy_openblas_get_num_threads=lambda: 3,
+    )
+    library = tmp_path / "lib.so"
+    assert cpu_blas._cached_tile(fake, lambda: picks.append(1) or 4, library) == 4
+    assert cpu_blas._cached_tile(fake, lambda: picks.append(1) or 8, library) == 4
+    fake.scipy_openblas_get_num_threads = lambda: 2
+    assert cpu_blas._cached_tile(fake, lambda: picks.append(1) or 8, library) == 8
+    assert len(picks) == 2
