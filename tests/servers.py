@@ -63,6 +63,12 @@ class RunningServer:
             time.sleep(0.05)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
+    def wait_ready(self, timeout: float) -> None:
+        """Until /health turns 200 (the model loaded, the warm-up done). Each probe waits up to TIMEOUT's 30 s: while
+        the model loads, a step that holds the GIL (the tokenizers library builds a large vocabulary's BPE under it,
+        about a second on an idle CI core) delays the answer, several times longer on a loaded machine."""
+        self.wait_for(lambda: httpx.get(f"{self.url}/health", timeout=TIMEOUT).status_code == 200, timeout, "the load")
+
     def stop(self) -> None:
         self.uvicorn_server.should_exit = True
         self.thread.join(20)
@@ -88,7 +94,5 @@ def start_server(model_dir, *, max_batch_size: int = 8, wait_ready: bool = True,
     running = RunningServer(f"http://127.0.0.1:{port}", app, server, thread)
     running.wait_for(lambda: server.started, 15, "uvicorn to start")
     if wait_ready:
-        running.wait_for(
-            lambda: httpx.get(f"{running.url}/health", timeout=TIMEOUT).status_code == 200, 60, "the model to load"
-        )
+        running.wait_ready(60)
     return running

@@ -14,7 +14,6 @@ import json
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from real_gguf import ChunkedGGUF, agrees, cached_reference, fetch_chunked, mlxcel
 
@@ -77,7 +76,7 @@ def test_server_completions_give_transformers_greedy_text_on_most_prompts(gemma3
 
     server = start_server(gemma3_gguf, wait_ready=False)
     try:
-        server.wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, 600, "the model to load")
+        server.wait_ready(600)
         exact = 0
         with server.client(timeout=300) as client:
             for prompt in PROMPTS:

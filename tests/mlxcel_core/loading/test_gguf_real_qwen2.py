@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 from real_gguf import QWEN2, agrees, cached_reference, fetch_chunked, mlxcel
 
@@ -57,7 +56,7 @@ def test_server_completions_and_chat_give_transformers_greedy_text(qwen2_gguf, r
 
     server = start_server(qwen2_gguf, wait_ready=False)
     try:
-        server.wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, 600, "the model to load")
+        server.wait_ready(600)
         with server.client(timeout=300) as client:
             body = {"model": server.model_id, "prompt": RAW[1], "max_tokens": STEPS, "temperature": 0}
             reply = client.post("/v1/completions", json=body)
