@@ -1,5 +1,6 @@
 """The `mlxcel` entry point (mlxcel_cli/main.py): a command line that names a command builds that command alone, with
-the same help, parsing and errors as in the whole CLI, and imports no other command's module."""
+the same help, parsing and errors as in the whole CLI, and imports no other command's module; `mlxcel --help` lists
+the commands as the whole CLI does without building them."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import subprocess
 import sys
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
-from mlxcel_cli.main import COMMANDS, app, main, make_app
+from mlxcel_cli.main import COMMANDS, app, listing, main, make_app
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -18,6 +20,14 @@ def test_a_commands_help_is_the_whole_clis(name):
     whole = CliRunner().invoke(app, [name, "--help"], prog_name="mlxcel")
     assert alone.exit_code == whole.exit_code == 0, whole.output
     assert alone.output == whole.output
+
+
+def test_the_listing_for_mlxcel_help_is_the_whole_clis_help(capsys):
+    outputs = []
+    for group in (listing(), typer.main.get_command(app)):
+        assert group.main(args=["--help"], prog_name="mlxcel", standalone_mode=False) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and all(name in outputs[1] for name in COMMANDS), outputs
 
 
 def test_the_entry_point_answers_a_commands_help(capsys):
