@@ -24,7 +24,9 @@
 #                     (compare_mlx_lm.py, 2 rounds), then where one decode token's GPU time goes there (mlxcel's side)
 #   restart           serve's first request: request_phases.py --serve-warmup in a process that compiles (empty cache
 #                     dir) and one that loads (a restart), then serve_coldstart.py cold and warm (1B bf16)
-#   coldstart SHAPE.. the kernel cache: the same `mlxcel bench` in two processes on an empty cache dir; the first
+#   cold              issue 42's target 6: serve_coldstart.py cold and warm (1B bf16) with a 64-client burst twice
+                    after the two requests, and MLX's JIT modules each run compiled, by name
+  coldstart SHAPE.. the kernel cache: the same `mlxcel bench` in two processes on an empty cache dir; the first
 #                     compiles every kernel (warmup_ms), the second should find them all
 # Tests on the GPU:
 #   tests             the decode kernels' CUDA tests: the 16-bit kernel, the norm and rope folds, MLX workarounds,
@@ -129,6 +131,9 @@ case "${1:-}" in
     echo "== serve_coldstart $(date +%T)"
     timeout 300 python benchmarks/serve_coldstart.py --model-shape llama-3.2-1b --dtype bfloat16 --max-tokens 64 \
       --runs cold,warm 2>&1 | tail -3 ;;
+  cold)
+    timeout 500 python benchmarks/serve_coldstart.py --model-shape llama-3.2-1b --dtype bfloat16 --max-tokens 64 \
+      --runs cold,warm --burst 64 --max-batch-size 64 --jit-names 2>&1 | tee "${OUT:-/tmp}/serve_coldstart.txt" ;;
   coldstart)
     # SHAPE..: the kernel cache (paths.use_kernel_cache: $MLXCEL_CACHE_DIR/kernels/...): an empty cache dir, then the
     # same bench in two processes; the first warm-up compiles every kernel, the second should find them (warmup_ms)

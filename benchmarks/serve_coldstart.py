@@ -10,6 +10,10 @@ process on one MLXCEL_CACHE_DIR that starts empty:
   nowarmup  --no-warmup: /health turns 200 at once and the first request pays whatever is left to compile
 For each: seconds to ready, the server's `warm-up: N s` log line, then two streaming completions one after the other
 (TTFT = request sent -> first streamed chunk, and the whole request), and the kernel files cached after the run.
+On a CUDA machine also MLX's own JIT modules the run compiled (`mlx_jit_modules`): how many, how many of them
+mx.compile's fused elementwise kernels, and the seconds from the first to the last one written. MLX compiles them
+one at a time as the server first runs each, so that span is where a cold warm-up's time beyond mlxcel's kernels goes
+(`--jit-names` lists them, each with the seconds since the one before: about its compile where they follow on).
 `--burst N` (issue 42's "first burst as fast as later ones") then sends N streaming completions at once, twice, one
 burst after the other, and prints each burst's TTFT p50 / p99 and its output tok/s (N x --max-tokens over the burst's
 wall time), first against second: a first burst that waits on compiles the warm-up left shows as a ratio above 1.
@@ -28,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -167,6 +172,7 @@ def main() -> None:
     parser.add_argument("--ready-timeout", type=float, default=300)
     parser.add_argument("--burst", type=int, default=0, help="clients of the two bursts after the two requests")
     parser.add_argument("--max-batch-size", type=int, default=None, help="the server's batch limit")
+    parser.add_argument("--jit-names", action="store_true", help="also list MLX's JIT modules, in the order written")
     args = parser.parse_args()
     runs = args.runs.split(",")
     if unknown := [r for r in runs if r not in RUNS]:
@@ -188,7 +194,7 @@ def main() -> None:
 def one_run(run: str, args: argparse.Namespace, model: Path, cache: Path) -> None:
     """One server process on `cache`: ready, two requests one after the other, the bursts; its lines printed."""
     log_lines: list[str] = []
-    began = time.perf_counter()
+    began, began_wall = time.perf_counter(), time.time()
     flags = RUNS[run] + (["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else [])
     proc, port = start_server(model, cache, flags, log_lines)
     try:
@@ -218,9 +224,33 @@ def one_run(run: str, args: argparse.Namespace, model: Path, cache: Path) -> Non
             f" | first / second: TTFT p50 {p50 / p50b:.2f}x, tok/s {rate / rateb:.2f}x",
             flush=True,
         )
+    if jit := mlx_jit_modules(cache, began_wall, args.jit_names):
+        print(textwrap.indent(jit, " " * 10), flush=True)
     for line in log_lines:  # where the warm-up's time went (its dry run's and its own parts)
         if m := re.search(r"(warm-up(?: dry run)? parts: .*)$", line):
             print(f"{'':9s} {m.group(1)}", flush=True)
+
+
+def mlx_jit_modules(cache: Path, since: float, names: bool = False) -> str:
+    """A line on the JIT modules MLX wrote to its cache (paths.py: kernels/mlx-<version>/<device>/) since `since`
+    (a wall time): MLX writes a module's source (`NAME.cu`) after compiling it. Fused elementwise modules (from
+    mx.compile) are named by their graph, which starts with an upper-case letter (`Cf4IBroadcast...`); MLX's other
+    JIT kernels by their op (`gather_...`, `qmm_naive_...`). Empty where MLX wrote none (a CPU machine, a restart).
+    `names`: a line more per module, its name and the seconds since the one before it was written."""
+    written = sorted(
+        (p.stat().st_mtime, p.name) for p in cache.glob("kernels/mlx-*/*/*.cu") if p.stat().st_mtime >= since
+    )
+    if not written:
+        return ""
+    fused = sum(1 for _, name in written if name[:1].isupper())
+    span = written[-1][0] - written[0][0]
+    line = (
+        f"MLX's JIT: {len(written)} modules compiled ({fused} fused elementwise, {len(written) - fused} others), "
+        f"written over {span:.1f} s"
+    )
+    if names:
+        line += "".join(f"\n  +{t - before:5.1f} s {name[:-3]}" for (before, _), (t, name) in zip(written, written[1:]))
+    return line
 
 
 if __name__ == "__main__":

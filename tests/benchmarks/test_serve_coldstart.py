@@ -30,3 +30,25 @@ def test_a_warm_run_with_bursts_reports_both_and_their_ratio(tmp_path):
     assert abs(ttft_ratio - p50 / p50b) < 0.01 + 0.01 * ttft_ratio  # (printed to 2 places from 1-place figures)
     assert abs(rate_ratio - rate / rateb) < 0.01 + 0.01 * rate_ratio
     assert not list(tmp_path.glob("mlxcel-coldstart-*"))  # (the model and the kernel cache are deleted)
+
+
+def test_mlx_jit_modules_counts_the_sources_mlx_wrote_since_the_run_began(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    from serve_coldstart import mlx_jit_modules
+
+    folder = tmp_path / "kernels" / "mlx-0.32.4" / "sm_90-NVIDIA_H200"
+    folder.mkdir(parents=True)
+    written = {"old_gather_float32.cu": 100.0, "Cf4IBroadcastADf4OMultiplyCB_VV_f4f4_1.cu": 1000.0}
+    written |= {"Bf4ISigmoidAC_V_f4_2.cu": 1004.5, "gather_float32_int32.cu": 1010.0, "x.ptx": 1011.0}
+    for name, mtime in written.items():
+        (folder / name).write_text("source")
+        os.utime(folder / name, (mtime, mtime))
+    assert mlx_jit_modules(tmp_path, 999.0) == (
+        "MLX's JIT: 3 modules compiled (2 fused elementwise, 1 others), written over 10.0 s"
+    )
+    assert mlx_jit_modules(tmp_path, 999.0, names=True).splitlines()[1:] == [
+        "  +  4.5 s Bf4ISigmoidAC_V_f4_2",
+        "  +  5.5 s gather_float32_int32",
+    ]
+    assert mlx_jit_modules(tmp_path, 2000.0) == ""
+    assert mlx_jit_modules(tmp_path / "elsewhere", 0.0) == ""
