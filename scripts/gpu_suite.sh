@@ -18,10 +18,13 @@
 # The install happens once a machine: a second `run PART` on the same warm machine reuses /tmp/site.
 #
 # The kernel cache (MLX's compiled kernels and ours, the driver's JIT cache) lives in /tmp/mlxcel-cache there: each
-# `run` leaves it in $OUT/kcache.tgz (where it fits a call's 64 MiB). Bring it back here with
+# `run` leaves it in $OUT/kcache.tgz.part0, part1, ... (15 MiB pieces, 60 MiB at most, the driver's cache left out
+# where it does not fit: a call brings back files of 16 MiB at most). Bring it back here with
 #   scripts/gpu_suite.sh keep /work/.device/N      # -> .devwheels/kcache/kcache.tgz
-# and carry it in a copy call (carry [".devwheels/kcache"]) on the next machine: kernels whose source is unchanged are
-# then read, not compiled (a variant's file name carries its source's hash), and the suite spends less time compiling.
+# and carry it in the second copy call (carry [".devwheels/c", ".devwheels/kcache"], together under 60 MiB) on the
+# next machine: kernels whose source is unchanged are then read, not compiled (a variant's file name carries its
+# source's hash), and the suite spends less time compiling. A machine's parts share its cache, so the last part run
+# on one machine brings back all of them.
 # Real-model tests (marker real_model) need the SmolLM2 download, which that machine cannot make: CI runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,21 +58,26 @@ case "${1:-}" in
     fi
     ;;
   keep)  # here: the kernel cache a device call left in its files folder, to carry to the next machine
-    mkdir -p .devwheels/kcache && cp "${2:?the files folder of the device call}/kcache.tgz" .devwheels/kcache/
+    from="${2:?the files folder of the device call}"
+    mkdir -p .devwheels/kcache
+    if ls "$from"/kcache.tgz.part* >/dev/null 2>&1; then cat "$from"/kcache.tgz.part* > .devwheels/kcache/kcache.tgz
+    else cp "$from/kcache.tgz" .devwheels/kcache/; fi
     ls -la .devwheels/kcache
     ;;
   run)
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
     export MLXCEL_CACHE_DIR="${MLXCEL_CACHE_DIR:-/tmp/mlxcel-cache}"
-    keep_cache() {  # (the kernel cache back to this machine, where it fits a call's transfer)
+    keep_cache() {  # (the kernel cache back to this machine in 15 MiB pieces: a call returns files of 16 MiB at most)
       if [ -n "${OUT:-}" ] && [ -d "$MLXCEL_CACHE_DIR/kernels" ]; then
         du -sh "$MLXCEL_CACHE_DIR"/kernels/* 2>/dev/null | sort -h | tail -4
-        tar czf "$OUT/kcache.tgz" -C "$MLXCEL_CACHE_DIR" kernels
-        if [ "$(stat -c %s "$OUT/kcache.tgz")" -gt $((60 << 20)) ]; then  # without the driver's JIT cache, then
-          tar czf "$OUT/kcache.tgz" -C "$MLXCEL_CACHE_DIR" --exclude=kernels/cuda-driver kernels
+        local tgz=/tmp/kcache.tgz
+        tar czf $tgz -C "$MLXCEL_CACHE_DIR" kernels
+        if [ "$(stat -c %s $tgz)" -gt $((60 << 20)) ]; then  # without the driver's JIT cache, then
+          tar czf $tgz -C "$MLXCEL_CACHE_DIR" --exclude=kernels/cuda-driver kernels
         fi
-        if [ "$(stat -c %s "$OUT/kcache.tgz")" -gt $((60 << 20)) ]; then rm "$OUT/kcache.tgz"; fi
-        ls -la "$OUT"/kcache.tgz 2>/dev/null || echo "kernel cache too large to bring back"
+        if [ "$(stat -c %s $tgz)" -gt $((60 << 20)) ]; then echo "kernel cache too large to bring back"
+        else split -b 15M -d -a 1 $tgz "$OUT/kcache.tgz.part" && ls -la "$OUT"/kcache.tgz.part*; fi
+        rm -f $tgz
       fi
     }
     if ! python3 -c "import mlx.core" 2>/dev/null && [ ! -f /tmp/dw/cudawheel.name ]; then
