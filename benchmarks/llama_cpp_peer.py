@@ -11,7 +11,7 @@ Or build the tools on the CPU VM (benchmarks/llama_cpp_prebuild.py) and carry th
 `build` would, and no build runs on the device.
 
 The device machine cannot download and takes 64 MiB a call, so `stage` packs what the build needs into folders of
-60 MiB at most (a file larger than that in pieces): llama.cpp's source as vendored by the package index's
+56 MiB at most (a file larger than that in pieces): llama.cpp's source as vendored by the package index's
 llama-cpp-python sdist (without its models, docs and other backends), cmake and ninja wheels, and a CUDA 13
 compiler as wheels (nvcc, nvvm, crt, the runtime, cccl) for a machine without a toolkit. On the device, one call per
 folder with carry [".devwheels/lcp_K"] runs `unpack` (it copies the folder to /tmp/lcp and joins a split file once
@@ -56,7 +56,7 @@ TOOL_WHEELS = ("cmake", "ninja", "nvidia-cuda-cccl", "nvidia-cuda-runtime")
 BLOCKS = {"q4_0": (32, 18), "q4_k": (256, 144)}  # values and bytes a block
 
 
-CHUNK = 60 << 20  # bytes a carried folder holds at most (a call carries 64 MiB)
+CHUNK = 56 << 20  # bytes a carried folder holds at most (a call carries 64 MiB, the working tree (~4.5 MiB) included)
 WHEELS = ("cmake", "ninja") + tuple(
     f"nvidia-{name}" for name in ("cuda-nvcc", "nvvm", "cuda-crt", "cuda-runtime", "cuda-cccl")
 )  # a CUDA 13 compiler as wheels; cuBLAS comes from the device's PyTorch
