@@ -18,13 +18,14 @@
 # The install happens once a machine: a second `run PART` on the same warm machine reuses /tmp/site.
 #
 # The kernel cache (MLX's compiled kernels and ours, the driver's JIT cache) lives in /tmp/mlxcel-cache there: each
-# `run` leaves it in $OUT/kcache.tgz.part0, part1, ... (15 MiB pieces, 60 MiB at most, the driver's cache left out
+# `run` leaves it in $OUT/kcache.tgz.part0, part1, ... (15 MiB pieces, 56 MiB at most, the driver's cache left out
 # where it does not fit: a call brings back files of 16 MiB at most). Bring it back here with
 #   scripts/gpu_suite.sh keep /work/.device/N      # -> .devwheels/kcache/kcache.tgz
-# and carry it in the second copy call (carry [".devwheels/c", ".devwheels/kcache"], together under 60 MiB) on the
-# next machine: kernels whose source is unchanged are then read, not compiled (a variant's file name carries its
-# source's hash), and the suite spends less time compiling. A machine's parts share its cache, so the last part run
-# on one machine brings back all of them.
+# and carry it on the next machine in a copy call: with the second (carry [".devwheels/c", ".devwheels/kcache"]) where
+# both fit a call's 64 MiB beside the working tree (~4.5 MiB), else alone (carry [".devwheels/kcache"]). Kernels whose
+# source is unchanged are then read, not compiled (a variant's file name carries its source's hash), and the suite
+# spends less time compiling. A machine's parts share its cache, so the last part run on one machine brings back all
+# of them.
 # Real-model tests (marker real_model) need the SmolLM2 download, which that machine cannot make: CI runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,10 +73,10 @@ case "${1:-}" in
         du -sh "$MLXCEL_CACHE_DIR"/kernels/* 2>/dev/null | sort -h | tail -4
         local tgz=/tmp/kcache.tgz
         tar czf $tgz -C "$MLXCEL_CACHE_DIR" kernels
-        if [ "$(stat -c %s $tgz)" -gt $((60 << 20)) ]; then  # without the driver's JIT cache, then
+        if [ "$(stat -c %s $tgz)" -gt $((56 << 20)) ]; then  # without the driver's JIT cache, then
           tar czf $tgz -C "$MLXCEL_CACHE_DIR" --exclude=kernels/cuda-driver kernels
         fi
-        if [ "$(stat -c %s $tgz)" -gt $((60 << 20)) ]; then echo "kernel cache too large to bring back"
+        if [ "$(stat -c %s $tgz)" -gt $((56 << 20)) ]; then echo "kernel cache too large to bring back"
         else split -b 15M -d -a 1 $tgz "$OUT/kcache.tgz.part" && ls -la "$OUT"/kcache.tgz.part*; fi
         rm -f $tgz
       fi
