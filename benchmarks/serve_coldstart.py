@@ -237,9 +237,7 @@ def mlx_jit_modules(cache: Path, since: float, names: bool = False) -> str:
     mx.compile) are named by their graph, which starts with an upper-case letter (`Cf4IBroadcast...`); MLX's other
     JIT kernels by their op (`gather_...`, `qmm_naive_...`). Empty where MLX wrote none (a CPU machine, a restart).
     `names`: a line more per module, its name and the seconds since the one before it was written."""
-    written = sorted(
-        (p.stat().st_mtime, p.name) for p in cache.glob("kernels/mlx-*/*/*.cu") if p.stat().st_mtime >= since
-    )
+    written = sorted((t, p.name) for p in cache.glob("kernels/mlx-*/*/*.cu") if (t := p.stat().st_mtime) >= since)
     if not written:
         return ""
     fused = sum(1 for _, name in written if name[:1].isupper())
