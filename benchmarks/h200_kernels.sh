@@ -25,8 +25,8 @@
 #   restart           serve's first request: request_phases.py --serve-warmup in a process that compiles (empty cache
 #                     dir) and one that loads (a restart), then serve_coldstart.py cold and warm (1B bf16)
 #   cold              issue 42's target 6: serve_coldstart.py cold and warm (1B bf16) with a 64-client burst twice
-                    after the two requests, and MLX's JIT modules each run compiled, by name
-  coldstart SHAPE.. the kernel cache: the same `mlxcel bench` in two processes on an empty cache dir; the first
+#                     after the two requests, and MLX's JIT modules each run compiled, by name
+#   coldstart SHAPE.. the kernel cache: the same `mlxcel bench` in two processes on an empty cache dir; the first
 #                     compiles every kernel (warmup_ms), the second should find them all
 # Tests on the GPU:
 #   tests             the decode kernels' CUDA tests: the 16-bit kernel, the norm and rope folds, MLX workarounds,
