@@ -273,6 +273,21 @@ def test_fold_positions_small_steps_give_row_major_positions(batch, length, shar
     ]
 
 
+@needs_cuda
+@pytest.mark.parametrize("batch,length", [(1, 1), (2, 1), (3, 1), (5, 1), (64, 1), (1, 2), (1, 7), (3, 4), (2, 300)])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
+def test_positions_kernel_gives_the_ops_values_bit_for_bit(batch, length, shared, scale):
+    """The positions kernel against the MLX ops it replaces (whose fused elementwise graph MLX compiles with NVRTC the
+    first time a machine runs it): the same float32 bits, from a padded array of at least 16 bytes."""
+    rng = np.random.default_rng(batch * 1000 + length)
+    offset = mx.array(rng.integers(0, 200_000, size=1 if shared else batch), dtype=mx.int32)
+    got = rope_fold._kernel_positions(offset, batch, length, scale)
+    want = rope_fold._op_positions(offset, batch, length, scale)
+    assert got.shape == want.shape == (batch * length,)
+    assert np.array(got).view(np.uint32).tolist() == np.array(want).view(np.uint32).tolist()
+
+
 def test_fold_positions_ramp_is_a_constant_inside_a_compiled_step():
     """The 0..n-1 ramp is made and evaluated once (no arange op in each step's graph), and a compiled step that
     computes positions from its offset input gives the eager values, step after step."""
