@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             return Engine(model, engine.tokenizer, dry_run_config(engine.config)) if dry else engine
 
         plan = warmup_plan(EngineConfig(max_batch_size=args.max_batch))
-        seconds = warm_up_ahead(warmup_engine, plan)
+        seconds = warm_up_ahead(warmup_engine, plan, model)
         print(f"serve's warm-up on a throwaway engine: {seconds:.2f} s ({plan.describe()})")
         gc.collect()
     engine = new_engine()

@@ -126,6 +126,11 @@ class Backend:
         backend compiles nothing of its own, so there is nothing to run ahead."""
         return None
 
+    def mlx_modules_ahead(self, model):
+        """MLX's own JIT modules the model's steps need, set compiling side by side before serve's warm-up (its
+        `wait()` moves them into MLX's cache: cuda/mlx_jit_ahead.py); None where MLX compiles nothing at run time."""
+        return None
+
     def in_dry_run(self) -> bool:
         """Whether a `compile_ahead` dry run is going on (its kernels give zeros: autotuning measures nothing then)."""
         return False

@@ -189,7 +189,7 @@ class EngineLoop:
                 self.draft = load_model(speculative.draft_model, log=lambda m: log.info("draft model: %s", m))
             if self.warmup:  # (on an engine like the serving one, dropped after)
                 plan = warmup_plan(self.engine_config)
-                seconds = warm_up_ahead(self._new_engine, plan)
+                seconds = warm_up_ahead(self._new_engine, plan, self.loaded.model)
                 log.info("warm-up: %.1f s (%s)%s", seconds, plan.describe(), compiled())
             self.engine = self._new_engine()
             # The tokenizer in llguidance's form, built on a worker thread now so that the first request with a

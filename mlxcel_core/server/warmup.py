@@ -88,20 +88,27 @@ def dry_run_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, storage=config.resolved_storage, compile_decode=False, decode_graph=False)
 
 
-def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan) -> float:
+def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan, model=None) -> float:
     """`warm_up(new_engine(), plan)`, first run dry where the backend compiles kernels of its own
     (Backend.compile_ahead): the same plan on a throwaway engine whose kernel launches give zeros while every variant
     they need compiles side by side, so the warm-up proper finds them all compiled. Its engine neither compiles its
     steps nor records a graph (either would keep the zeros: an mx.compile trace as constants); it keeps the real
     one's storage. `new_engine(dry=True)`: an engine of `dry_run_config`'s. A dry run whose lone
     reply compiled nothing stops there (a restart: the kernel cache holds the model's kernels). A dry run that fails
-    only costs its time (a warning): the warm-up proper compiles what it still needs. Returns the wall time."""
+    only costs its time (a warning): the warm-up proper compiles what it still needs. `model` (the engines'): MLX's
+    own JIT modules its steps need compile side by side first (Backend.mlx_modules_ahead), which the dry run would
+    otherwise compile one at a time. Returns the wall time."""
     from .. import backends
 
     start = time.perf_counter()
-    ahead = backends.current().compile_ahead()
+    backend = backends.current()
+    ahead = backend.compile_ahead()
     if ahead is not None:
         try:
+            mlx_modules = backend.mlx_modules_ahead(model) if model is not None else None
+            if mlx_modules is not None:
+                moved, seconds = mlx_modules.wait()
+                log.info("warm-up: %d of MLX's own kernel modules compiled side by side in %.1f s", moved, seconds)
             with ahead as compiles:
                 dry = new_engine(dry=True)
                 warm_up(dry, plan, dry_run=True, compiling=lambda: compiles is None or bool(compiles.submitted))

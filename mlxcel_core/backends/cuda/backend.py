@@ -42,6 +42,15 @@ class CudaBackend(Backend):
             return None  # (the kernels are MLX's own, compiled in every process: nothing to compile ahead)
         return collecting()
 
+    def mlx_modules_ahead(self, model):
+        from ...paths import use_kernel_cache
+        from . import mlx_jit_ahead
+
+        directory = use_kernel_cache()
+        if directory is None:
+            return None
+        return mlx_jit_ahead.start(directory, mlx_jit_ahead.modules_of(model))
+
     def in_dry_run(self) -> bool:
         from .kernels.compile_ahead import active
 
