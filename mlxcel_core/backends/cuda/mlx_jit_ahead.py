@@ -32,8 +32,15 @@ from pathlib import Path
 
 log = logging.getLogger("mlxcel")
 
-# The modules of a model's steps that depend on its dtype only ({dtype}: MLX's name of the dtype, {kind}: its code in
-# a fused module's name, which spells out the fused graph: mlx/compile.cpp, Compiled::Compiled).
+# silu(gate) * up (models/activations.py's swiglu) as MLX names its fused graph ({kind}: the dtype's code in such a
+# name, which spells out the graph: mlx/compile.cpp, Compiled::Compiled): compiled shapeless, as a prefill runs it, and
+# inside a compiled decode step (the constants' hash of a graph without constants ends each name)
+SWIGLU = (
+    "C{kind}ISigmoidAD{kind}IBroadcastACE{kind}IBroadcastCAF{kind}IMultiplyDEG{kind}IBroadcastFBH{kind}IBroadcastBFI"
+    "{kind}OMultiplyGH_VV_{kind}{kind}_6142509188972423790"
+)
+SWIGLU_STEP = "C{kind}ISigmoidAD{kind}IMultiplyACE{kind}OMultiplyDB_VV_{kind}{kind}_6142509188972423790"
+# The modules of a model's steps that depend on its dtype only ({dtype}: MLX's name of the dtype).
 MODULES = (
     "gather_{dtype}_uint32_1",  # the embedding's rows of the step's token ids
     "gather_{dtype}_int32_1",
@@ -43,11 +50,8 @@ MODULES = (
     # uint32 positions and the ids' int32 promote to int64): the warm-up's dry run suppresses end-of-sequence tokens
     "gather_float32_int64_2",
     "scatter_float32_int64_Assign_2",
-    # silu(gate) * up (models/activations.py's swiglu): compiled shapeless, as a prefill runs it, and inside a compiled
-    # decode step (the constants' hash of a graph without constants ends each name)
-    "C{kind}ISigmoidAD{kind}IBroadcastACE{kind}IBroadcastCAF{kind}IMultiplyDEG{kind}IBroadcastFBH{kind}IBroadcastBFI"
-    "{kind}OMultiplyGH_VV_{kind}{kind}_6142509188972423790",
-    "C{kind}ISigmoidAD{kind}IMultiplyACE{kind}OMultiplyDB_VV_{kind}{kind}_6142509188972423790",
+    SWIGLU,
+    SWIGLU_STEP,
 )
 QUANTIZED_MODULES = (  # a model with quantized weights (bits, group size, mode as MLX names them) adds these
     "gather_uint32_uint32_1",  # the quantized embedding's packed rows
@@ -58,7 +62,7 @@ QUANTIZED_MODULES = (  # a model with quantized weights (bits, group size, mode 
     "qmm_sm80_tn_{dtype}_m32_b{bits}_g{group}_{mode}",
     "qmm_sm80_tn_{dtype}_m64_b{bits}_g{group}_{mode}",
 )
-_FUSED = {MODULES[6]: "swiglu", MODULES[7]: "swiglu_step"}
+_FUSED = {SWIGLU: "swiglu", SWIGLU_STEP: "swiglu_step"}
 _QMM = re.compile(r"qmm_sm80_tn_([a-z]+[0-9]+)_m([0-9]+)_b([0-9]+)_g([0-9]+)_([a-z0-9]+)")
 _KINDS = {"bfloat16": "V2", "float16": "f2", "float32": "f4"}
 _GATHER = re.compile(r"gather_([a-z]+[0-9]+)_([a-z]+[0-9]+)_([0-9]+)")
@@ -85,12 +89,15 @@ def activation_dtype(model):
 
 
 def quantizations(model) -> list[tuple[int, int, str]]:
-    """The (bits, group size, mode) of the model's quantized layers, each once."""
-    found = {}
-    for _, module in model.named_modules():
-        if hasattr(module, "bits") and hasattr(module, "group_size") and "scales" in module:
-            found[(module.bits, module.group_size, getattr(module, "mode", "affine"))] = None
-    return list(found)
+    """The (bits, group size, mode) of the model's quantized layers, each once (convert_recipes.quantization_entry:
+    the most common setting, and every layer's where they differ)."""
+    from mlxcel_core.convert_recipes import quantization_entry
+
+    entry = quantization_entry(model)
+    if entry is None:
+        return []
+    settings = [entry] + [v for v in entry.values() if isinstance(v, dict)]
+    return list(dict.fromkeys((s["bits"], s["group_size"], s["mode"]) for s in settings))
 
 
 def modules_of(model) -> list[str]:

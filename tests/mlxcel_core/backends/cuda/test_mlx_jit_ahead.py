@@ -134,3 +134,20 @@ def test_on_cuda_a_warm_up_on_an_empty_cache_compiles_only_the_helpers_mlx_modul
     (directory,) = [p for p in (tmp_path / "kernels").glob("mlx-*/*") if p.is_dir()]
     quantized = [(4, 64, "affine")] if bits else []
     assert _mlx_modules(directory) - set(mlx_jit_ahead.modules_for(mx.bfloat16, quantized)) == set()
+
+
+def test_a_models_modules_follow_its_dtype_and_each_quantization_its_layers_use():
+    import mlx.nn as nn
+
+    from mlxcel_core.loading.shapes import build_random_model
+
+    model, _ = build_random_model("tiny", dtype="float16", seed=0)
+    assert mlx_jit_ahead.modules_of(model) == mlx_jit_ahead.modules_for(mx.float16)
+    nn.quantize(
+        model, group_size=32, bits=4, class_predicate=lambda path, m: "mlp" in path and hasattr(m, "to_quantized")
+    )
+    nn.quantize(
+        model, group_size=64, bits=8, class_predicate=lambda path, m: "self_attn" in path and hasattr(m, "to_quantized")
+    )
+    assert set(mlx_jit_ahead.quantizations(model)) == {(4, 32, "affine"), (8, 64, "affine")}
+    assert mlx_jit_ahead.modules_of(model) == mlx_jit_ahead.modules_for(mx.float16, mlx_jit_ahead.quantizations(model))
