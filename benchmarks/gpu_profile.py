@@ -61,7 +61,9 @@ def mlxcel_steps(model, vocab: int, batch: int, prompt_tokens: int, warm: int, c
     `batch` random prompts opened at once, as a server's batch runs them."""
     engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=batch))
     prompts = [random_prompt(vocab, prompt_tokens, 0, "gpu-profile", i) for i in range(batch)]
-    steps = warm + count + 2 * batch + 8  # (prompts prefill over several steps: the rows start apart)
+    # Prompts prefill over several steps (on a CPU one every 3 steps): the first rows must still be decoding when
+    # the last one starts, and past that for warm + count steps.
+    steps = warm + count + 4 * batch + 16
     seqs = [engine.open(p, SamplingParams(max_tokens=steps)) for p in prompts]
     while engine.has_work():
         outs = [out for out in engine.step() if out.token is not None or out.finish_reason == "error"]

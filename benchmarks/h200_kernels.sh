@@ -38,7 +38,6 @@
 # A/B runs, beside mlx-lm (compare_mlx_lm) unless `mlxcel bench` is named:
 #   portable SHAPE..  each shape with MLXCEL_CUDA=0 (the portable backend: MLX's own ops), then with the CUDA wing
 #                     (default shape 1B bf16)
-#   staged            MLXCEL_QMM_STAGED=0/1 (issue 42 target 2): test_qmm.py, qmm_ab.py, 8B 4-bit b=32/64 under each
 #   graphs SHAPE..    MLX's CUDA graph settings (MLX_USE_CUDA_GRAPHS=0/1, MLX_MAX_OPS_PER_BUFFER 60/200), `mlxcel
 #                     bench` only; they apply to the whole process
 #   pin SHAPE..       `mlxcel bench` tg128 unpinned and pinned to 4 cores (taskset), 3 times each, alternating: whether
@@ -242,23 +241,13 @@ for line in sys.stdin:
         echo "== taskset -c $cores $what: $(taskset -c $cores bash -c "$(declare -f tg128); tg128 $what")"
       done
     done ;;
-  staged)
-    # MLXCEL_QMM_STAGED's question (issue 42 target 2): the tensor-core kernel's tests (the staged kernel bit for bit
-    # the plain one's), both kernels per 8B projection, then the 8B 4-bit decode at b=32 and 64 under each
-    timeout 200 python -m pytest -q -p no:cacheprovider $CUDA_TESTS/kernels/test_qmm.py 2>&1 | tail -3
-    timeout 120 python benchmarks/qmm_ab.py --rounds 3
-    for s in 0 1; do  # (each builds the 8B model again: a second pair is a second call)
-      echo "== MLXCEL_QMM_STAGED=$s"
-      MLXCEL_QMM_STAGED=$s timeout 150 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
-        --batches 32,64 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "mlxcel \|"
-    done ;;
   graphs)
     # MLX's CUDA graph settings (they apply to the whole process)
     shift
     settings_ab "MLX_USE_CUDA_GRAPHS=1 MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=60 MLX_MAX_OPS_PER_BUFFER=200" "$@" ;;
   *)
     echo "usage: bash benchmarks/h200_kernels.sh STEP [ARGS], STEP one of defaults batch phases restart coldstart" \
-      "tests batching engine models backends graph portable staged graphs pin ab abq hmv sweep sweep1b attn profile" \
+      "tests batching engine models backends graph portable graphs pin ab abq hmv sweep sweep1b attn profile" \
       "prefill host (the header says what each does)" >&2
     exit 2 ;;
 esac

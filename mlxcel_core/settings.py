@@ -100,16 +100,6 @@ SETTINGS: tuple[Setting, ...] = (
         _positive_int,
     ),
     Setting(
-        "MLXCEL_QMM_STAGED",
-        "0/1",
-        False,
-        "Experiment: 1 runs decode batches of 9-32 rows on 4-bit weights through the tensor-core kernel that "
-        "stages x in shared memory and keeps several groups of weights in flight (kernels/qmm_staged.py), in "
-        "place of kernels/qmm.py; the same sums in the same order. Read once a process. Kept until the H200 "
-        "measures which is faster.",
-        _switch,
-    ),
-    Setting(
         "MLXCEL_NET_TIMEOUT",
         "float",
         30.0,

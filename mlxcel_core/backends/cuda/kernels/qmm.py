@@ -13,16 +13,23 @@ Layout of one warp's work: 16 weight rows (the mma's M) against 8 rows of x (its
 (NT is compiled in and M read from x's shape, so batch sizes 9..32 share three kernels); a k-step is 16 values of K,
 a group G / 16 steps. Thread (g = lane / 4, t = lane % 4) owns the group's K values t Q .. t Q + Q - 1 (Q = G / 4)
 of weight rows g and g + 8, loaded at once as G / 32 whole packed words a row (one vector load), and step s takes
-the 4 consecutive K values k = t Q + 4 s .. k + 3 of them and of x row g of each tile (x four values at a time where
-aligned): four to eight times fewer load instructions than 16-bit pieces (on the H200 an 8B 4-bit batch of 32
-decodes at 1409 tok/s with these loads, 1085 with 16-bit pieces: benchmarks/RESULTS.md). The mma's fragments put the
-logical K index 2t, 2t+1 (registers a0a1, b0b1) and 2t+8, 2t+9 (a4a5, b2b3) at a thread: this kernel maps those to
-the physical K values k, k+1 and k+2, k+3, the same permutation on both operands, so the products pair up. The
-emulation in tests/mlxcel_core/backends/cuda/kernels/test_qmm.py follows this mapping and the PTX fragment layouts
-index by index.
+the 4 consecutive K values k = t Q + 4 s .. k + 3 of them and of x row g of each tile: four to eight times fewer
+load instructions than 16-bit pieces. The mma's fragments put the logical K index 2t, 2t+1 (registers a0a1, b0b1)
+and 2t+8, 2t+9 (a4a5, b2b3) at a thread: this kernel maps those to the physical K values k, k+1 and k+2, k+3, the
+same permutation on both operands, so the products pair up. The emulation in
+tests/mlxcel_core/backends/cuda/kernels/test_qmm.py follows this mapping and the PTX fragment layouts index by index.
 
-A block is 4 warps (64 weight rows); blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still
-fill the GPU; each split writes float32 partial sums [SPLITS, M, N], which are summed and cast after the launch.
+Data movement: a block's 4 warps (64 weight rows) share x. The block copies a chunk of it (all rows, CHUNK_K values
+of K) into shared memory with cp.async, the next chunk copying while the warps compute on this one (two buffers);
+rows are padded by 8 bytes, so a warp's 8-byte reads of 4 rows by 4 offsets hit 16 different bank pairs (no
+conflict), and rows M .. 8 NT - 1 hold zeros. Each warp keeps D groups of its weights (words, scales, biases) in
+flight in a ring of registers, loading a group D groups before its turn. Why: where each warp loads its own x from
+global memory (8 bytes at a time, 8 rows by 4 offsets: 32 sectors touched, a quarter of each used) and a group's
+weights only when the group starts, every warp waits a memory latency a group (benchmarks/RESULTS.md has the whole
+decode step both ways).
+
+blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
+partial sums [SPLITS, M, N], which are summed and cast after the launch.
 """
 
 from __future__ import annotations
@@ -32,9 +39,7 @@ import hashlib
 
 import mlx.core as mx
 
-from mlxcel_core import settings
-
-from . import qmm_staged, qmv, qmv_source
+from . import qmv, qmv_source
 from .cubin_cache import cuda_kernel
 from .matvec_config import QMM_TARGET_BLOCKS as TARGET_BLOCKS  # noqa: F401
 from .matvec_config import qmm_split_k as split_k  # the untuned rule
@@ -43,6 +48,7 @@ MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
 WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 X_TYPES = (mx.bfloat16, mx.float16)
+CHUNK_K = 256  # values of K a block stages in shared memory at a time (whole groups: 8, 4 or 2 of 32, 64 or 128)
 
 _HEADER = (
     qmv_source.SAME_TYPE
@@ -153,91 +159,159 @@ __device__ __forceinline__ float mlxcel_qmm_sum2(uint32_t v) {
         return __uint_as_float(v << 16) + __uint_as_float(v & 0xFFFF0000u);
     }
 }
+
+// 8 bytes global -> shared, asynchronously (cp.async.ca: through L1, 8-byte granularity, sm_80+).
+// (The shared-window address by PTX's cvta: no runtime-header intrinsic, which NVRTC may not declare.)
+__device__ __forceinline__ void mlxcel_qmm_cp8(void* dst, const void* src) {
+    unsigned at;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(at) : "l"(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(at), "l"(src) : "memory");
+}
 """
+    + f"\n#define CHUNK_K {CHUNK_K}\n"
 )
 
 _SOURCE = r"""
     constexpr int STEPS = G / 16;  // mma k-steps a group
-    int M = 1;  // rows of x, at run time (NT is compiled in: batch sizes share kernels)
+    constexpr int CG = CHUNK_K / G;  // groups a chunk
+    constexpr int RS = CHUNK_K + 4;  // a staged row's 16-bit values: 8 bytes of padding (see the module docstring)
+    constexpr int Q = G / 4;
+    constexpr int WORDS = G / 32;
+    constexpr int D = CG < 4 ? CG : 4;  // groups of weights a warp loads ahead (divides CG)
+    __shared__ __align__(16) T xsh[2][NT * 8][RS];
+    int M = 1;
     for (int d = 0; d < x_ndim - 1; ++d) {
         M *= x_shape[d];
     }
     const int N = w_shape[0];
-    const int KW = w_shape[1];  // packed words a weight row
+    const int KW = w_shape[1];
     const int K = KW * 8;
-    const int NG = K / G;  // groups a row
+    const int NG = K / G;
     const int warp = threadIdx.x >> 5;
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
     const int n0 = (blockIdx.x * 4 + warp) * 16;
-    if (n0 >= N) {
-        return;  // a whole warp past the last row (no block-wide synchronization follows)
-    }
+    const bool live = n0 < N;  // a warp past the last row still stages and synchronizes with the block
     const int r0 = min(n0 + g, N - 1);
     const int r1 = min(n0 + g + 8, N - 1);
     const int gbeg = blockIdx.y * GPS;
     const int gend = min(gbeg + GPS, NG);
+    const int chunks = (gend - gbeg + CG - 1) / CG;
     const uint32_t* w0 = w + size_t(r0) * KW;
     const uint32_t* w1 = w + size_t(r1) * KW;
+    const bool whole = (reinterpret_cast<uintptr_t>(x) & 7u) == 0;  // else x is a view at an odd offset
+
+    // Rows M .. NT * 8 - 1 of both buffers hold zeros (no copy writes them).
+    for (int i = threadIdx.x; i < 2 * (NT * 8 - M) * RS; i += blockDim.x) {
+        const int b = i / ((NT * 8 - M) * RS);
+        const int r = i - b * (NT * 8 - M) * RS;
+        xsh[b][M + r / RS][r % RS] = T(0.0f);
+    }
+    // Chunk c of this split's groups into buffer c % 2: 8-byte pieces, copied asynchronously where x is aligned.
+    auto stage = [&](int c) {
+        const int g0 = gbeg + c * CG;
+        const int row_pieces = min(CG, gend - g0) * (G / 4);
+        for (int p = threadIdx.x; p < M * row_pieces; p += blockDim.x) {
+            const int m = p / row_pieces;
+            const int j = p - m * row_pieces;
+            const T* src = x + size_t(m) * K + size_t(g0) * G + 4 * j;
+            T* dst = &xsh[c & 1][m][4 * j];
+            if (whole) {
+                mlxcel_qmm_cp8(dst, src);
+            } else {
+                dst[0] = src[0]; dst[1] = src[1]; dst[2] = src[2]; dst[3] = src[3];
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+    };
+
     float tot[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         tot[nt][0] = tot[nt][1] = tot[nt][2] = tot[nt][3] = 0.0f;
     }
-    for (int gi = gbeg; gi < gend; ++gi) {
-        float acc[NT][4];
-        float xs[NT];
+    // Groups of weights in flight a warp: slot d of the ring holds group gbeg + d (mod D) (its words, scales and
+    // biases); when a group's turn comes its slot is copied out and refilled with the group D further on.
+    uint32_t rq0[D][WORDS], rq1[D][WORDS];
+    float rsc[D][4];
+    auto fetch = [&](int gg, uint32_t* q0, uint32_t* q1, float* sc) {
+        mlxcel_qmm_words<WORDS>(q0, w0 + gg * (G / 8) + t * WORDS);
+        mlxcel_qmm_words<WORDS>(q1, w1 + gg * (G / 8) + t * WORDS);
+        sc[0] = static_cast<float>(scales[size_t(r0) * NG + gg]);
+        sc[1] = static_cast<float>(scales[size_t(r1) * NG + gg]);
+        sc[2] = static_cast<float>(biases[size_t(r0) * NG + gg]);
+        sc[3] = static_cast<float>(biases[size_t(r1) * NG + gg]);
+    };
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-            xs[nt] = 0.0f;
+    for (int d = 0; d < D; ++d) {
+        if (gbeg + d < gend) {
+            fetch(gbeg + d, rq0[d], rq1[d], rsc[d]);
         }
-        // Thread t owns the group's K values t Q .. t Q + Q - 1 (Q = G / 4; G / 32 whole words a weight row, one
-        // vector load) and step s takes t Q + 4 s + 0..3 of them: a bijection of the group's K values onto the mma's
-        // logical K index, the same for both operands, so the products pair up and the group's sum is the same sum.
-        constexpr int Q = G / 4;
-        constexpr int WORDS = G / 32;
-        uint32_t q0[WORDS], q1[WORDS];
-        mlxcel_qmm_words<WORDS>(q0, w0 + gi * (G / 8) + t * WORDS);
-        mlxcel_qmm_words<WORDS>(q1, w1 + gi * (G / 8) + t * WORDS);
+    }
+    stage(0);
+    for (int c = 0; c < chunks; ++c) {
+        if (c + 1 < chunks) {
+            stage(c + 1);
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        }
+        __syncthreads();
+        const int g0 = gbeg + c * CG;
+        for (int sb = 0; live && sb < CG; sb += D) {  // (D divides CG: group gi's slot is gi - g0 - sb)
 #pragma unroll
-        for (int s = 0; s < STEPS; ++s) {
-            // nibbles 4 s .. 4 s + 3 of this thread's words: word s / 2, bits 16 (s % 2) ..
-            const uint32_t h0 = q0[s >> 1] >> (16 * (s & 1));
-            const uint32_t h1 = q1[s >> 1] >> (16 * (s & 1));
-            const int k = gi * G + t * Q + 4 * s;
-            uint32_t a[4];
-            a[0] = mlxcel_qmm_pair<T>(h0);  // row g, logical K 2t, 2t+1 = physical k, k + 1
-            a[1] = mlxcel_qmm_pair<T>(h1);  // row g + 8
-            a[2] = mlxcel_qmm_pair<T>(h0 >> 8);  // row g, logical 2t+8, 2t+9 = physical k + 2, k + 3
-            a[3] = mlxcel_qmm_pair<T>(h1 >> 8);
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int m = nt * 8 + g;
-                uint32_t b[2] = {0u, 0u};
-                if (m < M) {
-                    const T* xk = x + size_t(m) * K + k;
-                    if ((reinterpret_cast<uintptr_t>(xk) & 7u) == 0) {
-                        const uint2 v = *reinterpret_cast<const uint2*>(xk);  // x[m, k .. k + 3] in one load
-                        b[0] = v.x;
-                        b[1] = v.y;
-                    } else {
-                        // 16-bit loads: x may start at any element (a view), so no wider alignment is assumed
-                        const unsigned short* xp = reinterpret_cast<const unsigned short*>(xk);
-                        b[0] = uint32_t(xp[0]) | (uint32_t(xp[1]) << 16);  // x[m, k], x[m, k + 1]: logical 2t, 2t+1
-                        b[1] = uint32_t(xp[2]) | (uint32_t(xp[3]) << 16);  // x[m, k + 2], x[m, k + 3]: 2t+8, 2t+9
-                    }
-                    xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
+            for (int d = 0; d < D; ++d) {
+                const int gi = g0 + sb + d;
+                if (gi >= gend) {
+                    break;
                 }
-                mlxcel_qmm_mma<T>(acc[nt], a, b);
+                uint32_t p0[WORDS], p1[WORDS];
+                float ps[4];
+#pragma unroll
+                for (int i = 0; i < WORDS; ++i) {
+                    p0[i] = rq0[d][i];
+                    p1[i] = rq1[d][i];
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    ps[i] = rsc[d][i];
+                }
+                if (gi + D < gend) {
+                    fetch(gi + D, rq0[d], rq1[d], rsc[d]);
+                }
+                float acc[NT][4];
+                float xs[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+                    xs[nt] = 0.0f;
+                }
+#pragma unroll
+                for (int s = 0; s < STEPS; ++s) {
+                    const uint32_t h0 = p0[s >> 1] >> (16 * (s & 1));
+                    const uint32_t h1 = p1[s >> 1] >> (16 * (s & 1));
+                    const int kc = (gi - g0) * G + t * Q + 4 * s;  // k within the chunk
+                    uint32_t a[4];
+                    a[0] = mlxcel_qmm_pair<T>(h0);
+                    a[1] = mlxcel_qmm_pair<T>(h1);
+                    a[2] = mlxcel_qmm_pair<T>(h0 >> 8);
+                    a[3] = mlxcel_qmm_pair<T>(h1 >> 8);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
+                        uint32_t b[2] = {v.x, v.y};
+                        xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
+                        mlxcel_qmm_mma<T>(acc[nt], a, b);
+                    }
+                }
+                mlxcel_qmm_scale<NT>(tot, acc, xs, ps[0], ps[1], ps[2], ps[3], t);
             }
         }
-        const float s0 = static_cast<float>(scales[size_t(r0) * NG + gi]);
-        const float s1 = static_cast<float>(scales[size_t(r1) * NG + gi]);
-        const float c0 = static_cast<float>(biases[size_t(r0) * NG + gi]);
-        const float c1 = static_cast<float>(biases[size_t(r1) * NG + gi]);
-        mlxcel_qmm_scale<NT>(tot, acc, xs, s0, s1, c0, c1, t);
+        __syncthreads();  // every warp is done with this buffer before the next stage() refills it
+    }
+    if (!live) {
+        return;
     }
     mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
 """
@@ -247,31 +321,19 @@ KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hex
 
 
 @functools.cache
-def _kernel(staged: bool = False):
-    header, source = kernel_source(staged)
+def _kernel():
     return cuda_kernel(
-        name=kernel_name(staged),
+        name=KERNEL_NAME,
         input_names=["x", "w", "scales", "biases"],
         output_names=["partial"],
-        source=source,
-        header=header,
+        source=_SOURCE,
+        header=_HEADER,
     )
 
 
-def kernel_source(staged: bool = False) -> tuple[str, str]:
-    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input); `staged`: qmm_staged.py's."""
-    return qmm_staged.kernel_source(_HEADER) if staged else (_HEADER, _SOURCE)
-
-
-def kernel_name(staged: bool = False) -> str:
-    return qmm_staged.kernel_name(_HEADER) if staged else KERNEL_NAME
-
-
-@functools.cache
-def staged() -> bool:
-    """MLXCEL_QMM_STAGED: the experiment's kernel (qmm_staged.py) in place of this one. Read once a process: a
-    decode step calls the kernel for every 4-bit projection, and the setting costs microseconds a read."""
-    return settings.get("MLXCEL_QMM_STAGED")
+def kernel_source() -> tuple[str, str]:
+    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input)."""
+    return _HEADER, _SOURCE
 
 
 def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
@@ -319,11 +381,9 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     gps: int | None = None,
-    staged_kernel: bool | None = None,
 ) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
-    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split; `staged_kernel`
-    picks the kernel (None: `staged()`, the setting)."""
+    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split."""
     n, k = w.shape[0], w.shape[1] * 8
     args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
     if args is None:
@@ -331,6 +391,6 @@ def quantized_matmul(
             f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
-    partial = _kernel(staged() if staged_kernel is None else staged_kernel)(inputs=[x, w, scales, biases], **args)[0]
+    partial = _kernel()(inputs=[x, w, scales, biases], **args)[0]
     y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)
