@@ -39,10 +39,13 @@ case "${1:-}" in
       httpx2 httpcore2 truststore anyio idna h11
     # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
     mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
-    # The test extras' transformers (that machine's is older than the GGUF tests need) rides alone in a third call.
+    # The test extras' transformers (that machine's is older than the GGUF tests need) rides alone in a third call,
+    # with the versions of the libraries it needs that are installed here (that machine's may be too old for it).
     mkdir -p .devwheels/c
-    python3 -m pip download -q --no-deps -d .devwheels/c "transformers==$(python3 -c 'import transformers as t; print(t.__version__)')" \
-      "huggingface_hub>=1.31,<2"
+    pins=$(python3 -c 'import importlib.metadata as m
+print(" ".join(f"{p}=={m.version(p)}" for p in ("transformers", "huggingface_hub", "tokenizers", "safetensors")))')
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .devwheels/c $pins
     # The default model's tokenizer beside a 1-layer model (~10 MB), for the benchmarks' --tokenizer-model there:
     # copied to /tmp/tokenizer-stand-in.
     python3 -m mlxcel_cli generate -p hi --max-tokens 1 >/dev/null  # (fetches the default model where it is missing)
@@ -91,8 +94,12 @@ case "${1:-}" in
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_tf /tmp/dwc/*.whl
       fi
     fi
-    if [ -d /tmp/site_tf ] && PYTHONPATH="/tmp/site_tf:$PYTHONPATH" python3 -c "import transformers" 2>/dev/null; then
-      export PYTHONPATH="/tmp/site_tf:$PYTHONPATH"
+    if [ -d /tmp/site_tf ]; then
+      if tf_error=$(PYTHONPATH="/tmp/site_tf:$PYTHONPATH" python3 -c "import transformers" 2>&1); then
+        export PYTHONPATH="/tmp/site_tf:$PYTHONPATH"
+      else  # the machine's own transformers then: tests that need the staged one fail (GGUF vocabularies, gpt-oss)
+        echo "gpu_suite.sh: the staged transformers does not import: $(echo "$tf_error" | tail -1)" >&2
+      fi
     fi
     python3 -c "import mlx.core as mx, transformers; print('mlx', mx.__version__, 'transformers', transformers.__version__)"
     status=0
