@@ -100,7 +100,8 @@ def _source_model(source: ModelSource, log: Log) -> tuple[nn.Module, dict[str, A
     return model, written, None
 
 
-def _config_dtype(config: dict[str, Any]) -> str | None:
+def config_dtype(config: dict[str, Any]) -> str | None:
+    """The dtype config.json names (torch_dtype or dtype, at the top or in text_config), where it is one of DTYPES."""
     for holder in (config, config.get("text_config") or {}):
         for key in ("torch_dtype", "dtype"):
             if holder.get(key) in DTYPES:
@@ -123,7 +124,7 @@ def _check_source(model: nn.Module, options: ConvertOptions) -> None:
 
 def _transform(model: nn.Module, config: dict[str, Any], options: ConvertOptions, log: Log) -> dict | None:
     """Cast, quantize or dequantize `model` in place; the `quantization` entry of the written config."""
-    dtype = options.dtype or _config_dtype(config)
+    dtype = options.dtype or config_dtype(config)
     if dtype is not None:
         log(f"dtype: {dtype}")
         _cast(model, dtype)

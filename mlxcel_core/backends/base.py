@@ -120,16 +120,21 @@ class Backend:
         """(variants, seconds) of this process's compiles of the backend's own kernels so far: none here."""
         return 0, 0.0
 
-    def compile_ahead(self):
-        """A context for a dry run of what a process will launch (serve's warm-up), within which the backend's own
-        kernels give zeros and compile side by side, all ended on exit (cuda/kernels/compile_ahead.py); None where the
-        backend compiles nothing of its own, so there is nothing to run ahead."""
+    def compile_ahead(self, model=None):
+        """A context for a dry run of what a process will launch (serve's warm-up) on `model`, within which the
+        backend's own kernels give zeros and compile side by side, all ended on exit (cuda/kernels/compile_ahead.py);
+        None where the backend compiles nothing of its own, so there is nothing to run ahead."""
         return None
 
     def mlx_modules_ahead(self, model):
         """MLX's own JIT modules the model's steps need, set compiling side by side before serve's warm-up (its
         `wait()` moves them into MLX's cache: cuda/mlx_jit_ahead.py); None where MLX compiles nothing at run time."""
         return None
+
+    def mlx_modules_early(self, checkpoint) -> int:
+        """`mlx_modules_ahead` from a checkpoint directory's files, before its load (serve's, warm-up on), so that the
+        compiles overlap the load; the warm-up's `mlx_modules_ahead` adopts them. How many helpers began."""
+        return 0
 
     def in_dry_run(self) -> bool:
         """Whether a `compile_ahead` dry run is going on (its kernels give zeros: autotuning measures nothing then)."""

@@ -40,9 +40,16 @@ def _holds_nothing(directory: Path) -> bool:
 
 
 def load_model(
-    spec: str | None = None, log: Callable[[str], None] = _stderr, group=None, adapter_path: str | None = None
+    spec: str | None = None,
+    log: Callable[[str], None] = _stderr,
+    group=None,
+    adapter_path: str | None = None,
+    on_source: Callable[[ModelSource], None] | None = None,
 ) -> LoadedModel:
     """Load a model from a directory, a .gguf file, a Hub repo id, or (None) the default model.
+
+    `on_source`: called with the model's files once they are found, before they are read (serve starts compiles
+    that overlap the load there: server/warmup.py `modules_early`).
 
     `adapter_path`: an mlx-lm LoRA/DoRA adapter directory, fused into the weights (mlxcel_core/adapters.py).
 
@@ -53,6 +60,8 @@ def load_model(
     if adapter_path is not None and group is not None and group.size() > 1:
         raise InputError("--adapter-path cannot be combined with tensor parallelism (--tp-size > 1)")
     source = resolve_model(spec, log)
+    if on_source is not None:
+        on_source(source)
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path, log)
         # on the CPU fp32 throughout (faster there, and closer to the reference); elsewhere read_gguf's half dtype

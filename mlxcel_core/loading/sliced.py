@@ -80,7 +80,7 @@ def _first_line(exc: BaseException) -> str:
 def open_tensors(path: Path) -> dict[str, LazyTensor]:
     """One unread handle per tensor of the safetensors file `path`."""
     whole = read_arrays(path)  # lazy: parses the header only; also the one-line error for a bad file
-    header, data_start = _read_header(path)
+    header, data_start = read_header(path)
     out = {}
     for name, array in whole.items():
         entry = header.get(name)
@@ -96,7 +96,8 @@ def open_tensors(path: Path) -> dict[str, LazyTensor]:
     return out
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, offsets; "__metadata__") and where its data starts."""
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))

@@ -73,8 +73,14 @@ class Server:
             from ..loading import load_model
 
             def load():
+                from .warmup import modules_early
+
                 return load_model(
-                    config.model, log=lambda m: log.info("%s", m), group=config.group, adapter_path=config.adapter_path
+                    config.model,
+                    log=lambda m: log.info("%s", m),
+                    group=config.group,
+                    adapter_path=config.adapter_path,
+                    on_source=modules_early if config.warmup else None,
                 )
 
         capacity = config.engine.max_batch_size + config.max_queue_depth

@@ -88,6 +88,24 @@ def dry_run_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, storage=config.resolved_storage, compile_decode=False, decode_graph=False)
 
 
+def modules_early(source) -> None:
+    """Serve's load (warm-up on), once the model's files are found and before they are read: MLX's own JIT modules
+    its steps will need start compiling side by side from a checkpoint directory's files (Backend.mlx_modules_early),
+    overlapping the load; the warm-up's own start adopts them. A GGUF file's dtype is the loader's choice: its
+    modules start with the warm-up. Never fails the load."""
+    from .. import backends
+
+    if source.kind == "gguf" or not source.path.is_dir():
+        return
+    try:
+        started = backends.current().mlx_modules_early(source.path)
+    except Exception as exc:  # noqa: BLE001 - the warm-up starts what is still missing
+        log.debug("MLX's modules from the checkpoint's files: %s: %s", type(exc).__name__, exc)
+        return
+    if started:
+        log.info("warm-up: %d of MLX's own kernel modules compiling side by side while the model loads", started)
+
+
 def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan, model=None) -> float:
     """`warm_up(new_engine(), plan)`, first run dry where the backend compiles kernels of its own
     (Backend.compile_ahead): the same plan on a throwaway engine whose kernel launches give zeros while every variant
@@ -102,7 +120,7 @@ def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan, model=Non
 
     start = time.perf_counter()
     backend = backends.current()
-    ahead = backend.compile_ahead()
+    ahead = backend.compile_ahead(model)
     if ahead is not None:
         try:
             mlx_modules = backend.mlx_modules_ahead(model) if model is not None else None
@@ -119,6 +137,18 @@ def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan, model=Non
             )
     warm_up(new_engine(), plan)
     return time.perf_counter() - start
+
+
+class WithoutEos:
+    """A tokenizer whose tokens end no sequence, the rest its wrapped one's: the dry run's (`warm_up`)."""
+
+    eos_token_ids: frozenset = frozenset()
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
 
 
 def _step(engine: Engine) -> None:
@@ -141,16 +171,19 @@ def warm_up(
     Then, with `plan.rows` > 1, requests that join one a step (a new one's prefill is granted at once), so the
     decode batch runs at every size from 1 to `rows`. Then `plan.burst` requests opened at once. Then each short
     prompt alone; each starts with its own token, so none is a cached prefix of another. `dry_run` (warm_up_ahead):
-    the logits are zeros, whose greedy token may be an end-of-sequence one: those are suppressed so that every
-    request runs its length; no constrained request (its grammar refuses such tokens). `compiling`: asked after the
-    lone reply; False ends the run there."""
+    the logits are zeros, whose greedy token may be an end-of-sequence one, so the engine is given a tokenizer that
+    ends no sequence (`WithoutEos`) and every request runs its length with the same sampling as the warm-up proper
+    (suppressing those tokens instead would sample through logits processors, other kernels than the real run's); no
+    constrained request (its grammar is built on the real end-of-sequence tokens). `compiling`: asked after the lone
+    reply; False ends the run there."""
     start = time.perf_counter()
     room = max(1, min(len(WARMUP_PROMPT), engine.max_context - WARMUP_TOKENS))  # (a model with a tiny context)
-    suppress = tuple(sorted(engine.tokenizer.eos_token_ids)) if dry_run else ()
+    if dry_run:
+        engine.tokenizer = WithoutEos(engine.tokenizer)
 
     def open_request(prompt: list[int], tokens: int) -> None:
         limit = max(1, min(tokens, engine.max_context - len(prompt)))
-        engine.open(prompt, SamplingParams(max_tokens=limit, suppress_tokens=suppress))
+        engine.open(prompt, SamplingParams(max_tokens=limit))
 
     part = _Parts("warm-up dry run parts" if dry_run else "warm-up parts")
     open_request(WARMUP_PROMPT[:room], plan.lone_tokens)

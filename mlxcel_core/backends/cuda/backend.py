@@ -5,13 +5,14 @@ and the greedy readout and the paged attention are asked for every decode step."
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import mlx.core as mx
 
 from ..base import Backend
 from . import kernels
-from .graph_decode import GraphDecoder
+from .graph_decode import GraphDecoder, module_arrays
 from .kernels.greedy import greedy_tokens, masked_greedy_tokens
 from .kernels.qmv import MAX_ROWS
 from .paged_attention import COUNTERS, decode_attention_for, runner_for
@@ -34,13 +35,12 @@ class CudaBackend(Backend):
 
         return COMPILES.variants, COMPILES.seconds
 
-    def compile_ahead(self):
+    def compile_ahead(self, model=None):
         from ...paths import use_kernel_cache
-        from .kernels.compile_ahead import collecting
 
         if not hasattr(mx.fast, "precompiled_cuda_kernel") or use_kernel_cache() is None:
             return None  # (the kernels are MLX's own, compiled in every process: nothing to compile ahead)
-        return collecting()
+        return _dry_run(model)
 
     def mlx_modules_ahead(self, model):
         from ...paths import use_kernel_cache
@@ -50,6 +50,15 @@ class CudaBackend(Backend):
         if directory is None:
             return None
         return mlx_jit_ahead.start(directory, mlx_jit_ahead.modules_of(model))
+
+    def mlx_modules_early(self, checkpoint) -> int:
+        from ...paths import use_kernel_cache
+        from . import mlx_jit_ahead
+
+        directory = use_kernel_cache()
+        if directory is None or not hasattr(mx.fast, "precompiled_cuda_kernel"):
+            return 0  # (no warm-up ahead to adopt them: compile_ahead)
+        return mlx_jit_ahead.start_early(directory, mlx_jit_ahead.checkpoint_modules(checkpoint))
 
     def in_dry_run(self) -> bool:
         from .kernels.compile_ahead import active
@@ -92,3 +101,19 @@ class CudaBackend(Backend):
 
     def describe(self) -> str:
         return kernels.describe_decode_kernels()
+
+
+@contextmanager
+def _dry_run(model):
+    """compile_ahead's context: collecting (kernels/compile_ahead.py) with the final norm as the graph recording runs
+    it, and, after the dry run, a launch of each variant of the address kernel the recording reads arrays with (the
+    model's dtypes and the steps' own): the warm-up proper records a graph, and would otherwise compile them one at
+    a time on the serving thread (kernels/cuda_driver.py `address_variants`)."""
+    from .kernels.compile_ahead import collecting
+    from .kernels.cuda_driver import address_variants
+    from .kernels.rms_norm import final_norm_as_kernel
+
+    with collecting() as ahead, final_norm_as_kernel():
+        yield ahead
+        if mx.cuda.is_available():
+            address_variants([a.dtype for a in module_arrays(model)] if model is not None else [])

@@ -4,6 +4,9 @@
     ...                                                   # (anything else meanwhile)
     ahead.wait()                                          # each module's files are in MLX's cache directory now
 
+    start_early(directory, checkpoint_modules(path))      # serve: from the checkpoint's files, before its load;
+    ahead = start(directory, modules_of(model))           # the next `start` adopts those helpers
+
 Why: MLX 0.32 compiles some of its CUDA kernels with NVRTC the first time a process runs them: its gathers and
 scatters (mlx/backend/cuda/indexing.cpp), one module per (dtype, index dtype, index count) that instantiates every
 rank, about 3-5 s each on an H200's host core. It compiles them inside mx.eval on the thread that evaluates, so a
@@ -16,11 +19,14 @@ Which modules: the gathers and scatters the engine's steps run for a model of th
 gather, the paged prefill's block gathers and KV writes, the logits processors'), the fused SwiGLU and, for a
 quantized model, its packed embedding rows and its prefill's quantized matmuls; tests/mlxcel_core/backends/cuda/
 test_mlx_jit_ahead.py checks on a CUDA machine that a warm-up on an empty cache compiles none of its own. A module
-that a helper fails to make is compiled by MLX where it is first run, as without this.
+that a helper fails to make is compiled by MLX where it is first run, as without this. Serve starts the helpers from
+the checkpoint's files (`checkpoint_modules`: config.json and a weights file's header) before it reads the weights,
+so the compiles overlap the load; a helper's scratch directory left by a process that died is swept at the next start.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -71,6 +77,11 @@ _SCATTER_METHODS = {"Sum": "add", "Prod": "multiply", "Max": "maximum", "Min": "
 WAIT_SECONDS = 120.0  # a helper still compiling after this is left to finish alone; MLX compiles what is missing
 
 
+# helpers started before the model was loaded (start_early), adopted by the next `start`: name -> (scratch, process)
+_EARLY: dict[str, tuple[Path, subprocess.Popen]] = {}
+_SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
 def mlx_name(dtype) -> str:
     """MLX's name of a dtype in its module names (mx.bfloat16 -> "bfloat16")."""
     return str(dtype).rsplit(".", 1)[-1]
@@ -111,6 +122,38 @@ def modules_for(dtype, quantized: list[tuple[int, int, str]] = ()) -> list[str]:
     for bits, group, mode in quantized:
         names += [m.format(dtype=name, bits=bits, group=group, mode=mode) for m in QUANTIZED_MODULES]
     return list(dict.fromkeys(names))
+
+
+def checkpoint_modules(directory: Path) -> list[str]:
+    """`modules_for` a checkpoint directory before it is loaded: the dtype most of its first weights file's floating
+    tensors hold (the loader keeps a directory's dtypes; `activation_dtype` counts arrays alike), else config.json's;
+    the quantizations config.json's "quantization" names. [] where no dtype is found."""
+    import mlx.core as mx
+
+    from mlxcel_core.convert import config_dtype
+    from mlxcel_core.loading.sliced import read_header
+
+    config = json.loads((directory / "config.json").read_text())
+    dtype = None
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        from collections import Counter
+
+        header, _ = read_header(files[0])
+        kinds = Counter(_SAFETENSORS_FLOATS.get(e.get("dtype")) for k, e in header.items() if k != "__metadata__")
+        kinds.pop(None, None)
+        dtype = kinds.most_common(1)[0][0] if kinds else None
+    dtype = dtype or config_dtype(config)
+    return modules_for(getattr(mx, dtype), config_quantizations(config)) if dtype else []
+
+
+def config_quantizations(config: dict) -> list[tuple[int, int, str]]:
+    """The (bits, group size, mode) of an MLX checkpoint's config.json "quantization" (and each layer's own entry)."""
+    entry = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(entry, dict) or "bits" not in entry:
+        return []  # (unquantized, or another quantizer's format)
+    entries = [entry] + [v for v in entry.values() if isinstance(v, dict) and "bits" in v]
+    return list(dict.fromkeys((e["bits"], e.get("group_size", 64), e.get("mode", "affine")) for e in entries))
 
 
 def _fused(name: str) -> tuple[str, str] | None:
@@ -186,10 +229,13 @@ class Ahead:
 
 
 def start(directory: Path, names: list[str]) -> Ahead:
-    """One helper process for each module of `names` that `directory` (MLX's cache directory) lacks."""
-    jobs = []
+    """One helper process for each module of `names` that `directory` (MLX's cache directory) lacks, and every helper
+    `start_early` left running (their modules may be others: a guess from the checkpoint's files, kept all the same)."""
+    _sweep(directory)
+    jobs = [(name, *_EARLY.pop(name)) for name in list(_EARLY)]
+    running = {name for name, _, _ in jobs}
     for name in names:
-        if (directory / f"{name}.ptx").exists() or not runs(name):
+        if name in running or (directory / f"{name}.ptx").exists() or not runs(name):
             continue
         scratch = directory / f".ahead-{os.getpid()}-{name}"
         shutil.rmtree(scratch, ignore_errors=True)
@@ -199,6 +245,32 @@ def start(directory: Path, names: list[str]) -> Ahead:
         process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         jobs.append((name, scratch, process))
     return Ahead(directory, jobs)
+
+
+def start_early(directory: Path, names: list[str]) -> int:
+    """`start`, its helpers left running for the next `start` to adopt; how many began."""
+    ahead = start(directory, names)
+    for name, scratch, process in ahead.jobs:
+        _EARLY[name] = (scratch, process)
+    return len(ahead.jobs)
+
+
+def _sweep(directory: Path) -> None:
+    """Removes the helpers' scratch directories of processes that have ended (one killed while its helpers ran)."""
+    for scratch in directory.glob(".ahead-*-*"):
+        pid = scratch.name.split("-")[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        return True
+    return True
 
 
 def _move_in(scratch: Path, directory: Path) -> int:

@@ -2,8 +2,8 @@
 runs first on a throwaway engine whose launches give zeros while the kernels compile side by side, then for real.
 
 On CPU with a stand-in backend: the order, the dry engine's configuration (no compiled steps, no graph, the serving
-storage), its end-of-sequence suppression, and that its failure costs only a warning. On CUDA: the real warm-up then
-compiles nothing the dry run launched, and a served reply keeps the tokens it had before any of it."""
+storage), a tokenizer that ends no request, and that its failure costs only a warning. On CUDA: the real warm-up then
+compiles nothing, and a served reply keeps the tokens it had before any of it."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class _Ahead(Backend):
         self.inside = False
         self.entered = 0
 
-    def compile_ahead(self):
+    def compile_ahead(self, model=None):
         @contextmanager
         def ahead():
             self.inside, self.entered = True, self.entered + 1
@@ -110,9 +110,11 @@ def test_a_failed_dry_run_is_a_warning_and_the_warm_up_goes_on(monkeypatch, capl
     assert "the warm-up's dry run failed (RuntimeError: boom)" in caplog.text and not backend.inside
 
 
-def test_a_dry_run_suppresses_end_of_sequence_tokens_so_each_request_runs_its_length():
+def test_a_dry_runs_requests_end_at_no_end_of_sequence_token_and_sample_as_the_real_ones():
     """The dry run's logits are zeros, whose greedy token may be an end-of-sequence one: here the model's own first
-    token is made one, so without the suppression the lone request would end at once."""
+    token is made one, so with the real tokenizer's stop the lone request would end at once. The dry run's engine gets
+    a tokenizer that ends nothing, and its requests keep the real ones' sampling (the greedy readout: no logits
+    processor suppressing tokens)."""
     loaded = _Loaded()
     probe = Engine(loaded.model, loaded.tokenizer, EngineConfig())
     probe.open(WARMUP_PROMPT, SamplingParams(max_tokens=1))
@@ -136,8 +138,10 @@ def test_a_dry_run_suppresses_end_of_sequence_tokens_so_each_request_runs_its_le
 
         engine.open, engine.step = spy_open, spy_step
         warmup.warm_up(engine, WarmupPlan(lone_tokens=6), dry_run=dry_run)
-        assert [p.suppress_tokens for p in opened] == [tuple(first[:1]) if dry_run else ()]
-        assert len(made) == tokens
+        assert [(p.suppress_tokens, p.masked_greedy) for p in opened] == [((), True)]
+        assert len(made) == tokens and made[0] == first[0]
+        assert (engine.tokenizer.eos_token_ids == frozenset()) == dry_run
+        assert engine.tokenizer.vocab_size == loaded.tokenizer.vocab_size  # (the rest is the real tokenizer's)
 
 
 @pytest.mark.parametrize("compiled", [[], ["mlxcel_qmv_1"]])
@@ -147,7 +151,7 @@ def test_a_dry_run_whose_lone_reply_compiled_nothing_stops_there(monkeypatch, ca
     caplog.set_level(logging.INFO, logger="mlxcel.server")
 
     class Collecting(Backend):
-        def compile_ahead(self):
+        def compile_ahead(self, model=None):
             @contextmanager
             def ahead():
                 yield type("Ahead", (), {"submitted": compiled})()
@@ -207,5 +211,53 @@ def test_on_cuda_the_warm_up_after_a_dry_run_compiles_nothing_the_dry_run_launch
     warm_up_ahead(new_engine, warmup_plan(serving))
     ahead = [name for name, thread in compiled if thread.startswith("mlxcel-nvrtc")]
     later = [name for name, thread in compiled if not thread.startswith("mlxcel-nvrtc")]
-    assert len(ahead) >= 10 and not set(later) & set(ahead), (len(ahead), later)
+    # (the warm-up proper compiles nothing: its graph recording's address kernels and final norm were launched dry)
+    assert len(ahead) >= 10 and later == [], (len(ahead), later)
     assert reply() == before
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_serve_starts_mlxs_modules_from_the_checkpoint_before_reading_its_weights(monkeypatch, tmp_path, warm):
+    """`mlxcel serve` with its warm-up: once the model directory is found, before its weights are read, the backend
+    starts MLX's modules from the checkpoint's files (Backend.mlx_modules_early), so the compiles overlap the load;
+    a GGUF file (its dtype is the loader's choice) and a failure there start nothing and fail nothing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from servers import start_server
+    from tiny_models import save_tiny_llama
+
+    from mlxcel_core.loading import load as load_module
+    from mlxcel_core.loading.resolve import ModelSource
+
+    events = []
+
+    class Early(Backend):
+        def mlx_modules_early(self, checkpoint):
+            events.append(("early", checkpoint))
+            return 2
+
+    real_weights = load_module.load_hf_weights
+    monkeypatch.setattr(
+        load_module, "load_hf_weights", lambda *a, **k: events.append("weights") or real_weights(*a, **k)
+    )
+    monkeypatch.setattr(backends, "_current", Early())
+    path = save_tiny_llama(tmp_path / "m")
+    server = start_server(path, warmup=warm)
+    try:
+        with server.client() as client:
+            assert client.get("/health").status_code == 200
+    finally:
+        server.stop()
+    assert events == ([("early", path)] if warm else []) + ["weights"]
+    events.clear()
+    warmup.modules_early(ModelSource(tmp_path / "m.gguf", "gguf", "local GGUF"))
+
+    class Broken(Backend):
+        def mlx_modules_early(self, checkpoint):
+            raise OSError("no cache directory")
+
+    monkeypatch.setattr(backends, "_current", Broken())
+    warmup.modules_early(ModelSource(path, "hf-dir", "local directory"))
+    assert events == []

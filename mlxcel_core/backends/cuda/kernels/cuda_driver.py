@@ -280,3 +280,15 @@ def addresses(arrays: list[mx.array], ensure_row_contiguous: bool = False) -> li
         for at, address in zip(chunk, out.tolist()):
             found[at] = address
     return found
+
+
+STEP_DTYPES = (mx.bfloat16, mx.float16, mx.float32, mx.int32, mx.uint32)  # activations, step ints, token, readout
+
+
+def address_variants(dtypes) -> None:
+    """Launch the address kernel once per dtype of `dtypes` and STEP_DTYPES and per copy mode: inside a dry run
+    (compile_ahead.py) each missing variant compiles side by side with the rest, where `addresses` would compile it
+    at its first use."""
+    for dtype in dict.fromkeys([*STEP_DTYPES, *dtypes]):
+        for contiguous in (False, True):
+            addresses([mx.zeros((1,), dtype)], ensure_row_contiguous=contiguous)

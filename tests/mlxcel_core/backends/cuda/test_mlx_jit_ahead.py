@@ -8,6 +8,7 @@ the helpers did not make."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +90,67 @@ def test_a_cached_module_starts_no_helper_and_a_helper_leaves_no_scratch(tmp_pat
     on_cuda = cuda_kernel_available()
     assert moved == (1 if on_cuda else 0)  # (on CPU MLX keeps no module files: the helper only runs the op)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ahead-")]
+
+
+def test_a_checkpoints_modules_come_from_its_weights_header_and_config(tmp_path):
+    """Before the load: the dtype most of the first weights file's floating tensors hold (config.json's otherwise),
+    the quantizations of config.json's entry, a layer's own among them."""
+    config = {
+        "torch_dtype": "float32",
+        "quantization": {"group_size": 64, "bits": 4, "lm_head": {"group_size": 32, "bits": 8}},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(
+        str(tmp_path / "model.safetensors"),
+        {
+            "a": mx.zeros((2,), mx.bfloat16),
+            "b": mx.zeros((2,), mx.bfloat16),
+            "c": mx.zeros((2,), mx.float32),
+            "q": mx.zeros((2,), mx.uint32),
+            "i": mx.zeros((2,), mx.int32),
+        },
+    )
+    want = mlx_jit_ahead.modules_for(mx.bfloat16, [(4, 64, "affine"), (8, 32, "affine")])
+    assert mlx_jit_ahead.checkpoint_modules(tmp_path) == want
+    (tmp_path / "model.safetensors").unlink()  # (no weights file: config.json's dtype)
+    assert mlx_jit_ahead.checkpoint_modules(tmp_path)[0] == "gather_float32_uint32_1"
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp4"}}))
+    assert mlx_jit_ahead.checkpoint_modules(tmp_path) == []  # no dtype anywhere
+    assert mlx_jit_ahead.config_quantizations({"quantization_config": {"quant_method": "fp8"}}) == []
+
+
+class _Helper:
+    """subprocess.Popen's stand-in: a helper that writes its module into its scratch directory and exits."""
+
+    made: list = []
+
+    def __init__(self, command, env, **_):
+        self.name, self.returncode = command[-1], None
+        (Path(env["MLX_PTX_CACHE_DIR"]) / f"{self.name}.ptx").write_bytes(b"cubin")
+        _Helper.made.append(self.name)
+
+    def wait(self, timeout=None):
+        self.returncode = 0
+
+
+def test_helpers_started_before_the_load_are_adopted_by_the_warm_ups_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(subprocess, "Popen", _Helper)
+    monkeypatch.setattr(_Helper, "made", [])
+    guess = ["gather_float16_uint32_1", "gather_float16_int32_1"]
+    assert mlx_jit_ahead.start_early(tmp_path, guess) == 2
+    ahead = mlx_jit_ahead.start(tmp_path, ["gather_float16_int32_1", "gather_float32_uint32_1"])
+    assert [name for name, _, _ in ahead.jobs] == [*guess, "gather_float32_uint32_1"]  # none started twice
+    assert _Helper.made == [*guess, "gather_float32_uint32_1"] and mlx_jit_ahead._EARLY == {}
+    assert ahead.wait()[0] == 3 and {p.name for p in tmp_path.iterdir()} == {f"{n}.ptx" for n in _Helper.made}
+    assert mlx_jit_ahead.start(tmp_path, guess).jobs == []  # all cached now
+
+
+def test_a_dead_processs_scratch_is_swept_at_the_next_start(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for pid in (int(dead.stdout), os.getpid()):
+        (tmp_path / f".ahead-{pid}-gather_float16_uint32_1").mkdir()
+    mlx_jit_ahead.start(tmp_path, [])
+    assert [p.name for p in tmp_path.iterdir()] == [f".ahead-{os.getpid()}-gather_float16_uint32_1"]
 
 
 def _mlx_modules(directory: Path) -> set[str]:

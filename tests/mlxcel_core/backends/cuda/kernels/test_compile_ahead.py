@@ -132,3 +132,34 @@ def test_the_cuda_backend_runs_its_dry_runs_through_the_seam_where_it_keeps_kern
     with backend.compile_ahead():
         assert backend.in_dry_run()
     assert not backend.in_dry_run()
+
+
+def test_the_dry_run_ends_with_the_address_kernels_variants_the_recording_reads(monkeypatch, tmp_path):
+    """A graph recording (the warm-up proper's) reads its arrays' addresses with a kernel variant per dtype and copy
+    mode: the dry run launches each, for the steps' dtypes and the model's, after the rest and with the final norm
+    as the recording runs it, so none compiles later on the serving thread."""
+    from mlxcel_core.backends.cuda import backend as cuda_backend
+    from mlxcel_core.backends.cuda.kernels import cuda_driver, rms_norm
+    from mlxcel_core.loading.shapes import build_random_model
+
+    model, _ = build_random_model("tiny", bits=4, dtype="float16")
+    launched, norm_as_kernel = [], []
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", lambda **_: [], raising=False)
+    monkeypatch.setattr("mlxcel_core.paths.use_kernel_cache", lambda: tmp_path)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        cuda_driver,
+        "addresses",
+        lambda arrays, ensure_row_contiguous=False: launched.append(
+            (arrays[0].dtype, ensure_row_contiguous, compile_ahead.active())
+        ),
+    )
+    with cuda_backend.CudaBackend().compile_ahead(model):
+        norm_as_kernel.append(rms_norm._as_kernel.get())
+        assert launched == []
+    want = [mx.bfloat16, mx.float16, mx.float32, mx.int32, mx.uint32]  # (the model's: uint32 words, float16 scales)
+    assert launched == [(d, c, True) for d in want for c in (False, True)] and norm_as_kernel == [True]
+    launched.clear()
+    with cuda_backend.CudaBackend().compile_ahead():
+        pass
+    assert [d for d, c, _ in launched if not c] == want
