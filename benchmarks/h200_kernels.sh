@@ -24,7 +24,7 @@
 #                     (compare_mlx_lm.py, 2 rounds), then where one decode token's GPU time goes there (mlxcel's side)
 #   restart           serve's first request: request_phases.py --serve-warmup in a process that compiles (empty cache
 #                     dir) and one that loads (a restart), then serve_coldstart.py cold and warm (1B bf16)
-#   cold              issue 42's target 6: serve_coldstart.py cold and warm (1B bf16) with a 64-client burst twice
+#   cold [SHAPE..]    issue 42's target 6: serve_coldstart.py cold and warm (1B bf16) with a 64-client burst twice
 #                     after the two requests, and MLX's JIT modules each run compiled, by name
 #   coldstart SHAPE.. the kernel cache: the same `mlxcel bench` in two processes on an empty cache dir; the first
 #                     compiles every kernel (warmup_ms), the second should find them all
@@ -131,7 +131,8 @@ case "${1:-}" in
     timeout 300 python benchmarks/serve_coldstart.py --model-shape llama-3.2-1b --dtype bfloat16 --max-tokens 64 \
       --runs cold,warm 2>&1 | tail -3 ;;
   cold)
-    timeout 500 python benchmarks/serve_coldstart.py --model-shape llama-3.2-1b --dtype bfloat16 --max-tokens 64 \
+    shift  # SHAPE.. (default 1B bf16, the results page's row): another family's MLX modules show in --jit-names
+    timeout 500 python benchmarks/serve_coldstart.py --model-shape ${@:-llama-3.2-1b --dtype bfloat16} --max-tokens 64 \
       --runs cold,warm --burst 64 --max-batch-size 64 --jit-names 2>&1 | tee "${OUT:-/tmp}/serve_coldstart.txt" ;;
   coldstart)
     # SHAPE..: the kernel cache (paths.use_kernel_cache: $MLXCEL_CACHE_DIR/kernels/...): an empty cache dir, then the
