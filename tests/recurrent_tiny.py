@@ -42,7 +42,7 @@ LFM2 = dict(
     layer_types=["conv", "full_attention", "conv"],
     rope_parameters={"rope_type": "default", "rope_theta": 5e4},
 )
-# Blocks: Mamba2, attention, MLP. time_step_min 0.02: prompt tokens clamp some steps, decode steps do not.
+# Blocks: Mamba2, attention, MLP. time_step_limit from 0.02: prompt tokens clamp some steps, decode steps do not.
 NEMOTRON_H = dict(
     **ATTENTION,
     intermediate_size=96,
@@ -54,7 +54,7 @@ NEMOTRON_H = dict(
     ssm_state_size=16,
     conv_kernel=4,
     chunk_size=16,
-    time_step_min=0.02,
+    time_step_limit=(0.02, float("inf")),
     tie_word_embeddings=False,
 )
 FAMILIES = ("qwen3_5", "lfm2", "nemotron_h")

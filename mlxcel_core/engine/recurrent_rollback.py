@@ -67,6 +67,18 @@ def decode_tokens(caches: Sequence) -> list[DecodeTokens]:
     return [DecodeTokens(cache) for cache in caches]
 
 
+class PromptTokens(DecodeTokens):
+    """A layer's cache for a forward over prompt tokens (a prefill chunk, which may be one token long): it says
+    `prompt_tokens` to a model whose prompt maths differ from its decode step's."""
+
+    decode_tokens = False
+    prompt_tokens = True
+
+
+def prompt_tokens(caches: Sequence) -> list[PromptTokens]:
+    return [PromptTokens(cache) for cache in caches]
+
+
 def rerun(model, storage, seq_id: int, kept: list[int], saved) -> None:
     """Back to the checkpoint `saved` (taken before the verify forward), then the kept tokens through the model again:
     the sequence's caches hold exactly them after its earlier tokens."""

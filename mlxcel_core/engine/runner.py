@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ..models.base import CausalLM, has_recurrent_layers
 from .compiled_decode import CompiledDecoder
-from .recurrent_rollback import decode_tokens, rerun
+from .recurrent_rollback import decode_tokens, prompt_tokens, rerun
 from .storage import KVStorage
 
 log = logging.getLogger("mlxcel.engine")
@@ -30,7 +30,7 @@ class ModelRunner:
         One forward per chunk. The last chunk's forward runs its last layer past the attention (and the LM head) on
         the last position only (last_only); a chunk that does not end the prompt evaluates only its caches."""
         self.prefill_tokens += len(tokens)
-        caches = self.storage.prefill_caches(seq_id, start, len(tokens))
+        caches = self._prompt(self.storage.prefill_caches(seq_id, start, len(tokens)))
         if not last:
             self.model(mx.array([tokens]), caches)
             mx.eval([c.state for c in caches])
@@ -48,12 +48,12 @@ class ModelRunner:
         self.prefill_tokens += sum(len(c) for c in chunks)
         if start == 0:
             longest = max(len(c) for c in chunks)
-            caches = self.storage.prefill_together_caches(seq_ids, [len(c) for c in chunks])
+            caches = self._prompt(self.storage.prefill_together_caches(seq_ids, [len(c) for c in chunks]))
             tokens = mx.array([[0] * (longest - len(c)) + c for c in chunks])
         else:
             if any(len(c) != len(chunks[0]) for c in chunks):
                 raise ValueError("prompt chunks prefilled together past position 0 must have one length")
-            caches = self.storage.prefill_rows_caches(seq_ids, start, len(chunks[0]))
+            caches = self._prompt(self.storage.prefill_rows_caches(seq_ids, start, len(chunks[0])))
             tokens = mx.array(chunks)
         logits = self.model(tokens, caches, last_only=True)[:, -1, :]
         rows = [i for i, last in enumerate(lasts) if last]
@@ -63,6 +63,11 @@ class ModelRunner:
         for i in rows:
             self.storage.finish_prefill(seq_ids[i])
         return logits if len(rows) == len(lasts) else logits[mx.array(rows)]
+
+    def _prompt(self, caches):
+        """A prefill's caches, marked as prompt tokens' where the model has recurrent layers (a 1-token chunk is not
+        a decode step: recurrent_rollback.PromptTokens)."""
+        return prompt_tokens(caches) if self.recurrent else caches
 
     def score(self, seq_id: int, tokens: list[int]) -> mx.array:
         """One decoding sequence, several tokens in one forward (speculative verification): logits [n, V],

@@ -135,7 +135,7 @@ def lfm2_config(config: dict, m) -> None:
 def nemotron_h_config(config: dict, m) -> None:
     """Nemotron-H (NemotronHModel over GraniteHybridModel / Mamba2Model): the Mamba2 sizes from the `ssm.*` keys;
     each block's kind from its tensors (Mamba2 `ssm_in`, attention `attn_q`, MLP `ffn_up`). The file stores neither
-    `time_step_min` nor `chunk_size`: transformers' defaults hold (what the released configs use; the chunk size
+    `time_step_limit` nor `chunk_size`: transformers' defaults hold (what the released configs use; the chunk size
     changes only the summation order)."""
     heads, inner = _int(m, "ssm.time_step_rank"), _int(m, "ssm.inner_size")
     if inner % heads:

@@ -11,6 +11,15 @@ import mlx.core as mx
 from ..errors import CorruptModelError, InputError
 from .sliced import open_tensors, read_arrays
 
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_float(obj: dict):
+    """transformers writes a float JSON cannot hold as {"__float__": "Infinity"} (PreTrainedConfig's encoding)."""
+    if len(obj) == 1 and obj.get("__float__") in _SPECIAL_FLOATS:
+        return _SPECIAL_FLOATS[obj["__float__"]]
+    return obj
+
 
 def read_config(model_dir: Path, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """config.json; a multimodal one's language model config (`log` is told that only that model loads)."""
@@ -18,7 +27,7 @@ def read_config(model_dir: Path, log: Callable[[str], None] | None = None) -> di
     if not path.is_file():
         raise InputError(f"{model_dir} is not a model directory: it has no config.json")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(), object_hook=_special_float)
     except json.JSONDecodeError as exc:
         raise CorruptModelError(f"{path} is not valid JSON: {exc}") from exc
     # Multimodal checkpoints nest the language model's config.

@@ -86,7 +86,8 @@ class RecurrentCache(Protocol):
 
         A cache may also say `decode_tokens` (True): this forward's tokens are generated ones, several at a time
         (speculative verification, engine/recurrent_rollback.py), which a model whose prompt maths differ from its
-        decode step's (Nemotron-H's dt clamp) computes as decode steps."""
+        decode step's (Nemotron-H's dt clamp) computes as decode steps; or `prompt_tokens` (True): they are a prefill
+        chunk's, prompt maths even for one token."""
 
 
 class CausalLM(Protocol):

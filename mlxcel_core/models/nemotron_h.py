@@ -13,9 +13,11 @@ A stack of single-mixer residual blocks (x + mixer(norm(x))), the mixer of block
   smaller latent space (fc1_latent_proj in, fc2_latent_proj out).
 - `mlp` (-): the relu^2 MLP, down(relu(up(x))^2).
 
-A prompt's tokens clamp dt at `time_step_min` (transformers' chunked scan, dt_limit); a decode step does not (its
-selective state update): a 1-token forward without `last_only` is a decode step here, and so is a forward whose cache
-says `decode_tokens` (generated tokens several at a time: speculative verification, engine/recurrent_rollback.py).
+A prompt's tokens clamp dt to `time_step_limit` (transformers' chunked scan, its dt_limit; (0, inf) by default, as in
+the released configs: `time_step_min` only initializes dt_bias in training); a decode step does not (its selective
+state update): a 1-token forward on a row's state is a decode step here unless its cache says `prompt_tokens` (a
+prefill chunk of one token), and so is a forward whose cache says `decode_tokens` (generated tokens several at a time:
+speculative verification; engine/recurrent_rollback.py).
 
 Checkpoint names: transformers' (`backbone.` or `model.` prefix, experts per expert or stacked as `experts.up_proj`
 [E, I, in]) and mlx-lm's (`switch_mlp.fc1` / `fc2`, conv1d weights in MLX's [C, K, 1] layout) load alike.
@@ -78,7 +80,7 @@ class ModelArgs(TransformerArgs):
     conv_kernel: int = 4
     use_conv_bias: bool = True
     chunk_size: int = 128
-    time_step_min: float = 0.001
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
     use_bias: bool = False
     n_routed_experts: int = 8
     num_experts_per_tok: int = 2
@@ -164,7 +166,8 @@ class Mamba2Mixer(nn.Module):
         self.n_groups, self.state_size = args.n_groups, args.ssm_state_size
         self.inner = self.num_heads * self.head_dim
         self.conv_dim = self.inner + 2 * self.n_groups * self.state_size
-        self.kernel, self.chunk, self.dt_min = args.conv_kernel, args.chunk_size, args.time_step_min
+        self.kernel, self.chunk = args.conv_kernel, args.chunk_size
+        self.dt_limit = tuple(float(v) for v in args.time_step_limit)
         self.conv1d = DepthwiseConv(self.conv_dim, self.kernel, args.use_conv_bias)
         self.in_proj = nn.Linear(args.hidden_size, self.inner + self.conv_dim + self.num_heads, bias=args.use_bias)
         self.dt_bias = mx.ones((self.num_heads,))
@@ -189,19 +192,26 @@ class Mamba2Mixer(nn.Module):
         B, C = (t.reshape(batch, L, self.n_groups, self.state_size) for t in (B, C))
         dt = nn.softplus(dt.astype(mx.float32) + self.dt_bias.astype(mx.float32))
         A = -mx.exp(self.A_log.astype(mx.float32))
-        decoding = ssm_state is not None and (getattr(cache, "decode_tokens", False) or (L == 1 and not last_only))
+        prompt = getattr(cache, "prompt_tokens", False)
+        decoding = ssm_state is not None and not prompt and (getattr(cache, "decode_tokens", False) or L == 1)
         if decoding and L == 1:
             y, ssm_state = ssd_step(h, dt, A, B, C, self.D, ssm_state)
         elif decoding:  # generated tokens: the decode step's maths, several positions at once
             y, ssm_state = ssd_chunked(h, dt, A, B, C, self.D, ssm_state, self.chunk)
-        else:  # prompt tokens: dt clamped at time_step_min, as transformers' chunked scan
-            y, ssm_state = ssd_chunked(h, mx.maximum(dt, self.dt_min), A, B, C, self.D, ssm_state, self.chunk)
+        else:  # prompt tokens: dt clamped to time_step_limit, as transformers' chunked scan
+            y, ssm_state = ssd_chunked(h, self._limited(dt), A, B, C, self.D, ssm_state, self.chunk)
         if cache is not None:
             cache.update_state([conv_state, ssm_state], L)
         if last_only:
             y, gate = y[:, -1:], gate[:, -1:]
         y = self.norm(y.reshape(batch, y.shape[1], -1), gate)
         return self.out_proj(y.astype(x.dtype))
+
+    def _limited(self, dt: mx.array) -> mx.array:
+        low, high = self.dt_limit
+        if low > 0.0:
+            dt = mx.maximum(dt, low)
+        return dt if high == float("inf") else mx.minimum(dt, high)
 
     def state_parts(self) -> tuple:
         """The per-row state this layer keeps (base.state_layout): the convolution's inputs (activations' dtype) and

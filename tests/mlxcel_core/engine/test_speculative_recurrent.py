@@ -98,7 +98,7 @@ def test_generate_with_a_draft_model_through_the_cli(family, capsys):
 def test_verified_tokens_get_the_decode_steps_maths(tmp_path):
     """Nemotron-H clamps a prompt's dt and not a decode step's: a forward over several generated tokens whose caches
     say `decode_tokens` gives the logits and state of decoding them one at a time, and without it would not (the
-    steps are made small, below time_step_min, so that the clamp matters)."""
+    steps are made small, below time_step_limit's floor, so that the clamp matters)."""
     import mlx.core as mx
     import numpy as np
 

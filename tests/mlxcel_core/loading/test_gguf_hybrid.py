@@ -98,7 +98,7 @@ CASES = {
         {**LFM2, "conv_bias": False, "tie_word_embeddings": True},  # (test_lfm2's, as released checkpoints)
         "lfm2",
     ),
-    # Blocks: Mamba2, attention, MLP (tests/recurrent_tiny.py's), time_step_min at transformers' default: the file
+    # Blocks: Mamba2, attention, MLP (tests/recurrent_tiny.py's), time_step_limit at transformers' default: the file
     # does not carry it.
     "nemotron_h": (
         "nemotron_h",

@@ -20,8 +20,8 @@ from mlxcel_core.models.base import has_recurrent_layers
 
 BLOCKS = ["linear_attention", "moe", "full_attention", "linear_attention", "mlp"]
 # 8 Mamba heads of 8 in 2 groups with a 16-wide state; 16-position scan chunks, which the 64-token parity prompt
-# crosses; time_step_min 0.02, so that prompt tokens clamp some steps (and decode steps do not). MoE: 4 experts in
-# 2 groups (1 kept), top 2, scaled by 2.5, in a 32-wide latent space.
+# crosses; time_step_limit from 0.02, so that prompt tokens clamp some steps (and decode steps do not). MoE: 4
+# experts in 2 groups (1 kept), top 2, scaled by 2.5, in a 32-wide latent space.
 CONFIG = dict(
     hidden_size=64,
     intermediate_size=96,
@@ -35,7 +35,7 @@ CONFIG = dict(
     ssm_state_size=16,
     conv_kernel=4,
     chunk_size=16,
-    time_step_min=0.02,
+    time_step_limit=(0.02, float("inf")),
     n_routed_experts=4,
     num_experts_per_tok=2,
     n_group=2,
@@ -80,7 +80,7 @@ def older_style(src, dst):
         ("mamba_chunk_size", "chunk_size"),
     ):
         config[old] = config.pop(new)
-    config["mamba_dt_min"] = config.pop("time_step_min")
+    config["mamba_dt_limit"] = config.pop("time_step_limit")
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -113,18 +113,25 @@ def test_architecture_follows_config(tiny):
     assert moe.gate.n_group == 2 and moe.gate.topk_group == 1 and moe.gate.routed_scaling_factor == 2.5
 
 
-def test_time_step_min_clamps_prompt_tokens(tiny, tmp_path):
-    """The prompt's forward clamps dt at time_step_min: another floor gives other logits."""
-    path = shutil.copytree(tiny, tmp_path / "floor")
-    config = json.loads((path / "config.json").read_text())
-    config["time_step_min"] = 0.001
-    (path / "config.json").write_text(json.dumps(config))
-    assert np.abs(checkpoint_logits(path) - checkpoint_logits(tiny)).max() > 1e-3
+def test_time_step_limit_clamps_prompt_tokens_and_time_step_min_does_not(tiny, tmp_path):
+    """The prompt's forward clamps dt to time_step_limit: no floor gives other logits, a ceiling gives transformers'
+    (the clamp's upper side); time_step_min (dt_bias's initialization range in training) changes nothing."""
+
+    def variant(name: str, **changes):
+        path = shutil.copytree(tiny, tmp_path / name)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **changes}))
+        return path
+
+    unclamped = checkpoint_logits(variant("open", time_step_limit=[0.0, float("inf")]))
+    assert np.abs(unclamped - checkpoint_logits(tiny)).max() > 1e-3
+    assert np.array_equal(checkpoint_logits(variant("min", time_step_min=0.3)), checkpoint_logits(tiny))
+    assert_parity(variant("ceiling", time_step_limit=[0.0, 0.05]), steps=8)
 
 
 def test_decode_steps_do_not_clamp(tiny, tmp_path):
     """A decode step (one token after the prompt's state) takes dt unclamped, as transformers' selective state
-    update: with time_step_min 0.5 (most steps below it) its logits are transformers' second forward's."""
+    update: with time_step_limit from 0.5 (most steps below it) its logits are transformers' second forward's."""
     import inspect
 
     import mlx.core as mx
@@ -136,7 +143,7 @@ def test_decode_steps_do_not_clamp(tiny, tmp_path):
         pytest.skip("this transformers' NemotronH forward takes no `cache` (a second forward would start afresh)")
     path = shutil.copytree(tiny, tmp_path / "floor")
     config = json.loads((path / "config.json").read_text())
-    config["time_step_min"] = 0.5
+    config["time_step_limit"] = [0.5, float("inf")]
     (path / "config.json").write_text(json.dumps(config))
     prompt, token = prompt_ids(20, seed=4), 17
     reference = NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
