@@ -145,10 +145,10 @@ class WithoutEos:
     eos_token_ids: frozenset = frozenset()
 
     def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
+        self._wrapped = tokenizer
 
     def __getattr__(self, name: str):
-        return getattr(self._tokenizer, name)
+        return getattr(self._wrapped, name)
 
 
 def _step(engine: Engine) -> None:
