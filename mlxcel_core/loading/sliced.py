@@ -11,7 +11,7 @@ in `shard_model` and then calls `materialize`:
   loaded `mx.load` array, read whole when the model is evaluated, exactly as without tensor parallelism.
 
 Falls back to reading the whole tensor and slicing it in memory (today's `mx.load` path) only where the
-bytes cannot be addressed directly: dtypes outside `_DTYPES` (e.g. F64, FP8) and indexing other than plain
+bytes cannot be addressed directly: dtypes outside `DTYPES` (e.g. F64, FP8) and indexing other than plain
 ranges (integers, steps). Every transform that the TP-supported families' `sanitize` applies (dropping and
 renaming keys, stacking per-expert tensors and splitting a fused `gate_up_proj` in models/moe.py) keeps
 handles unread; `build_model` refuses unsupported families before their `sanitize` sees a handle.
@@ -38,7 +38,7 @@ from ..errors import CorruptModelError
 # safetensors dtype -> mx dtype. Bytes are read as an unsigned carrier of the same width and bit-cast with
 # `.view`: memoryview cannot produce float16/bfloat16 and numpy has no bfloat16 (safetensors' own
 # get_slice fails on BF16 for both the "numpy" and "mlx" frameworks).
-_DTYPES = {
+DTYPES = {
     "F32": mx.float32,
     "F16": mx.float16,
     "BF16": mx.bfloat16,
@@ -59,7 +59,7 @@ class _Source:
 
     def __init__(self, path: Path, name: str, offset: int, dtype_name: str, whole: mx.array):
         self.path, self.name, self.offset, self.whole = path, name, offset, whole
-        self.dtype = _DTYPES.get(dtype_name)
+        self.dtype = DTYPES.get(dtype_name)
         if self.dtype != whole.dtype:  # not addressable by us (or a header we misread): whole reads only
             self.dtype = None
 

@@ -79,7 +79,6 @@ WAIT_SECONDS = 120.0  # a helper still compiling after this is left to finish al
 
 # helpers started before the model was loaded (start_early), adopted by the next `start`: name -> (scratch, process)
 _EARLY: dict[str, tuple[Path, subprocess.Popen]] = {}
-_SAFETENSORS_FLOATS = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
 def mlx_name(dtype) -> str:
@@ -131,7 +130,7 @@ def checkpoint_modules(directory: Path) -> list[str]:
     import mlx.core as mx
 
     from mlxcel_core.convert import config_dtype
-    from mlxcel_core.loading.sliced import read_header
+    from mlxcel_core.loading.sliced import DTYPES, read_header
 
     config = json.loads((directory / "config.json").read_text())
     dtype = None
@@ -140,11 +139,12 @@ def checkpoint_modules(directory: Path) -> list[str]:
         from collections import Counter
 
         header, _ = read_header(files[0])
-        kinds = Counter(_SAFETENSORS_FLOATS.get(e.get("dtype")) for k, e in header.items() if k != "__metadata__")
-        kinds.pop(None, None)
-        dtype = kinds.most_common(1)[0][0] if kinds else None
-    dtype = dtype or config_dtype(config)
-    return modules_for(getattr(mx, dtype), config_quantizations(config)) if dtype else []
+        kinds = Counter(DTYPES.get(e.get("dtype")) for k, e in header.items() if k != "__metadata__")
+        floats = [d for d, _ in kinds.most_common() if d is not None and mx.issubdtype(d, mx.floating)]
+        dtype = floats[0] if floats else None
+    if dtype is None and config_dtype(config):
+        dtype = getattr(mx, config_dtype(config))
+    return modules_for(dtype, config_quantizations(config)) if dtype is not None else []
 
 
 def config_quantizations(config: dict) -> list[tuple[int, int, str]]:
