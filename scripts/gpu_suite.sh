@@ -40,10 +40,12 @@ case "${1:-}" in
     # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
     mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
     # The test extras' transformers (that machine's is older than the GGUF tests need) rides alone in a third call,
-    # with the versions of the libraries it needs that are installed here (that machine's may be too old for it).
+    # with the versions of the libraries it needs that are installed here (that machine's may be too old for it;
+    # transformers loads every model with `kernels` where it finds one, and refuses one outside its range).
     mkdir -p .devwheels/c
     pins=$(python3 -c 'import importlib.metadata as m
-print(" ".join(f"{p}=={m.version(p)}" for p in ("transformers", "huggingface_hub", "tokenizers", "safetensors")))')
+names = ("transformers", "huggingface_hub", "tokenizers", "safetensors", "kernels", "tomlkit")
+print(" ".join(f"{p}=={m.version(p)}" for p in names))')
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .devwheels/c $pins
     # The default model's tokenizer beside a 1-layer model (~10 MB), for the benchmarks' --tokenizer-model there:

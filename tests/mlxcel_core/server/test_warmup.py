@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -127,7 +128,8 @@ def test_a_failing_warm_up_fails_the_load(monkeypatch):
         _Loaded, EngineConfig(max_batch_size=4), ServerMetrics(), warmup=True, on_load_failed=failed.append
     )
     loop.start()
-    for _ in range(500):  # the state turns "failed" just before the callback runs
+    deadline = time.monotonic() + 120  # (on CUDA the load first compiles MLX's modules the steps need)
+    while time.monotonic() < deadline:  # the state turns "failed" just before the callback runs
         if loop.state != "loading" and failed:
             break
         threading.Event().wait(0.02)
