@@ -103,9 +103,11 @@ def kernel_text(
     output_dtypes: list,
     template: list,
     pdl: bool = False,
+    launch_bounds: tuple[int, int] | None = None,
 ) -> str:
     """The translation unit of one variant (module docstring: how it differs from MLX's build_kernel); `pdl`: the body
-    starts with PDL_PROLOGUE."""
+    starts with PDL_PROLOGUE; `launch_bounds`: (threads a block, blocks an SM) as CUDA's __launch_bounds__ takes them,
+    which caps the registers a thread so that many blocks fit an SM."""
     params = [f"    const {CUDA_TYPES[dt]}* {name}" for name, dt in zip(input_names, input_dtypes)]
     params += [f"    {CUDA_TYPES[dt]}* {name}" for name, dt in zip(output_names, output_dtypes)]
     unpack = []
@@ -127,7 +129,9 @@ def kernel_text(
     return (
         PRELUDE
         + header
-        + f'\nextern "C" __global__ void {func_name}(\n'
+        + '\nextern "C" __global__ void '
+        + (f"__launch_bounds__({launch_bounds[0]}, {launch_bounds[1]}) " if launch_bounds else "")
+        + f"{func_name}(\n"
         + ",\n".join(params)
         + ") {\n"
         + "\n".join(unpack + consts)
@@ -318,9 +322,10 @@ class CachedKernel:
         directory: Path | None = None,
         compile=None,
         ensure_row_contiguous: bool = True,
+        launch_bounds: tuple[int, int] | None = None,
     ):
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
-        self.ensure_row_contiguous = ensure_row_contiguous
+        self.ensure_row_contiguous, self.launch_bounds = ensure_row_contiguous, launch_bounds
         self.source, self.header, self.directory, self._compile = source, header, directory, compile
         self._reads = shape_reads(source, self.input_names)
         self._variants: dict = {}  # key -> (function name, cubin)
@@ -364,6 +369,7 @@ class CachedKernel:
                 output_dtypes,
                 template,
                 pdl,
+                self.launch_bounds,
             )
             digest = hashlib.sha256(f"{draft}\n{arch}\n{nvrtc_version()}".encode()).hexdigest()[:20]
             func = f"{self.name}_{digest}"
@@ -453,9 +459,10 @@ def cuda_kernel(
     source: str,
     header: str = "",
     ensure_row_contiguous: bool = True,
+    launch_bounds: tuple[int, int] | None = None,
 ):
     """``mx.fast.cuda_kernel`` with its compiled variants kept in the kernel cache (paths.use_kernel_cache), or MLX's
-    own where MLX has no precompiled kernels or there is no cache dir."""
+    own where MLX has no precompiled kernels or there is no cache dir (which takes no `launch_bounds`)."""
     directory = None
     if hasattr(mx.fast, "precompiled_cuda_kernel"):
         from mlxcel_core.paths import use_kernel_cache
@@ -476,5 +483,12 @@ def cuda_kernel(
             ensure_row_contiguous=ensure_row_contiguous,
         )
     return CachedKernel(
-        name, input_names, output_names, source, header, directory, ensure_row_contiguous=ensure_row_contiguous
+        name,
+        input_names,
+        output_names,
+        source,
+        header,
+        directory,
+        ensure_row_contiguous=ensure_row_contiguous,
+        launch_bounds=launch_bounds,
     )

@@ -28,6 +28,12 @@ global memory (8 bytes at a time, 8 rows by 4 offsets: 32 sectors touched, a qua
 weights only when the group starts, every warp waits a memory latency a group (benchmarks/RESULTS.md has the whole
 decode step both ways).
 
+Experiment (MLXCEL_QMM_XSUM, template XSUM, issue 42's target 2): the bias term needs each x row's sum over each
+group, which every warp otherwise adds up from its own x fragments beside its products (many of the loop's
+instructions in the compiled sm_90 code: benchmarks/qmm_sass.py counts them). With XSUM the block sums each staged chunk's rows once, into shared memory
+behind a second barrier, and each warp reads two sums a tile; that variant is compiled with __launch_bounds__(128,
+MIN_BLOCKS), at most 128 registers a thread, so four blocks fit an SM instead of three.
+
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
 partial sums [SPLITS, M, N], which are summed and cast after the launch.
 """
@@ -39,6 +45,8 @@ import hashlib
 
 import mlx.core as mx
 
+from mlxcel_core import settings
+
 from . import qmv, qmv_source
 from .cubin_cache import cuda_kernel
 from .matvec_config import QMM_TARGET_BLOCKS as TARGET_BLOCKS  # noqa: F401
@@ -48,6 +56,9 @@ MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
 WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 X_TYPES = (mx.bfloat16, mx.float16)
+# (MLXCEL_QMM_XSUM's variant) blocks an SM: registers capped at 65536 / (128 * 4) = 128 a thread, which the variant
+# needs no spill for; two waves of 3 blocks an SM take an 8B gate projection's 448 blocks otherwise
+MIN_BLOCKS = 4
 CHUNK_K = 256  # values of K a block stages in shared memory at a time (whole groups: 8, 4 or 2 of 32, 64 or 128)
 
 _HEADER = (
@@ -130,6 +141,22 @@ __device__ __forceinline__ void mlxcel_qmm_scale(float (&tot)[NT][4], const floa
     }
 }
 
+// The same with each x row's group sum read from the block's sums (XSUM: `sums` = the group's NT * 8 sums in shared
+// memory, x row m's at m): accumulator (i, j) takes x rows nt * 8 + 2t and 2t + 1, adjacent there, one 8-byte read.
+template <int NT>
+__device__ __forceinline__ void mlxcel_qmm_scale_sums(float (&tot)[NT][4], const float (&acc)[NT][4],
+                                                      const float* sums, float s0, float s1, float c0, float c1,
+                                                      int t) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const float2 xab = *reinterpret_cast<const float2*>(sums + nt * 8 + 2 * t);
+        tot[nt][0] += s0 * acc[nt][0] + c0 * xab.x;
+        tot[nt][1] += s0 * acc[nt][1] + c0 * xab.y;
+        tot[nt][2] += s1 * acc[nt][2] + c1 * xab.x;
+        tot[nt][3] += s1 * acc[nt][3] + c1 * xab.y;
+    }
+}
+
 // A warp's results into one split's partial sums [M, N]: accumulator (i, j) of tile nt is weight row n0 + g (+ 8)
 // against x row nt * 8 + 2t (+ 1); rows past M and columns past N are dropped.
 template <int NT>
@@ -179,6 +206,7 @@ _SOURCE = r"""
     constexpr int WORDS = G / 32;
     constexpr int D = CG < 4 ? CG : 4;  // groups of weights a warp loads ahead (divides CG)
     __shared__ __align__(16) T xsh[2][NT * 8][RS];
+    __shared__ __align__(16) float xsum[XSUM ? 2 : 1][XSUM ? CG : 1][NT * 8];  // (XSUM) each staged group's row sums
     int M = 1;
     for (int d = 0; d < x_ndim - 1; ++d) {
         M *= x_shape[d];
@@ -259,6 +287,21 @@ _SOURCE = r"""
         }
         __syncthreads();
         const int g0 = gbeg + c * CG;
+        if constexpr (XSUM) {  // each x row's sum over each group of the chunk, once for the block's warps
+            for (int i = threadIdx.x; i < min(CG, gend - g0) * NT * 8; i += blockDim.x) {
+                const int gc = i / (NT * 8);
+                const int m = i - gc * (NT * 8);
+                const T* row = &xsh[c & 1][m][gc * G];
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < G; j += 4) {
+                    const uint2 v = *reinterpret_cast<const uint2*>(row + j);
+                    sum += mlxcel_qmm_sum2<T>(v.x) + mlxcel_qmm_sum2<T>(v.y);
+                }
+                xsum[c & 1][gc][m] = sum;
+            }
+            __syncthreads();
+        }
         for (int sb = 0; live && sb < CG; sb += D) {  // (D divides CG: group gi's slot is gi - g0 - sb)
 #pragma unroll
             for (int d = 0; d < D; ++d) {
@@ -301,11 +344,17 @@ _SOURCE = r"""
                     for (int nt = 0; nt < NT; ++nt) {
                         const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
                         uint32_t b[2] = {v.x, v.y};
-                        xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
+                        if constexpr (!XSUM) {
+                            xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
+                        }
                         mlxcel_qmm_mma<T>(acc[nt], a, b);
                     }
                 }
-                mlxcel_qmm_scale<NT>(tot, acc, xs, ps[0], ps[1], ps[2], ps[3], t);
+                if constexpr (XSUM) {
+                    mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);
+                } else {
+                    mlxcel_qmm_scale<NT>(tot, acc, xs, ps[0], ps[1], ps[2], ps[3], t);
+                }
             }
         }
         __syncthreads();  // every warp is done with this buffer before the next stage() refills it
@@ -321,13 +370,15 @@ KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hex
 
 
 @functools.cache
-def _kernel():
+def _kernel(bounded: bool = False):
+    """The kernel; `bounded` (MLXCEL_QMM_XSUM's variant): its registers capped so that MIN_BLOCKS blocks fit an SM."""
     return cuda_kernel(
         name=KERNEL_NAME,
         input_names=["x", "w", "scales", "biases"],
         output_names=["partial"],
         source=_SOURCE,
         header=_HEADER,
+        launch_bounds=(WARPS * 32, MIN_BLOCKS) if bounded else None,
     )
 
 
@@ -345,13 +396,29 @@ def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
     return tuned[0] if tuned else split_k(n, k // group_size)[1]
 
 
+@functools.cache
+def xsum() -> bool:
+    """MLXCEL_QMM_XSUM: each block sums x's rows over each staged group once, in shared memory, instead of every
+    warp summing its own x fragments beside its products (the experiment's question: whether the fewer instructions
+    a product takes outweigh a second barrier a chunk). Read once a process: a decode step launches the kernel for
+    every 4-bit projection."""
+    return settings.get("MLXCEL_QMM_XSUM")
+
+
 @functools.lru_cache(maxsize=1024)
 def launch_args(
-    x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: int, gps: int | None = None
+    x_shape: tuple,
+    x_dtype,
+    s_dtype,
+    n: int,
+    k: int,
+    group_size: int,
+    gps: int | None = None,
+    block_sums: bool | None = None,
 ) -> dict | None:
     """Everything but the inputs of one launch for x (any leading shape, 1..MAX_ROWS rows of K) and an N x K 4-bit
     weight, or None where the kernel does not take it (other types, group sizes, too many rows). `gps` (groups of K a
-    split) overrides `chosen_gps`."""
+    split) overrides `chosen_gps`; `block_sums` overrides `xsum()`."""
     m = qmv.rows_of(x_shape)
     if (
         not 1 <= m <= MAX_ROWS
@@ -366,7 +433,14 @@ def launch_args(
     gps = gps or chosen_gps(n, k, m, group_size, x_dtype)
     splits = -(-groups // gps)
     return dict(
-        template=[("T", x_dtype), ("S", s_dtype), ("G", group_size), ("NT", -(-m // 8)), ("GPS", gps)],
+        template=[
+            ("T", x_dtype),
+            ("S", s_dtype),
+            ("G", group_size),
+            ("NT", -(-m // 8)),
+            ("GPS", gps),
+            ("XSUM", xsum() if block_sums is None else block_sums),
+        ],
         grid=(-(-n // ROWS_PER_BLOCK) * WARPS * 32, splits, 1),
         threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(splits, m, n)],
@@ -381,16 +455,18 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     gps: int | None = None,
+    block_sums: bool | None = None,
 ) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
-    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split."""
+    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split, `block_sums` the
+    MLXCEL_QMM_XSUM setting."""
     n, k = w.shape[0], w.shape[1] * 8
-    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
+    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps, block_sums)
     if args is None:
         raise ValueError(
             f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
-    partial = _kernel()(inputs=[x, w, scales, biases], **args)[0]
+    partial = _kernel(dict(args["template"])["XSUM"])(inputs=[x, w, scales, biases], **args)[0]
     y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)

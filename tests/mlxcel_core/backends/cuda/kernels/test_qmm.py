@@ -115,7 +115,8 @@ def test_split_k():
 
 def test_launch_args():
     args = qmm.launch_args((19, 1, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
-    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32}
+    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32, "XSUM": False}
+    assert dict(qmm.launch_args((19, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64, None, True)["template"])["XSUM"]
     assert dict(qmm.launch_args((24, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)["template"])["NT"] == 3
     assert args["grid"] == (224 * 128, 2, 1) and args["threadgroup"] == (128, 1, 1)
     assert args["output_shapes"] == [(2, 19, 14336)] and args["output_dtypes"] == [mx.float32]
@@ -130,8 +131,9 @@ def test_launch_args():
     "x_dtype,s_dtype,m,group_size",
     [(mx.bfloat16, mx.bfloat16, 32, 64), (mx.float16, mx.float16, 9, 128), (mx.bfloat16, mx.float32, 17, 32)],
 )
-def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
-    args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
+@pytest.mark.parametrize("block_sums", [False, True], ids=["warp-sums", "block-sums"])
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, block_sums):
+    args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size, None, block_sums)
     header, source = qmm.kernel_source()
     params = [
         f"    const {CUDA_TYPES[x_dtype]}* x",
@@ -145,22 +147,62 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
     ]
     text = kernel_file(qmm.KERNEL_NAME, params, dict(args["template"]), source, header)
     report = compile_sm90(tmp_path, text)
-    # two chunk buffers of 8 NT rows in static shared memory (a block may hold at most 48 KiB of it)
+    # two chunk buffers of 8 NT rows in static shared memory (a block may hold at most 48 KiB of it), and with block
+    # sums each chunk's float32 sums of those rows a group
     smem = int(re.search(r"(\d+) bytes smem", report).group(1))
-    assert smem == 2 * -(-m // 8) * 8 * (qmm.CHUNK_K + 4) * 2 <= 48 << 10, report
+    rows = -(-m // 8) * 8
+    sums = 2 * (qmm.CHUNK_K // group_size) * rows * 4 if block_sums else 0
+    assert smem == 2 * rows * (qmm.CHUNK_K + 4) * 2 + sums <= 48 << 10, report
+
+
+@needs_nvcc
+@pytest.mark.parametrize("m", [9, 32])
+def test_the_bounded_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, m):
+    """The block-sums variant's translation unit as the kernel cache builds it (__launch_bounds__(128, 4)): at most
+    128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536."""
+    from types import SimpleNamespace
+
+    from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
+
+    monkeypatch.setattr(qmm, "cuda_kernel", lambda **kwargs: SimpleNamespace(**kwargs))
+    qmm._kernel.cache_clear()
+    try:
+        kernel, plain = qmm._kernel(True), qmm._kernel(False)
+    finally:
+        qmm._kernel.cache_clear()
+    assert kernel.launch_bounds == (qmm.WARPS * 32, qmm.MIN_BLOCKS) == (128, 4) and plain.launch_bounds is None
+    args = qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64, None, True)
+    header, source = qmm.kernel_source()
+    dtypes = [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16]
+    text = kernel_text(
+        "k",
+        source,
+        header,
+        kernel.input_names,
+        dtypes,
+        [2, 2, 2, 2],
+        ["partial"],
+        [mx.float32],
+        args["template"],
+        launch_bounds=kernel.launch_bounds,
+    )
+    assert "__launch_bounds__(128, 4) k(" in text
+    report = compile_sm90(tmp_path, text)
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1024, 14336, 64), (1000, 512, 32), (333, 1024, 128)])
-def test_kernel_matches_the_reference(dtype, n, k, group_size):
+@pytest.mark.parametrize("block_sums", [False, True], ids=["warp-sums", "block-sums"])
+def test_kernel_matches_the_reference(dtype, n, k, group_size, block_sums):
     x, w, scales, biases = make_operands(32, n, k, dtype, group_size=group_size, seed=n)
     ref, mag = reference(x, w, scales, biases, group_size)
     for m in (1, 8, 9, 19, 32):
-        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
+        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size, block_sums=block_sums)
         assert y.dtype == dtype and y.shape == (m, n)
         check_close(y, ref[:m], mag[:m], dtype, f"M={m} N={n} K={k}")
-    y = qmm.quantized_matmul(x[:12].reshape(12, 1, k), w, scales, biases, group_size)  # a decode batch
+    y = qmm.quantized_matmul(x[:12].reshape(12, 1, k), w, scales, biases, group_size, block_sums=block_sums)
     assert y.shape == (12, 1, n)
     check_close(y.reshape(12, n), ref[:12], mag[:12], dtype, "[12, 1, K]")
 
@@ -199,7 +241,8 @@ def test_kernel_name_carries_the_source_hash():
     "n,k,group_size,gps",
     [(4096, 4096, 64, None), (1000, 14336, 64, None), (333, 1024, 128, 3), (100, 512, 32, 5), (64, 4096, 64, 64)],
 )
-def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
+@pytest.mark.parametrize("block_sums", [False, True], ids=["warp-sums", "block-sums"])
+def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps, block_sums):
     """Row counts that leave a tile part empty, weights whose last block has warps past N, splits that end inside a
     chunk of x in shared memory (gps not a multiple of the chunk's groups) and a whole K in one split; and x as a view
     at an odd offset (copied without cp.async). Within the reference's tolerance."""
@@ -208,6 +251,6 @@ def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
     odd = x.reshape(-1)[1 : 1 + 12 * k].reshape(12, k)
     odd_ref, odd_mag = reference(odd, w, scales, biases, group_size)
     for xs, want, want_mag in [(x[:m], ref[:m], mag[:m]) for m in (1, 8, 9, 19, 32)] + [(odd, odd_ref, odd_mag)]:
-        y = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
+        y = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps, block_sums)
         assert y.dtype == dtype and y.shape == (xs.shape[0], n)
         check_close(y, want, want_mag, dtype, f"M={xs.shape[0]} N={n} K={k} gps={gps}")
