@@ -25,9 +25,22 @@ def _pair(h: int) -> tuple[int, int]:
     return h & 0xF, (h >> 4) & 0xF
 
 
-def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
+def _pair4(v: int) -> tuple[int, int]:
+    """mlxcel_qmm_pair4: the nibbles in bits 0-3 and 16-19 of v."""
+    return v & 0xF, (v >> 16) & 0xF
+
+
+def _paired(vals: np.ndarray) -> np.ndarray:
+    """8 consecutive x values in the order XSUM's block pass leaves them in shared memory: x0 x4 x1 x5 x2 x6 x3 x7."""
+    return vals[[0, 4, 1, 5, 2, 6, 3, 7]]
+
+
+def emulate(
+    x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int, xsum: bool = False
+) -> np.ndarray:
     """The kernel's arithmetic for x [M, K] (the 16-bit values, as float64) and packed w [N, K / 8], following its
-    source index by index, one warp tile (16 weight rows) at a time and one split (the whole K)."""
+    source index by index, one warp tile (16 weight rows) at a time and one split (the whole K). `xsum`: the XSUM
+    variant's (nibbles 4 apart paired against x in the block pass's order; x's group sums from that pass)."""
     m_rows, k_len = x.shape
     n_rows = w.shape[0]
     ng, nt_count = k_len // group_size, -(-m_rows // 8)
@@ -51,12 +64,18 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
                     k = gi * group_size + t * (group_size // 4) + 4 * s
                     h0, h1 = int(w[r0, word]) >> shift, int(w[r1, word]) >> shift
                     regs = [_pair(h0), _pair(h1), _pair(h0 >> 8), _pair(h1 >> 8)]
+                    if xsum:  # nibbles j, j + 4 and j + 1, j + 5 of the whole word, j = 2 (s & 1)
+                        v0, v1 = int(w[r0, word]) >> (8 * (s & 1)), int(w[r1, word]) >> (8 * (s & 1))
+                        regs = [_pair4(v0), _pair4(v1), _pair4(v0 >> 4), _pair4(v1 >> 4)]
                     # PTX A layout: register i holds elements (row, col) as in the docstring
                     for reg, (row, col) in zip(regs, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
                         a_tile[row, col], a_tile[row, col + 1] = reg
                     for nt in range(nt_count):
                         m = nt * 8 + g
                         vals = x[m, k : k + 4] if m < m_rows else np.zeros(4)
+                        if xsum:  # the word's 8 values in shared memory, paired; step s reads 4 of them
+                            base = k - 4 * (s & 1)
+                            vals = _paired(x[m, base : base + 8])[4 * (s & 1) :][:4] if m < m_rows else np.zeros(4)
                         b_tiles[nt, 2 * t, g], b_tiles[nt, 2 * t + 1, g] = vals[0], vals[1]
                         b_tiles[nt, 2 * t + 8, g], b_tiles[nt, 2 * t + 9, g] = vals[2], vals[3]
                         xs[lane, nt] += vals.sum()
@@ -73,6 +92,11 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
                 for nt in range(nt_count):
                     quad = lambda q: xs[4 * q : 4 * q + 4, nt].sum()  # noqa: E731  (the two xor shuffles)
                     xa, xb = quad(2 * t), quad(2 * t + 1)  # lanes 8t and 8t + 4
+                    if xsum:  # the block pass's sums of x rows nt * 8 + 2t, + 1 over the group
+                        rows = [nt * 8 + 2 * t, nt * 8 + 2 * t + 1]
+                        xa, xb = (
+                            x[r, gi * group_size : (gi + 1) * group_size].sum() if r < m_rows else 0 for r in rows
+                        )
                     tot[lane, nt] += [
                         s0 * acc[lane, nt, 0] + c0 * xa,
                         s0 * acc[lane, nt, 1] + c0 * xb,
@@ -90,7 +114,8 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
 
 
 @pytest.mark.parametrize("m,n,k,group_size", [(8, 32, 128, 64), (19, 40, 128, 32), (3, 16, 256, 128), (32, 24, 64, 64)])
-def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
+@pytest.mark.parametrize("xsum", [False, True], ids=["warp-sums", "block-sums"])
+def test_emulated_kernel_matches_the_reference(m, n, k, group_size, xsum):
     x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, group_size=group_size, seed=m + n)
     ref, mag = reference(x, w, scales, biases, group_size)
     got = emulate(
@@ -99,6 +124,7 @@ def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
         np.array(scales.astype(mx.float32)).astype(np.float64),
         np.array(biases.astype(mx.float32)).astype(np.float64),
         group_size,
+        xsum,
     )
     assert np.abs(got - ref).max() <= 1e-9 * max(1.0, mag.max())  # the same sums, in float64
 
