@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import mlx.core as mx  # noqa: E402
-from cuda_compile import nvcc  # noqa: E402
+from cuda_compile import compile_sm90  # noqa: E402
 
 from mlxcel_core.backends.cuda.kernels import qmm  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text  # noqa: E402
@@ -37,20 +37,8 @@ def counts(rows: int, n: int, k: int, group_size: int, block_sums: bool, cuobjdu
         "k", source, header, ["x", "w", "scales", "biases"], dtypes, [2, 2, 2, 2], ["partial"], [mx.float32],
         args["template"], launch_bounds=bounds,
     )  # fmt: skip
-    (work / "k.cu").write_text(text)
-    cmd = [
-        nvcc(),
-        "-std=c++17",
-        "-arch=sm_90",
-        "-cubin",
-        "-Xptxas",
-        "-v",
-        "-o",
-        str(work / "k.cubin"),
-        str(work / "k.cu"),
-    ]
-    ptxas = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-    sass = subprocess.run([cuobjdump, "-sass", str(work / "k.cubin")], capture_output=True, text=True, check=True)
+    ptxas = compile_sm90(work, text)  # (work/kernel.cubin; it stops where anything spills)
+    sass = subprocess.run([cuobjdump, "-sass", str(work / "kernel.cubin")], capture_output=True, text=True, check=True)
     ops = collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass.stdout))
     usage = "; ".join(re.findall(r"Used [^\n]*|\d+ bytes spill stores", ptxas))
     top = ", ".join(f"{op} {c}" for op, c in ops.most_common(12))
