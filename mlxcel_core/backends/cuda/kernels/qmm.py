@@ -169,6 +169,7 @@ def quantized_matmul(
             f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
-    partial = _kernel(dict(args["template"])["XSUM"])(inputs=[x, w, scales, biases], **args)[0]
+    bounded = xsum() if block_sums is None else block_sums  # (the template's XSUM, without a dict a call)
+    partial = _kernel(bounded)(inputs=[x, w, scales, biases], **args)[0]
     y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)
