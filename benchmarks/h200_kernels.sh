@@ -31,9 +31,6 @@
 # Tests on the GPU:
 #   tests             the decode kernels' CUDA tests: the 16-bit kernel, the norm and rope folds, MLX workarounds,
 #                     the paged-attention kernel's in-kernel KV writes and split combine
-#   xsumtests         the MLXCEL_QMM_XSUM experiment (kernels/qmm.py): test_qmm.py (both variants), then the 4-bit
-#                     batch tests of test_fast_linear.py with XSUM=1
-#   xsum              its A/B: batch_decode.py 8B 4-bit b=32,64 under XSUM=0, 1, 0, 1 (one process each)
 #   batching          the batch-routing tests: test_fast_linear.py (4-bit batches by row count), then test_batching.py
 #   engine|models|backends  that test directory under tests/mlxcel_core with the GPU defaults, failures named
 #                     (backends: every CUDA-backend test, the tensor-core kernel's test_qmm.py among them)
@@ -104,16 +101,6 @@ case "${1:-}" in
     for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
       echo "== $what"
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
-    done ;;
-  xsumtests)
-    timeout 200 python -m pytest -q -p no:cacheprovider $CUDA_TESTS/kernels/test_qmm.py --tb=short -rf 2>&1 | tail -4
-    MLXCEL_QMM_XSUM=1 timeout 200 python -m pytest -q -p no:cacheprovider $CUDA_TESTS/kernels/test_fast_linear.py \
-      -k "batch" --tb=short -rf 2>&1 | tail -3 ;;
-  xsum)
-    for x in 0 1 0 1; do
-      echo "== MLXCEL_QMM_XSUM=$x $(date +%T)"
-      MLXCEL_QMM_XSUM=$x timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
-        --batches 32,64 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
     done ;;
   families)
     shift

@@ -1,5 +1,5 @@
 """The 4-bit batch kernel (kernels/qmm.py) compiled here for sm_90 with nvcc, no GPU needed: its registers, shared
-memory and spills (ptxas), and its machine instructions counted by opcode (cuobjdump -sass), per variant.
+memory and spills (ptxas), and its machine instructions counted by opcode (cuobjdump -sass).
 
     python benchmarks/qmm_sass.py --rows 32 --n 14336 --k 4096 --cuobjdump DIR/cuobjdump
 
@@ -28,9 +28,9 @@ from mlxcel_core.backends.cuda.kernels import qmm  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text  # noqa: E402
 
 
-def counts(rows: int, n: int, k: int, group_size: int, block_sums: bool, cuobjdump: str, work: Path) -> str:
-    args = qmm.launch_args((rows, k), mx.bfloat16, mx.bfloat16, n, k, group_size, None, block_sums)
-    bounds = (qmm.WARPS * 32, qmm.MIN_BLOCKS) if block_sums else None
+def counts(rows: int, n: int, k: int, group_size: int, cuobjdump: str, work: Path) -> str:
+    args = qmm.launch_args((rows, k), mx.bfloat16, mx.bfloat16, n, k, group_size)
+    bounds = (qmm.WARPS * 32, qmm.MIN_BLOCKS)
     header, source = qmm.kernel_source()
     dtypes = [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16]
     text = kernel_text(
@@ -54,10 +54,7 @@ def main() -> int:
     p.add_argument("--cuobjdump", default="cuobjdump")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        for block_sums in (False, True):
-            print(
-                f"XSUM={int(block_sums)}:", counts(a.rows, a.n, a.k, a.group_size, block_sums, a.cuobjdump, Path(tmp))
-            )
+        print(counts(a.rows, a.n, a.k, a.group_size, a.cuobjdump, Path(tmp)))
     return 0
 
 

@@ -100,14 +100,6 @@ SETTINGS: tuple[Setting, ...] = (
         _positive_int,
     ),
     Setting(
-        "MLXCEL_QMM_XSUM",
-        "0/1",
-        False,
-        "Experiment (issue 42, target 2): 1 makes the CUDA 4-bit batch kernel (kernels/qmm.py) sum x's rows over "
-        "each group once a block instead of once a warp. Read once a process.",
-        _switch,
-    ),
-    Setting(
         "MLXCEL_NET_TIMEOUT",
         "float",
         30.0,

@@ -28,15 +28,14 @@ global memory (8 bytes at a time, 8 rows by 4 offsets: 32 sectors touched, a qua
 weights only when the group starts, every warp waits a memory latency a group (benchmarks/RESULTS.md has the whole
 decode step both ways).
 
-Experiment (MLXCEL_QMM_XSUM, template XSUM, issue 42's target 2): the bias term needs each x row's sum over each
-group, which every warp otherwise adds up from its own x fragments beside its products, and each register of two
-weights takes extracting and shifting two adjacent nibbles: most of the loop's instructions in the compiled sm_90
-code (benchmarks/qmm_sass.py counts them). With XSUM the block sums each staged chunk's rows once, into shared memory
-behind a second barrier, and each warp reads two sums a tile. The same pass reorders each 8 staged values of x as
-x0 x4 x1 x5 x2 x6 x3 x7, so that a warp makes a register of two weights from a whole packed word with one AND-OR
-(nibbles 0 and 4, then 1 and 5, ...: mlxcel_qmm_pair4); the tensor cores see the same products, in another order of
-K within a step. That variant is compiled with __launch_bounds__(128, MIN_BLOCKS), at most 128 registers a thread,
-so four blocks fit an SM instead of three.
+The bias term needs each x row's sum over each group: the block sums each staged chunk's rows once, into shared
+memory behind a second barrier, and each warp reads two sums a tile (rather than every warp adding up its own x
+fragments beside its products). The same pass reorders each 8 staged values of x as x0 x4 x1 x5 x2 x6 x3 x7, so that a
+warp makes a register of two weights from a whole packed word with one AND-OR (nibbles 0 and 4, then 1 and 5, ...:
+mlxcel_qmm_pair4); the tensor cores see the same products, in another order of K within a step. The kernel is
+compiled with __launch_bounds__(128, MIN_BLOCKS), at most 128 registers a thread, so four blocks fit an SM instead of
+three. Both cut the sm_90 code a group of 16 tensor-core products takes by half (benchmarks/qmm_sass.py counts it) and
+lift an 8B model's 4-bit decode at 32 and 64 rows by about a tenth (benchmarks/RESULTS.md).
 
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
 partial sums [SPLITS, M, N], which are summed and cast after the launch.
@@ -48,8 +47,6 @@ import functools
 import hashlib
 
 import mlx.core as mx
-
-from mlxcel_core import settings
 
 from . import qmv
 from .cubin_cache import cuda_kernel
@@ -63,8 +60,8 @@ MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
 WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 X_TYPES = (mx.bfloat16, mx.float16)
-# (MLXCEL_QMM_XSUM's variant) blocks an SM: registers capped at 65536 / (128 * 4) = 128 a thread, which the variant
-# needs no spill for; two waves of 3 blocks an SM take an 8B gate projection's 448 blocks otherwise
+# Blocks an SM: registers capped at 65536 / (128 * 4) = 128 a thread, which the kernel needs no spill for (with 3
+# blocks an SM an 8B gate projection's 448 blocks take two waves)
 MIN_BLOCKS = 4
 
 # The name carries a hash of the source: MLX caches compiled kernels on disk by name (see kernels/qmv.py).
@@ -72,15 +69,15 @@ KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hex
 
 
 @functools.cache
-def _kernel(bounded: bool = False):
-    """The kernel; `bounded` (MLXCEL_QMM_XSUM's variant): its registers capped so that MIN_BLOCKS blocks fit an SM."""
+def _kernel():
+    """The kernel, its registers capped so that MIN_BLOCKS blocks fit an SM."""
     return cuda_kernel(
         name=KERNEL_NAME,
         input_names=["x", "w", "scales", "biases"],
         output_names=["partial"],
         source=_SOURCE,
         header=_HEADER,
-        launch_bounds=(WARPS * 32, MIN_BLOCKS) if bounded else None,
+        launch_bounds=(WARPS * 32, MIN_BLOCKS),
     )
 
 
@@ -98,15 +95,6 @@ def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
     return tuned[0] if tuned else split_k(n, k // group_size)[1]
 
 
-@functools.cache
-def xsum() -> bool:
-    """MLXCEL_QMM_XSUM: each block sums x's rows over each staged group once, in shared memory, instead of every
-    warp summing its own x fragments beside its products (the experiment's question: whether the fewer instructions
-    a product takes outweigh a second barrier a chunk). Read once a process: a decode step launches the kernel for
-    every 4-bit projection."""
-    return settings.get("MLXCEL_QMM_XSUM")
-
-
 @functools.lru_cache(maxsize=1024)
 def launch_args(
     x_shape: tuple,
@@ -116,11 +104,10 @@ def launch_args(
     k: int,
     group_size: int,
     gps: int | None = None,
-    block_sums: bool | None = None,
 ) -> dict | None:
     """Everything but the inputs of one launch for x (any leading shape, 1..MAX_ROWS rows of K) and an N x K 4-bit
     weight, or None where the kernel does not take it (other types, group sizes, too many rows). `gps` (groups of K a
-    split) overrides `chosen_gps`; `block_sums` overrides `xsum()`."""
+    split) overrides `chosen_gps`."""
     m = qmv.rows_of(x_shape)
     if (
         not 1 <= m <= MAX_ROWS
@@ -141,7 +128,6 @@ def launch_args(
             ("G", group_size),
             ("NT", -(-m // 8)),
             ("GPS", gps),
-            ("XSUM", xsum() if block_sums is None else block_sums),
         ],
         grid=(-(-n // ROWS_PER_BLOCK) * WARPS * 32, splits, 1),
         threadgroup=(WARPS * 32, 1, 1),
@@ -157,19 +143,16 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     gps: int | None = None,
-    block_sums: bool | None = None,
 ) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
-    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split, `block_sums` the
-    MLXCEL_QMM_XSUM setting."""
+    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split."""
     n, k = w.shape[0], w.shape[1] * 8
-    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps, block_sums)
+    args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
     if args is None:
         raise ValueError(
             f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
-    bounded = xsum() if block_sums is None else block_sums  # (the template's XSUM, without a dict a call)
-    partial = _kernel(bounded)(inputs=[x, w, scales, biases], **args)[0]
+    partial = _kernel()(inputs=[x, w, scales, biases], **args)[0]
     y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)

@@ -1,7 +1,6 @@
 """The CUDA text of the 4-bit batch kernel (kernels/qmm.py, whose docstring describes the design): the header's device
 functions and the kernel body as ``mx.fast.cuda_kernel`` takes them, its template constants T (x's type), S (the
-scales' and biases' type), G (group size), NT (8-row tiles of x), GPS (groups of K a split) and XSUM (the experiment
-in qmm.py's docstring)."""
+scales' and biases' type), G (group size), NT (8-row tiles of x), and GPS (groups of K a split)."""
 
 from __future__ import annotations
 
@@ -48,13 +47,7 @@ __device__ __forceinline__ constexpr uint32_t mlxcel_qmm_magic() {
     return mlxcel_qmv_same<T, __half>::value ? 0x64006400u : 0x43004300u;
 }
 
-// Two nibbles (bits 0-3 and 4-7 of h) as a pair of T holding exactly q0 and q1.
-template <typename T>
-__device__ __forceinline__ uint32_t mlxcel_qmm_pair(uint32_t h) {
-    return mlxcel_qmm_unmagic<T>((h & 0xFu) | ((h & 0xF0u) << 12) | mlxcel_qmm_magic<T>());
-}
-
-// Nibbles 0 and 4 of w (bits 0-3 and 16-19) as a pair of T holding exactly them (XSUM: one AND-OR on the whole word).
+// Nibbles 0 and 4 of w (bits 0-3 and 16-19) as a pair of T holding exactly them: one AND-OR on the whole word.
 template <typename T>
 __device__ __forceinline__ uint32_t mlxcel_qmm_pair4(uint32_t w) {
     return mlxcel_qmm_unmagic<T>((w & 0x000F000Fu) | mlxcel_qmm_magic<T>());
@@ -85,27 +78,8 @@ __device__ __forceinline__ void mlxcel_qmm_words(uint32_t* r, const uint32_t* p)
 }
 
 // A group's sums into the totals: weight rows g and g + 8 times their scales s0, s1, plus their biases c0, c1 times
-// each x row's sum over the group (xs: this thread's part of x row nt * 8 + g's; two shuffles sum the quad's).
-template <int NT>
-__device__ __forceinline__ void mlxcel_qmm_scale(float (&tot)[NT][4], const float (&acc)[NT][4], const float (&xs)[NT],
-                                                 float s0, float s1, float c0, float c1, int t) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        float v = xs[nt];
-        v += __shfl_xor_sync(0xffffffffu, v, 1);
-        v += __shfl_xor_sync(0xffffffffu, v, 2);
-        // accumulator (i, j) = (weight row g or g + 8, x row nt * 8 + 2t or 2t + 1); quad 2t holds x row 2t's sum
-        const float xa = __shfl_sync(0xffffffffu, v, 8 * t);
-        const float xb = __shfl_sync(0xffffffffu, v, 8 * t + 4);
-        tot[nt][0] += s0 * acc[nt][0] + c0 * xa;
-        tot[nt][1] += s0 * acc[nt][1] + c0 * xb;
-        tot[nt][2] += s1 * acc[nt][2] + c1 * xa;
-        tot[nt][3] += s1 * acc[nt][3] + c1 * xb;
-    }
-}
-
-// The same with each x row's group sum read from the block's sums (XSUM: `sums` = the group's NT * 8 sums in shared
-// memory, x row m's at m): accumulator (i, j) takes x rows nt * 8 + 2t and 2t + 1, adjacent there, one 8-byte read.
+// each x row's sum over the group (`sums`: the group's NT * 8 sums in shared memory, x row m's at m): accumulator
+// (i, j) = (weight row g or g + 8, x row nt * 8 + 2t or 2t + 1), the two rows adjacent there, one 8-byte read.
 template <int NT>
 __device__ __forceinline__ void mlxcel_qmm_scale_sums(float (&tot)[NT][4], const float (&acc)[NT][4],
                                                       const float* sums, float s0, float s1, float c0, float c1,
@@ -169,7 +143,7 @@ SOURCE = r"""
     constexpr int WORDS = G / 32;
     constexpr int D = CG < 4 ? CG : 4;  // groups of weights a warp loads ahead (divides CG)
     __shared__ __align__(16) T xsh[2][NT * 8][RS];
-    __shared__ __align__(16) float xsum[XSUM ? 2 : 1][XSUM ? CG : 1][NT * 8];  // (XSUM) each staged group's row sums
+    __shared__ __align__(16) float xsum[2][CG][NT * 8];  // each staged group's x row sums
     int M = 1;
     for (int d = 0; d < x_ndim - 1; ++d) {
         M *= x_shape[d];
@@ -250,8 +224,8 @@ SOURCE = r"""
         }
         __syncthreads();
         const int g0 = gbeg + c * CG;
-        if constexpr (XSUM) {  // once for the block's warps: each x row's sum over each group of the chunk, and each
-            // 8 values x0..x7 reordered x0 x4 x1 x5 x2 x6 x3 x7, to pair with nibbles 4 apart (mlxcel_qmm_pair4)
+        {  // once for the block's warps: each x row's sum over each group of the chunk, and each 8 values x0..x7
+            // reordered x0 x4 x1 x5 x2 x6 x3 x7, to pair with nibbles 4 apart (mlxcel_qmm_pair4)
             for (int i = threadIdx.x; i < min(CG, gend - g0) * NT * 8; i += blockDim.x) {
                 const int gc = i / (NT * 8);
                 const int m = i - gc * (NT * 8);
@@ -294,46 +268,26 @@ SOURCE = r"""
                     fetch(gi + D, rq0[d], rq1[d], rsc[d]);
                 }
                 float acc[NT][4];
-                float xs[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) {
                     acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-                    xs[nt] = 0.0f;
                 }
 #pragma unroll
                 for (int s = 0; s < STEPS; ++s) {
-                    const uint32_t h0 = p0[s >> 1] >> (16 * (s & 1));
-                    const uint32_t h1 = p1[s >> 1] >> (16 * (s & 1));
                     const int kc = (gi - g0) * G + t * Q + 4 * s;  // k within the chunk
-                    uint32_t a[4];
-                    if constexpr (XSUM) {  // K values j, j + 4 and j + 1, j + 5 of the word, j = 2 (s & 1): x's order
-                        const uint32_t v0 = p0[s >> 1] >> (8 * (s & 1));
-                        const uint32_t v1 = p1[s >> 1] >> (8 * (s & 1));
-                        a[0] = mlxcel_qmm_pair4<T>(v0);
-                        a[1] = mlxcel_qmm_pair4<T>(v1);
-                        a[2] = mlxcel_qmm_pair4<T>(v0 >> 4);
-                        a[3] = mlxcel_qmm_pair4<T>(v1 >> 4);
-                    } else {
-                        a[0] = mlxcel_qmm_pair<T>(h0);
-                        a[1] = mlxcel_qmm_pair<T>(h1);
-                        a[2] = mlxcel_qmm_pair<T>(h0 >> 8);
-                        a[3] = mlxcel_qmm_pair<T>(h1 >> 8);
-                    }
+                    // K values j, j + 4 and j + 1, j + 5 of the word, j = 2 (s & 1): x's order in shared memory
+                    const uint32_t v0 = p0[s >> 1] >> (8 * (s & 1));
+                    const uint32_t v1 = p1[s >> 1] >> (8 * (s & 1));
+                    const uint32_t a[4] = {mlxcel_qmm_pair4<T>(v0), mlxcel_qmm_pair4<T>(v1), mlxcel_qmm_pair4<T>(v0 >> 4),
+                                           mlxcel_qmm_pair4<T>(v1 >> 4)};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
-                        uint32_t b[2] = {v.x, v.y};
-                        if constexpr (!XSUM) {
-                            xs[nt] += mlxcel_qmm_sum2<T>(b[0]) + mlxcel_qmm_sum2<T>(b[1]);
-                        }
+                        const uint32_t b[2] = {v.x, v.y};
                         mlxcel_qmm_mma<T>(acc[nt], a, b);
                     }
                 }
-                if constexpr (XSUM) {
-                    mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);
-                } else {
-                    mlxcel_qmm_scale<NT>(tot, acc, xs, ps[0], ps[1], ps[2], ps[3], t);
-                }
+                mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);
             }
         }
         __syncthreads();  // every warp is done with this buffer before the next stage() refills it

@@ -20,27 +20,22 @@ from test_qmv import check_close, make_operands, needs_cuda, reference
 from mlxcel_core.backends.cuda.kernels import qmm
 
 
-def _pair(h: int) -> tuple[int, int]:
-    """mlxcel_qmm_pair: the nibbles in bits 0-3 and 4-7 of h (the 16-bit values it makes are exactly these)."""
-    return h & 0xF, (h >> 4) & 0xF
-
-
 def _pair4(v: int) -> tuple[int, int]:
     """mlxcel_qmm_pair4: the nibbles in bits 0-3 and 16-19 of v."""
     return v & 0xF, (v >> 16) & 0xF
 
 
 def _paired(vals: np.ndarray) -> np.ndarray:
-    """8 consecutive x values in the order XSUM's block pass leaves them in shared memory: x0 x4 x1 x5 x2 x6 x3 x7."""
+    """8 consecutive x values in the order the kernel's block pass leaves them in shared memory: x0 x4 x1 x5 x2 x6 x3 x7."""
     return vals[[0, 4, 1, 5, 2, 6, 3, 7]]
 
 
 def emulate(
-    x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int, xsum: bool = False
+    x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int
 ) -> np.ndarray:
     """The kernel's arithmetic for x [M, K] (the 16-bit values, as float64) and packed w [N, K / 8], following its
-    source index by index, one warp tile (16 weight rows) at a time and one split (the whole K). `xsum`: the XSUM
-    variant's (nibbles 4 apart paired against x in the block pass's order; x's group sums from that pass)."""
+    source index by index, one warp tile (16 weight rows) at a time and one split (the whole K): nibbles 4 apart
+    paired against x in the block pass's order, x's group sums from that pass."""
     m_rows, k_len = x.shape
     n_rows = w.shape[0]
     ng, nt_count = k_len // group_size, -(-m_rows // 8)
@@ -49,7 +44,6 @@ def emulate(
         tot = np.zeros((32, nt_count, 4))
         for gi in range(ng):
             acc = np.zeros((32, nt_count, 4))
-            xs = np.zeros((32, nt_count))
             for s in range(group_size // 16):
                 a_tile = np.full((16, 16), np.nan)
                 b_tiles = np.full((nt_count, 16, 8), np.nan)
@@ -60,25 +54,20 @@ def emulate(
                     words = group_size // 32
                     word = gi * (group_size // 8) + t * words + (s >> 1)
                     assert (s >> 1) < words
-                    shift = 16 * (s & 1)
                     k = gi * group_size + t * (group_size // 4) + 4 * s
-                    h0, h1 = int(w[r0, word]) >> shift, int(w[r1, word]) >> shift
-                    regs = [_pair(h0), _pair(h1), _pair(h0 >> 8), _pair(h1 >> 8)]
-                    if xsum:  # nibbles j, j + 4 and j + 1, j + 5 of the whole word, j = 2 (s & 1)
-                        v0, v1 = int(w[r0, word]) >> (8 * (s & 1)), int(w[r1, word]) >> (8 * (s & 1))
-                        regs = [_pair4(v0), _pair4(v1), _pair4(v0 >> 4), _pair4(v1 >> 4)]
+                    # nibbles j, j + 4 and j + 1, j + 5 of the whole word, j = 2 (s & 1)
+                    v0, v1 = int(w[r0, word]) >> (8 * (s & 1)), int(w[r1, word]) >> (8 * (s & 1))
+                    regs = [_pair4(v0), _pair4(v1), _pair4(v0 >> 4), _pair4(v1 >> 4)]
                     # PTX A layout: register i holds elements (row, col) as in the docstring
                     for reg, (row, col) in zip(regs, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
                         a_tile[row, col], a_tile[row, col + 1] = reg
                     for nt in range(nt_count):
                         m = nt * 8 + g
-                        vals = x[m, k : k + 4] if m < m_rows else np.zeros(4)
-                        if xsum:  # the word's 8 values in shared memory, paired; step s reads 4 of them
-                            base = k - 4 * (s & 1)
-                            vals = _paired(x[m, base : base + 8])[4 * (s & 1) :][:4] if m < m_rows else np.zeros(4)
+                        # the word's 8 values in shared memory, paired; step s reads 4 of them
+                        base = k - 4 * (s & 1)
+                        vals = _paired(x[m, base : base + 8])[4 * (s & 1) :][:4] if m < m_rows else np.zeros(4)
                         b_tiles[nt, 2 * t, g], b_tiles[nt, 2 * t + 1, g] = vals[0], vals[1]
                         b_tiles[nt, 2 * t + 8, g], b_tiles[nt, 2 * t + 9, g] = vals[2], vals[3]
-                        xs[lane, nt] += vals.sum()
                 assert not np.isnan(a_tile).any() and not np.isnan(b_tiles).any()  # every element placed once
                 for nt in range(nt_count):
                     c = a_tile @ b_tiles[nt]
@@ -90,13 +79,9 @@ def emulate(
                 r0, r1 = min(n0 + g, n_rows - 1), min(n0 + g + 8, n_rows - 1)
                 s0, s1, c0, c1 = scales[r0, gi], scales[r1, gi], biases[r0, gi], biases[r1, gi]
                 for nt in range(nt_count):
-                    quad = lambda q: xs[4 * q : 4 * q + 4, nt].sum()  # noqa: E731  (the two xor shuffles)
-                    xa, xb = quad(2 * t), quad(2 * t + 1)  # lanes 8t and 8t + 4
-                    if xsum:  # the block pass's sums of x rows nt * 8 + 2t, + 1 over the group
-                        rows = [nt * 8 + 2 * t, nt * 8 + 2 * t + 1]
-                        xa, xb = (
-                            x[r, gi * group_size : (gi + 1) * group_size].sum() if r < m_rows else 0 for r in rows
-                        )
+                    # the block pass's sums of x rows nt * 8 + 2t, + 1 over the group
+                    rows = [nt * 8 + 2 * t, nt * 8 + 2 * t + 1]
+                    xa, xb = (x[r, gi * group_size : (gi + 1) * group_size].sum() if r < m_rows else 0 for r in rows)
                     tot[lane, nt] += [
                         s0 * acc[lane, nt, 0] + c0 * xa,
                         s0 * acc[lane, nt, 1] + c0 * xb,
@@ -114,8 +99,7 @@ def emulate(
 
 
 @pytest.mark.parametrize("m,n,k,group_size", [(8, 32, 128, 64), (19, 40, 128, 32), (3, 16, 256, 128), (32, 24, 64, 64)])
-@pytest.mark.parametrize("xsum", [False, True], ids=["warp-sums", "block-sums"])
-def test_emulated_kernel_matches_the_reference(m, n, k, group_size, xsum):
+def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
     x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, group_size=group_size, seed=m + n)
     ref, mag = reference(x, w, scales, biases, group_size)
     got = emulate(
@@ -124,7 +108,6 @@ def test_emulated_kernel_matches_the_reference(m, n, k, group_size, xsum):
         np.array(scales.astype(mx.float32)).astype(np.float64),
         np.array(biases.astype(mx.float32)).astype(np.float64),
         group_size,
-        xsum,
     )
     assert np.abs(got - ref).max() <= 1e-9 * max(1.0, mag.max())  # the same sums, in float64
 
@@ -141,8 +124,7 @@ def test_split_k():
 
 def test_launch_args():
     args = qmm.launch_args((19, 1, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
-    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32, "XSUM": False}
-    assert dict(qmm.launch_args((19, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64, None, True)["template"])["XSUM"]
+    assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32}
     assert dict(qmm.launch_args((24, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)["template"])["NT"] == 3
     assert args["grid"] == (224 * 128, 2, 1) and args["threadgroup"] == (128, 1, 1)
     assert args["output_shapes"] == [(2, 19, 14336)] and args["output_dtypes"] == [mx.float32]
@@ -157,9 +139,8 @@ def test_launch_args():
     "x_dtype,s_dtype,m,group_size",
     [(mx.bfloat16, mx.bfloat16, 32, 64), (mx.float16, mx.float16, 9, 128), (mx.bfloat16, mx.float32, 17, 32)],
 )
-@pytest.mark.parametrize("block_sums", [False, True], ids=["warp-sums", "block-sums"])
-def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size, block_sums):
-    args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size, None, block_sums)
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
+    args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
     header, source = qmm.kernel_source()
     params = [
         f"    const {CUDA_TYPES[x_dtype]}* x",
@@ -173,18 +154,18 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
     ]
     text = kernel_file(qmm.KERNEL_NAME, params, dict(args["template"]), source, header)
     report = compile_sm90(tmp_path, text)
-    # two chunk buffers of 8 NT rows in static shared memory (a block may hold at most 48 KiB of it), and with block
-    # sums each chunk's float32 sums of those rows a group
+    # two chunk buffers of 8 NT rows in static shared memory (a block may hold at most 48 KiB of it), and each
+    # chunk's float32 sums of those rows a group
     smem = int(re.search(r"(\d+) bytes smem", report).group(1))
     rows = -(-m // 8) * 8
-    sums = 2 * (qmm.CHUNK_K // group_size) * rows * 4 if block_sums else 0
+    sums = 2 * (qmm.CHUNK_K // group_size) * rows * 4
     assert smem == 2 * rows * (qmm.CHUNK_K + 4) * 2 + sums <= 48 << 10, report
 
 
 @needs_nvcc
 @pytest.mark.parametrize("m", [9, 32])
-def test_the_bounded_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, m):
-    """The block-sums variant's translation unit as the kernel cache builds it (__launch_bounds__(128, 4)): at most
+def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, m):
+    """The kernel's translation unit as the kernel cache builds it (__launch_bounds__(128, 4)): at most
     128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536."""
     from types import SimpleNamespace
 
@@ -193,11 +174,11 @@ def test_the_bounded_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monk
     monkeypatch.setattr(qmm, "cuda_kernel", lambda **kwargs: SimpleNamespace(**kwargs))
     qmm._kernel.cache_clear()
     try:
-        kernel, plain = qmm._kernel(True), qmm._kernel(False)
+        kernel = qmm._kernel()
     finally:
         qmm._kernel.cache_clear()
-    assert kernel.launch_bounds == (qmm.WARPS * 32, qmm.MIN_BLOCKS) == (128, 4) and plain.launch_bounds is None
-    args = qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64, None, True)
+    assert kernel.launch_bounds == (qmm.WARPS * 32, qmm.MIN_BLOCKS) == (128, 4)
+    args = qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
     header, source = qmm.kernel_source()
     dtypes = [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16]
     text = kernel_text(
@@ -220,15 +201,14 @@ def test_the_bounded_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monk
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1024, 14336, 64), (1000, 512, 32), (333, 1024, 128)])
-@pytest.mark.parametrize("block_sums", [False, True], ids=["warp-sums", "block-sums"])
-def test_kernel_matches_the_reference(dtype, n, k, group_size, block_sums):
+def test_kernel_matches_the_reference(dtype, n, k, group_size):
     x, w, scales, biases = make_operands(32, n, k, dtype, group_size=group_size, seed=n)
     ref, mag = reference(x, w, scales, biases, group_size)
     for m in (1, 8, 9, 19, 32):
-        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size, block_sums=block_sums)
+        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
         assert y.dtype == dtype and y.shape == (m, n)
         check_close(y, ref[:m], mag[:m], dtype, f"M={m} N={n} K={k}")
-    y = qmm.quantized_matmul(x[:12].reshape(12, 1, k), w, scales, biases, group_size, block_sums=block_sums)
+    y = qmm.quantized_matmul(x[:12].reshape(12, 1, k), w, scales, biases, group_size)
     assert y.shape == (12, 1, n)
     check_close(y.reshape(12, n), ref[:12], mag[:12], dtype, "[12, 1, K]")
 
@@ -267,8 +247,7 @@ def test_kernel_name_carries_the_source_hash():
     "n,k,group_size,gps",
     [(4096, 4096, 64, None), (1000, 14336, 64, None), (333, 1024, 128, 3), (100, 512, 32, 5), (64, 4096, 64, 64)],
 )
-@pytest.mark.parametrize("block_sums", [False, True], ids=["warp-sums", "block-sums"])
-def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps, block_sums):
+def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
     """Row counts that leave a tile part empty, weights whose last block has warps past N, splits that end inside a
     chunk of x in shared memory (gps not a multiple of the chunk's groups) and a whole K in one split; and x as a view
     at an odd offset (copied without cp.async). Within the reference's tolerance."""
@@ -277,6 +256,6 @@ def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps, blo
     odd = x.reshape(-1)[1 : 1 + 12 * k].reshape(12, k)
     odd_ref, odd_mag = reference(odd, w, scales, biases, group_size)
     for xs, want, want_mag in [(x[:m], ref[:m], mag[:m]) for m in (1, 8, 9, 19, 32)] + [(odd, odd_ref, odd_mag)]:
-        y = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps, block_sums)
+        y = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
         assert y.dtype == dtype and y.shape == (xs.shape[0], n)
         check_close(y, want, want_mag, dtype, f"M={xs.shape[0]} N={n} K={k} gps={gps}")
