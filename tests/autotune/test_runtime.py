@@ -63,13 +63,14 @@ def count_loads(monkeypatch) -> list:
 def test_bucket_rounding_candidates_and_heuristic():
     assert BUCKET == Bucket(4, 64, 4, 2, 32, 8)
     assert candidates(BUCKET) == [1, 2, 4, 8]
-    assert candidates(Bucket.of(1, 20000, Geometry())) == [1, 2, 4, 8, 16, 32]
+    assert candidates(Bucket.of(1, 20000, Geometry())) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert candidates(Bucket.of(1, 5, Geometry(block_size=32))) == [1]
     assert candidates(Bucket(1, 96, 4, 2, 32, 32)) == [1, 2, 3]  # the cap itself when not a power of two
     ops_defaults = [default_splits(Bucket.of(1, c, Geometry()), "mlx-ops") for c in (1024, 4096, 8192, 16384)]
     assert ops_defaults == [1, 2, 4, 8]
-    cuda = [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x") for b, c in ((1, 1024), (8, 4096), (8, 16384))]
-    assert cuda == [16, 8, 8]  # batch 1: 8 kv heads x 16 splits; batch 8: 64 x 8 = 512 blocks
+    cells = ((1, 1024), (1, 32768), (8, 4096), (8, 16384))
+    cuda = [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x") for b, c in cells]
+    assert cuda == [16, 64, 8, 8]  # batch 1: 8 kv heads x 16 (64 past 2048 tokens) splits; batch 8: 64 x 8 = 512 blocks
     for b in (1, 8):
         for c in (64, 1024, 16384):
             for runner in ("mlx-ops", "cuda-kernel-x"):
