@@ -278,8 +278,8 @@ SOURCE = r"""
                     // K values j, j + 4 and j + 1, j + 5 of the word, j = 2 (s & 1): x's order in shared memory
                     const uint32_t v0 = p0[s >> 1] >> (8 * (s & 1));
                     const uint32_t v1 = p1[s >> 1] >> (8 * (s & 1));
-                    const uint32_t a[4] = {mlxcel_qmm_pair4<T>(v0), mlxcel_qmm_pair4<T>(v1), mlxcel_qmm_pair4<T>(v0 >> 4),
-                                           mlxcel_qmm_pair4<T>(v1 >> 4)};
+                    const uint32_t a[4] = {mlxcel_qmm_pair4<T>(v0), mlxcel_qmm_pair4<T>(v1),
+                                           mlxcel_qmm_pair4<T>(v0 >> 4), mlxcel_qmm_pair4<T>(v1 >> 4)};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);

@@ -26,7 +26,7 @@ def _pair4(v: int) -> tuple[int, int]:
 
 
 def _paired(vals: np.ndarray) -> np.ndarray:
-    """8 consecutive x values in the order the kernel's block pass leaves them in shared memory: x0 x4 x1 x5 x2 x6 x3 x7."""
+    """8 consecutive x values in the order the block pass leaves them in shared memory: x0 x4 x1 x5 x2 x6 x3 x7."""
     return vals[[0, 4, 1, 5, 2, 6, 3, 7]]
 
 
