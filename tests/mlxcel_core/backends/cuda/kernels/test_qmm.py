@@ -30,9 +30,7 @@ def _paired(vals: np.ndarray) -> np.ndarray:
     return vals[[0, 4, 1, 5, 2, 6, 3, 7]]
 
 
-def emulate(
-    x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int
-) -> np.ndarray:
+def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
     """The kernel's arithmetic for x [M, K] (the 16-bit values, as float64) and packed w [N, K / 8], following its
     source index by index, one warp tile (16 weight rows) at a time and one split (the whole K): nibbles 4 apart
     paired against x in the block pass's order, x's group sums from that pass."""
