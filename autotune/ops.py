@@ -4,7 +4,8 @@ Everything that only describes the op (buckets, candidates, the default heuristi
 `mlxcel tune --dry-run` stays fast; measuring imports it.
 
 Candidates: the powers of two up to the cap, plus the cap, where the cap is
-min(256, context bucket / block size): no split gets less than one block of the context.
+min(32, context bucket / block size) for the MLX-ops path and min(256, ...) for the CUDA kernel: no split gets
+less than one block of the context.
 
 Default (the built-in heuristic, what runs when nothing is tuned):
 - MLX-ops path (CPU, Metal, CUDA without the kernel): 1 split below 4096 tokens of context, then one
@@ -25,7 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 OP = "paged-decode-splits"
-MAX_SPLITS = 256
+MAX_SPLITS = 32  # the MLX-ops path's cap
+MAX_CUDA_SPLITS = 256  # the CUDA kernel's (its last block merges up to 512 splits' partials in shared memory)
 MIN_CUDA_SPLIT_TOKENS = 64  # the CUDA kernel's default never splits the context bucket finer than this
 RUNNER_OPS = "mlx-ops"
 DTYPES = ("float16", "bfloat16", "float32")
@@ -101,13 +103,14 @@ def label(num_splits: int) -> str:
     return f"num_splits={num_splits}"
 
 
-def split_cap(bucket: Bucket) -> int:
-    return max(1, min(MAX_SPLITS, bucket.context // bucket.block_size))
+def split_cap(bucket: Bucket, runner: str) -> int:
+    most = MAX_CUDA_SPLITS if runner.startswith("cuda-kernel") else MAX_SPLITS
+    return max(1, min(most, bucket.context // bucket.block_size))
 
 
-def candidates(bucket: Bucket) -> list[int]:
-    """Powers of two up to the cap, plus the cap."""
-    cap = split_cap(bucket)
+def candidates(bucket: Bucket, runner: str) -> list[int]:
+    """Powers of two up to the runner's cap, plus the cap."""
+    cap = split_cap(bucket, runner)
     out, s = [], 1
     while s <= cap:
         out.append(s)
@@ -129,8 +132,8 @@ def query_groups(q_heads: int, kv_heads: int, head_dim: int) -> int:
 
 
 def default_splits(bucket: Bucket, runner: str) -> int:
-    """The built-in heuristic (module docstring); always one of `candidates(bucket)`."""
-    cap = split_cap(bucket)
+    """The built-in heuristic (module docstring); always one of `candidates(bucket, runner)`."""
+    cap = split_cap(bucket, runner)
     if runner.startswith("cuda-kernel"):
         blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim)
         s = 1
@@ -285,7 +288,7 @@ def profile_cell(
 
     runner = runner or current_runner(geometry.head_dim)
     bucket = Bucket.of(batch, context, geometry)
-    splits = candidates(bucket)
+    splits = candidates(bucket, runner)
     default = default_splits(bucket, runner)
     attention = backends.current().paged_attention(runner)
     q, k_pool, v_pool, tables, lens = workload(batch, context, geometry, dtype)

@@ -113,7 +113,7 @@ class SplitsChooser:
     def _lookup(bucket: Bucket, runner: str, device: str, dtype: str) -> Optional[int]:
         from .store import Key, Store
 
-        labels = [label(s) for s in candidates(bucket)]
+        labels = [label(s) for s in candidates(bucket, runner)]
         record = Store().load(Key(OP, runner, device, bucket.key(), dtype), candidates=labels)
         if record is None:
             return None

@@ -31,7 +31,7 @@ def clean(monkeypatch, tmp_path):
 
 
 def store_tactic(bucket: Bucket, splits: int, runner="mlx-ops", dtype="float32") -> None:
-    labels = [label(s) for s in candidates(bucket)]
+    labels = [label(s) for s in candidates(bucket, runner)]
     Store().save(
         Entry(
             key=Key(OP, runner, ops.device_identity(), bucket.key(), dtype),
@@ -62,10 +62,11 @@ def count_loads(monkeypatch) -> list:
 
 def test_bucket_rounding_candidates_and_heuristic():
     assert BUCKET == Bucket(4, 64, 4, 2, 32, 8)
-    assert candidates(BUCKET) == [1, 2, 4, 8]
-    assert candidates(Bucket.of(1, 20000, Geometry())) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert candidates(Bucket.of(1, 5, Geometry(block_size=32))) == [1]
-    assert candidates(Bucket(1, 96, 4, 2, 32, 32)) == [1, 2, 3]  # the cap itself when not a power of two
+    assert candidates(BUCKET, "mlx-ops") == [1, 2, 4, 8]
+    assert candidates(Bucket.of(1, 20000, Geometry()), "mlx-ops") == [1, 2, 4, 8, 16, 32]
+    assert candidates(Bucket.of(1, 20000, Geometry()), "cuda-kernel-x") == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert candidates(Bucket.of(1, 5, Geometry(block_size=32)), "cuda-kernel-x") == [1]
+    assert candidates(Bucket(1, 96, 4, 2, 32, 32), "mlx-ops") == [1, 2, 3]  # the cap itself when not a power of two
     ops_defaults = [default_splits(Bucket.of(1, c, Geometry()), "mlx-ops") for c in (1024, 4096, 8192, 16384)]
     assert ops_defaults == [1, 2, 4, 8]
     cells = ((1, 1024), (1, 32768), (8, 4096), (8, 16384))
@@ -75,7 +76,7 @@ def test_bucket_rounding_candidates_and_heuristic():
         for c in (64, 1024, 16384):
             for runner in ("mlx-ops", "cuda-kernel-x"):
                 bucket = Bucket.of(b, c, Geometry())
-                assert default_splits(bucket, runner) in candidates(bucket)
+                assert default_splits(bucket, runner) in candidates(bucket, runner)
 
 
 def test_env_splits_parsing(capsys):
@@ -139,7 +140,7 @@ def test_tune_mode_profiles_a_miss_once_stores_it_and_logs(monkeypatch, capsys, 
     real = ops.profile_cell
     monkeypatch.setattr(ops, "profile_cell", lambda *a, **k: calls.append(a) or real(*a, **k))
     n = SplitsChooser()(**SHAPE)
-    assert n in candidates(BUCKET)
+    assert n in candidates(BUCKET, "mlx-ops")
     assert len(calls) == 1 and calls[0][:2] == (4, 64)  # measured at the bucket's shape
     err = capsys.readouterr().err
     assert "mlxcel: autotune: tuning paged-decode-splits b4xc64xhq4xhkv2xd32xbs8 float32" in err
@@ -258,7 +259,7 @@ def test_engine_passes_the_cached_tactic_to_paged_decode_attention(tiny, monkeyp
     buckets, seen = engine_buckets(tiny, monkeypatch)
     assert buckets and set(seen) == {1}  # empty cache: the heuristic
     for bucket, runner, dtype in buckets:
-        assert runner == "mlx-ops" and candidates(bucket)[-1] >= 2
+        assert runner == "mlx-ops" and candidates(bucket, runner)[-1] >= 2
         store_tactic(bucket, 2, runner, dtype)
     seen = run_engine(tiny, monkeypatch)
     assert seen and set(seen) == {2}  # every decode step of every layer got the stored tactic
