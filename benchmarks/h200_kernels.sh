@@ -31,6 +31,9 @@
 # Tests on the GPU:
 #   tests             the decode kernels' CUDA tests: the 16-bit kernel, the norm and rope folds, MLX workarounds,
 #                     the paged-attention kernel's in-kernel KV writes and split combine
+#   tiletests         the MLXCEL_PAGED_TILE experiment (backends/cuda/paged_attention.py): the paged kernel's tests and
+#                     the engine's greedy tokens on it with TILE=1
+#   tile              its A/B: batch_decode.py 8B 4-bit b=1 at a 32k- and a 4k-token prompt under TILE=0, 1, 0, 1
 #   batching          the batch-routing tests: test_fast_linear.py (4-bit batches by row count), then test_batching.py
 #   engine|models|backends  that test directory under tests/mlxcel_core with the GPU defaults, failures named
 #                     (backends: every CUDA-backend test, the tensor-core kernel's test_qmm.py among them)
@@ -101,6 +104,17 @@ case "${1:-}" in
     for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
       echo "== $what"
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
+    done ;;
+  tiletests)
+    MLXCEL_PAGED_TILE=1 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/test_cuda_paged_attention.py \
+      $CUDA_TESTS/test_cuda_paged_attention_limits.py $CUDA_TESTS/test_graph_decode.py --tb=short -rf 2>&1 | tail -4 ;;
+  tile)
+    for x in 0 1 0 1; do
+      for p in 32768 4096; do
+        echo "== MLXCEL_PAGED_TILE=$x prompt $p $(date +%T)"
+        MLXCEL_PAGED_TILE=$x timeout 140 python benchmarks/batch_decode.py --model-shape llama-3.1-8b --bits 4 \
+          --batches 1 --prompt-tokens $p --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
+      done
     done ;;
   families)
     shift

@@ -100,6 +100,14 @@ SETTINGS: tuple[Setting, ...] = (
         _positive_int,
     ),
     Setting(
+        "MLXCEL_PAGED_TILE",
+        "0/1",
+        False,
+        "Experiment (issue 42, target 5): 1 makes the CUDA paged decode kernel keep 4 tokens a lane group as loaded "
+        "and take one softmax maximum a tile of them instead of one a token. Read once a process.",
+        _switch,
+    ),
+    Setting(
         "MLXCEL_NET_TIMEOUT",
         "float",
         30.0,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 
+from .paged_attention_tile import TILE_LOOP as _TILE_LOOP
+
 _SOURCE = r"""
     constexpr int NVG = TPB / LPT;  // lane groups per block, one token each per iteration
     constexpr int HQ = HKV * NREP;
@@ -57,6 +59,7 @@ _SOURCE = r"""
     const int* table = block_tables + size_t(b) * max_blocks;
 
     // UNROLL tokens per lane group per iteration: all their loads are issued before any of them is used.
+    if constexpr (!TILE) {
     for (int base = t0; base < t1; base += NVG * UNROLL) {  // the same trip count for every thread of the block
         float kf[UNROLL][EPL];
         float vf[UNROLL][EPL];
@@ -132,6 +135,9 @@ _SOURCE = r"""
             }
         }
     }
+    } else {
+/*TILE_LOOP*/
+    }
 
     // Merge the lane groups' states, then write this split's partials.
     __shared__ float sm_m[NVG][G];
@@ -179,6 +185,7 @@ _SOURCE = r"""
     }
 /*LAST_BLOCK*/
 """
+
 
 # One split (the whole context in one block per head group): the combine step's arithmetic for S = 1 (its rescale
 # factor exp(m - m) is exactly 1) done here, the output written in q's dtype: one launch a layer instead of two.
@@ -326,6 +333,7 @@ def kernel_source(
     if one_split and last_block_combines:
         raise ValueError("one split writes the output itself: there is nothing to combine")
     source = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else _SOURCE
+    source = source.replace("/*TILE_LOOP*/", _TILE_LOOP)
     source = _with_sinks(source, "MERGE", sinks and one_split)
     block = _with_sinks(_LAST_BLOCK_COMBINES, "COMBINE", sinks) if last_block_combines else ""
     source = source.replace("/*LAST_BLOCK*/", block)
@@ -375,7 +383,7 @@ UNROLL = 2  # tokens in flight per lane group (loads issued together)
 
 # Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
 KERNEL_HASH = hashlib.sha256(
-    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{_SINK_MAX}{_SINK_SUM}"
+    f"{_SOURCE}{_TILE_LOOP}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{_SINK_MAX}{_SINK_SUM}"
     f"{THREADS}/{UNROLL}".encode()
 ).hexdigest()[:8]
 RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"

@@ -14,6 +14,8 @@ lengths that are not multiples of the block size, and for every split count a tu
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -174,7 +176,8 @@ def test_new_kv_is_checked():
 @needs_nvcc
 @pytest.mark.parametrize("kind", ["split", "one_split", "last_block_combines", "one_split_sinks", "combines_sinks"])
 @pytest.mark.parametrize("new_kv", [False, True])
-def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
+@pytest.mark.parametrize("tile", [False, True], ids=["token-max", "tile-max"])
+def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv, tile):
     """The split kernel in its variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
     one_split, combines, sinks = kind.startswith("one_split"), "combines" in kind, kind.endswith("sinks")
     source = cpa.kernel_source(one_split, new_kv, combines, sinks)
@@ -190,6 +193,7 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
         "LPT": geo["LPT"],
         "EPL": geo["EPL"],
         "TPB": cpa.THREADS,
+        "TILE": tile,
         "UNROLL": cpa.UNROLL,
         "WINDOW": 4096,
         "CHUNK": 8192,
@@ -216,6 +220,30 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
     assert ("k_pool_shape" in source) == new_kv and ("atomicAdd" in source) == combines
     assert ("sinks[" in source) == sinks and "/*" not in source.replace("/*NEW_KV*/", "")  # (every placeholder filled)
     compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("tile", [False, True], ids=["token-max", "tile-max"])
+def test_the_llama_kernel_fits_four_blocks_an_sm(tmp_path, tile):
+    """Llama-3-8B's decode kernel as a step launches it (the step's KV, last block combines; no window or soft cap):
+    at most 128 registers a thread and no spill, so four blocks of 128 threads fit an SM."""
+    source = cpa.kernel_source(False, True, True, False)
+    geo = launch_geometry(128, 4)
+    template = {
+        **{"KV": mx.bfloat16, "SCALE_BITS": cpa._scale_bits(128**-0.5), "D": 128, "BS": 32, "HKV": 8, "NREP": 4},
+        **{"G": geo["G"], "LPT": geo["LPT"], "EPL": geo["EPL"], "TPB": cpa.THREADS, "TILE": tile},
+        **{"UNROLL": cpa.UNROLL, "WINDOW": 0, "CHUNK": 0, "SOFTCAP_BITS": 0, "OUT": mx.bfloat16},
+    }
+    params = []
+    for name in (*cpa.INPUTS, *cpa.NEW_KV_INPUTS, "counters"):
+        params.append(
+            f"    const {'__nv_bfloat16' if name in ('q', 'k_pool', 'v_pool', 'k_new', 'v_new') else 'int32_t'}* {name}"
+        )
+        if f"{name}_shape" in source:
+            params.append(f"    const __grid_constant__ Shape {name}_shape")
+    params += ["    __nv_bfloat16* out"] + [f"    float* {n}" for n in ("o_part", "m_part", "l_part")]
+    report = compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source))
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
 
 
 def test_one_split_has_nothing_to_combine():
