@@ -34,6 +34,9 @@
 #   tiletests         the MLXCEL_PAGED_TILE experiment (backends/cuda/paged_attention.py): the paged kernel's tests and
 #                     the engine's greedy tokens on it with TILE=1
 #   tile              its A/B: batch_decode.py 8B 4-bit b=1 at a 32k- and a 4k-token prompt under TILE=0, 1, 0, 1
+#   rows64tests       the MLXCEL_QMM_ROWS64 experiment (kernels/qmm.py): test_qmm.py (the wide launches' test among them)
+#                     and the batch routing's tests with ROWS64=1
+#   rows64            its A/B: batch_decode.py 8B 4-bit b=48,64 under ROWS64=0, 1, 0, 1
 #   batching          the batch-routing tests: test_fast_linear.py (4-bit batches by row count), then test_batching.py
 #   engine|models|backends  that test directory under tests/mlxcel_core with the GPU defaults, failures named
 #                     (backends: every CUDA-backend test, the tensor-core kernel's test_qmm.py among them)
@@ -104,6 +107,15 @@ case "${1:-}" in
     for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
       echo "== $what"
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
+    done ;;
+  rows64tests)
+    MLXCEL_QMM_ROWS64=1 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
+      $CUDA_TESTS/kernels/test_fast_linear.py --tb=short -rf 2>&1 | tail -4 ;;
+  rows64)
+    for x in 0 1 0 1; do
+      echo "== MLXCEL_QMM_ROWS64=$x $(date +%T)"
+      MLXCEL_QMM_ROWS64=$x timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
+        --batches 48,64 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
     done ;;
   tiletests)
     MLXCEL_PAGED_TILE=1 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/test_cuda_paged_attention.py \

@@ -100,6 +100,14 @@ SETTINGS: tuple[Setting, ...] = (
         _positive_int,
     ),
     Setting(
+        "MLXCEL_QMM_ROWS64",
+        "0/1",
+        False,
+        "Experiment (issue 42, target 2): 1 makes the CUDA 4-bit batch kernel (kernels/qmm.py) take up to 64 rows "
+        "a launch instead of 32, so that a decode batch of 33-64 rows reads each weight once. Read once a process.",
+        _switch,
+    ),
+    Setting(
         "MLXCEL_PAGED_TILE",
         "0/1",
         False,

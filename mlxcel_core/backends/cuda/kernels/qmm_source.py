@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from . import qmv_source
 
-CHUNK_K = 256  # values of K a block stages in shared memory at a time (whole groups: 8, 4 or 2 of 32, 64 or 128)
+CHUNK_K = 256  # values of K a block stages in shared memory at a time (whole groups: 8, 4 or 2 of 32, 64 or 128);
+# launches of more than 32 rows (NT > 4) stage half as many
 
 HEADER = (
     qmv_source.SAME_TYPE
@@ -137,8 +138,9 @@ __device__ __forceinline__ void mlxcel_qmm_cp8(void* dst, const void* src) {
 
 SOURCE = r"""
     constexpr int STEPS = G / 16;  // mma k-steps a group
-    constexpr int CG = CHUNK_K / G;  // groups a chunk
-    constexpr int RS = CHUNK_K + 4;  // a staged row's 16-bit values: 8 bytes of padding (see the module docstring)
+    constexpr int CK = NT > 4 ? CHUNK_K / 2 : CHUNK_K;  // values of K a chunk (half past 32 rows: 48 KiB of shared)
+    constexpr int CG = CK / G;  // groups a chunk
+    constexpr int RS = CK + 4;  // a staged row's 16-bit values: 8 bytes of padding (see the module docstring)
     constexpr int Q = G / 4;
     constexpr int WORDS = G / 32;
     constexpr int D = CG < 4 ? CG : 4;  // groups of weights a warp loads ahead (divides CG)

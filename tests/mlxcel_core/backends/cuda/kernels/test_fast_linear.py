@@ -91,14 +91,18 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
     assert seen[0] == prompt.shape
 
 
-def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
-    """A decode batch of more than qmm.MAX_ROWS rows: launches of MAX_ROWS rows, the last one short (a server batch
-    may exceed one launch); MLX's values, in order."""
+@pytest.mark.parametrize("most", [qmm.MAX_ROWS, qmm.WIDE_ROWS], ids=["32-rows", "64-rows"])
+def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch, request, most):
+    """A decode batch of more than qmm.max_rows() rows (32; 64 with MLXCEL_QMM_ROWS64): launches of that many rows,
+    the last one short (a server batch may exceed one launch); MLX's values, in order."""
+    monkeypatch.setattr(qmm, "max_rows", lambda: most)
+    qmm.launch_args.cache_clear()
+    request.addfinalizer(qmm.launch_args.cache_clear)  # (its entries were made with this max_rows)
     layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
     holder = nn.Module()
     holder.layers = [layer]
     assert use_fast_quantized_linear(holder) == 1
-    rows = 2 * qmm.MAX_ROWS + 5
+    rows = 2 * most + 5
     x = mx.random.normal((rows, 1, 256), key=mx.random.key(3)).astype(mx.bfloat16)
     # MLX's product on the CPU stream, here and in the stand-in: exact MLX ops whatever the device, each row's value
     # independent of how many rows a call has (on CUDA, MLX's quantized_matmul picks its kernel by the rows, so 32
@@ -117,7 +121,7 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     monkeypatch.setattr(qmv, "launch", lambda *args, **kwargs: None)  # never reached: more rows than it takes
     monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
     got = layer(x)
-    assert launched == [(qmm.MAX_ROWS, 1, 256), (qmm.MAX_ROWS, 1, 256), (5, 1, 256)]
+    assert launched == [(most, 1, 256), (most, 1, 256), (5, 1, 256)]
     assert got.shape == want.shape and mx.array_equal(got, want).item()
 
 

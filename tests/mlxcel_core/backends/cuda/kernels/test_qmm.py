@@ -96,7 +96,10 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
     return out
 
 
-@pytest.mark.parametrize("m,n,k,group_size", [(8, 32, 128, 64), (19, 40, 128, 32), (3, 16, 256, 128), (32, 24, 64, 64)])
+@pytest.mark.parametrize(
+    "m,n,k,group_size",
+    [(8, 32, 128, 64), (19, 40, 128, 32), (3, 16, 256, 128), (32, 24, 64, 64), (64, 16, 128, 64), (41, 16, 64, 32)],
+)
 def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
     x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, group_size=group_size, seed=m + n)
     ref, mag = reference(x, w, scales, biases, group_size)
@@ -108,6 +111,15 @@ def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
         group_size,
     )
     assert np.abs(got - ref).max() <= 1e-9 * max(1.0, mag.max())  # the same sums, in float64
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    """MLXCEL_QMM_ROWS64 on (qmm.max_rows: 64), the launch arguments computed afresh."""
+    monkeypatch.setattr(qmm, "max_rows", lambda: qmm.WIDE_ROWS)
+    qmm.launch_args.cache_clear()
+    yield
+    qmm.launch_args.cache_clear()
 
 
 def test_split_k():
@@ -135,9 +147,15 @@ def test_launch_args():
 @needs_nvcc
 @pytest.mark.parametrize(
     "x_dtype,s_dtype,m,group_size",
-    [(mx.bfloat16, mx.bfloat16, 32, 64), (mx.float16, mx.float16, 9, 128), (mx.bfloat16, mx.float32, 17, 32)],
+    [
+        (mx.bfloat16, mx.bfloat16, 32, 64),
+        (mx.float16, mx.float16, 9, 128),
+        (mx.bfloat16, mx.float32, 17, 32),
+        (mx.bfloat16, mx.bfloat16, 64, 64),
+        (mx.float16, mx.float16, 48, 32),
+    ],
 )
-def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, wide, x_dtype, s_dtype, m, group_size):
     args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
     header, source = qmm.kernel_source()
     params = [
@@ -156,15 +174,17 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
     # chunk's float32 sums of those rows a group
     smem = int(re.search(r"(\d+) bytes smem", report).group(1))
     rows = -(-m // 8) * 8
-    sums = 2 * (qmm.CHUNK_K // group_size) * rows * 4
-    assert smem == 2 * rows * (qmm.CHUNK_K + 4) * 2 + sums <= 48 << 10, report
+    chunk = qmm.CHUNK_K // 2 if rows > 32 else qmm.CHUNK_K  # (half a chunk past 4 tiles)
+    sums = 2 * (chunk // group_size) * rows * 4
+    assert smem == 2 * rows * (chunk + 4) * 2 + sums <= 48 << 10, report
 
 
 @needs_nvcc
-@pytest.mark.parametrize("m", [9, 32])
-def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, m):
+@pytest.mark.parametrize("m", [9, 32, 64])
+def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, wide, m):
     """The kernel's translation unit as the kernel cache builds it (__launch_bounds__(128, 4)): at most
-    128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536."""
+    128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536 (groups of 64; 64 rows with
+    MLXCEL_QMM_ROWS64 too)."""
     from types import SimpleNamespace
 
     from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
@@ -257,3 +277,17 @@ def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
         y = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
         assert y.dtype == dtype and y.shape == (xs.shape[0], n)
         check_close(y, want, want_mag, dtype, f"M={xs.shape[0]} N={n} K={k} gps={gps}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1000, 1024, 32), (333, 1024, 128)])
+def test_wide_launches_match_the_reference(wide, dtype, n, k, group_size):
+    """MLXCEL_QMM_ROWS64: 33..64 rows in one launch (5..8 tiles, half a chunk of K staged, groups of 32 compiled for
+    three blocks an SM), within the reference's tolerance."""
+    x, w, scales, biases = make_operands(64, n, k, dtype, group_size=group_size, seed=n + 64)
+    ref, mag = reference(x, w, scales, biases, group_size)
+    for m in (33, 40, 57, 64):
+        y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
+        assert y.dtype == dtype and y.shape == (m, n)
+        check_close(y, ref[:m], mag[:m], dtype, f"M={m} N={n} K={k}")
