@@ -11,7 +11,10 @@ through generate_step), not one decode token.
 
 Needs PyTorch built with CUDA next to MLX's CUDA backend (the H200 image has it). Per side: wall ms per token, GPU
 busy ms per token (the union of kernel intervals: wall minus busy is time the GPU waited for the host), launches per
-token, and the kernels that took the most GPU time per token. Both sides decode the same prompt for the same number of
+token, and the kernels that took the most GPU time per token, each with its own time: the part of its interval that
+no kernel started before it covers (the kernels' own times add up to the busy time). A kernel launched with
+programmatic dependent launch starts while the one before it runs and waits inside for it to end, so its duration
+counts that wait; its own time does not. Both sides decode the same prompt for the same number of
 tokens after the same warm-up; it is one measurement, not a speed claim (use compare_mlx_lm.py for those).
 """
 
@@ -113,6 +116,24 @@ def busy_us(intervals: list[tuple[int, int]]) -> float:
     return total / 1e3
 
 
+def own_us(kernels: list[tuple[str, int, int]]) -> dict[str, float]:
+    """name -> microseconds of its kernels' intervals that no kernel started before them covers (in start order, each
+    kernel's share of the union of intervals: `busy_us` split by kernel). `kernels`: (name, start ns, duration ns)."""
+    own: dict[str, float] = defaultdict(float)
+    end = None
+    for name, start, dur in sorted(kernels, key=lambda k: k[1]):
+        stop = start + dur
+        if end is None or start >= end:
+            own[name] += dur / 1e3
+            end = stop
+        elif stop > end:
+            own[name] += (stop - end) / 1e3
+            end = stop
+        else:
+            own.setdefault(name, 0.0)  # (wholly inside an earlier kernel's interval)
+    return dict(own)
+
+
 def launch_shapes(prof) -> dict:
     """(kernel, grid, block) -> [calls, us, registers, achieved occupancy %] from the profile's trace: which launch
     shape of a kernel takes the time (one kernel name serves several weights and configurations)."""
@@ -158,11 +179,13 @@ def profile_tokens(tokens, warm: int, count: int, detail: bool = False) -> dict:
         for e in prof.profiler.kineto_results.events()
         if e.device_type() == DeviceType.CUDA
     ]
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for name, _, dur in kernels:
         row = by_name[short_name(name)]
         row[0] += 1
         row[1] += dur / 1e3
+    for name, us in own_us([(short_name(n), s, d) for n, s, d in kernels]).items():
+        by_name[name][2] += us
     return {
         "wall_ms": wall * 1e3 / count,
         "busy_ms": busy_us([(s, s + d) for _, s, d in kernels]) / 1e3 / count,
@@ -178,8 +201,11 @@ def report(side: str, r: dict, count: int, top: int, unit: str = "token") -> Non
         f"({100 * r['busy_ms'] / r['wall_ms']:.0f}%), {r['launches']:.0f} kernel launches/{unit}"
     )
     ranked = sorted(r["by_name"].items(), key=lambda kv: -kv[1][1])
-    for name, (n, us) in ranked[:top]:
-        print(f"  {us / count:9.1f} us/{unit} {n / count:6.1f} calls/{unit} {us / n:8.2f} us/call  {name}")
+    for name, (n, us, own) in ranked[:top]:
+        print(
+            f"  {us / count:9.1f} us/{unit} (own {own / count:7.1f}) {n / count:6.1f} calls/{unit} {us / n:8.2f} "
+            f"us/call  {name}"
+        )
     if r["by_shape"]:
         print("  by launch shape (grid, block; registers a thread, achieved occupancy %):")
         ranked = sorted(r["by_shape"].items(), key=lambda kv: -kv[1][1])

@@ -88,7 +88,7 @@ def use_config(module, model, config: tuple[int, ...] | None, rule) -> None:
 def per_mode(r: dict) -> dict[str, float]:
     """us per call of each of the kernel's modes (all weights of a mode together)."""
     calls: dict[str, list[float]] = {}
-    for name, (n, us) in r["by_name"].items():
+    for name, (n, us, *_) in r["by_name"].items():
         mode = kernel_mode(name)
         if mode:
             row = calls.setdefault(mode, [0, 0.0])

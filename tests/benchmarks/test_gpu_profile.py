@@ -1,0 +1,31 @@
+"""benchmarks/gpu_profile.py's arithmetic (no GPU needed): the busy time as the union of kernel intervals, and each
+kernel's own share of it, which leaves out the time a kernel launched early (programmatic dependent launch) spends
+inside the one before it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_profile  # noqa: E402
+
+
+def test_own_times_split_the_busy_time_by_kernel():
+    kernels = [
+        ("attention", 0, 100_000),  # (name, start ns, duration ns)
+        ("o_proj", 5_000, 98_000),  # launched early: waits inside attention, runs its last 3 us alone
+        ("norm", 20_000, 1_000),  # wholly inside attention's interval
+        ("mlp", 110_000, 20_000),  # after a 7 us gap
+        ("attention", 130_000, 10_000),
+    ]
+    own = gpu_profile.own_us(kernels)
+    assert own == {"attention": 110.0, "o_proj": 3.0, "norm": 0.0, "mlp": 20.0}
+    busy = gpu_profile.busy_us([(s, s + d) for _, s, d in kernels])
+    assert busy == 133.0 == sum(own.values())
+
+
+def test_order_of_the_records_does_not_matter():
+    kernels = [("b", 50_000, 100_000), ("a", 0, 100_000)]
+    assert gpu_profile.own_us(kernels) == gpu_profile.own_us(list(reversed(kernels))) == {"a": 100.0, "b": 50.0}
