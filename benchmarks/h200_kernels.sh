@@ -31,12 +31,15 @@
 # Tests on the GPU:
 #   tests             the decode kernels' CUDA tests: the 16-bit kernel, the norm and rope folds, MLX workarounds,
 #                     the paged-attention kernel's in-kernel KV writes and split combine
-#   tiletests         the MLXCEL_PAGED_TILE experiment (backends/cuda/paged_attention.py): the paged kernel's tests and
-#                     the engine's greedy tokens on it with TILE=1
-#   tile              its A/B: batch_decode.py 8B 4-bit b=1 at a 32k- and a 4k-token prompt under TILE=0, 1, 0, 1
-#   rows64tests       the MLXCEL_QMM_ROWS64 experiment (kernels/qmm.py): test_qmm.py (the wide launches' test among them)
-#                     and the batch routing's tests with ROWS64=1
-#   rows64            its A/B: batch_decode.py 8B 4-bit b=48,64 under ROWS64=0, 1, 0, 1
+#   tiletests         the paged_tile experiment (MLXCEL_EXPERIMENTS) (backends/cuda/paged_attention.py): the paged kernel's tests and
+#                     the engine's greedy tokens on it with it on
+#   tile              its A/B: batch_decode.py 8B 4-bit b=1 at a 32k- and a 4k-token prompt off, on, off, on
+#   rows64tests       the qmm_rows64 experiment (MLXCEL_EXPERIMENTS) (kernels/qmm.py): test_qmm.py (the wide launches' test among them)
+#                     and the batch routing's tests with it on
+#   rows64            its A/B: batch_decode.py 8B 4-bit b=48,64 off, on, off, on
+#   fusedtests        the fused_batch experiment (MLXCEL_EXPERIMENTS) (kernels/fused_projections.py): the fused projections' tests
+#                     and the batch routing's with it on
+#   fused             its A/B: batch_decode.py 8B 4-bit b=16,32 off, on, off, on
 #   batching          the batch-routing tests: test_fast_linear.py (4-bit batches by row count), then test_batching.py
 #   engine|models|backends  that test directory under tests/mlxcel_core with the GPU defaults, failures named
 #                     (backends: every CUDA-backend test, the tensor-core kernel's test_qmm.py among them)
@@ -108,23 +111,32 @@ case "${1:-}" in
       echo "== $what"
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
     done ;;
+  fusedtests)
+    MLXCEL_EXPERIMENTS=fused_batch timeout 300 python -m pytest -q -p no:cacheprovider -n 8 \
+      $CUDA_TESTS/kernels/test_fused_projections.py $CUDA_TESTS/kernels/test_fast_linear.py --tb=short -rf 2>&1 | tail -4 ;;
+  fused)
+    for x in "" fused_batch "" fused_batch; do
+      echo "== MLXCEL_EXPERIMENTS=${x:-(none)} $(date +%T)"
+      MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
+        --batches 16,32 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
+    done ;;
   rows64tests)
-    MLXCEL_QMM_ROWS64=1 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
+    MLXCEL_EXPERIMENTS=qmm_rows64 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
       $CUDA_TESTS/kernels/test_fast_linear.py --tb=short -rf 2>&1 | tail -4 ;;
   rows64)
-    for x in 0 1 0 1; do
-      echo "== MLXCEL_QMM_ROWS64=$x $(date +%T)"
-      MLXCEL_QMM_ROWS64=$x timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
+    for x in "" qmm_rows64 "" qmm_rows64; do
+      echo "== MLXCEL_EXPERIMENTS=${x:-(none)} $(date +%T)"
+      MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
         --batches 48,64 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
     done ;;
   tiletests)
-    MLXCEL_PAGED_TILE=1 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/test_cuda_paged_attention.py \
+    MLXCEL_EXPERIMENTS=paged_tile timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/test_cuda_paged_attention.py \
       $CUDA_TESTS/test_cuda_paged_attention_limits.py $CUDA_TESTS/test_graph_decode.py --tb=short -rf 2>&1 | tail -4 ;;
   tile)
-    for x in 0 1 0 1; do
+    for x in "" paged_tile "" paged_tile; do
       for p in 32768 4096; do
-        echo "== MLXCEL_PAGED_TILE=$x prompt $p $(date +%T)"
-        MLXCEL_PAGED_TILE=$x timeout 140 python benchmarks/batch_decode.py --model-shape llama-3.1-8b --bits 4 \
+        echo "== MLXCEL_EXPERIMENTS=${x:-(none)} prompt $p $(date +%T)"
+        MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3.1-8b --bits 4 \
           --batches 1 --prompt-tokens $p --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
       done
     done ;;

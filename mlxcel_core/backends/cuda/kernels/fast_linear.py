@@ -85,7 +85,7 @@ def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tu
 # gate_proj call at B = 32 (benchmarks/qmm_batch.py): 859 us as [32, 1, K] on MLX's, 211 us on qmm.py.
 
 
-def _decode_rows(x: mx.array) -> bool:
+def decode_rows(x: mx.array) -> bool:
     """x is a decode batch as the engine holds it: [B, 1, K], B > 1 (a prompt's rows go in as they come)."""
     return x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1
 
@@ -93,19 +93,24 @@ def _decode_rows(x: mx.array) -> bool:
 def _batch_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
     """A decode batch too large for one launch of this kernel, on kernels/qmm.py (qmm.max_rows() rows a launch). None
     where this call is not for it (no CUDA, other types: then MLX's own call)."""
-    if not _decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS:
+    return batch_product(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size)
+
+
+def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array | None:
+    """x @ dequantize(w).T for a decode batch of more than LAYER_MAX_ROWS rows on kernels/qmm.py, or None where it
+    does not take this call (a prompt's rows, no CUDA, other types)."""
+    if not decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS:
         return None
-    w, scales = layer["weight"], layer["scales"]
     step = qmm.max_rows()
     first_shape = (min(x.shape[0], step), *x.shape[1:])  # (no slice op just to ask)
     if (
         not qmv.kernel_ready()
-        or qmm.launch_args(first_shape, x.dtype, scales.dtype, w.shape[0], x.shape[-1], layer.group_size) is None
+        or qmm.launch_args(first_shape, x.dtype, scales.dtype, w.shape[0], x.shape[-1], group_size) is None
     ):
         return None
     # x itself when one launch takes it: a slice is one more op in every layer of a decode step's graph
     rows = [x] if x.shape[0] <= step else [x[i : i + step] for i in range(0, x.shape[0], step)]
-    parts = [qmm.quantized_matmul(r, w, scales, layer["biases"], layer.group_size) for r in rows]
+    parts = [qmm.quantized_matmul(r, w, scales, biases, group_size) for r in rows]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 

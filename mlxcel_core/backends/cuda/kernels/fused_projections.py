@@ -29,15 +29,22 @@ in the q/k/v launch (modes "qkv_rope", "qkv_norm_rope"; rope_fold.py makes the f
 more. On the H200 a 1B step makes 438 -> 380 ops and takes 7% less host time with both (benchmarks/RESULTS.md).
 Elsewhere (no kernel for the call) the fused projections are the matmul and split above, bit for bit the separate
 layers' results.
+
+Experiment fused_batch (MLXCEL_EXPERIMENTS; issue 42's target 2): a decode batch of more than FUSED_MAX_ROWS rows takes
+the fused projections too, their matmul on kernels/qmm.py (fast_linear.batch_product): q/k/v one launch instead of three
+and gate/up one instead of two, each reading one fused weight. The norm and the RoPE stay their own ops there (qmm.py
+has no such modes); the values are the separate launches' up to the order of the float32 sums (another split of K).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxcel_core import settings
 from mlxcel_core.models.activations import swiglu
 from mlxcel_core.models.base import normed
 from mlxcel_core.models.transformer import Attention, GatedMLP, heads_first
@@ -49,6 +56,12 @@ FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (
 _PARAMS = ("weight", "scales", "biases", "bias")
 _QUANTIZED = (nn.QuantizedLinear, fast_linear.FastQuantizedLinear)
 _PLAIN = (nn.Linear, fast_linear.FastLinear)
+
+
+@functools.cache
+def fused_batches() -> bool:
+    """MLXCEL_EXPERIMENTS=fused_batch (the module docstring's experiment), read once a process."""
+    return settings.experiment("fused_batch")
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
@@ -108,7 +121,11 @@ class FusedProjection:
                 mx.eval([layer[name] for layer in layers])
 
     def takes(self, x: mx.array) -> bool:
-        return qmv.rows_of(x.shape) <= FUSED_MAX_ROWS
+        """Whether x takes the fused path: up to FUSED_MAX_ROWS rows; with the experiment fused_batch a decode batch
+        of more rows too where the 4-bit kernels run this projection."""
+        if qmv.rows_of(x.shape) <= FUSED_MAX_ROWS:
+            return True
+        return self.kernel and fused_batches() and fast_linear.decode_rows(x)
 
     def _kernel_args(self, x: mx.array, mode: str, split=None, eps: float | None = None) -> dict | None:
         """The qmv kernel's launch for x in `mode` (a "_norm" mode: with the norm's `eps`), or None where the kernel
@@ -136,7 +153,10 @@ class FusedProjection:
     def matmul(self, x: mx.array) -> mx.array:
         """x @ the fused weight (+ bias), every layer's output side by side."""
         p = self.params
-        if self.quantized:
+        y = None
+        if self.kernel and qmv.rows_of(x.shape) > FUSED_MAX_ROWS:  # (MLXCEL_EXPERIMENTS=fused_batch's decode batches)
+            y = fast_linear.batch_product(x, p["weight"], p["scales"], p["biases"], self.group_size)
+        if y is None and self.quantized:
             y = mx.quantized_matmul(
                 x,
                 p["weight"],
@@ -146,7 +166,7 @@ class FusedProjection:
                 group_size=self.group_size,
                 bits=self.bits,
             )
-        else:
+        elif y is None:
             y = x @ p["weight"].T
         return y + p["bias"] if "bias" in p else y
 

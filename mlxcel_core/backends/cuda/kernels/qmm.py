@@ -37,9 +37,9 @@ compiled with __launch_bounds__(128, MIN_BLOCKS), at most 128 registers a thread
 three. Both cut the sm_90 code a group of 16 tensor-core products takes by half (benchmarks/qmm_sass.py counts it) and
 lift an 8B model's 4-bit decode at 32 and 64 rows by about a tenth (benchmarks/RESULTS.md).
 
-Experiment (MLXCEL_QMM_ROWS64, issue 42's target 2): a decode batch of 33..64 rows runs as one launch of up to 8 tiles
-(NT 5..8, each weight read once) instead of two launches of 32 rows (each reading every weight). Past 4 tiles the
-accumulators take more registers (still at most 128 a thread in groups of 64 or 128, so four blocks an SM; three in
+Experiment qmm_rows64 (MLXCEL_EXPERIMENTS; issue 42's target 2): a decode batch of 33..64 rows runs as one launch of up
+to 8 tiles (NT 5..8, each weight read once) instead of two launches of 32 rows (each reading every weight). Past 4 tiles
+the accumulators take more registers (still at most 128 a thread in groups of 64 or 128, so four blocks an SM; three in
 groups of 32) and a chunk stages half as much of K, so that the chunk buffers stay within 48 KiB of shared memory.
 
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
@@ -64,7 +64,7 @@ from .qmm_source import HEADER as _HEADER
 from .qmm_source import SOURCE as _SOURCE
 
 MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
-WIDE_ROWS = 64  # (MLXCEL_QMM_ROWS64) rows of x one launch takes with the experiment on (8 tiles)
+WIDE_ROWS = 64  # (MLXCEL_EXPERIMENTS=qmm_rows64) rows of x one launch takes with the experiment on (8 tiles)
 WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 X_TYPES = (mx.bfloat16, mx.float16)
@@ -79,9 +79,9 @@ KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hex
 
 @functools.cache
 def max_rows() -> int:
-    """Rows of x one launch takes: WIDE_ROWS with MLXCEL_QMM_ROWS64 (the module docstring's experiment), else
-    MAX_ROWS. Read once a process."""
-    return WIDE_ROWS if settings.get("MLXCEL_QMM_ROWS64") else MAX_ROWS
+    """Rows of x one launch takes: WIDE_ROWS with the experiment qmm_rows64 (MLXCEL_EXPERIMENTS; the module
+    docstring), else MAX_ROWS. Read once a process."""
+    return WIDE_ROWS if settings.experiment("qmm_rows64") else MAX_ROWS
 
 
 @functools.cache

@@ -93,8 +93,8 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
 
 @pytest.mark.parametrize("most", [qmm.MAX_ROWS, qmm.WIDE_ROWS], ids=["32-rows", "64-rows"])
 def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch, request, most):
-    """A decode batch of more than qmm.max_rows() rows (32; 64 with MLXCEL_QMM_ROWS64): launches of that many rows,
-    the last one short (a server batch may exceed one launch); MLX's values, in order."""
+    """A decode batch of more than qmm.max_rows() rows (32; 64 with the experiment qmm_rows64): launches of that many
+    rows, the last one short (a server batch may exceed one launch); MLX's values, in order."""
     monkeypatch.setattr(qmm, "max_rows", lambda: most)
     qmm.launch_args.cache_clear()
     request.addfinalizer(qmm.launch_args.cache_clear)  # (its entries were made with this max_rows)

@@ -115,7 +115,7 @@ def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
 
 @pytest.fixture
 def wide(monkeypatch):
-    """MLXCEL_QMM_ROWS64 on (qmm.max_rows: 64), the launch arguments computed afresh."""
+    """MLXCEL_EXPERIMENTS=qmm_rows64 on (qmm.max_rows: 64), the launch arguments computed afresh."""
     monkeypatch.setattr(qmm, "max_rows", lambda: qmm.WIDE_ROWS)
     qmm.launch_args.cache_clear()
     yield
@@ -184,7 +184,7 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, wide, x_dtype, s_dtyp
 def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, wide, m):
     """The kernel's translation unit as the kernel cache builds it (__launch_bounds__(128, 4)): at most
     128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536 (groups of 64; 64 rows with
-    MLXCEL_QMM_ROWS64 too)."""
+    MLXCEL_EXPERIMENTS=qmm_rows64 too)."""
     from types import SimpleNamespace
 
     from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
@@ -283,8 +283,8 @@ def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1000, 1024, 32), (333, 1024, 128)])
 def test_wide_launches_match_the_reference(wide, dtype, n, k, group_size):
-    """MLXCEL_QMM_ROWS64: 33..64 rows in one launch (5..8 tiles, half a chunk of K staged, groups of 32 compiled for
-    three blocks an SM), within the reference's tolerance."""
+    """The experiment qmm_rows64: 33..64 rows in one launch (5..8 tiles, half a chunk of K staged, groups of 32
+    compiled for three blocks an SM), within the reference's tolerance."""
     x, w, scales, biases = make_operands(64, n, k, dtype, group_size=group_size, seed=n + 64)
     ref, mag = reference(x, w, scales, biases, group_size)
     for m in (33, 40, 57, 64):
