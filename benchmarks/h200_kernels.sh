@@ -69,6 +69,14 @@
 set -u
 A="--prompt-tokens 512 --gen-tokens 128"
 CUDA_TESTS=tests/mlxcel_core/backends/cuda   # the CUDA backend's tests (kernels/ holds the kernels')
+experiment_ab() {
+  # EXPERIMENT BATCHES: batch_decode.py 8B 4-bit at BATCHES without and with the experiment, twice, alternating
+  for x in "" "$1" "" "$1"; do
+    echo "== MLXCEL_EXPERIMENTS=${x:-(none)} $(date +%T)"
+    MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
+      --batches "$2" --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
+  done
+}
 tg128() {
   # SHAPE..: one line, mlxcel's decode speed alone (`mlxcel bench` tg128 @ d512, 5 repetitions) in this directory
   python -m mlxcel_cli bench --model-shape "$@" -p 0 -n 128 -d 512 -r 5 -o jsonl 2>/dev/null | python -c \
@@ -115,20 +123,12 @@ case "${1:-}" in
     MLXCEL_EXPERIMENTS=fused_batch timeout 300 python -m pytest -q -p no:cacheprovider -n 8 \
       $CUDA_TESTS/kernels/test_fused_projections.py $CUDA_TESTS/kernels/test_fast_linear.py --tb=short -rf 2>&1 | tail -4 ;;
   fused)
-    for x in "" fused_batch "" fused_batch; do
-      echo "== MLXCEL_EXPERIMENTS=${x:-(none)} $(date +%T)"
-      MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
-        --batches 16,32 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
-    done ;;
+    experiment_ab fused_batch 16,32 ;;
   rows64tests)
     MLXCEL_EXPERIMENTS=qmm_rows64 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
       $CUDA_TESTS/kernels/test_fast_linear.py --tb=short -rf 2>&1 | tail -4 ;;
   rows64)
-    for x in "" qmm_rows64 "" qmm_rows64; do
-      echo "== MLXCEL_EXPERIMENTS=${x:-(none)} $(date +%T)"
-      MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
-        --batches 48,64 --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
-    done ;;
+    experiment_ab qmm_rows64 48,64 ;;
   tiletests)
     MLXCEL_EXPERIMENTS=paged_tile timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/test_cuda_paged_attention.py \
       $CUDA_TESTS/test_cuda_paged_attention_limits.py $CUDA_TESTS/test_graph_decode.py --tb=short -rf 2>&1 | tail -4 ;;
