@@ -366,15 +366,16 @@ def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch):
     prompts = mx.array([[5 + i, 40 + 3 * i, 7, 90 - i] for i in range(12)])
     launched = []
     real = qmm.quantized_matmul
-    real_batch = fast_linear._batch_matvec
+    real_batch = fast_linear.batch_product
 
     def counted(x, *args):
         launched.append(x.shape)
         return real(x, *args)
 
-    monkeypatch.setattr(fast_linear, "_batch_matvec", lambda layer, x: None)  # MLX's own layers past 8 rows
+    # MLX's own products past 8 rows (the layers', and the fused projections' with the experiment fused_batch)
+    monkeypatch.setattr(fast_linear, "batch_product", lambda *args: None)
     want, want_logits = _batched_greedy(model, prompts, 12)
-    monkeypatch.setattr(fast_linear, "_batch_matvec", real_batch)
+    monkeypatch.setattr(fast_linear, "batch_product", real_batch)
     monkeypatch.setattr(qmm, "quantized_matmul", counted)
     got, _ = _batched_greedy(model, prompts, 12)
     _, forced_logits = _batched_greedy(model, prompts, 12, forced=want)
