@@ -90,12 +90,6 @@ def decode_rows(x: mx.array) -> bool:
     return x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1
 
 
-def _batch_matvec(layer: nn.Module, x: mx.array) -> mx.array | None:
-    """A decode batch too large for one launch of this kernel, on kernels/qmm.py (qmm.max_rows() rows a launch). None
-    where this call is not for it (no CUDA, other types: then MLX's own call)."""
-    return batch_product(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size)
-
-
 def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array | None:
     """x @ dequantize(w).T for a decode batch of more than LAYER_MAX_ROWS rows on kernels/qmm.py, or None where it
     does not take this call (a prompt's rows, no CUDA, other types)."""
@@ -155,11 +149,13 @@ class _DecodeKernelLayer:
 
 class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
     """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel; larger
-    decode batches run kernels/qmm.py (`_batch_matvec`)."""
+    decode batches run kernels/qmm.py (`batch_product`)."""
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
         y = _kernel_matvec(self, x, mode, extra)
-        return _batch_matvec(self, x) if y is None and mode == "plain" else y
+        if y is None and mode == "plain":
+            return batch_product(x, self["weight"], self["scales"], self["biases"], self.group_size)
+        return y
 
     def _product_dtype(self, x: mx.array):
         return mx.result_type(x, self["scales"])
@@ -177,7 +173,7 @@ class FastQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         y = _kernel_matvec(self, x)
         if y is None:
-            y = _batch_matvec(self, x)
+            y = batch_product(x, self["weight"], self["scales"], self["biases"], self.group_size)
         return super().as_linear(x) if y is None else y
 
 

@@ -28,30 +28,22 @@ __device__ __forceinline__ void mlxcel_qmm_mma(float* d, const uint32_t* a, cons
     }
 }
 
-// v = OFF + q0 | OFF + q1 as two 16-bit T (the nibbles OR-ed into MAGIC's mantissa: bf16 MAGIC 128, fp16 1024) as
-// the pair q0, q1, exactly: OFF taken off in 16 bits.
+// Nibbles 0 and 4 of w (bits 0-3 and 16-19) as a pair of T holding exactly them: one AND-OR on the whole word puts
+// them in the mantissas of two 16-bit OFF (bf16 128, fp16 1024), giving OFF + q0 | OFF + q1, and OFF is then taken
+// off, exactly, in 16 bits.
 template <typename T>
-__device__ __forceinline__ uint32_t mlxcel_qmm_unmagic(uint32_t v) {
+__device__ __forceinline__ uint32_t mlxcel_qmm_pair4(uint32_t w) {
     if constexpr (mlxcel_qmv_same<T, __half>::value) {
+        const uint32_t v = (w & 0x000F000Fu) | 0x64006400u;
         __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&v),
                             __half2(__float2half(1024.0f), __float2half(1024.0f)));
         return *reinterpret_cast<uint32_t*>(&r);
     } else {
+        const uint32_t v = (w & 0x000F000Fu) | 0x43004300u;
         __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v),
                                    __nv_bfloat162(__float2bfloat16(128.0f), __float2bfloat16(128.0f)));
         return *reinterpret_cast<uint32_t*>(&r);
     }
-}
-
-template <typename T>
-__device__ __forceinline__ constexpr uint32_t mlxcel_qmm_magic() {
-    return mlxcel_qmv_same<T, __half>::value ? 0x64006400u : 0x43004300u;
-}
-
-// Nibbles 0 and 4 of w (bits 0-3 and 16-19) as a pair of T holding exactly them: one AND-OR on the whole word.
-template <typename T>
-__device__ __forceinline__ uint32_t mlxcel_qmm_pair4(uint32_t w) {
-    return mlxcel_qmm_unmagic<T>((w & 0x000F000Fu) | mlxcel_qmm_magic<T>());
 }
 
 // WORDS consecutive 32-bit words from p into r: one vector load where p is aligned to the vector's size (the
