@@ -31,15 +31,6 @@
 # Tests on the GPU:
 #   tests             the decode kernels' CUDA tests: the 16-bit kernel, the norm and rope folds, MLX workarounds,
 #                     the paged-attention kernel's in-kernel KV writes and split combine
-#   tiletests         the paged_tile experiment (MLXCEL_EXPERIMENTS) (backends/cuda/paged_attention.py): the paged kernel's tests and
-#                     the engine's greedy tokens on it with it on
-#   tile              its A/B: batch_decode.py 8B 4-bit b=1 at a 32k- and a 4k-token prompt off, on, off, on
-#   rows64tests       the qmm_rows64 experiment (MLXCEL_EXPERIMENTS) (kernels/qmm.py): test_qmm.py (the wide launches' test among them)
-#                     and the batch routing's tests with it on
-#   rows64            its A/B: batch_decode.py 8B 4-bit b=48,64 off, on, off, on
-#   fusedtests        the fused_batch experiment (MLXCEL_EXPERIMENTS) (kernels/fused_projections.py): the fused projections' tests
-#                     and the batch routing's with it on
-#   fused             its A/B: batch_decode.py 8B 4-bit b=16,32 off, on, off, on
 #   batching          the batch-routing tests: test_fast_linear.py (4-bit batches by row count), then test_batching.py
 #   engine|models|backends  that test directory under tests/mlxcel_core with the GPU defaults, failures named
 #                     (backends: every CUDA-backend test, the tensor-core kernel's test_qmm.py among them)
@@ -69,14 +60,6 @@
 set -u
 A="--prompt-tokens 512 --gen-tokens 128"
 CUDA_TESTS=tests/mlxcel_core/backends/cuda   # the CUDA backend's tests (kernels/ holds the kernels')
-experiment_ab() {
-  # EXPERIMENT BATCHES: batch_decode.py 8B 4-bit at BATCHES without and with the experiment, twice, alternating
-  for x in "" "$1" "" "$1"; do
-    echo "== MLXCEL_EXPERIMENTS=${x:-(none)} $(date +%T)"
-    MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 \
-      --batches "$2" --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
-  done
-}
 tg128() {
   # SHAPE..: one line, mlxcel's decode speed alone (`mlxcel bench` tg128 @ d512, 5 repetitions) in this directory
   python -m mlxcel_cli bench --model-shape "$@" -p 0 -n 128 -d 512 -r 5 -o jsonl 2>/dev/null | python -c \
@@ -118,27 +101,6 @@ case "${1:-}" in
     for what in "${@:-llama-3.2-1b --dtype bfloat16}"; do
       echo "== $what"
       timeout 280 python benchmarks/batch_decode.py --model-shape $what --reps 3 2>&1 | grep -vi "warn" | tail -16
-    done ;;
-  fusedtests)
-    MLXCEL_EXPERIMENTS=fused_batch timeout 300 python -m pytest -q -p no:cacheprovider -n 8 \
-      $CUDA_TESTS/kernels/test_fused_projections.py $CUDA_TESTS/kernels/test_fast_linear.py --tb=short -rf 2>&1 | tail -4 ;;
-  fused)
-    experiment_ab fused_batch 16,32 ;;
-  rows64tests)
-    MLXCEL_EXPERIMENTS=qmm_rows64 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
-      $CUDA_TESTS/kernels/test_fast_linear.py --tb=short -rf 2>&1 | tail -4 ;;
-  rows64)
-    experiment_ab qmm_rows64 48,64 ;;
-  tiletests)
-    MLXCEL_EXPERIMENTS=paged_tile timeout 300 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/test_cuda_paged_attention.py \
-      $CUDA_TESTS/test_cuda_paged_attention_limits.py $CUDA_TESTS/test_graph_decode.py --tb=short -rf 2>&1 | tail -4 ;;
-  tile)
-    for x in "" paged_tile "" paged_tile; do
-      for p in 32768 4096; do
-        echo "== MLXCEL_EXPERIMENTS=${x:-(none)} prompt $p $(date +%T)"
-        MLXCEL_EXPERIMENTS="$x" timeout 140 python benchmarks/batch_decode.py --model-shape llama-3.1-8b --bits 4 \
-          --batches 1 --prompt-tokens $p --reps 1 --no-mlx-lm --no-arch-check 2>&1 | grep -E "^\| mlxcel"
-      done
     done ;;
   families)
     shift

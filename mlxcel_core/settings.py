@@ -57,26 +57,6 @@ def _switch(raw: str) -> bool:
     return raw == "1"
 
 
-# Experiments of open issues, switched on together by name in MLXCEL_EXPERIMENTS (each lives until its A/B answers it;
-# then the winner is the only code and its name goes).
-EXPERIMENTS = {
-    "paged_tile": "the CUDA paged decode kernel keeps a lane group's tokens as loaded in two tiles, the next tile's "
-    "loads in flight during this one's arithmetic, and takes one softmax maximum a tile (issue 42, target 5)",
-    "qmm_rows64": "the CUDA 4-bit batch kernel takes up to 64 rows a launch instead of 32, so that a decode batch of "
-    "33-64 rows reads each weight once (issue 42, target 2)",
-    "fused_batch": "a CUDA decode batch of more than 8 rows of a 4-bit model runs its q/k/v and gate/up projections as "
-    "one batch product each (issue 42, target 2)",
-}
-
-
-def _experiments(raw: str) -> frozenset[str]:
-    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
-    unknown = sorted(names - EXPERIMENTS.keys())
-    if unknown:
-        raise ValueError(f"unknown experiment {', '.join(unknown)} (known: {', '.join(EXPERIMENTS)})")
-    return names
-
-
 SETTINGS: tuple[Setting, ...] = (
     Setting(
         "MLXCEL_CACHE_DIR",
@@ -118,15 +98,6 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         "Split-K factor of paged decode attention for every shape, over the autotune cache and the heuristic.",
         _positive_int,
-    ),
-    Setting(
-        "MLXCEL_EXPERIMENTS",
-        "names, comma-separated",
-        "",
-        "Experiments to switch on, read once a process: "
-        + "; ".join(f"{name}: {what}" for name, what in EXPERIMENTS.items())
-        + ".",
-        _experiments,
     ),
     Setting(
         "MLXCEL_NET_TIMEOUT",
@@ -196,13 +167,6 @@ def get(name: str):
             _warned.add((name, raw))
             print(f"mlxcel: warning: {name}={raw!r} ignored ({exc})", file=sys.stderr)
         return setting.default
-
-
-def experiment(name: str) -> bool:
-    """Whether MLXCEL_EXPERIMENTS switches on the experiment `name` (one of EXPERIMENTS)."""
-    if name not in EXPERIMENTS:
-        raise KeyError(name)
-    return name in (get("MLXCEL_EXPERIMENTS") or frozenset())
 
 
 def raw(name: str) -> str:

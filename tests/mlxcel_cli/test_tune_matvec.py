@@ -66,9 +66,9 @@ def test_the_batch_product_splits_k_for_rows_in_8_row_tiles(capsys):
     code, out, _ = cli(capsys, "tune", "--op", "qmm-splits", "--dry-run", "--json", "--shapes", "4096x4096")
     cells = json.loads(out)["cells"]
     assert code == 0 and [(c["rows"], c["cell"]) for c in cells] == [(16, "n4096xk4096xm16xg64")] + [
-        (24, "n4096xk4096xm24xg64"),
         (32, "n4096xk4096xm32xg64"),
-    ]  # the default rows: 16, 24, 32
+        (64, "n4096xk4096xm64xg64"),
+    ]  # the default rows: 16, 32, 64
     assert cells[0]["default"] == f"gps={qmm_rule(4096, 64)}" and cells[0]["candidates"][0] == "gps=64"
     code, out, _ = cli(capsys, "tune", "--op", "qmm-splits", "--dry-run", "--json", "--batch-sizes", "9,16,17")
     assert code == 0 and sorted({c["rows"] for c in json.loads(out)["cells"]}) == [16, 24]
@@ -122,7 +122,7 @@ def test_dry_run_imports_no_mlx(cache):
         ("qmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 32 and of the group size"),
         ("hmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 8"),
         ("qmv-multirow", ["--batch-sizes", "9"], "qmv-multirow's kernel takes 1..8 rows of x"),
-        ("qmm-splits", ["--batch-sizes", "8"], "qmm-splits's kernel takes 9..32 rows of x"),
+        ("qmm-splits", ["--batch-sizes", "8"], "qmm-splits's kernel takes 9..64 rows of x"),
         ("qmv-multirow", ["--group-size", "48"], "--group-size must be one of 32, 64, 128"),
         ("hmv-multirow", ["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
     ],

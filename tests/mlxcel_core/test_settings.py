@@ -81,15 +81,3 @@ def test_the_docs_page_is_current():
     assert (ROOT / "docs" / "settings.md").read_text() == _gen().render(), (
         "run `python scripts/gen_settings_doc.py` and commit docs/settings.md"
     )
-
-
-def test_experiments_are_switched_on_by_name(monkeypatch, capsys):
-    monkeypatch.delenv("MLXCEL_EXPERIMENTS", raising=False)
-    assert not any(settings.experiment(name) for name in settings.EXPERIMENTS)
-    monkeypatch.setenv("MLXCEL_EXPERIMENTS", " paged_tile, fused_batch ")
-    assert [n for n in settings.EXPERIMENTS if settings.experiment(n)] == ["paged_tile", "fused_batch"]
-    monkeypatch.setenv("MLXCEL_EXPERIMENTS", "paged_tile,warp_speed")
-    assert not settings.experiment("paged_tile")  # a bad value is ignored whole, with a warning naming the known ones
-    assert "unknown experiment warp_speed (known: paged_tile, qmm_rows64, fused_batch)" in capsys.readouterr().err
-    with pytest.raises(KeyError):
-        settings.experiment("warp_speed")

@@ -22,14 +22,12 @@ several splits when the caller keeps `counters` ("paged_decode_split_combine": t
 finish combines them; the CUDA backend gives engine/paged.py one counter array per layer).
 The kernel sources are in cuda_paged_attention_source.py.
 
-Experiment paged_tile (MLXCEL_EXPERIMENTS; template TILE; issue 42's target 5): at a 32k-token context the kernel reads
-a layer's KV at about 1.3 TB/s with 64 splits, at four blocks an SM (126 registers a thread). Each lane group issues
-UNROLL = 2 tokens' loads, converts them to float32 (32 registers), then updates its online softmax token by token (a
-maximum, a rescale of the G x EPL accumulators and two exponentials a token) before it issues its next loads. With TILE
-a lane group keeps its tokens as loaded (16-bit values: half the registers), in two buffers of UNROLL tokens used
-alternately, so that the next tile's loads are in flight while this tile's arithmetic runs; and it takes one maximum,
-one rescale and UNROLL exponentials a tile (paged_attention_tile.py; 128 registers, no spill). The sums are the same up
-to rounding (the softmax's maximum is taken a tile at a time).
+Tiles: a lane group keeps UNROLL = 2 tokens' keys and values as loaded (16-bit values: half a float's registers), in
+two buffers used alternately, so that the next tile's loads are in flight while this tile's arithmetic runs, and it
+takes one softmax maximum, one rescale of its G x EPL accumulators and UNROLL exponentials a tile
+(paged_attention_tile.py; 128 registers a thread, four blocks an SM, no spill). At a 32k-token context the kernel is
+bound by its reads of the layer's KV; converting each token to float32 before its softmax update and issuing the next
+loads only after it held those reads to about 1.3 TB/s (benchmarks/RESULTS.md has the figures).
 
 ``num_splits`` is the grid's x extent: every value is the same compiled kernel. The kernel is compiled
 once per (dtypes, D, block_size, Hkv, n_rep) at first use (NVRTC).
@@ -45,7 +43,6 @@ import math
 
 import mlx.core as mx
 
-from mlxcel_core import settings
 from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments, check_limits
 
 from .paged_attention_source import (
@@ -82,12 +79,6 @@ def cuda_kernel_available() -> bool:
         return bool(getattr(mx, "cuda", None) and mx.cuda.is_available() and hasattr(mx.fast, "cuda_kernel"))
     except Exception:
         return False
-
-
-@functools.cache
-def tile() -> bool:
-    """MLXCEL_EXPERIMENTS=paged_tile (the module docstring's experiment), read once a process."""
-    return settings.experiment("paged_tile")
 
 
 COUNTERS = 4096  # combine counters a caller keeps per layer: rows x head groups up to this use the one-launch form
@@ -221,7 +212,6 @@ def cuda_paged_decode_attention(
         ("LPT", geo["LPT"]),
         ("EPL", geo["EPL"]),
         ("TPB", THREADS),
-        ("TILE", tile()),
         ("UNROLL", UNROLL),
         ("WINDOW", int(window or 0)),
         ("CHUNK", int(chunk or 0)),

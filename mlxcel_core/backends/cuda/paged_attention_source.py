@@ -58,86 +58,8 @@ _SOURCE = r"""
                                   reinterpret_cast<size_t>(k_new) | reinterpret_cast<size_t>(v_new)) % 16 == 0);
     const int* table = block_tables + size_t(b) * max_blocks;
 
-    // UNROLL tokens per lane group per iteration: all their loads are issued before any of them is used.
-    if constexpr (!TILE) {
-    for (int base = t0; base < t1; base += NVG * UNROLL) {  // the same trip count for every thread of the block
-        float kf[UNROLL][EPL];
-        float vf[UNROLL][EPL];
-        bool valid[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int t = base + u * NVG + vg;
-            valid[u] = t < t1;
-            if (valid[u]) {
-                // The step's own token (NEW_KV: the last position) comes from k_new / v_new, not the pools.
-                const bool fresh = NEW_KV && t == len - 1;
-                const size_t off = fresh ? (size_t(b) * HKV + kvh) * D + sub * EPL
-                                         : ((size_t(table[t / BS]) * BS + (t % BS)) * HKV + kvh) * D + sub * EPL;
-                const KV* kp = (fresh ? k_new : k_pool) + off;
-                const KV* vp = (fresh ? v_new : v_pool) + off;
-                if (aligned) {
-                    alignas(16) KV kt[EPL];
-                    alignas(16) KV vt[EPL];
-#pragma unroll
-                    for (int j = 0; j < int(EPL * sizeof(KV) / 16); ++j) {
-                        reinterpret_cast<uint4*>(kt)[j] = reinterpret_cast<const uint4*>(kp)[j];
-                        reinterpret_cast<uint4*>(vt)[j] = reinterpret_cast<const uint4*>(vp)[j];
-                    }
-#pragma unroll
-                    for (int i = 0; i < EPL; ++i) {
-                        kf[u][i] = static_cast<float>(kt[i]);
-                        vf[u][i] = static_cast<float>(vt[i]);
-                    }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < EPL; ++i) {
-                        const bool in = sub * EPL + i < D;
-                        kf[u][i] = in ? static_cast<float>(kp[i]) : 0.0f;
-                        vf[u][i] = in ? static_cast<float>(vp[i]) : 0.0f;
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < EPL; ++i) {
-                    kf[u][i] = 0.0f;
-                    vf[u][i] = 0.0f;
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                float s = 0.0f;
-#pragma unroll
-                for (int i = 0; i < EPL; ++i) {
-                    s += qv[g][i] * kf[u][i];
-                }
-#pragma unroll
-                for (int o = LPT / 2; o > 0; o >>= 1) {
-                    s += __shfl_xor_sync(0xffffffffu, s, o);
-                }
-                if (SOFTCAP_BITS != 0) {  // Gemma 2's soft-capping: s = tanh(s / cap) * cap
-                    const float cap = __int_as_float(SOFTCAP_BITS);
-                    s = tanhf(s / cap) * cap;
-                }
-                if (valid[u]) {
-                    const float m_new = fmaxf(m[g], s);
-                    const float corr = expf(m[g] - m_new);  // 0 while m is still -inf
-                    const float p = expf(s - m_new);
-                    l[g] = l[g] * corr + p;
-#pragma unroll
-                    for (int i = 0; i < EPL; ++i) {
-                        acc[g][i] = acc[g][i] * corr + p * vf[u][i];
-                    }
-                    m[g] = m_new;
-                }
-            }
-        }
-    }
-    } else {
+    // The lane groups' tiles of tokens into their online softmax (paged_attention_tile.py).
 /*TILE_LOOP*/
-    }
 
     // Merge the lane groups' states, then write this split's partials.
     __shared__ float sm_m[NVG][G];

@@ -1,13 +1,11 @@
-"""The CUDA text of the paged decode kernel's tile loop, the experiment paged_tile (MLXCEL_EXPERIMENTS; template TILE;
-backends/cuda/paged_attention.py's docstring), which paged_attention_source.py puts in its kernel at /*TILE_LOOP*/.
-Imports nothing."""
+"""The CUDA text of the paged decode kernel's token loop (backends/cuda/paged_attention.py's docstring says why it is
+tiled), which paged_attention_source.py puts in its kernel at /*TILE_LOOP*/. Imports nothing."""
 
 from __future__ import annotations
 
-# The experiment paged_tile (template TILE; paged_attention.py's docstring): a lane group's tiles of UNROLL
-# tokens kept as loaded (KV: half a float's registers at 16 bits), the next tile's loads issued before this tile's
-# arithmetic (two tiles' buffers, used alternately), and one softmax maximum, one rescale of the accumulators and
-# UNROLL exponentials a tile instead of a maximum, a rescale and two exponentials a token.
+# A lane group's tiles of UNROLL tokens kept as loaded (KV: half a float's registers at 16 bits), the next tile's loads
+# issued before this tile's arithmetic (two tiles' buffers, used alternately), and one softmax maximum, one rescale of
+# the accumulators and UNROLL exponentials a tile.
 TILE_LOOP = r"""    constexpr int STEP = NVG * UNROLL;  // tokens a block's tile
     auto load_tile = [&](KV (&kr)[UNROLL][EPL], KV (&vr)[UNROLL][EPL], bool (&valid)[UNROLL], int base) {
 #pragma unroll

@@ -79,7 +79,7 @@ def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tu
     return qmv.launch(args, x, w, scales, layer["biases"], mode, extra)
 
 
-# A decode batch of more rows than the kernel takes runs kernels/qmm.py: the tensor cores, qmm.max_rows() rows a
+# A decode batch of more rows than the kernel takes runs kernels/qmm.py: the tensor cores, qmm.MAX_ROWS rows a
 # launch. On CUDA, MLX 0.32's quantized_matmul runs a decode batch's x [B, 1, K] as B matvecs that each read the whole
 # weight: an 8B 4-bit batch of 32 decodes at 300 tok/s on MLX's, 1094 on qmm.py (benchmarks/RESULTS.md). Per
 # gate_proj call at B = 32 (benchmarks/qmm_batch.py): 859 us as [32, 1, K] on MLX's, 211 us on qmm.py.
@@ -95,7 +95,7 @@ def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
     does not take this call (a prompt's rows, no CUDA, other types)."""
     if not decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS:
         return None
-    step = qmm.max_rows()
+    step = qmm.MAX_ROWS
     first_shape = (min(x.shape[0], step), *x.shape[1:])  # (no slice op just to ask)
     if (
         not qmv.kernel_ready()

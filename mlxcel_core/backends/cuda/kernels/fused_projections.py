@@ -6,7 +6,7 @@ At decode (a few rows of x) each projection is a matrix-vector product, and on a
 launch and the tail of a short kernel: fused, a Llama layer makes 2 matmul launches instead of 5 (MLX's k/v GEMVs
 on the 8B shape read at 381 GB/s, a third of what the larger ones reach). The layers' weights (and scales, biases)
 are concatenated along the output rows once; each layer then keeps a row-range view of the fused array, so memory,
-parameter names and every other path (prefill, batches of more than FUSED_MAX_ROWS rows) are unchanged.
+parameter names and every other path (prefill, 16-bit batches of more than FUSED_MAX_ROWS rows) are unchanged.
 
 The models stay as models/ describes them: each fused block's class is swapped, in place, to a subclass of its own
 class (made once per class: `FusedAttention` from Attention and FusedAttentionMixin, `FusedGatedMLP` from GatedMLP
@@ -30,21 +30,19 @@ more. On the H200 a 1B step makes 438 -> 380 ops and takes 7% less host time wit
 Elsewhere (no kernel for the call) the fused projections are the matmul and split above, bit for bit the separate
 layers' results.
 
-Experiment fused_batch (MLXCEL_EXPERIMENTS; issue 42's target 2): a decode batch of more than FUSED_MAX_ROWS rows takes
-the fused projections too, their matmul on kernels/qmm.py (fast_linear.batch_product): q/k/v one launch instead of three
-and gate/up one instead of two, each reading one fused weight. The norm and the RoPE stay their own ops there (qmm.py
+A decode batch of more than FUSED_MAX_ROWS rows of a 4-bit model takes the fused projections too, their matmul on
+kernels/qmm.py (fast_linear.batch_product): q/k/v one launch instead of three and gate/up one instead of two, each
+reading one fused weight. The norm and the RoPE stay their own ops there (qmm.py
 has no such modes); the values are the separate launches' up to the order of the float32 sums (another split of K).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_core import settings
 from mlxcel_core.models.activations import swiglu
 from mlxcel_core.models.base import normed
 from mlxcel_core.models.transformer import Attention, GatedMLP, heads_first
@@ -56,12 +54,6 @@ FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (
 _PARAMS = ("weight", "scales", "biases", "bias")
 _QUANTIZED = (nn.QuantizedLinear, fast_linear.FastQuantizedLinear)
 _PLAIN = (nn.Linear, fast_linear.FastLinear)
-
-
-@functools.cache
-def fused_batches() -> bool:
-    """MLXCEL_EXPERIMENTS=fused_batch (the module docstring's experiment), read once a process."""
-    return settings.experiment("fused_batch")
 
 
 def _fusable(layers: list[nn.Module]) -> bool:
@@ -121,11 +113,11 @@ class FusedProjection:
                 mx.eval([layer[name] for layer in layers])
 
     def takes(self, x: mx.array) -> bool:
-        """Whether x takes the fused path: up to FUSED_MAX_ROWS rows; with the experiment fused_batch a decode batch
-        of more rows too where the 4-bit kernels run this projection."""
+        """Whether x takes the fused path: up to FUSED_MAX_ROWS rows, and a decode batch of more rows where the 4-bit
+        kernels run this projection."""
         if qmv.rows_of(x.shape) <= FUSED_MAX_ROWS:
             return True
-        return self.kernel and fused_batches() and fast_linear.decode_rows(x)
+        return self.kernel and fast_linear.decode_rows(x)
 
     def _kernel_args(self, x: mx.array, mode: str, split=None, eps: float | None = None) -> dict | None:
         """The qmv kernel's launch for x in `mode` (a "_norm" mode: with the norm's `eps`), or None where the kernel
@@ -154,7 +146,7 @@ class FusedProjection:
         """x @ the fused weight (+ bias), every layer's output side by side."""
         p = self.params
         y = None
-        if self.kernel and qmv.rows_of(x.shape) > FUSED_MAX_ROWS:  # (MLXCEL_EXPERIMENTS=fused_batch's decode batches)
+        if self.kernel and qmv.rows_of(x.shape) > FUSED_MAX_ROWS:  # (a decode batch: kernels/qmm.py)
             y = fast_linear.batch_product(x, p["weight"], p["scales"], p["biases"], self.group_size)
         if y is None and self.quantized:
             y = mx.quantized_matmul(

@@ -1,4 +1,4 @@
-"""4-bit x 16-bit matrix product for decode batches (9..32 rows of x) on the tensor cores, as one CUDA kernel
+"""4-bit x 16-bit matrix product for decode batches (9..64 rows of x) on the tensor cores, as one CUDA kernel
 (``mx.fast.cuda_kernel``), for the 4-bit layers of kernels/fast_linear.py.
 
 Why: at a decode batch of B sequences MLX 0.32 reads every 4-bit weight B times (benchmarks/RESULTS.md), and
@@ -10,7 +10,7 @@ tensor cores take the raw nibbles q (0..15, exact in bf16 / fp16) against x, one
 sums are scaled after. No weight is ever rounded to 16 bits.
 
 Layout of one warp's work: 16 weight rows (the mma's M) against 8 rows of x (its N) per tile, NT = ceil(M / 8) tiles
-(NT is compiled in and M read from x's shape, so batch sizes 9..32 share three kernels); a k-step is 16 values of K,
+(NT is compiled in and M read from x's shape, so batch sizes 9..64 share seven kernels); a k-step is 16 values of K,
 a group G / 16 steps. Thread (g = lane / 4, t = lane % 4) owns the group's K values t Q .. t Q + Q - 1 (Q = G / 4)
 of weight rows g and g + 8, loaded at once as G / 32 whole packed words a row (one vector load), and step s takes
 the 4 consecutive K values k = t Q + 4 s .. k + 3 of them and of x row g of each tile: four to eight times fewer
@@ -37,10 +37,10 @@ compiled with __launch_bounds__(128, MIN_BLOCKS), at most 128 registers a thread
 three. Both cut the sm_90 code a group of 16 tensor-core products takes by half (benchmarks/qmm_sass.py counts it) and
 lift an 8B model's 4-bit decode at 32 and 64 rows by about a tenth (benchmarks/RESULTS.md).
 
-Experiment qmm_rows64 (MLXCEL_EXPERIMENTS; issue 42's target 2): a decode batch of 33..64 rows runs as one launch of up
-to 8 tiles (NT 5..8, each weight read once) instead of two launches of 32 rows (each reading every weight). Past 4 tiles
-the accumulators take more registers (still at most 128 a thread in groups of 64 or 128, so four blocks an SM; three in
-groups of 32) and a chunk stages half as much of K, so that the chunk buffers stay within 48 KiB of shared memory.
+A decode batch of 33..64 rows runs as one launch of up to 8 tiles (NT 5..8, each weight read once, not once a launch
+of 32 rows). Past 4 tiles the accumulators take more registers (still at most 128 a thread in groups of 64 or 128, so
+four blocks an SM; three in groups of 32, which spill at 128) and a chunk stages half as much of K, so that the chunk
+buffers stay within 48 KiB of shared memory.
 
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
 partial sums [SPLITS, M, N], which are summed and cast after the launch.
@@ -53,8 +53,6 @@ import hashlib
 
 import mlx.core as mx
 
-from mlxcel_core import settings
-
 from . import qmv
 from .cubin_cache import cuda_kernel
 from .matvec_config import QMM_TARGET_BLOCKS as TARGET_BLOCKS  # noqa: F401
@@ -63,25 +61,18 @@ from .qmm_source import CHUNK_K  # noqa: F401  (values of K a block stages in sh
 from .qmm_source import HEADER as _HEADER
 from .qmm_source import SOURCE as _SOURCE
 
-MAX_ROWS = 32  # rows of x one launch takes (4 tiles of 8)
-WIDE_ROWS = 64  # (MLXCEL_EXPERIMENTS=qmm_rows64) rows of x one launch takes with the experiment on (8 tiles)
+MAX_ROWS = 64  # rows of x one launch takes (8 tiles of 8)
+NARROW_ROWS = 32  # rows of x (4 tiles) up to which every group size fits MIN_BLOCKS blocks an SM
 WARPS = 4  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 X_TYPES = (mx.bfloat16, mx.float16)
 # Blocks an SM: registers capped at 65536 / (128 * 4) = 128 a thread, which the kernel needs no spill for (with 3
 # blocks an SM an 8B gate projection's 448 blocks take two waves)
 MIN_BLOCKS = 4
-MIN_BLOCKS_WIDE_G32 = 3  # the same past 4 tiles of x in groups of 32 (which spill at 128 registers; 64 and 128 do not)
+MIN_BLOCKS_WIDE_G32 = 3  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
 
 # The name carries a hash of the source: MLX caches compiled kernels on disk by name (see kernels/qmv.py).
 KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:8]}"
-
-
-@functools.cache
-def max_rows() -> int:
-    """Rows of x one launch takes: WIDE_ROWS with the experiment qmm_rows64 (MLXCEL_EXPERIMENTS; the module
-    docstring), else MAX_ROWS. Read once a process."""
-    return WIDE_ROWS if settings.experiment("qmm_rows64") else MAX_ROWS
 
 
 @functools.cache
@@ -121,12 +112,12 @@ def launch_args(
     group_size: int,
     gps: int | None = None,
 ) -> dict | None:
-    """Everything but the inputs of one launch for x (any leading shape, 1..max_rows() rows of K) and an N x K 4-bit
+    """Everything but the inputs of one launch for x (any leading shape, 1..MAX_ROWS rows of K) and an N x K 4-bit
     weight, or None where the kernel does not take it (other types, group sizes, too many rows). `gps` (groups of K a
     split) overrides `chosen_gps`."""
     m = qmv.rows_of(x_shape)
     if (
-        not 1 <= m <= max_rows()
+        not 1 <= m <= MAX_ROWS
         or x_dtype not in X_TYPES
         or group_size not in qmv.GROUP_SIZES
         or k % group_size
@@ -166,10 +157,10 @@ def quantized_matmul(
     args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
     if args is None:
         raise ValueError(
-            f"the 4-bit mma kernel takes 1..{max_rows()} rows of bfloat16/float16 with K a multiple of "
+            f"the 4-bit mma kernel takes 1..{MAX_ROWS} rows of bfloat16/float16 with K a multiple of "
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
-    narrow = qmv.rows_of(x.shape) <= MAX_ROWS or group_size > 32
+    narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
     partial = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32)(inputs=[x, w, scales, biases], **args)[0]
     y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)

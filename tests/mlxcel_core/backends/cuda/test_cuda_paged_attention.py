@@ -174,18 +174,12 @@ def test_new_kv_is_checked():
 
 
 _KINDS = ["split", "one_split", "last_block_combines", "one_split_sinks", "combines_sinks"]
-# Every variant with the token loop; the tile loop (the experiment paged_tile) in three of them (each compile takes
-# seconds; test_the_llama_kernel_fits_four_blocks_an_sm compiles the step's own variant with both loops)
-_COMPILED = [(k, n, False) for k in _KINDS for n in (False, True)] + [
-    ("split", False, True),
-    ("one_split_sinks", True, True),
-    ("combines_sinks", False, True),
-]
+_COMPILED = [(k, n) for k in _KINDS for n in (False, True)]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kind,new_kv,tile", _COMPILED)
-def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv, tile):
+@pytest.mark.parametrize("kind,new_kv", _COMPILED)
+def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
     """The split kernel in its variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
     one_split, combines, sinks = kind.startswith("one_split"), "combines" in kind, kind.endswith("sinks")
     source = cpa.kernel_source(one_split, new_kv, combines, sinks)
@@ -201,7 +195,6 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv, 
         "LPT": geo["LPT"],
         "EPL": geo["EPL"],
         "TPB": cpa.THREADS,
-        "TILE": tile,
         "UNROLL": cpa.UNROLL,
         "WINDOW": 4096,
         "CHUNK": 8192,
@@ -231,15 +224,14 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv, 
 
 
 @needs_nvcc
-@pytest.mark.parametrize("tile", [False, True], ids=["token-max", "tile-max"])
-def test_the_llama_kernel_fits_four_blocks_an_sm(tmp_path, tile):
+def test_the_llama_kernel_fits_four_blocks_an_sm(tmp_path):
     """Llama-3-8B's decode kernel as a step launches it (the step's KV, last block combines; no window or soft cap):
     at most 128 registers a thread and no spill, so four blocks of 128 threads fit an SM."""
     source = cpa.kernel_source(False, True, True, False)
     geo = launch_geometry(128, 4)
     template = {
         **{"KV": mx.bfloat16, "SCALE_BITS": cpa._scale_bits(128**-0.5), "D": 128, "BS": 32, "HKV": 8, "NREP": 4},
-        **{"G": geo["G"], "LPT": geo["LPT"], "EPL": geo["EPL"], "TPB": cpa.THREADS, "TILE": tile},
+        **{"G": geo["G"], "LPT": geo["LPT"], "EPL": geo["EPL"], "TPB": cpa.THREADS},
         **{"UNROLL": cpa.UNROLL, "WINDOW": 0, "CHUNK": 0, "SOFTCAP_BITS": 0, "OUT": mx.bfloat16},
     }
     params = []

@@ -46,8 +46,8 @@ def test_default_thresholds(monkeypatch):
 
 def test_a_decode_batch_beyond_the_kernel(monkeypatch):
     """A decode batch of more rows than one launch of the matvec kernel takes ([B, 1, K]), through a swapped layer and
-    a tied LM head: one launch of kernels/qmm.py (a stand-in here), the matvec kernel not at all; a fused projection
-    gives MLX's quantized_matmul x as it comes. MLX's values every time; a prompt's rows go in as they come."""
+    a tied LM head, and a fused projection where the kernels run it: one launch of kernels/qmm.py each (a stand-in
+    here), the matvec kernel not at all. MLX's values every time; a prompt's rows go in as they come."""
     from mlxcel_core.backends.cuda.kernels.fused_projections import FusedProjection
 
     layer = nn.QuantizedLinear(256, 128, bias=True, group_size=64, bits=4)
@@ -59,7 +59,12 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
     x = mx.random.normal((rows, 1, 256), key=mx.random.key(1)).astype(mx.bfloat16)  # (qmm.py takes 16-bit x)
     want = [nn.QuantizedLinear.__call__(layer, x), nn.QuantizedEmbedding.as_linear(emb, x)]
     fused = FusedProjection([layer, nn.QuantizedLinear(256, 64, bias=True, group_size=64, bits=4)])
-    want_fused = fused.matmul(x.reshape(rows, 256)).reshape(rows, 1, -1)
+    fused.kernel = True  # (as where the 4-bit kernels run it)
+    p = fused.params
+    want_fused = mx.quantized_matmul(
+        x, p["weight"], scales=p["scales"], biases=p["biases"], transpose=True, group_size=64, bits=4
+    )
+    want_fused = want_fused + p["bias"]
 
     seen, launched = [], []
     real = mx.quantized_matmul
@@ -81,8 +86,7 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
     monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
     monkeypatch.setattr(mx, "quantized_matmul", spy)
     got = [layer(x), emb.as_linear(x), fused.matmul(x)]
-    # the fused projection's product is MLX's (past 8 rows models call the layers)
-    assert launched == [("mma", (rows, 1, 256))] * 2 and seen == [(rows, 1, 256)]
+    assert launched == [("mma", (rows, 1, 256))] * 3 and seen == []
     for g, w in zip(got, [*want, want_fused]):
         assert g.shape == w.shape and mx.array_equal(g, w).item()
     seen.clear()
@@ -91,13 +95,10 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
     assert seen[0] == prompt.shape
 
 
-@pytest.mark.parametrize("most", [qmm.MAX_ROWS, qmm.WIDE_ROWS], ids=["32-rows", "64-rows"])
-def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch, request, most):
-    """A decode batch of more than qmm.max_rows() rows (32; 64 with the experiment qmm_rows64): launches of that many
-    rows, the last one short (a server batch may exceed one launch); MLX's values, in order."""
-    monkeypatch.setattr(qmm, "max_rows", lambda: most)
-    qmm.launch_args.cache_clear()
-    request.addfinalizer(qmm.launch_args.cache_clear)  # (its entries were made with this max_rows)
+def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
+    """A decode batch of more than qmm.MAX_ROWS rows: launches of that many rows, the last one short (a server batch
+    may exceed one launch); MLX's values, in order."""
+    most = qmm.MAX_ROWS
     layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
     holder = nn.Module()
     holder.layers = [layer]
@@ -372,7 +373,7 @@ def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch):
         launched.append(x.shape)
         return real(x, *args)
 
-    # MLX's own products past 8 rows (the layers', and the fused projections' with the experiment fused_batch)
+    # MLX's own products past 8 rows (the layers' and the fused projections')
     monkeypatch.setattr(fast_linear, "batch_product", lambda *args: None)
     want, want_logits = _batched_greedy(model, prompts, 12)
     monkeypatch.setattr(fast_linear, "batch_product", real_batch)

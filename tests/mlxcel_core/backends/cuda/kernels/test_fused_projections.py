@@ -218,32 +218,37 @@ def test_rows_above_the_limit_use_the_separate_layers(monkeypatch):
     assert calls == [(1, FUSED_MAX_ROWS, model.args.hidden_size)]
 
 
-@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
-def test_decode_batches_take_one_batch_product_a_fused_projection_with_the_experiment(monkeypatch, on):
-    """The experiment fused_batch: a decode batch of more rows than FUSED_MAX_ROWS runs q/k/v and gate/up as one
-    batch product each on the fused weights (kernels/qmm.py; here a stand-in on MLX's CPU product), the separate layers'
-    values; a prompt's rows and the experiment off keep the separate layers."""
+def test_decode_batches_take_one_batch_product_a_fused_projection(monkeypatch):
+    """A decode batch of more rows than FUSED_MAX_ROWS runs q/k/v and gate/up as one batch product each on the fused
+    weights (kernels/qmm.py; here a stand-in on MLX's CPU product, the kernels' launches off on any device), the
+    separate layers' values bit for bit; a prompt's rows keep the separate layers."""
+    monkeypatch.setattr(qmv, "kernel_ready", lambda: False)
     model, _ = build_random_model("tiny", bits=4, dtype="bfloat16", seed=11)
     unfuse_projections(model)
     batch = FUSED_MAX_ROWS + 4
-    separate = _decode_logits(model, batch, steps=2)
+    with mx.stream(mx.cpu):
+        separate = _decode_logits(model, batch, steps=2)
     fuse_projections(model)
-    for layer in model.layers:  # (as where the CUDA kernels run these projections; their launches stay off here)
+    for layer in model.layers:  # (as where the CUDA kernels run these projections)
         layer.self_attn.fused_qkv.kernel = layer.mlp.fused_gate_up.kernel = True
+    fused_weights = [
+        p.params["weight"] for layer in model.layers for p in (layer.self_attn.fused_qkv, layer.mlp.fused_gate_up)
+    ]
     calls = []
 
     def product_stand_in(x, w, scales, biases, group_size):
-        calls.append((x.shape, w.shape[0]))
+        if any(w is f for f in fused_weights):  # (not a separate layer's call)
+            calls.append((x.shape, w.shape[0]))
         return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
 
     monkeypatch.setattr(fast_linear, "batch_product", product_stand_in)
-    monkeypatch.setattr(fused_projections, "fused_batches", lambda: on)
-    got = _decode_logits(model, batch, steps=2)
+    with mx.stream(mx.cpu):
+        got = _decode_logits(model, batch, steps=2)
     assert mx.array_equal(got, separate).item()
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     widths = (attn.fused_qkv.params["weight"].shape[0], mlp.fused_gate_up.params["weight"].shape[0])
     step = [((batch, 1, model.args.hidden_size), widths[0]), ((batch, 1, model.args.hidden_size), widths[1])]
-    assert calls == (step * len(model.layers) * 2 if on else [])  # (two decode steps; none for the prompt)
+    assert calls == step * len(model.layers) * 2  # (two decode steps; none for the prompt)
 
 
 def test_other_activations_and_biases_take_the_matmul_path():
@@ -387,19 +392,16 @@ def test_fused_model_decode_agrees_with_separate_on_cuda():
 
 @needs_cuda
 def test_fused_batches_agree_with_separate_launches_on_cuda(monkeypatch):
-    """The experiment fused_batch on the GPU: a bf16 4-bit batch of FUSED_MAX_ROWS + 4 rows decodes through
-    kernels/qmm.py on the fused weights, close to the separate layers' qmm.py launches (another split of K), with the
-    same greedy tokens but at near-ties."""
+    """On the GPU a bf16 4-bit batch of FUSED_MAX_ROWS + 4 rows decodes through kernels/qmm.py on the fused weights,
+    close to the separate layers' launches (another split of K)."""
     model, _ = build_random_model("tiny", bits=4, dtype="bfloat16", seed=7)
-    fuse_projections(model)
     batch = FUSED_MAX_ROWS + 4
-    monkeypatch.setattr(fused_projections, "fused_batches", lambda: False)
     separate = _decode_logits(model, batch)
+    fuse_projections(model)
     widths, real = [], fast_linear.batch_product
     monkeypatch.setattr(
         fast_linear, "batch_product", lambda x, w, *rest: widths.append(w.shape[0]) or real(x, w, *rest)
     )
-    monkeypatch.setattr(fused_projections, "fused_batches", lambda: True)
     fused = _decode_logits(model, batch)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     fused_widths = {attn.fused_qkv.params["weight"].shape[0], mlp.fused_gate_up.params["weight"].shape[0]}

@@ -113,15 +113,6 @@ def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
     assert np.abs(got - ref).max() <= 1e-9 * max(1.0, mag.max())  # the same sums, in float64
 
 
-@pytest.fixture
-def wide(monkeypatch):
-    """MLXCEL_EXPERIMENTS=qmm_rows64 on (qmm.max_rows: 64), the launch arguments computed afresh."""
-    monkeypatch.setattr(qmm, "max_rows", lambda: qmm.WIDE_ROWS)
-    qmm.launch_args.cache_clear()
-    yield
-    qmm.launch_args.cache_clear()
-
-
 def test_split_k():
     assert qmm.split_k(14336, 64) == (2, 32)  # 224 blocks of 64 rows: two parts of K
     assert qmm.split_k(4096, 224) == (5, 45)  # 64 blocks: 5 parts (the last 44 groups)
@@ -138,7 +129,7 @@ def test_launch_args():
     assert dict(qmm.launch_args((24, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)["template"])["NT"] == 3
     assert args["grid"] == (224 * 128, 2, 1) and args["threadgroup"] == (128, 1, 1)
     assert args["output_shapes"] == [(2, 19, 14336)] and args["output_dtypes"] == [mx.float32]
-    assert qmm.launch_args((qmm.max_rows() + 1, 4096), mx.bfloat16, mx.bfloat16, 64, 4096, 64) is None  # too many rows
+    assert qmm.launch_args((qmm.MAX_ROWS + 1, 4096), mx.bfloat16, mx.bfloat16, 64, 4096, 64) is None  # too many rows
     assert qmm.launch_args((9, 4096), mx.float32, mx.float32, 64, 4096, 64) is None  # 16-bit x only
     assert qmm.launch_args((9, 4096), mx.bfloat16, mx.bfloat16, 64, 4096, 48) is None  # group size
     assert qmm.launch_args((9, 4000), mx.bfloat16, mx.bfloat16, 64, 4096, 64) is None  # x is not K wide
@@ -155,7 +146,7 @@ def test_launch_args():
         (mx.float16, mx.float16, 48, 32),
     ],
 )
-def test_kernel_compiles_for_sm90_without_spills(tmp_path, wide, x_dtype, s_dtype, m, group_size):
+def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, group_size):
     args = qmm.launch_args((m, 4096), x_dtype, s_dtype, 4096, 4096, group_size)
     header, source = qmm.kernel_source()
     params = [
@@ -181,10 +172,10 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, wide, x_dtype, s_dtyp
 
 @needs_nvcc
 @pytest.mark.parametrize("m", [9, 32, 64])
-def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, wide, m):
+def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, m):
     """The kernel's translation unit as the kernel cache builds it (__launch_bounds__(128, 4)): at most
-    128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536 (groups of 64; 64 rows with
-    MLXCEL_EXPERIMENTS=qmm_rows64 too)."""
+    128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536 (groups of 64, up to 64
+    rows)."""
     from types import SimpleNamespace
 
     from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
@@ -282,8 +273,8 @@ def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1000, 1024, 32), (333, 1024, 128)])
-def test_wide_launches_match_the_reference(wide, dtype, n, k, group_size):
-    """The experiment qmm_rows64: 33..64 rows in one launch (5..8 tiles, half a chunk of K staged, groups of 32
+def test_wide_launches_match_the_reference(dtype, n, k, group_size):
+    """33..64 rows in one launch (5..8 tiles, half a chunk of K staged, groups of 32
     compiled for three blocks an SM), within the reference's tolerance."""
     x, w, scales, biases = make_operands(64, n, k, dtype, group_size=group_size, seed=n + 64)
     ref, mag = reference(x, w, scales, biases, group_size)
