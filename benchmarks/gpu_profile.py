@@ -61,21 +61,34 @@ def mlxcel_tokens(model, vocab: int, prompt: list[int], warm: int, count: int, s
 
 def mlxcel_steps(model, vocab: int, batch: int, prompt_tokens: int, warm: int, count: int):
     """A generator over the engine's decode steps of `batch` rows (one item a step in which every row got a token):
-    `batch` random prompts opened at once, as a server's batch runs them."""
-    engine = Engine(model, RandomIdTokenizer(vocab), EngineConfig(max_batch_size=batch))
+    `batch` random prompts opened at once and prefilled in one forward, so that every row decodes from the second
+    step on (the serving defaults grant a prompt's chunks a few decode steps apart, and bound the KV pool by memory:
+    the last rows would start after the first had ended)."""
+    steps = warm + count + 16
+    config = EngineConfig(
+        max_batch_size=batch,
+        prefill_chunk_size=batch * prompt_tokens,
+        prefill_batch_size=batch,
+        prefill_grant_interval=1,
+        kv_budget_tokens=batch * (prompt_tokens + steps + 64),
+    )
+    engine = Engine(model, RandomIdTokenizer(vocab), config)
     prompts = [random_prompt(vocab, prompt_tokens, 0, "gpu-profile", i) for i in range(batch)]
-    # Prompts prefill over several steps (on a CPU one every 3 steps): the first rows must still be decoding when
-    # the last one starts, and past that for warm + count steps.
-    steps = warm + count + 4 * batch + 16
     seqs = [engine.open(p, SamplingParams(max_tokens=steps)) for p in prompts]
-    while engine.has_work():
-        outs = [out for out in engine.step() if out.token is not None or out.finish_reason == "error"]
-        if any(out.finish_reason == "error" for out in outs):
-            raise RuntimeError(f"mlxcel: {next(o.error for o in outs if o.finish_reason == 'error')}")
-        if len(outs) == batch:
-            yield outs
-    for seq in seqs:
-        engine.release(seq)
+    full = 0
+    try:
+        while engine.has_work() and full < warm + count:
+            outs = [out for out in engine.step() if out.token is not None or out.finish_reason == "error"]
+            if any(out.finish_reason == "error" for out in outs):
+                raise RuntimeError(f"mlxcel: {next(o.error for o in outs if o.finish_reason == 'error')}")
+            if len(outs) == batch:
+                full += 1
+                yield outs
+    finally:
+        for seq in seqs:
+            engine.release(seq)
+    if full < warm + count:
+        raise RuntimeError(f"only {full} of {warm + count} steps ran all {batch} rows")
 
 
 def mlx_lm_tokens(model, prompt: list[int], warm: int, count: int):

@@ -1,6 +1,6 @@
-"""benchmarks/gpu_profile.py's arithmetic (no GPU needed): the busy time as the union of kernel intervals, and each
+"""benchmarks/gpu_profile.py without a GPU: the busy time as the union of kernel intervals, each
 kernel's own share of it, which leaves out the time a kernel launched early (programmatic dependent launch) spends
-inside the one before it."""
+inside the one before it, and --batch's steps of every row."""
 
 from __future__ import annotations
 
@@ -29,3 +29,14 @@ def test_own_times_split_the_busy_time_by_kernel():
 def test_order_of_the_records_does_not_matter():
     kernels = [("b", 50_000, 100_000), ("a", 0, 100_000)]
     assert gpu_profile.own_us(kernels) == gpu_profile.own_us(list(reversed(kernels))) == {"a": 100.0, "b": 50.0}
+
+
+def test_batch_steps_run_every_row_from_the_second_step():
+    """--batch's steps: every prompt prefilled in the first step, then warm + count steps in which all rows decode
+    (the serving defaults would start the last rows after the first had ended: no step of the whole batch)."""
+    from mlxcel_core.loading.shapes import build_random_model
+
+    model, config = build_random_model("tiny", bits=4, seed=0)
+    steps = list(gpu_profile.mlxcel_steps(model, config["vocab_size"], 12, 64, 2, 3))
+    assert len(steps) == 5 and all(len(outs) == 12 for outs in steps)
+    assert all(len({out.seq_id for out in outs}) == 12 for outs in steps)
