@@ -48,6 +48,7 @@
 #   abq SHAPE..       the same pairing with `mlxcel bench` only (tg128 @ d512, 5 reps, three times a tree): a lever's
 #                     A/B in a third of ab's time; claims against mlx-lm still come from compare_mlx_lm
 # Kernels and profiles:
+#   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
 #   hmv               the 16-bit kernel vs MLX's bf16 GEMV at M = 1 and 2, with its launch-configuration sweep (calls
 #                     in sequence on one stream, as a model runs them)
 #   sweep             launch configurations measured inside 8B decodes (inmodel_sweep.py: the 16-bit kernel on bf16,
@@ -77,6 +78,8 @@ settings_ab() {
   done
 }
 case "${1:-}" in
+  qmmablate)
+    timeout 540 python benchmarks/qmm_ablate.py ;;
   tests)
     timeout 240 python -m pytest -v -p no:cacheprovider $CUDA_TESTS/kernels/test_hmv.py --timeout 100 \
       --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -30

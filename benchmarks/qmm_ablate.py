@@ -1,0 +1,156 @@
+"""Where the 4-bit batch kernel's time goes (kernels/qmm.py, CUDA only): the kernel timed beside variants with one part
+taken out, on Llama-3-8B's decode-batch products.
+
+    python benchmarks/qmm_ablate.py                       # every variant, the four fused 8B shapes, 16/32/64 rows
+    python benchmarks/qmm_ablate.py --rows 32 --variants full no_mma
+
+A variant's results are wrong by design (only "full" is the kernel; its largest difference from MLX's product is
+printed): each one removes a part and keeps the rest, so the time it saves bounds what that part costs:
+  no_weights   the packed weights are not read (each warp makes its words from the group index)
+  no_scales    the scales and biases are not read (constants)
+  no_mma       no tensor-core product (the fragments are still built and folded into one accumulator)
+  no_x         x is neither staged into shared memory nor summed (the buffers keep what they hold)
+  no_epilogue  each group's products are added unscaled (no scale, no bias term)
+Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
+weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # calls run one after another, as in a model (see qmv.py)
+
+import mlx.core as mx  # noqa: E402
+from qmv import GROUP_SIZE, L2_BYTES, make_weights, max_rel_diff, mlx_qmm, time_calls, weight_bytes  # noqa: E402
+
+from mlxcel_core.backends.cuda.kernels import qmm  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.cubin_cache import cuda_kernel  # noqa: E402
+from mlxcel_core.backends.cuda.kernels.qmm_source import HEADER, SOURCE  # noqa: E402
+
+SHAPES = [  # (name, N, K): Llama-3-8B's decode-batch products as the fused layers run them
+    ("q/k/v fused", 6144, 4096),
+    ("o_proj", 4096, 4096),
+    ("gate/up fused", 28672, 4096),
+    ("down_proj", 4096, 14336),
+]
+_FETCH_WORDS = """        mlxcel_qmm_words<WORDS>(q0, w0 + gg * (G / 8) + t * WORDS);
+        mlxcel_qmm_words<WORDS>(q1, w1 + gg * (G / 8) + t * WORDS);
+"""
+_FETCH_SCALES = """        sc[0] = static_cast<float>(scales[size_t(r0) * NG + gg]);
+        sc[1] = static_cast<float>(scales[size_t(r1) * NG + gg]);
+        sc[2] = static_cast<float>(biases[size_t(r0) * NG + gg]);
+        sc[3] = static_cast<float>(biases[size_t(r1) * NG + gg]);
+"""
+_SCALE_SUMS = "mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);"
+VARIANTS = {  # name: (text of the kernel, its replacement), ...
+    "full": [],
+    "no_weights": [
+        (
+            _FETCH_WORDS,
+            "        for (int i = 0; i < WORDS; ++i) {\n"
+            "            q0[i] = 0x12345679u * (gg + i + r0);\n"
+            "            q1[i] = q0[i] ^ 0x5a5a5a5au;\n"
+            "        }\n",
+        )
+    ],
+    "no_scales": [(_FETCH_SCALES, "        sc[0] = sc[1] = 0.01f * gg; sc[2] = sc[3] = 0.5f;\n")],
+    "no_mma": [
+        (
+            "mlxcel_qmm_mma<T>(acc[nt], a, b);",
+            "acc[nt][0] += __uint_as_float((a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1]) & 0x3fffffffu);",
+        )
+    ],
+    "no_x": [
+        ("p < M * row_pieces; p += blockDim.x", "p < 0; p += blockDim.x"),
+        ("i < min(CG, gend - g0) * NT * 8; i += blockDim.x", "i < 0; i += blockDim.x"),
+    ],
+    "no_epilogue": [
+        (
+            _SCALE_SUMS,
+            "for (int nt = 0; nt < NT; ++nt) { for (int i = 0; i < 4; ++i) { tot[nt][i] += acc[nt][i] * ps[0]; } }",
+        )
+    ],
+}
+
+
+def variant_source(name: str) -> str:
+    source = SOURCE
+    for old, new in VARIANTS[name]:
+        if old not in source:
+            raise SystemExit(f"variant {name}: the kernel no longer has {old.strip()[:60]!r}: update qmm_ablate.py")
+        source = source.replace(old, new)
+    return source
+
+
+def product(name: str):
+    """The variant's x @ W.T (kernels/qmm.py's launch and partial sums, the variant's source)."""
+    source = variant_source(name)
+    tag = hashlib.sha256((HEADER + source).encode()).hexdigest()[:8]
+    kernels = {}
+
+    def fn(x, w, scales, biases):
+        n, k = w.shape[0], w.shape[1] * 8
+        args = qmm.launch_args(x.shape, x.dtype, scales.dtype, n, k, GROUP_SIZE)
+        rows = x.shape[0]
+        blocks = qmm.MIN_BLOCKS if rows <= qmm.NARROW_ROWS or GROUP_SIZE > 32 else qmm.MIN_BLOCKS_WIDE_G32
+        if blocks not in kernels:
+            kernels[blocks] = cuda_kernel(
+                name=f"mlxcel_qmm_ablate_{name}_{tag}",
+                input_names=["x", "w", "scales", "biases"],
+                output_names=["partial"],
+                source=source,
+                header=HEADER,
+                launch_bounds=(qmm.WARPS * 32, blocks),
+            )
+        partial = kernels[blocks](inputs=[x, w, scales, biases], **args)[0]
+        y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
+        return y.astype(x.dtype)
+
+    return fn
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
+    p.add_argument("--calls", type=int, default=24)
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args()
+    if not (mx.cuda.is_available() if hasattr(mx, "cuda") else False):
+        print("qmm_ablate.py needs MLX's CUDA backend and a CUDA device", file=sys.stderr)
+        return 1
+    print(f"{'shape':<14} {'rows':>4} " + " ".join(f"{v:>17}" for v in a.variants))
+    for shape, n, k in (s for s in SHAPES if s[0] in a.shapes):
+        probe = make_weights(n, k, mx.bfloat16, 1)
+        copies = max(2, math.ceil(3 * L2_BYTES / weight_bytes(*probe[0])))
+        weights = probe + make_weights(n, k, mx.bfloat16, copies - 1, seed=1)
+        gbytes = weight_bytes(*weights[0]) / 1e9
+        for rows in a.rows:
+            x = (mx.random.normal((rows, k), key=mx.random.key(rows)) * 0.5).astype(mx.bfloat16)
+            cells, base = [], None
+            for v in a.variants:
+                fn = product(v)
+                if v == "full":
+                    diff = max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0]))
+                seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
+                base = seconds if v == "full" else base
+                ratio = f" {seconds / base:.2f}x" if base and v != "full" else ""
+                cells.append(f"{seconds * 1e6:7.1f}us {gbytes / seconds:5.0f}GB/s{ratio}")
+            print(f"{shape:<14} {rows:>4} " + " | ".join(cells))
+            if "full" in a.variants:
+                print(f"{'':<14} {'':>4} full vs MLX: max rel diff {diff:.2e}")
+        del weights, probe
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
