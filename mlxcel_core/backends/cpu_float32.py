@@ -11,8 +11,9 @@ parameters (a subclass swapped in by `__class__`), so saving, converting, requan
 model as it was; `unprepare` swaps them back and drops the copies.
 
 The copies cost 4 bytes a weight: a model takes them only while they fit in FLOAT32_SHARE of the machine's memory
-(a larger model keeps MLX's own kernels). The product is of the checkpoint's own values in float32, as MLX's CPU
-kernels compute, in another summation order; a half-precision layer's output is rounded to its dtype as before.
+(a larger model keeps MLX's own kernels). The product is of the checkpoint's own values in float32 (a quantized
+weight dequantized in float32 from its stored scales and biases), as MLX's CPU kernels compute for a float32 x, in
+another summation order; a half-precision layer's output is rounded to its dtype as before.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..dequantize import dequantized_weight, is_quantized
+from ..dequantize import is_quantized
 from ..engine.budget import device_memory_bytes
 
 FLOAT32_SHARE = 0.25  # of physical memory, at most, for the float32 copies
@@ -97,7 +98,19 @@ def _float32_bytes(layer: nn.Module) -> int:
 
 
 def _float32_weight(layer: nn.Module) -> mx.array:
-    return (dequantized_weight(layer) if is_quantized(layer) else layer["weight"]).astype(mx.float32)
+    """The layer's weight in float32; a quantized one dequantized from float32 copies of its scales and biases: the
+    values MLX's CPU kernel multiplies by a float32 x (half-precision scales would round each weight to their dtype
+    first), and a third of the time on the CPU."""
+    if not is_quantized(layer):
+        return layer["weight"].astype(mx.float32)
+    biases = layer.get("biases")
+    return mx.dequantize(
+        layer["weight"],
+        layer["scales"].astype(mx.float32),
+        None if biases is None else biases.astype(mx.float32),
+        group_size=layer.group_size,
+        bits=layer.bits,
+    )
 
 
 def prepare(model: nn.Module) -> int:
