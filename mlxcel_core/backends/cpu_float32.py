@@ -103,14 +103,28 @@ def _float32_weight(layer: nn.Module) -> mx.array:
     first), and a third of the time on the CPU."""
     if not is_quantized(layer):
         return layer["weight"].astype(mx.float32)
+    scales = layer["scales"].astype(mx.float32)
     biases = layer.get("biases")
-    return mx.dequantize(
-        layer["weight"],
-        layer["scales"].astype(mx.float32),
-        None if biases is None else biases.astype(mx.float32),
-        group_size=layer.group_size,
-        bits=layer.bits,
-    )
+    biases = None if biases is None else biases.astype(mx.float32)
+    if layer.bits in (3, 5, 6) and biases is not None:  # (MLX's CPU dequantize of these widths is 2-4x slower)
+        q = _unpacked(layer["weight"], layer.bits).astype(mx.float32)
+        q = q.reshape(*q.shape[:-1], -1, layer.group_size)
+        return (q * scales[..., None] + biases[..., None]).reshape(*q.shape[:-2], -1)
+    return mx.dequantize(layer["weight"], scales, biases, group_size=layer.group_size, bits=layer.bits)
+
+
+def _unpacked(w: mx.array, bits: int) -> mx.array:
+    """The 3-, 5- or 6-bit values MLX packs into `w` (8 values in `bits` bytes, low bits first), as uint32."""
+    by = w.view(mx.uint8).reshape(*w.shape[:-1], -1, bits).astype(mx.uint32)
+    lo = by[..., 0] | (by[..., 1] << 8) | (by[..., 2] << 16)  # bits 0-23 (0-31 past 3 bits) of the 8 values
+    hi = None
+    if bits > 3:
+        lo = lo | (by[..., 3] << 24)
+    if bits > 4:  # bits 30-39 (-47) of the 8 values
+        hi = (by[..., 3] >> 6) | (by[..., 4] << 2) | ((by[..., 5] << 10) if bits > 5 else 0)
+    mask = (1 << bits) - 1
+    values = [(lo >> (bits * i) if bits * (i + 1) <= 30 else hi >> (bits * i - 30)) & mask for i in range(8)]
+    return mx.stack(values, axis=-1).reshape(*w.shape[:-1], -1)
 
 
 def prepare(model: nn.Module) -> int:

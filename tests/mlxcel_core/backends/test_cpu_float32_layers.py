@@ -104,3 +104,19 @@ def test_half_precision_layers_give_mlxs_greedy_tokens(dtype, tied):
 def test_float32_layers_are_left_to_mlx():
     model, _ = build_random_model("tiny", dtype="float32", seed=3)
     assert not any(type(m) in cpu_float32.SWAPS.values() for _, m in model.named_modules())
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_the_float32_copy_is_mlxs_dequantization_from_float32_scales(bits, group_size, dtype):
+    """Every width (3, 5 and 6 bits unpacked by MLX ops, the others by mx.dequantize): the values of
+    mx.dequantize with the scales and biases in float32, bit for bit."""
+    layer = nn.QuantizedLinear(256, 40, bias=False, group_size=group_size, bits=bits)
+    layer.scales, layer.biases = layer.scales.astype(dtype), layer.biases.astype(dtype)
+    f32 = mx.float32
+    want = mx.dequantize(
+        layer.weight, layer.scales.astype(f32), layer.biases.astype(f32), group_size=group_size, bits=bits
+    )
+    got = cpu_float32._float32_weight(layer)
+    assert got.dtype == mx.float32 and mx.array_equal(got, want).item()
