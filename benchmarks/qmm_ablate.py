@@ -11,6 +11,10 @@ printed): each one removes a part and keeps the rest, so the time it saves bound
   no_mma       no tensor-core product (the fragments are still built and folded into one accumulator)
   no_x         x is neither staged into shared memory nor summed (the buffers keep what they hold)
   no_epilogue  each group's products are added unscaled (no scale, no bias term)
+  l2_weights   every block reads the first 64 rows' weights and scales (from L2 after the first: HBM's latency and
+               bandwidth out of the way, the loads' count kept)
+  d2           half a chunk of K staged at any row count, so a warp loads 2 groups of weights ahead instead of 4 (as
+               past 32 rows): what the depth of the weight prefetch is worth
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
 """
@@ -72,6 +76,11 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
         ("p < M * row_pieces; p += blockDim.x", "p < 0; p += blockDim.x"),
         ("i < min(CG, gend - g0) * NT * 8; i += blockDim.x", "i < 0; i += blockDim.x"),
     ],
+    "l2_weights": [
+        ("const int r0 = min(n0 + g, N - 1);", "const int r0 = min(n0 + g, N - 1) & 63;"),
+        ("const int r1 = min(n0 + g + 8, N - 1);", "const int r1 = min(n0 + g + 8, N - 1) & 63;"),
+    ],
+    "d2": [("constexpr int CK = NT > 4 ? CHUNK_K / 2 : CHUNK_K;", "constexpr int CK = CHUNK_K / 2;")],
     "no_epilogue": [
         (
             _SCALE_SUMS,
