@@ -20,19 +20,19 @@ exactly as the ops path merges its splits, writing q's dtype. With one split the
 ("paged_decode_one_split", the combine's arithmetic for S = 1 in the same launch): one launch a layer. So it is with
 several splits when the caller keeps `counters` ("paged_decode_split_combine": the last of a head group's blocks to
 finish combines them; the CUDA backend gives engine/paged.py one counter array per layer).
-The kernel sources are in cuda_paged_attention_source.py.
+The kernel sources are in paged_attention_source.py.
 
 Tiles: a lane group keeps UNROLL = 2 tokens' keys and values as loaded (16-bit values: half a float's registers), in
 two buffers used alternately, so that the next tile's loads are in flight while this tile's arithmetic runs, and it
 takes one softmax maximum, one rescale of its G x EPL accumulators and UNROLL exponentials a tile
-(paged_attention_tile.py; 128 registers a thread, four blocks an SM, no spill). At a 32k-token context the kernel is
-bound by its reads of the layer's KV; converting each token to float32 before its softmax update and issuing the next
-loads only after it held those reads to about 1.3 TB/s (benchmarks/RESULTS.md has the figures).
+(paged_attention_tile.py; 128 registers a thread, four blocks an SM, no spill). Why: at long contexts the kernel is
+bound by its reads of the layer's KV, and a lane group that converted each token to float32 and updated its softmax
+before issuing its next loads left the memory idle meanwhile (benchmarks/RESULTS.md has the figures).
 
 ``num_splits`` is the grid's x extent: every value is the same compiled kernel. The kernel is compiled
 once per (dtypes, D, block_size, Hkv, n_rep) at first use (NVRTC).
 
-Validated on the device by tests/mlxcel_core/kv/test_cuda_paged_attention.py (skipped without CUDA).
+Validated on the device by tests/mlxcel_core/backends/cuda/test_cuda_paged_attention.py (skipped without CUDA).
 No Metal kernel exists: on Apple silicon, as on CPU, the ops path runs.
 """
 

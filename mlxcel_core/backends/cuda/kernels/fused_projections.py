@@ -32,8 +32,8 @@ layers' results.
 
 A decode batch of more than FUSED_MAX_ROWS rows of a 4-bit model takes the fused projections too, their matmul on
 kernels/qmm.py (fast_linear.batch_product): q/k/v one launch instead of three and gate/up one instead of two, each
-reading one fused weight. The norm and the RoPE stay their own ops there (qmm.py
-has no such modes); the values are the separate launches' up to the order of the float32 sums (another split of K).
+reading one fused weight. The norm and the RoPE stay their own ops there (qmm.py has no such modes); the values are
+the separate launches' up to the order of the float32 sums (another split of K).
 """
 
 from __future__ import annotations
