@@ -117,21 +117,10 @@ def short_name(name: str) -> str:
     return "".join(out).replace("void ", "").strip()[:70]
 
 
-def busy_us(intervals: list[tuple[int, int]]) -> float:
-    total, end = 0, None
-    for s, e in sorted(intervals):
-        if end is None or s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total / 1e3
-
-
 def own_us(kernels: list[tuple[str, int, int]]) -> dict[str, float]:
     """name -> microseconds of its kernels' intervals that no kernel started before them covers (in start order, each
-    kernel's share of the union of intervals: `busy_us` split by kernel). `kernels`: (name, start ns, duration ns)."""
+    kernel's share of the union of intervals: their sum is the GPU's busy time). `kernels`: (name, start ns,
+    duration ns)."""
     own: dict[str, float] = defaultdict(float)
     end = None
     for name, start, dur in sorted(kernels, key=lambda k: k[1]):
@@ -197,11 +186,12 @@ def profile_tokens(tokens, warm: int, count: int, detail: bool = False) -> dict:
         row = by_name[short_name(name)]
         row[0] += 1
         row[1] += dur / 1e3
-    for name, us in own_us([(short_name(n), s, d) for n, s, d in kernels]).items():
+    own = own_us([(short_name(n), s, d) for n, s, d in kernels])
+    for name, us in own.items():
         by_name[name][2] += us
     return {
         "wall_ms": wall * 1e3 / count,
-        "busy_ms": busy_us([(s, s + d) for _, s, d in kernels]) / 1e3 / count,
+        "busy_ms": sum(own.values()) / 1e3 / count,
         "launches": len(kernels) / count,
         "by_name": dict(by_name),
         "by_shape": launch_shapes(prof) if detail else {},

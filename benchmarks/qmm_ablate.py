@@ -22,6 +22,7 @@ weights that each call reads them from HBM; GB/s counts the packed weights + sca
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import math
 import os
@@ -100,28 +101,28 @@ def variant_source(name: str) -> str:
 
 
 def product(name: str):
-    """The variant's x @ W.T (kernels/qmm.py's launch and partial sums, the variant's source)."""
+    """The variant's x @ W.T: kernels/qmm.py's own launch and partial sums, its kernel built from the variant's
+    source."""
     source = variant_source(name)
     tag = hashlib.sha256((HEADER + source).encode()).hexdigest()[:8]
-    kernels = {}
+
+    @functools.cache
+    def kernel(min_blocks: int = qmm.MIN_BLOCKS):
+        return cuda_kernel(
+            name=f"mlxcel_qmm_ablate_{name}_{tag}",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["partial"],
+            source=source,
+            header=HEADER,
+            launch_bounds=(qmm.WARPS * 32, min_blocks),
+        )
 
     def fn(x, w, scales, biases):
-        n, k = w.shape[0], w.shape[1] * 8
-        args = qmm.launch_args(x.shape, x.dtype, scales.dtype, n, k, GROUP_SIZE)
-        rows = x.shape[0]
-        blocks = qmm.MIN_BLOCKS if rows <= qmm.NARROW_ROWS or GROUP_SIZE > 32 else qmm.MIN_BLOCKS_WIDE_G32
-        if blocks not in kernels:
-            kernels[blocks] = cuda_kernel(
-                name=f"mlxcel_qmm_ablate_{name}_{tag}",
-                input_names=["x", "w", "scales", "biases"],
-                output_names=["partial"],
-                source=source,
-                header=HEADER,
-                launch_bounds=(qmm.WARPS * 32, blocks),
-            )
-        partial = kernels[blocks](inputs=[x, w, scales, biases], **args)[0]
-        y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
-        return y.astype(x.dtype)
+        own, qmm._kernel = qmm._kernel, kernel  # (the call builds its lazy op with the kernel it finds)
+        try:
+            return qmm.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
+        finally:
+            qmm._kernel = own
 
     return fn
 

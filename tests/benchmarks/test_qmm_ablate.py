@@ -37,3 +37,24 @@ def test_variants_compile_for_sm90(tmp_path, name):
     )  # fmt: skip
     report = compile_sm90(tmp_path, text)
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
+
+
+def test_a_variant_runs_through_qmms_own_launch(monkeypatch):
+    """product(name) calls kernels/qmm.py's quantized_matmul (its launch arguments, blocks an SM and partial sums) with
+    the variant's kernel in place of the kernel's, and leaves qmm's kernel as it was."""
+    built = []
+
+    def stand_in(**kwargs):
+        built.append(kwargs)
+        return lambda inputs, output_shapes, **_: [mx.ones(output_shapes[0], mx.float32)]
+
+    monkeypatch.setattr(qmm_ablate, "cuda_kernel", stand_in)
+    own = qmm._kernel
+    x, w = mx.ones((40, 256), mx.bfloat16), mx.zeros((64, 32), mx.uint32)
+    scales = biases = mx.zeros((64, 4), mx.bfloat16)  # (groups of 64: qmv.py's GROUP_SIZE)
+    y = qmm_ablate.product("no_mma")(x, w, scales, biases)
+    assert qmm._kernel is own and y.shape == (40, 64) and y.dtype == mx.bfloat16
+    splits = qmm.launch_args((40, 256), x.dtype, scales.dtype, 64, 256, 64)["output_shapes"][0][0]
+    assert mx.array_equal(y, mx.full((40, 64), splits, mx.bfloat16)).item()  # (the splits' partials summed)
+    assert built[0]["source"] == qmm_ablate.variant_source("no_mma")
+    assert built[0]["launch_bounds"] == (qmm.WARPS * 32, qmm.MIN_BLOCKS)
