@@ -106,7 +106,7 @@ _SOURCE = r"""
         }
     }
 /*LAST_BLOCK*/
-"""
+""".replace("/*TILE_LOOP*/", _TILE_LOOP)
 
 
 # One split (the whole context in one block per head group): the combine step's arithmetic for S = 1 (its rescale
@@ -255,7 +255,6 @@ def kernel_source(
     if one_split and last_block_combines:
         raise ValueError("one split writes the output itself: there is nothing to combine")
     source = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else _SOURCE
-    source = source.replace("/*TILE_LOOP*/", _TILE_LOOP)
     source = _with_sinks(source, "MERGE", sinks and one_split)
     block = _with_sinks(_LAST_BLOCK_COMBINES, "COMBINE", sinks) if last_block_combines else ""
     source = source.replace("/*LAST_BLOCK*/", block)
@@ -305,7 +304,7 @@ UNROLL = 2  # tokens in flight per lane group (loads issued together)
 
 # Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
 KERNEL_HASH = hashlib.sha256(
-    f"{_SOURCE}{_TILE_LOOP}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{_SINK_MAX}{_SINK_SUM}"
+    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{_SINK_MAX}{_SINK_SUM}"
     f"{THREADS}/{UNROLL}".encode()
 ).hexdigest()[:8]
 RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"
