@@ -1,14 +1,16 @@
 """GGUF tensors onto MLX: float tensors as arrays, quantized blocks as MLX quantized layouts.
 
-Read memory-mapped (the header by gguf_header.py) and converted block-wise in numpy, a slab of rows at a time, so
-loading never holds the model in fp32. Each GGUF type maps onto MLX quantization (groups of 32 along the last axis,
-w = scale * q + bias, q packed as a little-endian bit stream into uint32 words) by `_LAYOUTS`:
+Read memory-mapped (the header by gguf_header.py) and converted block-wise by MLX ops on the default device (the
+GPU's where there is one), a slab of rows at a time, so loading never holds the model in fp32. Each GGUF type maps
+onto MLX quantization (groups of 32 along the last axis, w = scale * q + bias, q packed as a little-endian bit stream
+into uint32 words) by `_LAYOUTS`:
 
 - exact, same bits: Q4_0/Q4_1/Q4_K (4-bit), Q5_0/Q5_1/Q5_K (5-bit), Q8_0 (8-bit), MXFP4 (MLX's mxfp4 mode);
 - exact, more bits: Q3_K, IQ4_NL and IQ4_XS hold integers times one scale per 32 values (Q3_K's
   (sc-32)*(q-4) lies in [-124, 128], IQ4's table values in [-127, 113]), which 8-bit groups of 32 store exactly;
 - requantized: Q6_K (16-wide sub-blocks with their own scales) to 8 bits and Q2_K (16-wide sub-blocks with their
-  own mins) to 4 bits, from ggml's reference dequantization; no MLX layout holds them exactly.
+  own mins) to 4 bits, from ggml's reference dequantization (gguf.quants' arithmetic, in MLX ops); no MLX layout
+  holds them exactly.
 
 Scales and biases are computed in fp32, where every product d*sc above is exact; `scale_dtype` may narrow them.
 """
@@ -26,9 +28,9 @@ import numpy as np
 from ..errors import CorruptModelError, UnsupportedModelError
 
 GROUP = 32
-_SLAB_VALUES = 1 << 20  # values converted per numpy slab: bounds the temporaries to a few tens of MB
+_SLAB_VALUES = 1 << 20  # values converted per slab: bounds the temporaries to a few tens of MB
 _FLOAT_TYPES = ("F32", "F16", "BF16")
-_IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int16)
+_IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,18 +82,18 @@ class QuantizedTensor:
         return out
 
 
-def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
-    return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+def _f16(blocks: mx.array, start: int) -> mx.array:
+    return blocks[:, start : start + 2].view(mx.float16).astype(mx.float32)  # (n, 1)
 
 
-def _nibbles(qs: np.ndarray) -> np.ndarray:
+def _nibbles(qs: mx.array) -> mx.array:
     """(..., k) bytes -> (..., 2k): the low nibbles, then the high nibbles (ggml's order within a block)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    return mx.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _bits(packed: np.ndarray, count: int, width: int = 1) -> np.ndarray:
+def _bits(packed: mx.array, count: int, width: int = 1) -> mx.array:
     """(..., k) unsigned -> (..., count, k): field i of `width` bits from every element."""
-    shifts = (np.arange(count, dtype=packed.dtype) * width).reshape(count, 1)
+    shifts = (mx.arange(count, dtype=packed.dtype) * width).reshape(count, 1)
     return (packed[..., None, :] >> shifts) & ((1 << width) - 1)
 
 
@@ -105,8 +107,8 @@ def _q4_1(b):
 
 
 def _q5(b, start):
-    qh = b[:, start : start + 4].copy().view(np.uint32)  # (n, 1)
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    qh = b[:, start : start + 4]  # bit j of the little-endian uint32: the 5th bit of value j
+    high = ((qh[..., None] >> mx.arange(8, dtype=mx.uint8)) & 1).reshape(-1, 32)
     return _nibbles(b[:, start + 4 :]) | (high << 4)
 
 
@@ -124,12 +126,12 @@ def _q8_0(b):
     return (b[:, 2:] ^ 0x80), d, -128 * d  # int8 + 128, as the byte with its top bit flipped
 
 
-def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _k_scales(packed: mx.array) -> tuple[mx.array, mx.array]:
     """Q4_K/Q5_K's 12 bytes -> 8 six-bit sub-block scales and 8 six-bit mins (ggml's get_scale_min_k4)."""
     d, m, md = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mins = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mins.astype(np.float32)
+    sc = mx.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = mx.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(mx.float32), mins.astype(mx.float32)
 
 
 def _q4_k(b):
@@ -152,24 +154,29 @@ def _q3_k(b):
     packed = b[:, 96:108]
     lo = _nibbles(packed[:, 0:8])  # scales 0-7 from the low nibbles of bytes 0-7, 8-15 from the high ones
     hi = _bits(packed[:, 8:12], 4, 2).reshape(-1, 16)
-    sc = ((lo | (hi << 4)).astype(np.int16) - 32)[..., None]
-    q = sc * ((low | (high << 2)).astype(np.int16) - 4) + 124
+    sc = ((lo | (hi << 4)).astype(mx.int16) - 32)[..., None]
+    q = sc * ((low | (high << 2)).astype(mx.int16) - 4) + 124
     d = _f16(b, 108)
-    return q.astype(np.uint8).reshape(-1, 256), d, -124 * d
+    return q.astype(mx.uint8).reshape(-1, 256), d, -124 * d
+
+
+def _iq4(idx: mx.array) -> mx.array:
+    """IQ4 codes -> their table values + 128, as bytes."""
+    return mx.take(mx.array([v + 128 for v in _IQ4_VALUES], mx.uint8), idx.astype(mx.uint32))
 
 
 def _iq4_nl(b):
     d = _f16(b, 0)
-    return (_IQ4_VALUES[_nibbles(b[:, 2:])] + 128).astype(np.uint8), d, -128 * d
+    return _iq4(_nibbles(b[:, 2:])), d, -128 * d
 
 
 def _iq4_xs(b):
-    scales_h = b[:, 2:4].copy().view(np.uint16)
+    scales_h = b[:, 2:4].view(mx.uint16)
     low = _nibbles(b[:, 4:8].reshape(-1, 4, 1)).reshape(-1, 8)  # sub-block j: byte j//2, nibble j%2
-    high = _bits(scales_h, 8, 2).reshape(-1, 8).astype(np.uint8)
-    dl = _f16(b, 0) * ((low | (high << 4)).astype(np.float32) - 32)
+    high = _bits(scales_h, 8, 2).reshape(-1, 8).astype(mx.uint8)
+    dl = _f16(b, 0) * ((low | (high << 4)).astype(mx.float32) - 32)
     idx = _nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(-1, 256)
-    return (_IQ4_VALUES[idx] + 128).astype(np.uint8), dl, -128 * dl
+    return _iq4(idx), dl, -128 * dl
 
 
 def _mxfp4(b):
@@ -177,12 +184,34 @@ def _mxfp4(b):
     return _nibbles(b[:, 1:17]), b[:, 0:1], None
 
 
+def _q2_k_values(b):
+    """ggml's reference dequantization of Q2_K blocks (gguf.quants), (n, 256) float32."""
+    n = b.shape[0]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    scales = b[:, 0:16]
+    dl = (d * (scales & 0xF).astype(mx.float32)).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).astype(mx.float32)).reshape(n, 16, 1)
+    q = _bits(b[:, 16:80].reshape(n, 2, 32), 4, 2).reshape(n, 16, 16).astype(mx.float32)
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _q6_k_values(b):
+    """ggml's reference dequantization of Q6_K blocks (gguf.quants), (n, 256) float32."""
+    n = b.shape[0]
+    d = _f16(b, 208) * b[:, 192:208].view(mx.int8).astype(mx.float32)
+    ql = _bits(b[:, 0:128].reshape(n, 2, 64), 2, 4).reshape(n, 8, 32)  # per 128 values: low nibbles, high nibbles
+    qh = _bits(b[:, 128:192].reshape(n, 2, 32), 4, 2).reshape(n, 8, 32)
+    q = (ql | (qh << 4)).astype(mx.int16) - 32
+    return (d.reshape(n, 16, 1) * q.reshape(n, 16, 16).astype(mx.float32)).reshape(n, 256)
+
+
 @dataclass(frozen=True)
 class _Layout:
-    decode: Callable | None  # blocks -> (q, scales, biases) per block; None: requantize from ggml's floats
+    decode: Callable | None  # blocks -> (q, scales, biases) per block; None: requantize `values`
     bits: int
     mode: str = "affine"
     exact: bool = True
+    values: Callable | None = None  # blocks -> ggml's float values, for the requantized types
 
 
 _LAYOUTS = {
@@ -191,11 +220,11 @@ _LAYOUTS = {
     "Q5_0": _Layout(_q5_0, 5),
     "Q5_1": _Layout(_q5_1, 5),
     "Q8_0": _Layout(_q8_0, 8),
-    "Q2_K": _Layout(None, 4, exact=False),
+    "Q2_K": _Layout(None, 4, exact=False, values=_q2_k_values),
     "Q3_K": _Layout(_q3_k, 8),
     "Q4_K": _Layout(_q4_k, 4),
     "Q5_K": _Layout(_q5_k, 5),
-    "Q6_K": _Layout(None, 8, exact=False),
+    "Q6_K": _Layout(None, 8, exact=False, values=_q6_k_values),
     "IQ4_NL": _Layout(_iq4_nl, 8),
     "IQ4_XS": _Layout(_iq4_xs, 8),
     "MXFP4": _Layout(_mxfp4, 4, mode="mxfp4"),
@@ -205,47 +234,52 @@ SUPPORTED_TYPES = (*_FLOAT_TYPES, *_LAYOUTS)
 _SOURCE_BITS = {"Q2_K": 2, "Q3_K": 3, "Q6_K": 6, "IQ4_NL": 4, "IQ4_XS": 4}
 
 
-def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+def _pack(q: mx.array, bits: int) -> mx.array:
     """(rows, n) values < 2**bits -> (rows, n*bits/32) uint32: MLX's layout, value j at bits [j*bits, (j+1)*bits)."""
     rows, n = q.shape
     if bits == 8:
-        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32)
+        return mx.contiguous(q.astype(mx.uint8)).view(mx.uint32)
     if bits == 4:
-        pairs = q.reshape(rows, n // 2, 2)
-        return np.ascontiguousarray(pairs[..., 0] | (pairs[..., 1] << 4), dtype=np.uint8).view(np.uint32)
-    eights = q.reshape(rows, n // 8, 8).astype(np.uint64)
-    word = np.zeros(eights.shape[:-1], np.uint64)
-    for k in range(8):
-        word |= eights[..., k] << np.uint64(k * bits)
-    stream = word.view(np.uint8).reshape(rows, n // 8, 8)[..., :bits]  # 8 values fill `bits` bytes
-    return np.ascontiguousarray(stream).reshape(rows, -1).view(np.uint32)
+        pairs = q.astype(mx.uint8).reshape(rows, n // 2, 2)
+        return mx.contiguous(pairs[..., 0] | (pairs[..., 1] << 4)).view(mx.uint32)
+    eights = q.reshape(rows, n // 8, 8).astype(mx.uint16)
+    stream = []  # 8 values fill `bits` bytes; byte k holds the bits [8k, 8k+8) of the 8 values' bit stream
+    for k in range(bits):
+        byte = None
+        for j in range(8):
+            shift = bits * j - 8 * k  # where value j's lowest bit falls in byte k
+            if -bits < shift < 8:
+                v = eights[..., j]
+                part = ((v << shift) & 0xFF) if shift >= 0 else v >> -shift
+                byte = part if byte is None else byte | part
+        stream.append(byte.astype(mx.uint8))
+    return mx.stack(stream, axis=-1).reshape(rows, -1).view(mx.uint32)
 
 
-def _requantize(blocks: np.ndarray, qtype, rows: int, bits: int):
+def _requantize(values: mx.array, rows: int, bits: int):
     """ggml's reference values, min-max affine per group of 32 with round-to-nearest: error at most half a step.
     (mx.quantize keeps zero exact instead, at up to a whole step.)"""
-    from gguf.quants import dequantize
-
-    groups = dequantize(blocks, qtype).reshape(rows, -1, GROUP)
+    groups = values.reshape(rows, -1, GROUP)
     low = groups.min(axis=-1, keepdims=True)
-    scale = (groups.max(axis=-1, keepdims=True) - low) / np.float32(2**bits - 1)
-    q = np.rint((groups - low) / np.where(scale > 0, scale, np.float32(1))).astype(np.uint8)
+    scale = (groups.max(axis=-1, keepdims=True) - low) / (2**bits - 1)
+    q = mx.round((groups - low) / mx.where(scale > 0, scale, 1.0)).astype(mx.uint8)
     return _pack(q.reshape(rows, -1), bits), scale[..., 0], low[..., 0]
 
 
-def _slab(blocks: np.ndarray, t, layout: _Layout, rows: int, cols: int, block: int):
-    """One slab of rows: (packed weight, scales, biases) as numpy, scales and biases one per group of 32."""
+def _slab(blocks: mx.array, layout: _Layout, rows: int, cols: int, block: int):
+    """One slab of rows: (packed weight, scales, biases), scales and biases one per group of 32."""
     if layout.decode is None:
-        return _requantize(blocks, t.tensor_type, rows, layout.bits)
+        return _requantize(layout.values(blocks), rows, layout.bits)
     q, s, b = layout.decode(blocks)
     per_block = block // GROUP
-    s = np.broadcast_to(s, (s.shape[0], per_block)).reshape(rows, -1)
-    b = None if b is None else np.broadcast_to(b, (b.shape[0], per_block)).reshape(rows, -1)
+    s = mx.broadcast_to(s, (s.shape[0], per_block)).reshape(rows, -1)
+    b = None if b is None else mx.broadcast_to(b, (b.shape[0], per_block)).reshape(rows, -1)
     return _pack(q.reshape(rows, cols), layout.bits), s, b
 
 
 def _quantized(t, type_name: str, layout: _Layout, scale_dtype: mx.Dtype) -> QuantizedTensor:
-    """Slab by slab into preallocated MLX arrays (updated in place): no second copy of the tensor at any time."""
+    """Slab by slab into preallocated MLX arrays (updated in place): no second copy of the tensor at any time.
+    The blocks are decoded by MLX ops on the default device (the GPU's where there is one)."""
     from gguf import GGML_QUANT_SIZES
 
     shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -262,9 +296,10 @@ def _quantized(t, type_name: str, layout: _Layout, scale_dtype: mx.Dtype) -> Qua
     step = max(1, _SLAB_VALUES // cols)
     for r in range(0, rows, step):
         n = min(step, rows - r)
-        parts = _slab(np.asarray(raw[r : r + n]).reshape(-1, type_size), t, layout, n, cols, block)
+        blocks = mx.array(np.asarray(raw[r : r + n])).reshape(-1, type_size)
+        parts = _slab(blocks, layout, n, cols, block)
         for out, part in zip(outputs, parts):
-            out[r : r + n] = mx.array(part).astype(out.dtype)
+            out[r : r + n] = part.astype(out.dtype)
         mx.eval(outputs)
 
     def final(a: mx.array | None) -> mx.array | None:
