@@ -91,6 +91,16 @@ def _nibbles(qs: mx.array) -> mx.array:
     return mx.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def _packed_nibbles(qs: mx.array) -> mx.array:
+    """(..., k) bytes holding 2k values as ggml orders them (the first k in the low nibbles, the next k in the high
+    ones) -> the same 2k values as MLX packs them, value j in byte j // 2, low nibble first: bytes 2i, 2i+1 read as
+    one little-endian uint16 give MLX's byte i from their low nibbles and byte i + k/2 from their high ones."""
+    u = qs.view(mx.uint16)
+    low = (u & 0x0F) | ((u >> 4) & 0xF0)
+    high = ((u >> 4) & 0x0F) | ((u >> 8) & 0xF0)
+    return mx.concatenate([low, high], axis=-1).astype(mx.uint8)
+
+
 def _bits(packed: mx.array, count: int, width: int = 1) -> mx.array:
     """(..., k) unsigned -> (..., count, k): field i of `width` bits from every element."""
     shifts = (mx.arange(count, dtype=packed.dtype) * width).reshape(count, 1)
@@ -99,11 +109,11 @@ def _bits(packed: mx.array, count: int, width: int = 1) -> mx.array:
 
 def _q4_0(b):
     d = _f16(b, 0)
-    return _nibbles(b[:, 2:]), d, -8 * d
+    return _packed_nibbles(b[:, 2:]), d, -8 * d
 
 
 def _q4_1(b):
-    return _nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
+    return _packed_nibbles(b[:, 4:]), _f16(b, 0), _f16(b, 2)
 
 
 def _q5(b, start):
@@ -136,8 +146,8 @@ def _k_scales(packed: mx.array) -> tuple[mx.array, mx.array]:
 
 def _q4_k(b):
     sc, mins = _k_scales(b[:, 4:16])
-    q = _nibbles(b[:, 16:144].reshape(-1, 4, 32))  # per 64 values: 32 low nibbles, then 32 high
-    return q.reshape(-1, 256), _f16(b, 0) * sc, -(_f16(b, 2) * mins)
+    q = _packed_nibbles(b[:, 16:144].reshape(-1, 4, 32))  # per 64 values: 32 low nibbles, then 32 high
+    return q.reshape(-1, 128), _f16(b, 0) * sc, -(_f16(b, 2) * mins)
 
 
 def _q5_k(b):
@@ -181,7 +191,7 @@ def _iq4_xs(b):
 
 def _mxfp4(b):
     """ggml stores E2M1 codes with a doubled-value table and 2^(e-128): MLX's codes and E8M0 exponent, as is."""
-    return _nibbles(b[:, 1:17]), b[:, 0:1], None
+    return _packed_nibbles(b[:, 1:17]), b[:, 0:1], None
 
 
 def _q2_k_values(b):
@@ -212,22 +222,23 @@ class _Layout:
     mode: str = "affine"
     exact: bool = True
     values: Callable | None = None  # blocks -> ggml's float values, for the requantized types
+    packed: bool = False  # `decode` gives q already packed as MLX's bytes (else one value a byte)
 
 
 _LAYOUTS = {
-    "Q4_0": _Layout(_q4_0, 4),
-    "Q4_1": _Layout(_q4_1, 4),
+    "Q4_0": _Layout(_q4_0, 4, packed=True),
+    "Q4_1": _Layout(_q4_1, 4, packed=True),
     "Q5_0": _Layout(_q5_0, 5),
     "Q5_1": _Layout(_q5_1, 5),
     "Q8_0": _Layout(_q8_0, 8),
     "Q2_K": _Layout(None, 4, exact=False, values=_q2_k_values),
     "Q3_K": _Layout(_q3_k, 8),
-    "Q4_K": _Layout(_q4_k, 4),
+    "Q4_K": _Layout(_q4_k, 4, packed=True),
     "Q5_K": _Layout(_q5_k, 5),
     "Q6_K": _Layout(None, 8, exact=False, values=_q6_k_values),
     "IQ4_NL": _Layout(_iq4_nl, 8),
     "IQ4_XS": _Layout(_iq4_xs, 8),
-    "MXFP4": _Layout(_mxfp4, 4, mode="mxfp4"),
+    "MXFP4": _Layout(_mxfp4, 4, mode="mxfp4", packed=True),
 }
 SUPPORTED_TYPES = (*_FLOAT_TYPES, *_LAYOUTS)
 # Source bits per weight of each quantized type, to tell layouts that widen a tensor from those that keep its bits.
@@ -274,6 +285,8 @@ def _slab(blocks: mx.array, layout: _Layout, rows: int, cols: int, block: int):
     per_block = block // GROUP
     s = mx.broadcast_to(s, (s.shape[0], per_block)).reshape(rows, -1)
     b = None if b is None else mx.broadcast_to(b, (b.shape[0], per_block)).reshape(rows, -1)
+    if layout.packed:
+        return mx.contiguous(q.reshape(rows, -1)).view(mx.uint32), s, b
     return _pack(q.reshape(rows, cols), layout.bits), s, b
 
 
