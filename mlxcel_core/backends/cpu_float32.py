@@ -100,13 +100,14 @@ def _float32_bytes(layer: nn.Module) -> int:
 def _float32_weight(layer: nn.Module) -> mx.array:
     """The layer's weight in float32; a quantized one dequantized from float32 copies of its scales and biases: the
     values MLX's CPU kernel multiplies by a float32 x (half-precision scales would round each weight to their dtype
-    first), and MLX's CPU dequantize runs faster with float32 scales."""
+    first). Affine layers are unpacked by MLX ops, which give mx.dequantize's values bit for bit and run several
+    times faster than MLX's CPU dequantize at every width."""
     if not is_quantized(layer):
         return layer["weight"].astype(mx.float32)
     scales = layer["scales"].astype(mx.float32)
     biases = layer.get("biases")
     biases = None if biases is None else biases.astype(mx.float32)
-    if layer.bits in (3, 5, 6) and biases is not None:  # (MLX's CPU dequantize is slowest at these widths)
+    if biases is not None:
         q = _unpacked(layer["weight"], layer.bits).astype(mx.float32)
         q = q.reshape(*q.shape[:-1], -1, layer.group_size)
         return (q * scales[..., None] + biases[..., None]).reshape(*q.shape[:-2], -1)
@@ -114,8 +115,15 @@ def _float32_weight(layer: nn.Module) -> mx.array:
 
 
 def _unpacked(w: mx.array, bits: int) -> mx.array:
-    """The 3-, 5- or 6-bit values MLX packs into `w` (8 values in `bits` bytes, low bits first), as uint32."""
-    by = w.view(mx.uint8).reshape(*w.shape[:-1], -1, bits).astype(mx.uint32)
+    """The values MLX packs into `w` (a little-endian bit stream, value j at bits [j*bits, (j+1)*bits)), as uint8
+    (2, 4 and 8 bits: whole values a byte) or uint32 (3, 5 and 6 bits: 8 values in `bits` bytes)."""
+    by = w.view(mx.uint8)
+    if bits == 8:
+        return by
+    if bits in (2, 4):
+        fields = [(by >> shift) & ((1 << bits) - 1) for shift in range(0, 8, bits)]
+        return mx.stack(fields, axis=-1).reshape(*w.shape[:-1], -1)
+    by = by.reshape(*w.shape[:-1], -1, bits).astype(mx.uint32)
     lo = by[..., 0] | (by[..., 1] << 8) | (by[..., 2] << 16)  # bits 0-23 (0-31 past 3 bits) of the 8 values
     hi = None
     if bits > 3:

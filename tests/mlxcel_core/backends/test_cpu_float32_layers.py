@@ -110,8 +110,8 @@ def test_float32_layers_are_left_to_mlx():
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_the_float32_copy_is_mlxs_dequantization_from_float32_scales(bits, group_size, dtype):
-    """Every width (3, 5 and 6 bits unpacked by MLX ops, the others by mx.dequantize): the values of
-    mx.dequantize with the scales and biases in float32, bit for bit."""
+    """Every width (unpacked by MLX ops): the values of mx.dequantize with the scales and biases in float32, bit for
+    bit."""
     layer = nn.QuantizedLinear(256, 40, bias=False, group_size=group_size, bits=bits)
     layer.scales, layer.biases = layer.scales.astype(dtype), layer.biases.astype(dtype)
     f32 = mx.float32
