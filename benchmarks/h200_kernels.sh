@@ -49,6 +49,9 @@
 #                     A/B in a third of ab's time; claims against mlx-lm still come from compare_mlx_lm
 # Kernels and profiles:
 #   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
+#   ggufload [ARGS..] a random llama-3-8b Q4_K GGUF (llama_cpp_peer.py write ARGS) read into MLX layouts twice (the blocks
+#                     decoded by MLX ops on the GPU; alternately with the tree in before/ where there is one), then
+#                     `mlxcel bench -m` on it: the load's seconds
 #   hmv               the 16-bit kernel vs MLX's bf16 GEMV at M = 1 and 2, with its launch-configuration sweep (calls
 #                     in sequence on one stream, as a model runs them)
 #   sweep             launch configurations measured inside 8B decodes (inmodel_sweep.py: the 16-bit kernel on bf16,
@@ -80,6 +83,22 @@ settings_ab() {
 case "${1:-}" in
   qmmablate)
     timeout 540 python benchmarks/qmm_ablate.py ;;
+  ggufload)
+    shift
+    args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--model-shape llama-3-8b)
+    python benchmarks/llama_cpp_peer.py write --type q4_k "${args[@]}" /tmp/ggufload.gguf
+    for rep in 1 2; do
+      for tree in before .; do  # (before/: an older tree to compare with, as `ab` takes it)
+        [ -d $tree/mlxcel_core ] || continue
+        (cd $tree && python -c 'import sys, time; t = time.perf_counter()
+from mlxcel_core.loading.gguf_tensors import read_gguf_tensors
+tensors, _ = read_gguf_tensors(sys.argv[1])
+print(f"read_gguf_tensors ({sys.argv[2]}): {len(tensors)} tensors in {time.perf_counter() - t:.2f} s")' \
+          /tmp/ggufload.gguf $tree)
+      done
+    done
+    /usr/bin/time -f "mlxcel bench -m (the whole process: load, warm-up, tg8): %e s" python -m mlxcel_cli bench \
+      -m /tmp/ggufload.gguf -p 0 -n 8 -r 1 -o jsonl >/dev/null ;;
   tests)
     timeout 240 python -m pytest -v -p no:cacheprovider $CUDA_TESTS/kernels/test_hmv.py --timeout 100 \
       --tb=short 2>&1 | grep -E "PASS|FAIL|ERROR|^E |passed|failed" | tail -30
