@@ -15,6 +15,11 @@ printed): each one removes a part and keeps the rest, so the time it saves bound
                bandwidth out of the way, the loads' count kept)
   d2           half a chunk of K staged at any row count, so a warp loads 2 groups of weights ahead instead of 4 (as
                past 32 rows): what the depth of the weight prefetch is worth
+Beside them, candidates: whole kernels of another design, which must give MLX's product (their largest difference
+from it is printed too):
+  xprep        x reordered and summed over each group once a product, by MLX ops before the launch (counted in its
+               time), instead of by every block after staging each chunk: the blocks stage x (rows split among the
+               warps, no division a piece) and its sums with cp.async, and a chunk takes one barrier fewer
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
 """
@@ -91,6 +96,126 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
 }
 
 
+_STAGE_X = """        const int row_pieces = min(CG, gend - g0) * (G / 4);
+        for (int p = threadIdx.x; p < M * row_pieces; p += blockDim.x) {
+            const int m = p / row_pieces;
+            const int j = p - m * row_pieces;
+            const T* src = x + size_t(m) * K + size_t(g0) * G + 4 * j;
+            T* dst = &xsh[c & 1][m][4 * j];
+            if (whole) {
+                mlxcel_qmm_cp8(dst, src);
+            } else {
+                dst[0] = src[0]; dst[1] = src[1]; dst[2] = src[2]; dst[3] = src[3];
+            }
+        }
+"""
+_STAGE_X_AND_SUMS = """        const int cg = min(CG, gend - g0);
+        const int row_pieces = cg * (G / 4);
+        for (int m = warp; m < M; m += blockDim.x >> 5) {  // a warp's rows, its lanes' 8-byte pieces
+            const T* src = x + size_t(m) * K + size_t(g0) * G;
+            T* dst = &xsh[c & 1][m][0];
+            for (int j = lane; j < row_pieces; j += 32) {
+                if (whole) {
+                    mlxcel_qmm_cp8(dst + 4 * j, src + 4 * j);
+                } else {
+                    dst[4 * j] = src[4 * j]; dst[4 * j + 1] = src[4 * j + 1];
+                    dst[4 * j + 2] = src[4 * j + 2]; dst[4 * j + 3] = src[4 * j + 3];
+                }
+            }
+        }
+        for (int i = threadIdx.x; i < M * cg; i += blockDim.x) {
+            const int m = i / cg;
+            mlxcel_qmm_cp4(&xsum[c & 1][i - m * cg][m], xs + size_t(m) * NG + g0 + (i - m * cg));
+        }
+"""
+_ZERO_ROWS = """        xsh[b][M + r / RS][r % RS] = T(0.0f);
+    }
+"""
+_ZERO_SUMS = """    for (int i = threadIdx.x; i < 2 * CG * (NT * 8 - M); i += blockDim.x) {  // and their sums
+        const int b = i / (CG * (NT * 8 - M));
+        const int r = i - b * (CG * (NT * 8 - M));
+        xsum[b][r / (NT * 8 - M)][M + r % (NT * 8 - M)] = 0.0f;
+    }
+"""
+_CP4 = r"""
+// 4 bytes global -> shared, asynchronously (as mlxcel_qmm_cp8).
+__device__ __forceinline__ void mlxcel_qmm_cp4(void* dst, const void* src) {
+    unsigned at;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(at) : "l"(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(at), "l"(src) : "memory");
+}
+"""
+
+
+def _prep_pass() -> str:
+    """The block's pass that sums and reorders each staged chunk of x, with the barrier after it."""
+    start = SOURCE.index("        {  // once for the block's warps")
+    end_text = "            __syncthreads();\n        }\n"
+    return SOURCE[start : SOURCE.index(end_text, start) + len(end_text)]
+
+
+CANDIDATES = {  # name: (edits of the kernel, header added, extra inputs)
+    "xprep": (
+        [(_STAGE_X, _STAGE_X_AND_SUMS), (_ZERO_ROWS, _ZERO_ROWS + _ZERO_SUMS), (_prep_pass(), "")],
+        _CP4,
+        ["xs"],
+    ),
+}
+
+
+def prepared_x(x: mx.array, group_size: int) -> tuple[mx.array, mx.array]:
+    """xprep's inputs: x with each 8 values x0..x7 reordered x0 x4 x1 x5 x2 x6 x3 x7 (as the block's pass leaves
+    them), and each row's float32 sum over each group, [rows, K / group_size]."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    reordered = rows.reshape(-1, k // 8, 2, 4).swapaxes(-1, -2).reshape(-1, k)
+    sums = rows.astype(mx.float32).reshape(rows.shape[0], -1, group_size).sum(axis=-1)
+    return reordered, sums
+
+
+def candidate_source(name: str) -> tuple[str, str]:
+    """(header, body) of a candidate kernel."""
+    edits, header, _ = CANDIDATES[name]
+    source = SOURCE
+    for old, new in edits:
+        if old not in source:
+            raise SystemExit(f"candidate {name}: the kernel no longer has {old.strip()[:60]!r}: update qmm_ablate.py")
+        source = source.replace(old, new)
+    return HEADER + header, source
+
+
+def candidate(name: str):
+    """The candidate's x @ W.T: qmm.launch_args' launch, blocks an SM and partial sums as kernels/qmm.py's
+    quantized_matmul makes them (repeated here: the candidate takes other inputs), x prepared by `prepared_x`."""
+    header, source = candidate_source(name)
+    extra = CANDIDATES[name][2]
+    tag = hashlib.sha256((header + source).encode()).hexdigest()[:8]
+
+    @functools.cache
+    def kernel(min_blocks: int):
+        return cuda_kernel(
+            name=f"mlxcel_qmm_candidate_{name}_{tag}",
+            input_names=["x", "w", "scales", "biases", *extra],
+            output_names=["partial"],
+            source=source,
+            header=header,
+            launch_bounds=(qmm.WARPS * 32, min_blocks),
+        )
+
+    def fn(x, w, scales, biases):
+        n, k = w.shape[0], w.shape[1] * 8
+        rows = x.size // k
+        args = qmm.launch_args(x.shape, x.dtype, scales.dtype, n, k, GROUP_SIZE)
+        reordered, sums = prepared_x(x, GROUP_SIZE)
+        narrow = rows <= qmm.NARROW_ROWS or GROUP_SIZE > 32
+        own = kernel(qmm.MIN_BLOCKS if narrow else qmm.MIN_BLOCKS_WIDE_G32)
+        partial = own(inputs=[reordered.reshape(x.shape), w, scales, biases, sums], **args)[0]
+        y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
+        return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)
+
+    return fn
+
+
 def variant_source(name: str) -> str:
     source = SOURCE
     for old, new in VARIANTS[name]:
@@ -130,7 +255,8 @@ def product(name: str):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    names = [*VARIANTS, *CANDIDATES]
+    p.add_argument("--variants", nargs="+", default=names, choices=names, help="variants and candidates")
     p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
     p.add_argument("--calls", type=int, default=24)
     p.add_argument("--reps", type=int, default=5)
@@ -146,18 +272,18 @@ def main() -> int:
         gbytes = weight_bytes(*weights[0]) / 1e9
         for rows in a.rows:
             x = (mx.random.normal((rows, k), key=mx.random.key(rows)) * 0.5).astype(mx.bfloat16)
-            cells, base = [], None
+            cells, base, diffs = [], None, []
             for v in a.variants:
-                fn = product(v)
-                if v == "full":
-                    diff = max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0]))
+                fn = candidate(v) if v in CANDIDATES else product(v)
+                if v == "full" or v in CANDIDATES:  # (the kernels that must give MLX's product)
+                    diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
                 base = seconds if v == "full" else base
                 ratio = f" {seconds / base:.2f}x" if base and v != "full" else ""
                 cells.append(f"{seconds * 1e6:7.1f}us {gbytes / seconds:5.0f}GB/s{ratio}")
             print(f"{shape:<14} {rows:>4} " + " | ".join(cells))
-            if "full" in a.variants:
-                print(f"{'':<14} {'':>4} full vs MLX: max rel diff {diff:.2e}")
+            if diffs:
+                print(f"{'':<14} {'':>4} vs MLX, max rel diff: " + ", ".join(diffs))
         del weights, probe
     return 0
 
