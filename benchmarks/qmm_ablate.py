@@ -96,19 +96,6 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
 }
 
 
-_STAGE_X = """        const int row_pieces = min(CG, gend - g0) * (G / 4);
-        for (int p = threadIdx.x; p < M * row_pieces; p += blockDim.x) {
-            const int m = p / row_pieces;
-            const int j = p - m * row_pieces;
-            const T* src = x + size_t(m) * K + size_t(g0) * G + 4 * j;
-            T* dst = &xsh[c & 1][m][4 * j];
-            if (whole) {
-                mlxcel_qmm_cp8(dst, src);
-            } else {
-                dst[0] = src[0]; dst[1] = src[1]; dst[2] = src[2]; dst[3] = src[3];
-            }
-        }
-"""
 _STAGE_X_AND_SUMS = """        const int cg = min(CG, gend - g0);
         const int row_pieces = cg * (G / 4);
         for (int m = warp; m < M; m += blockDim.x >> 5) {  // a warp's rows, its lanes' 8-byte pieces
@@ -147,6 +134,12 @@ __device__ __forceinline__ void mlxcel_qmm_cp4(void* dst, const void* src) {
 """
 
 
+def _stage_x() -> str:
+    """The body of the kernel's stage() that copies x's chunk, after its first line."""
+    start = SOURCE.index("        const int row_pieces = min(CG, gend - g0) * (G / 4);")
+    return SOURCE[start : SOURCE.index('        asm volatile("cp.async.commit_group;', start)]
+
+
 def _prep_pass() -> str:
     """The block's pass that sums and reorders each staged chunk of x, with the barrier after it."""
     start = SOURCE.index("        {  // once for the block's warps")
@@ -156,7 +149,7 @@ def _prep_pass() -> str:
 
 CANDIDATES = {  # name: (edits of the kernel, header added, extra inputs)
     "xprep": (
-        [(_STAGE_X, _STAGE_X_AND_SUMS), (_ZERO_ROWS, _ZERO_ROWS + _ZERO_SUMS), (_prep_pass(), "")],
+        [(_stage_x(), _STAGE_X_AND_SUMS), (_ZERO_ROWS, _ZERO_ROWS + _ZERO_SUMS), (_prep_pass(), "")],
         _CP4,
         ["xs"],
     ),
