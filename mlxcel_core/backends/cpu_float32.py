@@ -115,23 +115,23 @@ def _float32_weight(layer: nn.Module) -> mx.array:
 
 
 def _unpacked(w: mx.array, bits: int) -> mx.array:
-    """The values MLX packs into `w` (a little-endian bit stream, value j at bits [j*bits, (j+1)*bits)), as uint8
-    (2, 4 and 8 bits: whole values a byte) or uint32 (3, 5 and 6 bits: 8 values in `bits` bytes)."""
+    """The values MLX packs into `w` (a little-endian bit stream, value j at bits [j*bits, (j+1)*bits)), as uint8."""
     by = w.view(mx.uint8)
+    mask = (1 << bits) - 1
     if bits == 8:
         return by
-    if bits in (2, 4):
-        fields = [(by >> shift) & ((1 << bits) - 1) for shift in range(0, 8, bits)]
+    if bits in (2, 4):  # whole values a byte
+        fields = [(by >> shift) & mask for shift in range(0, 8, bits)]
         return mx.stack(fields, axis=-1).reshape(*w.shape[:-1], -1)
-    by = by.reshape(*w.shape[:-1], -1, bits).astype(mx.uint32)
-    lo = by[..., 0] | (by[..., 1] << 8) | (by[..., 2] << 16)  # bits 0-23 (0-31 past 3 bits) of the 8 values
-    hi = None
-    if bits > 3:
-        lo = lo | (by[..., 3] << 24)
-    if bits > 4:  # bits 30-39 (-47) of the 8 values
-        hi = (by[..., 3] >> 6) | (by[..., 4] << 2) | ((by[..., 5] << 10) if bits > 5 else 0)
-    mask = (1 << bits) - 1
-    values = [(lo >> (bits * i) if bits * (i + 1) <= 30 else hi >> (bits * i - 30)) & mask for i in range(8)]
+    by = by.reshape(*w.shape[:-1], -1, bits)  # 3, 5 and 6 bits: 8 values in `bits` bytes
+    wide = by.astype(mx.uint16)
+    values = []
+    for i in range(8):
+        byte, shift = divmod(bits * i, 8)
+        if shift + bits > 8:  # (the value runs into the next byte: the two read as one uint16)
+            values.append((((wide[..., byte] | (wide[..., byte + 1] << 8)) >> shift) & mask).astype(mx.uint8))
+        else:
+            values.append((by[..., byte] >> shift) & mask)
     return mx.stack(values, axis=-1).reshape(*w.shape[:-1], -1)
 
 
