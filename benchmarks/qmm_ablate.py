@@ -13,6 +13,8 @@ printed): each one removes a part and keeps the rest, so the time it saves bound
   no_epilogue  each group's products are added unscaled (no scale, no bias term)
   l2_weights   every block reads the first 64 rows' weights and scales (from L2 after the first: HBM's latency and
                bandwidth out of the way, the loads' count kept)
+  no_prep      the block's pass over each staged chunk (x's group sums and reorder, and the barrier after it) left
+               out; x is still staged
   d2           half a chunk of K staged at any row count, so a warp loads 2 groups of weights ahead instead of 4 (as
                past 32 rows): what the depth of the weight prefetch is worth
 Beside them, candidates: whole kernels of another design, which must give MLX's product (their largest difference
@@ -60,6 +62,21 @@ _FETCH_SCALES = """        sc[0] = static_cast<float>(scales[size_t(r0) * NG + g
         sc[3] = static_cast<float>(biases[size_t(r1) * NG + gg]);
 """
 _SCALE_SUMS = "mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);"
+
+
+def _stage_x() -> str:
+    """The body of the kernel's stage() that copies x's chunk, after its first line."""
+    start = SOURCE.index("        const int row_pieces = min(CG, gend - g0) * (G / 4);")
+    return SOURCE[start : SOURCE.index('        asm volatile("cp.async.commit_group;', start)]
+
+
+def _prep_pass() -> str:
+    """The block's pass that sums and reorders each staged chunk of x, with the barrier after it."""
+    start = SOURCE.index("        {  // once for the block's warps")
+    end_text = "            __syncthreads();\n        }\n"
+    return SOURCE[start : SOURCE.index(end_text, start) + len(end_text)]
+
+
 VARIANTS = {  # name: (text of the kernel, its replacement), ...
     "full": [],
     "no_weights": [
@@ -87,6 +104,7 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
         ("const int r1 = min(n0 + g + 8, N - 1);", "const int r1 = min(n0 + g + 8, N - 1) & 63;"),
     ],
     "d2": [("constexpr int CK = NT > 4 ? CHUNK_K / 2 : CHUNK_K;", "constexpr int CK = CHUNK_K / 2;")],
+    "no_prep": [(_prep_pass(), "")],
     "no_epilogue": [
         (
             _SCALE_SUMS,
@@ -132,19 +150,6 @@ __device__ __forceinline__ void mlxcel_qmm_cp4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(at), "l"(src) : "memory");
 }
 """
-
-
-def _stage_x() -> str:
-    """The body of the kernel's stage() that copies x's chunk, after its first line."""
-    start = SOURCE.index("        const int row_pieces = min(CG, gend - g0) * (G / 4);")
-    return SOURCE[start : SOURCE.index('        asm volatile("cp.async.commit_group;', start)]
-
-
-def _prep_pass() -> str:
-    """The block's pass that sums and reorders each staged chunk of x, with the barrier after it."""
-    start = SOURCE.index("        {  // once for the block's warps")
-    end_text = "            __syncthreads();\n        }\n"
-    return SOURCE[start : SOURCE.index(end_text, start) + len(end_text)]
 
 
 CANDIDATES = {  # name: (edits of the kernel, header added, extra inputs)
