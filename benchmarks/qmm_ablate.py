@@ -22,6 +22,8 @@ from it is printed too):
   xprep        x reordered and summed over each group once a product, by MLX ops before the launch (counted in its
                time), instead of by every block after staging each chunk: the blocks stage x (rows split among the
                warps, no division a piece) and its sums with cp.async, and a chunk takes one barrier fewer
+  xprep_kernel the same, x prepared by one small kernel (the block's pass on its own: the same sums bit for bit, so
+               its product should equal full's exactly)
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
 """
@@ -152,18 +154,42 @@ __device__ __forceinline__ void mlxcel_qmm_cp4(void* dst, const void* src) {
 """
 
 
-CANDIDATES = {  # name: (edits of the kernel, header added, extra inputs)
-    "xprep": (
-        [(_stage_x(), _STAGE_X_AND_SUMS), (_ZERO_ROWS, _ZERO_ROWS + _ZERO_SUMS), (_prep_pass(), "")],
-        _CP4,
-        ["xs"],
-    ),
-}
+_PREP = r"""
+    // One thread a (row, group) of x: the group's 8-value runs reordered x0 x4 x1 x5 x2 x6 x3 x7 into xp, and their
+    // float32 sum into xs, in the order and arithmetic of the block's pass in kernels/qmm_source.py.
+    int M = 1;
+    for (int d = 0; d < x_ndim - 1; ++d) {
+        M *= x_shape[d];
+    }
+    const int K = x_shape[x_ndim - 1];
+    const int NG = K / G;
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= M * NG) {
+        return;
+    }
+    const int m = i / NG;
+    const size_t at = size_t(m) * K + size_t(i - m * NG) * G;
+    const uint16_t* row = reinterpret_cast<const uint16_t*>(x + at);
+    uint16_t* out = reinterpret_cast<uint16_t*>(xp + at);
+    float sum = 0.0f;
+    for (int j = 0; j < G; j += 8) {
+        const uint32_t lox = row[j] | (uint32_t(row[j + 1]) << 16), loy = row[j + 2] | (uint32_t(row[j + 3]) << 16);
+        const uint32_t hix = row[j + 4] | (uint32_t(row[j + 5]) << 16), hiy = row[j + 6] | (uint32_t(row[j + 7]) << 16);
+        sum += mlxcel_qmm_sum2<T>(lox) + mlxcel_qmm_sum2<T>(loy) + mlxcel_qmm_sum2<T>(hix) + mlxcel_qmm_sum2<T>(hiy);
+        const uint32_t r[4] = {__byte_perm(lox, hix, 0x5410), __byte_perm(lox, hix, 0x7632),
+                               __byte_perm(loy, hiy, 0x5410), __byte_perm(loy, hiy, 0x7632)};
+        for (int k = 0; k < 4; ++k) {
+            out[j + 2 * k] = uint16_t(r[k] & 0xFFFFu);
+            out[j + 2 * k + 1] = uint16_t(r[k] >> 16);
+        }
+    }
+    xs[size_t(m) * NG + (i - m * NG)] = sum;
+"""
 
 
 def prepared_x(x: mx.array, group_size: int) -> tuple[mx.array, mx.array]:
-    """xprep's inputs: x with each 8 values x0..x7 reordered x0 x4 x1 x5 x2 x6 x3 x7 (as the block's pass leaves
-    them), and each row's float32 sum over each group, [rows, K / group_size]."""
+    """xprep's inputs by MLX ops: x's rows with each 8 values x0..x7 reordered x0 x4 x1 x5 x2 x6 x3 x7 (as the
+    block's pass leaves them), [rows, K], and each row's float32 sum over each group, [rows, K / group_size]."""
     k = x.shape[-1]
     rows = x.reshape(-1, k)
     reordered = rows.reshape(-1, k // 8, 2, 4).swapaxes(-1, -2).reshape(-1, k)
@@ -171,9 +197,43 @@ def prepared_x(x: mx.array, group_size: int) -> tuple[mx.array, mx.array]:
     return reordered, sums
 
 
+@functools.cache
+def _prep_kernel():
+    return cuda_kernel(
+        name=f"mlxcel_qmm_prep_{hashlib.sha256((HEADER + _PREP).encode()).hexdigest()[:8]}",
+        input_names=["x"],
+        output_names=["xp", "xs"],
+        source=_PREP,
+        header=HEADER,
+    )
+
+
+def prepared_x_kernel(x: mx.array, group_size: int) -> tuple[mx.array, mx.array]:
+    """prepared_x's two arrays from one launch of _PREP (the block's pass as its own small kernel, the same sums bit
+    for bit)."""
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    threads = rows.shape[0] * (k // group_size)
+    return _prep_kernel()(
+        inputs=[rows],
+        template=[("T", x.dtype), ("G", group_size)],
+        grid=(-(-threads // 128) * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        output_shapes=[rows.shape, (rows.shape[0], k // group_size)],
+        output_dtypes=[x.dtype, mx.float32],
+    )
+
+
+_XPREP = [(_stage_x(), _STAGE_X_AND_SUMS), (_ZERO_ROWS, _ZERO_ROWS + _ZERO_SUMS), (_prep_pass(), "")]
+CANDIDATES = {  # name: (edits of the kernel, header added, extra inputs, how x is prepared)
+    "xprep": (_XPREP, _CP4, ["xs"], prepared_x),
+    "xprep_kernel": (_XPREP, _CP4, ["xs"], prepared_x_kernel),
+}
+
+
 def candidate_source(name: str) -> tuple[str, str]:
     """(header, body) of a candidate kernel."""
-    edits, header, _ = CANDIDATES[name]
+    edits, header = CANDIDATES[name][:2]
     source = SOURCE
     for old, new in edits:
         if old not in source:
@@ -184,9 +244,9 @@ def candidate_source(name: str) -> tuple[str, str]:
 
 def candidate(name: str):
     """The candidate's x @ W.T: qmm.launch_args' launch, blocks an SM and partial sums as kernels/qmm.py's
-    quantized_matmul makes them (repeated here: the candidate takes other inputs), x prepared by `prepared_x`."""
+    quantized_matmul makes them (repeated here: the candidate takes other inputs), x prepared as the candidate says."""
     header, source = candidate_source(name)
-    extra = CANDIDATES[name][2]
+    extra, prepare = CANDIDATES[name][2:]
     tag = hashlib.sha256((header + source).encode()).hexdigest()[:8]
 
     @functools.cache
@@ -204,7 +264,7 @@ def candidate(name: str):
         n, k = w.shape[0], w.shape[1] * 8
         rows = x.size // k
         args = qmm.launch_args(x.shape, x.dtype, scales.dtype, n, k, GROUP_SIZE)
-        reordered, sums = prepared_x(x, GROUP_SIZE)
+        reordered, sums = prepare(x, GROUP_SIZE)
         narrow = rows <= qmm.NARROW_ROWS or GROUP_SIZE > 32
         own = kernel(qmm.MIN_BLOCKS if narrow else qmm.MIN_BLOCKS_WIDE_G32)
         partial = own(inputs=[reordered.reshape(x.shape), w, scales, biases, sums], **args)[0]
@@ -250,7 +310,11 @@ def product(name: str):
     return fn
 
 
-def main() -> int:
+def _cuda() -> bool:
+    return mx.cuda.is_available() if hasattr(mx, "cuda") else False
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64])
     names = [*VARIANTS, *CANDIDATES]
@@ -258,8 +322,8 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
     p.add_argument("--calls", type=int, default=24)
     p.add_argument("--reps", type=int, default=5)
-    a = p.parse_args()
-    if not (mx.cuda.is_available() if hasattr(mx, "cuda") else False):
+    a = p.parse_args(argv)
+    if not _cuda():
         print("qmm_ablate.py needs MLX's CUDA backend and a CUDA device", file=sys.stderr)
         return 1
     print(f"{'shape':<14} {'rows':>4} " + " ".join(f"{v:>17}" for v in a.variants))
@@ -270,11 +334,13 @@ def main() -> int:
         gbytes = weight_bytes(*weights[0]) / 1e9
         for rows in a.rows:
             x = (mx.random.normal((rows, k), key=mx.random.key(rows)) * 0.5).astype(mx.bfloat16)
-            cells, base, diffs = [], None, []
+            cells, base, diffs, full = [], None, [], product("full")(x, *weights[0])
             for v in a.variants:
                 fn = candidate(v) if v in CANDIDATES else product(v)
                 if v == "full" or v in CANDIDATES:  # (the kernels that must give MLX's product)
-                    diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
+                    y = fn(x, *weights[0])
+                    same = "" if v == "full" else f" ({'=' if mx.array_equal(y, full).item() else '!='} full)"
+                    diffs.append(f"{v} {max_rel_diff(y, mlx_qmm(x, *weights[0])):.2e}{same}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
                 base = seconds if v == "full" else base
                 ratio = f" {seconds / base:.2f}x" if base and v != "full" else ""
