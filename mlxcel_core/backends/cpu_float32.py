@@ -100,8 +100,8 @@ def _float32_bytes(layer: nn.Module) -> int:
 def _float32_weight(layer: nn.Module) -> mx.array:
     """The layer's weight in float32; a quantized one dequantized from float32 copies of its scales and biases: the
     values MLX's CPU kernel multiplies by a float32 x (half-precision scales would round each weight to their dtype
-    first). Affine layers are unpacked by MLX ops, which give mx.dequantize's values bit for bit and run several
-    times faster than MLX's CPU dequantize at every width."""
+    first). Affine layers are unpacked by MLX ops, which give mx.dequantize's values bit for bit and run faster than
+    MLX's CPU dequantize at every width."""
     if not is_quantized(layer):
         return layer["weight"].astype(mx.float32)
     scales = layer["scales"].astype(mx.float32)
