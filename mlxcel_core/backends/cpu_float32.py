@@ -100,18 +100,15 @@ def _float32_bytes(layer: nn.Module) -> int:
 def _float32_weight(layer: nn.Module) -> mx.array:
     """The layer's weight in float32; a quantized one dequantized from float32 copies of its scales and biases: the
     values MLX's CPU kernel multiplies by a float32 x (half-precision scales would round each weight to their dtype
-    first). Affine layers are unpacked by MLX ops, which give mx.dequantize's values bit for bit and run faster than
-    MLX's CPU dequantize at every width."""
+    first). The layers taken are affine (`_takes`), so they have biases; they are unpacked by MLX ops, which give
+    mx.dequantize's values bit for bit and run faster than MLX's CPU dequantize at every width."""
     if not is_quantized(layer):
         return layer["weight"].astype(mx.float32)
     scales = layer["scales"].astype(mx.float32)
-    biases = layer.get("biases")
-    biases = None if biases is None else biases.astype(mx.float32)
-    if biases is not None:
-        q = _unpacked(layer["weight"], layer.bits).astype(mx.float32)
-        q = q.reshape(*q.shape[:-1], -1, layer.group_size)
-        return (q * scales[..., None] + biases[..., None]).reshape(*q.shape[:-2], -1)
-    return mx.dequantize(layer["weight"], scales, biases, group_size=layer.group_size, bits=layer.bits)
+    biases = layer["biases"].astype(mx.float32)
+    q = _unpacked(layer["weight"], layer.bits).astype(mx.float32)
+    q = q.reshape(*q.shape[:-1], -1, layer.group_size)
+    return (q * scales[..., None] + biases[..., None]).reshape(*q.shape[:-2], -1)
 
 
 def _unpacked(w: mx.array, bits: int) -> mx.array:

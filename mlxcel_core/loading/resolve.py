@@ -91,12 +91,13 @@ def _fill_timeouts(request) -> None:
 
 
 def _in_hub_cache(repo_id: str) -> bool:
-    """Whether huggingface_hub's cache has a folder for the model repo (its layout: models--ORG--NAME under
-    HF_HUB_CACHE). Where it has none a local-only snapshot cannot succeed, and huggingface_hub's snapshot machinery
-    (about half a second to import) need not load to find that out."""
+    """Whether huggingface_hub's cache has a folder for the model repo (models--ORG--NAME under HF_HUB_CACHE, as its
+    repo_folder_name makes it from its constants). Where it has none a local-only snapshot cannot succeed, and
+    huggingface_hub's snapshot machinery, slow to import, need not load to find that out."""
     from huggingface_hub import constants
 
-    return (Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
+    folder = constants.REPO_ID_SEPARATOR.join(["models", *repo_id.split("/")])
+    return (Path(constants.HF_HUB_CACHE) / folder).is_dir()
 
 
 def _cached_snapshot(repo_id: str, patterns: list[str] | None = None) -> Path | None:
