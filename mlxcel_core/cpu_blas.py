@@ -1,17 +1,23 @@
-"""MLX's float32 matrix products on the CPU through OpenBLAS, in fixed row tiles (16, or fewer where they round apart).
+"""MLX's float32 matrix products on the CPU: x @ w.T on mlxcel's own AVX2 kernel, the rest through OpenBLAS in fixed
+row tiles (16, or fewer where they round apart).
 
 Why: MLX's Linux CPU wheel (`mlx[cpu]`) carries the reference BLAS, whose sgemm runs at 1-3 GFLOP/s on an x86 core;
 OpenBLAS runs the same products 20-60x faster (benchmarks/RESULTS.md, "CPU: MLX's float32 products through OpenBLAS").
-Every float32 matmul of a model on the CPU goes through it: projections, attention, the output head.
+Every float32 matmul of a model on the CPU goes through here: projections, attention, the output head. A decode step's
+products (a few rows against each weight) are another matter: OpenBLAS copies the whole weight into its panel format
+at every call, and a lone row pays for a padded tile. csrc/blas_rows.c computes x @ w.T (every linear layer, and
+attention's q @ k.T) by streaming the weight once, on OpenMP threads, where the CPU has AVX2 and FMA.
 
-How: `csrc/blas_tiles.c` defines `cblas_sgemm`. Compiled once with the system's C compiler into the cache dir and
-loaded with RTLD_GLOBAL before MLX's library, it takes MLX's calls (a library loaded later binds its undefined
-symbols in the global scope first) and hands them to scipy-openblas32's `scipy_cblas_sgemm` (prefixed symbols, so
-nothing else in the process is affected), a fixed number of rows of the product at a time, the last tile padded with
-zero rows. OpenBLAS picks other kernels for other row counts, which round otherwise; in fixed tiles a row's result is
-the same alone or in a batch of any size (tests/mlxcel_core/test_cpu_blas.py), so batched rows, chunked prefill and
-speculative verification keep a lone row's greedy tokens as the engine's exact-token tests require. (A product's width
-still matters: OpenBLAS rounds a column by the number of columns, so a fused projection is not bit-equal to its parts.)
+How: `csrc/blas_tiles.c` defines `cblas_sgemm`. Compiled once with the system's C compiler (with blas_rows.c, with
+OpenMP where the compiler has it) into the cache dir and loaded with RTLD_GLOBAL before MLX's library, it takes MLX's
+calls (a library loaded later binds its undefined symbols in the global scope first). x @ w.T goes to blas_rows.c,
+whose every element is one dot product computed the same way wherever its row is (its header says how). The other
+forms go to scipy-openblas32's `scipy_cblas_sgemm` (prefixed symbols, so nothing else in the process is affected), a
+fixed number of rows of the product at a time, the last tile padded with zero rows. OpenBLAS picks other kernels for
+other row counts, which round otherwise; in fixed tiles a row's result is the same alone or in a batch of any size.
+So either way (tests/mlxcel_core/test_cpu_blas.py) batched rows, chunked prefill and speculative verification keep a
+lone row's greedy tokens as the engine's exact-token tests require. (A product's width still matters: OpenBLAS rounds
+a column by the number of columns, so a fused projection is not bit-equal to its parts.)
 
 The tile: within one call some OpenBLAS kernels round a row by its place in the tile (its Haswell kernel, run on one
 thread, rounds rows 6-15 of 16 apart from rows 0-5), and how a call splits its rows depends on the kernel and the
@@ -43,7 +49,7 @@ CANDIDATE_TILES = (16, 8, 4, 2)  # largest first; 1 row a call, the fallback, is
 # one deeper than OpenBLAS's depth block
 CHECK_SHAPES = ((100, 64), (1536, 576), (576, 1536))
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
-SOURCE = Path(__file__).with_name("csrc") / "blas_tiles.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("blas_tiles.c", "blas_rows.c"))
 
 _status = "not installed"
 
@@ -104,8 +110,8 @@ def _library() -> Path | None:
     """The compiled blas_tiles library in the cache dir, compiled first if missing (None: no compiler or it failed)."""
     from .paths import cache_dir
 
-    source = SOURCE.read_bytes()
-    target = cache_dir() / "cpu-blas" / hashlib.sha256(source).hexdigest()[:16] / "libmlxcel_blas_tiles.so"
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
+    target = cache_dir() / "cpu-blas" / digest / "libmlxcel_blas_tiles.so"
     if target.exists():
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -114,10 +120,9 @@ def _library() -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        done = subprocess.run(
-            [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(SOURCE)], capture_output=True, timeout=120
-        )
-        if done.returncode != 0:
+        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), *map(str, SOURCES)]
+        # with OpenMP where the compiler has it (blas_rows.c's threads), else one thread
+        if all(subprocess.run(c, capture_output=True, timeout=120).returncode for c in (command + ["-fopenmp"], command)):
             return None
         os.replace(built, target)  # (atomic: a concurrent process compiles its own copy and replaces it whole)
     return target
@@ -130,12 +135,13 @@ def _load() -> str:
             return "no C compiler built csrc/blas_tiles.c: MLX's reference BLAS serves"
         openblas = ctypes.CDLL(str(_openblas()))
         tiles = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-        tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         rows = _cached_tile(openblas, lambda: pick_tile(tiles, openblas), library)
-        tiles.mlxcel_blas_init(ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p), rows)
+        threads = tiles.mlxcel_blas_init(ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p), rows, 1)
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         return f"OpenBLAS could not be loaded ({type(exc).__name__}: {exc}): MLX's reference BLAS serves"
-    return f"openblas ({rows}-row tiles)"
+    own = f"; x @ w.T on mlxcel's AVX2 rows ({threads} thread{'s' if threads > 1 else ''})" if threads else ""
+    return f"openblas ({rows}-row tiles){own}"
 
 
 def _cached_tile(openblas: ctypes.CDLL, pick: Callable[[], int], library: Path) -> int:
@@ -169,7 +175,7 @@ def pick_tile(tiles: ctypes.CDLL, openblas: ctypes.CDLL) -> int:
     fn = ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p)
     try:
         for rows in CANDIDATE_TILES:
-            tiles.mlxcel_blas_init(fn, rows)
+            tiles.mlxcel_blas_init(fn, rows, 0)
             if all(_same_alone(tiles, rows, count, openblas) for count in range(1, threads + 1)):
                 return rows
         return 1

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-# xdist's workers share the cores: each worker's OpenBLAS (and the processes its tests start) takes its share of
-# them, as OpenBLAS's threads otherwise spin against each other's.
+# xdist's workers share the cores: each worker's OpenBLAS and OpenMP (cpu_blas.py's own kernel; and the processes its
+# tests start) take their share of them, as their threads otherwise spin against each other's.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    _share = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", _share)
+    os.environ.setdefault("OMP_NUM_THREADS", _share)
 # On a host with several GPUs (scripts/gpu_suite.sh sets GPU_SUITE_GPUS), xdist's workers spread over them, one GPU
 # each, chosen before MLX starts; tests that need two GPUs (tests/ranks.py) skip there, as on one GPU.
 _gpus, _worker = int(os.environ.get("GPU_SUITE_GPUS") or 1), os.environ.get("PYTEST_XDIST_WORKER", "")

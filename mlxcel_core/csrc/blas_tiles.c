@@ -4,7 +4,8 @@
  * form and computed `tile` rows at a time, the last tile padded with zero rows: OpenBLAS picks other kernels for other
  * row counts, so without tiles a row of a product would round differently alone than in a batch.
  * `mlxcel_blas_init` hands over OpenBLAS's prefixed sgemm (scipy-openblas32's scipy_cblas_sgemm) and the tile that
- * cpu_blas.py checked; until then, and if it is never called, a plain loop computes the product (correct, slow). */
+ * cpu_blas.py checked; until then, and if it is never called, a plain loop computes the product (correct, slow).
+ * With `own` set, products of the form x @ w.T go to blas_rows.c instead, where the CPU has AVX2 and FMA. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,11 +14,19 @@ typedef void (*sgemm_t)(int, int, int, int, int, int, float, const float *, int,
                         int);
 static sgemm_t blas;
 static int tile = 16;
+static int own_rows;
 
-int mlxcel_blas_init(void *fn, int rows) {
+int mlxcel_rows_available(void);
+int mlxcel_rows_threads(void);
+void mlxcel_rows(int m, int n, const float *a, int lda, const float *b, int ldb, int k, float alpha, float beta,
+                 float *c, int ldc);
+
+/* returns the threads blas_rows.c computes x @ w.T on, 0 where OpenBLAS's tiles compute it */
+int mlxcel_blas_init(void *fn, int rows, int own) {
   blas = (sgemm_t)fn;
   if (rows > 0) tile = rows;
-  return tile;
+  own_rows = own && mlxcel_rows_available();
+  return own_rows ? mlxcel_rows_threads() : 0;
 }
 
 static float at(const float *x, int trans, int ld, int r, int c) {
@@ -38,6 +47,10 @@ static void plain(int ta, int tb, int m, int n, int k, float alpha, const float 
 
 static void tiled(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
                   float beta, float *c, int ldc) {
+  if (own_rows && ta == NO_TRANS && tb != NO_TRANS) {
+    mlxcel_rows(m, n, a, lda, b, ldb, k, alpha, beta, c, ldc);
+    return;
+  }
   if (blas == NULL) {
     plain(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;

@@ -24,7 +24,8 @@ openblas = pytest.mark.skipif(
 
 def test_the_test_process_uses_openblas_where_mlx_carries_the_reference_blas():
     if sys.platform.startswith("linux") and cpu_blas._reference_blas() is not None:
-        assert re.fullmatch(r"openblas \((16|8|4|2|1)-row tiles\)", cpu_blas.status())
+        own = r"(; x @ w\.T on mlxcel's AVX2 rows \(\d+ threads?\))?"
+        assert re.fullmatch(r"openblas \((16|8|4|2|1)-row tiles\)" + own, cpu_blas.status())
     else:
         assert not cpu_blas.status().startswith("openblas")
 
@@ -60,6 +61,48 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
         scores = q @ keys.transpose(0, 2, 1)
         for i in range(40):
             assert mx.array_equal(scores[:, i : i + 1], q[:, i : i + 1] @ keys.transpose(0, 2, 1)).item(), i
+
+
+own_rows = pytest.mark.skipif("AVX2 rows" not in cpu_blas.status(), reason=f"no AVX2 rows here: {cpu_blas.status()}")
+
+
+@own_rows
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 7), (3, 8), (9, 9), (25, 100), (49, 576)])
+def test_x_at_w_t_on_the_rows_kernel_computes_the_product_for_every_block_edge(m, n, k):
+    """Rows in fours and ones, columns in threes, eights and ones, depths with and without a tail past the lanes, and
+    the product added to C (beta 1)."""
+    rng = np.random.default_rng(m * 1000 + n * 10 + k)
+    a, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    c = rng.standard_normal((m, n), dtype=np.float32)
+    want = a.astype(np.float64) @ w.T.astype(np.float64)
+    with mx.stream(mx.cpu):
+        x, weight = mx.array(a), mx.array(w)
+        np.testing.assert_allclose(np.array(x @ weight.T), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+        got = np.array(mx.addmm(mx.array(c), x, weight.T))
+    np.testing.assert_allclose(got, want + c, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@own_rows
+def test_x_at_w_t_on_the_rows_kernel_is_the_same_on_one_thread_and_on_two():
+    """Threads take whole column blocks: a product large enough to be split comes out bit for bit as on one thread
+    (a new process each: OpenMP reads its thread count when it loads)."""
+    code = """
+import hashlib, mlxcel_core, mlx.core as mx, numpy as np
+from mlxcel_core import cpu_blas
+with mx.stream(mx.cpu):
+    mx.random.seed(2)
+    w, x = mx.random.normal((1000, 576)), mx.random.normal((13, 576))
+    print(cpu_blas.status(), hashlib.sha256(np.array(x @ w.T).tobytes()).hexdigest())
+"""
+    outs = {}
+    for threads in ("1", "2"):
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=_env(OMP_NUM_THREADS=threads)
+        )
+        outs[threads] = run.stdout.strip().splitlines()[-1]
+    assert "(1 thread)" in outs["1"] and "(2 threads)" in outs["2"], outs
+    assert outs["1"].split()[-1] == outs["2"].split()[-1]
 
 
 @openblas
@@ -196,7 +239,7 @@ def test_the_tile_is_the_largest_whose_rows_come_out_the_same_alone(tmp_path, mo
     library = tmp_path / "copy.so"
     library.write_bytes(cpu_blas._library().read_bytes())
     tiles = ctypes.CDLL(str(library))
-    tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     fake = _fake_openblas(threads, apart)
     assert cpu_blas.pick_tile(tiles, fake) == want
     assert fake.state["threads"] == threads  # (left at the process's count)
