@@ -49,20 +49,27 @@ CANDIDATE_TILES = (16, 8, 4, 2)  # largest first; 1 row a call, the fallback, is
 # one deeper than OpenBLAS's depth block
 CHECK_SHAPES = ((100, 64), (1536, 576), (576, 1536))
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
+ACTIVE = ("mlxcel's AVX2 rows", "openblas")  # the beginnings of `status` when the library computes the products
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("blas_tiles.c", "blas_rows.c"))
 
 _status = "not installed"
 
 
 def status() -> str:
-    """'openblas (N-row tiles)' when MLX's float32 products go through OpenBLAS; else why not."""
+    """Who computes MLX's float32 products: "mlxcel's AVX2 rows (T threads)", "openblas (N-row tiles)" (a CPU without
+    AVX2 and FMA), or why neither (MLX's own BLAS serves)."""
     return _status
+
+
+def active() -> bool:
+    """Whether MLX's float32 products run on blas_rows.c or OpenBLAS's tiles (not MLX's reference BLAS)."""
+    return _status.startswith(ACTIVE)
 
 
 def install() -> str:
     """Route MLX's cblas_sgemm through OpenBLAS (module docstring); returns `status()`."""
     global _status
-    if _status.startswith("openblas"):
+    if active():
         return _status
     _status = _why_not() or _load()
     return _status
@@ -122,7 +129,8 @@ def _library() -> Path | None:
         built = Path(tmp) / target.name
         command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), *map(str, SOURCES)]
         # with OpenMP where the compiler has it (blas_rows.c's threads), else one thread
-        if all(subprocess.run(c, capture_output=True, timeout=120).returncode for c in (command + ["-fopenmp"], command)):
+        attempts = (command + ["-fopenmp"], command)
+        if all(subprocess.run(attempt, capture_output=True, timeout=120).returncode for attempt in attempts):
             return None
         os.replace(built, target)  # (atomic: a concurrent process compiles its own copy and replaces it whole)
     return target
@@ -140,8 +148,9 @@ def _load() -> str:
         threads = tiles.mlxcel_blas_init(ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p), rows, 1)
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         return f"OpenBLAS could not be loaded ({type(exc).__name__}: {exc}): MLX's reference BLAS serves"
-    own = f"; x @ w.T on mlxcel's AVX2 rows ({threads} thread{'s' if threads > 1 else ''})" if threads else ""
-    return f"openblas ({rows}-row tiles){own}"
+    if threads:
+        return f"mlxcel's AVX2 rows ({threads} thread{'s' if threads > 1 else ''})"
+    return f"openblas ({rows}-row tiles)"
 
 
 def _cached_tile(openblas: ctypes.CDLL, pick: Callable[[], int], library: Path) -> int:

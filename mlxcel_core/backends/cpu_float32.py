@@ -75,7 +75,7 @@ def applies() -> bool:
     """Whether this process computes on the CPU with MLX's float32 products on OpenBLAS."""
     from .. import cpu_blas
 
-    return mx.default_device() == mx.cpu and cpu_blas.status().startswith("openblas")
+    return mx.default_device() == mx.cpu and cpu_blas.active()
 
 
 def _takes(model: nn.Module, layer: nn.Module) -> bool:

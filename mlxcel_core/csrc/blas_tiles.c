@@ -5,7 +5,9 @@
  * row counts, so without tiles a row of a product would round differently alone than in a batch.
  * `mlxcel_blas_init` hands over OpenBLAS's prefixed sgemm (scipy-openblas32's scipy_cblas_sgemm) and the tile that
  * cpu_blas.py checked; until then, and if it is never called, a plain loop computes the product (correct, slow).
- * With `own` set, products of the form x @ w.T go to blas_rows.c instead, where the CPU has AVX2 and FMA. */
+ * With `own` set, every product goes to blas_rows.c instead, where the CPU has AVX2 and FMA: it computes x @ w.T, and
+ * the other forms are copied into that form first (each thread's scratch), so a product's bits do not depend on how
+ * its operands lie in memory (a first prefill chunk's own keys and the same keys gathered from the paged blocks). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -45,12 +47,43 @@ static void plain(int ta, int tb, int m, int n, int k, float alpha, const float 
     }
 }
 
+/* the thread's scratch of at least `count` floats (NULL if it cannot grow) */
+static float *scratch(int which, size_t count) {
+  static __thread float *buffers[2];
+  static __thread size_t sizes[2];
+  if (sizes[which] < count) {
+    float *grown = realloc(buffers[which], count * sizeof(float));
+    if (grown == NULL) return NULL;
+    buffers[which] = grown;
+    sizes[which] = count;
+  }
+  return buffers[which];
+}
+
+/* op(A) as rows of k (A[M,K]) and op(B) as rows of k (B^T[N,K]), then blas_rows.c; 0 if the scratch failed */
+static int rows(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
+                float beta, float *c, int ldc) {
+  if (ta != NO_TRANS) {
+    float *copy = scratch(0, (size_t)m * k);
+    if (copy == NULL) return 0;
+    for (int p = 0; p < k; p++)
+      for (int i = 0; i < m; i++) copy[(size_t)i * k + p] = a[(size_t)p * lda + i];
+    a = copy, lda = k;
+  }
+  if (tb == NO_TRANS) {
+    float *copy = scratch(1, (size_t)n * k);
+    if (copy == NULL) return 0;
+    for (int p = 0; p < k; p++)
+      for (int j = 0; j < n; j++) copy[(size_t)j * k + p] = b[(size_t)p * ldb + j];
+    b = copy, ldb = k;
+  }
+  mlxcel_rows(m, n, a, lda, b, ldb, k, alpha, beta, c, ldc);
+  return 1;
+}
+
 static void tiled(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
                   float beta, float *c, int ldc) {
-  if (own_rows && ta == NO_TRANS && tb != NO_TRANS) {
-    mlxcel_rows(m, n, a, lda, b, ldb, k, alpha, beta, c, ldc);
-    return;
-  }
+  if (own_rows && rows(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
   if (blas == NULL) {
     plain(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     return;

@@ -18,16 +18,17 @@ import pytest
 from mlxcel_core import cpu_blas
 
 openblas = pytest.mark.skipif(
-    not cpu_blas.status().startswith("openblas"), reason=f"OpenBLAS is not in use here: {cpu_blas.status()}"
+    not cpu_blas.active(), reason=f"OpenBLAS and the AVX2 rows are not in use here: {cpu_blas.status()}"
 )
 
 
 def test_the_test_process_uses_openblas_where_mlx_carries_the_reference_blas():
     if sys.platform.startswith("linux") and cpu_blas._reference_blas() is not None:
-        own = r"(; x @ w\.T on mlxcel's AVX2 rows \(\d+ threads?\))?"
-        assert re.fullmatch(r"openblas \((16|8|4|2|1)-row tiles\)" + own, cpu_blas.status())
+        rows, tiles = r"mlxcel's AVX2 rows \(\d+ threads?\)", r"openblas \((16|8|4|2|1)-row tiles\)"
+        has_avx2 = ctypes.CDLL(str(cpu_blas._library())).mlxcel_rows_available()
+        assert re.fullmatch(rows if has_avx2 else tiles, cpu_blas.status())
     else:
-        assert not cpu_blas.status().startswith("openblas")
+        assert not cpu_blas.active()
 
 
 @openblas
@@ -63,7 +64,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
             assert mx.array_equal(scores[:, i : i + 1], q[:, i : i + 1] @ keys.transpose(0, 2, 1)).item(), i
 
 
-own_rows = pytest.mark.skipif("AVX2 rows" not in cpu_blas.status(), reason=f"no AVX2 rows here: {cpu_blas.status()}")
+own_rows = pytest.mark.skipif("AVX2 rows" not in cpu_blas.status(), reason=f"No AVX2 rows here: {cpu_blas.status()}")
 
 
 @own_rows
@@ -81,6 +82,20 @@ def test_x_at_w_t_on_the_rows_kernel_computes_the_product_for_every_block_edge(m
         np.testing.assert_allclose(np.array(x @ weight.T), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
         got = np.array(mx.addmm(mx.array(c), x, weight.T))
     np.testing.assert_allclose(got, want + c, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@own_rows
+@pytest.mark.parametrize("m,n,k", [(1, 64, 37), (10, 8, 8), (13, 70, 129)])
+def test_a_product_has_the_same_bits_however_its_operands_lie_in_memory(m, n, k):
+    """x @ w.T with w as rows of k, or as its transpose's rows (the keys of a first chunk against the same keys
+    gathered from paged blocks), and x transposed too: one result, bit for bit."""
+    rng = np.random.default_rng(m + n + k)
+    a, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    with mx.stream(mx.cpu):
+        want = mx.array(a) @ mx.array(w).T
+        for left in (mx.array(a), mx.array(a.T.copy()).T):
+            for right in (mx.array(w).T, mx.array(w.T.copy())):
+                assert mx.array_equal(left @ right, want).item()
 
 
 @own_rows

@@ -74,7 +74,7 @@ def _bitwise(dtype: str) -> bool:
     """Whether MLX's ops compute fused and separate projections bit for bit: on the CPU, but for float32 products on
     OpenBLAS (cpu_blas.py), whose rounding depends on a product's width (its tiles are rows, not columns), and a
     fused projection is wider than its parts; there the GPU's bounds apply."""
-    return not _on_gpu() and not (dtype == "float32" and cpu_blas.status().startswith("openblas"))
+    return not _on_gpu() and not (dtype == "float32" and cpu_blas.active())
 
 
 def _assert_agrees(got: mx.array, want: mx.array, mag: np.ndarray, dtype: str, what: str) -> None:
