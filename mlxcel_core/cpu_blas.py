@@ -1,23 +1,24 @@
-"""MLX's float32 matrix products on the CPU: x @ w.T on mlxcel's own AVX2 kernel, the rest through OpenBLAS in fixed
-row tiles (16, or fewer where they round apart).
+"""MLX's float32 matrix products on the CPU: on mlxcel's own AVX2 kernel, or (a CPU without AVX2 and FMA) through
+OpenBLAS in fixed row tiles (16, or fewer where they round apart).
 
 Why: MLX's Linux CPU wheel (`mlx[cpu]`) carries the reference BLAS, whose sgemm runs at 1-3 GFLOP/s on an x86 core;
 OpenBLAS runs the same products 20-60x faster (benchmarks/RESULTS.md, "CPU: MLX's float32 products through OpenBLAS").
 Every float32 matmul of a model on the CPU goes through here: projections, attention, the output head. A decode step's
 products (a few rows against each weight) are another matter: OpenBLAS copies the whole weight into its panel format
-at every call, and a lone row pays for a padded tile. csrc/blas_rows.c computes x @ w.T (every linear layer, and
-attention's q @ k.T) by streaming the weight once, on OpenMP threads, where the CPU has AVX2 and FMA.
+at every call, and a lone row pays for a padded tile. csrc/blas_rows.c computes x @ w.T by streaming the weight once,
+on OpenMP threads.
 
 How: `csrc/blas_tiles.c` defines `cblas_sgemm`. Compiled once with the system's C compiler (with blas_rows.c, with
 OpenMP where the compiler has it) into the cache dir and loaded with RTLD_GLOBAL before MLX's library, it takes MLX's
-calls (a library loaded later binds its undefined symbols in the global scope first). x @ w.T goes to blas_rows.c,
-whose every element is one dot product computed the same way wherever its row is (its header says how). The other
-forms go to scipy-openblas32's `scipy_cblas_sgemm` (prefixed symbols, so nothing else in the process is affected), a
-fixed number of rows of the product at a time, the last tile padded with zero rows. OpenBLAS picks other kernels for
+calls (a library loaded later binds its undefined symbols in the global scope first). Where the CPU has AVX2 and FMA,
+every product goes to blas_rows.c (other forms copied into x @ w.T form first), whose every element is one dot
+product computed the same way wherever its row is and however the operands lie (its header says how). Elsewhere
+products go to scipy-openblas32's `scipy_cblas_sgemm` (prefixed symbols, so nothing else in the process is affected),
+a fixed number of rows of the product at a time, the last tile padded with zero rows. OpenBLAS picks other kernels for
 other row counts, which round otherwise; in fixed tiles a row's result is the same alone or in a batch of any size.
 So either way (tests/mlxcel_core/test_cpu_blas.py) batched rows, chunked prefill and speculative verification keep a
-lone row's greedy tokens as the engine's exact-token tests require. (A product's width still matters: OpenBLAS rounds
-a column by the number of columns, so a fused projection is not bit-equal to its parts.)
+lone row's greedy tokens as the engine's exact-token tests require. (With OpenBLAS a product's width still matters:
+it rounds a column by the number of columns, so a fused projection is not bit-equal to its parts.)
 
 The tile: within one call some OpenBLAS kernels round a row by its place in the tile (its Haswell kernel, run on one
 thread, rounds rows 6-15 of 16 apart from rows 0-5), and how a call splits its rows depends on the kernel and the

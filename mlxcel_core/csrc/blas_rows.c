@@ -1,5 +1,5 @@
-/* Row-major C[M,N] = alpha A[M,K] B[N,K]^T + beta C (x @ w.T: every linear layer's product) with AVX2 and FMA,
- * without OpenBLAS and without tiles.
+/* Row-major C[M,N] = alpha A[M,K] B[N,K]^T + beta C (x @ w.T: every linear layer's product; blas_tiles.c copies
+ * the other forms into this one) with AVX2 and FMA, without OpenBLAS and without tiles.
  *
  * Each element of C is one dot product computed the same way wherever its row is: eight lanes accumulate k = 0, 8,
  * 16, ... (lane l takes k = l mod 8) with fused multiply-adds in order, the lanes are summed in a fixed tree, then the
