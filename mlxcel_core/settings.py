@@ -79,7 +79,7 @@ SETTINGS: tuple[Setting, ...] = (
         "0/1",
         True,
         "0 leaves MLX's float32 products on the CPU to the reference BLAS of MLX's Linux wheel instead of "
-        "mlxcel's AVX2 kernel (x @ w.T) and OpenBLAS in fixed row tiles (cpu_blas.py). Read when mlxcel_core is "
+        "mlxcel's AVX2 kernel (or, without AVX2, OpenBLAS in fixed row tiles: cpu_blas.py). Read when mlxcel_core is "
         "imported.",
         _switch,
     ),
