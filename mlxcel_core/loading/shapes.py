@@ -77,11 +77,9 @@ def build_random_model(
     (gpt-oss) gets its expert banks in MLX's mxfp4 mode (group 32), with or without `bits`.
     """
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten, tree_unflatten
 
+    from .. import backends
     from ..models import model_class_for
-    from ..models.moe import SwitchLinear
     from ..paths import use_kernel_cache
     from .weights import float32_on_cpu
 
@@ -95,58 +93,70 @@ def build_random_model(
         from ..distributed.shard import check_shardable
 
         check_shardable(model, group.size())
-    mx_dtype = getattr(mx, dtype)
-    key = mx.random.key(seed)
-
-    def quantizable(path: str, module: nn.Module) -> bool:
-        return hasattr(module, "to_quantized") and module.weight.shape[-1] % QUANT_GROUP_SIZE == 0
-
-    mxfp4 = _mxfp4_experts(config)
-
-    def quantization(path: str, module: nn.Module) -> bool | dict:
-        if mxfp4 and isinstance(module, SwitchLinear):
-            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-        return bool(bits) and quantizable(path, module)
-
-    def randomize(module: nn.Module, skip: str | None = None) -> None:
-        nonlocal key
-        new = []
-        for path, value in tree_flatten(module.parameters()):
-            if skip and path.startswith(skip):
-                continue
-            key, sub = mx.random.split(key)
-            if value.ndim >= 2:  # matrices and embeddings
-                value = (mx.random.normal(value.shape, key=sub) * 0.02).astype(mx_dtype)
-            elif path.endswith("bias"):
-                value = mx.zeros(value.shape, dtype=mx_dtype)
-            else:  # norm weights
-                value = mx.ones(value.shape, dtype=mx_dtype)
-            new.append((path, value))
-        module.update(tree_unflatten(new), strict=False)
-        if bits or mxfp4:
-            nn.quantize(
-                module,
-                group_size=QUANT_GROUP_SIZE,
-                bits=bits,
-                class_predicate=lambda p, m: (not skip or not p.startswith(skip)) and quantization(p, m),
-            )
-        mx.eval(module.parameters())
-
+    fill = _RandomFill(seed, getattr(mx, dtype), bits, _mxfp4_experts(config))
     # One layer at a time: peak memory stays near the final model plus one layer in `dtype`.
     for i, layer in enumerate(model.layers):
-        randomize(layer)
+        fill(layer)
         if sharded:
             from ..distributed.shard import shard_layer
 
             shard_layer(layer, f"model.layers.{i}", {}, group)
             mx.eval(layer.parameters())
-    randomize(model, skip="model.layers.")  # embeddings, final norm, LM head
+    fill(model, skip="model.layers.")  # embeddings, final norm, LM head
     float32_on_cpu(model)  # as a loaded checkpoint does
     model.eval()
-    from .. import backends
-
     backends.current().prepare_model(model)  # the backend's kernel modules, where it has any
     return model, config
+
+
+class _RandomFill:
+    """Fills a module's parameters (matrices normal * 0.02, biases zeros, norm weights ones, in `dtype`) and
+    quantizes them as build_random_model says, each call drawing its keys from where the last one stopped."""
+
+    def __init__(self, seed: int, dtype, bits: int | None, mxfp4: bool):
+        import mlx.core as mx
+
+        self.key, self.dtype, self.bits, self.mxfp4 = mx.random.key(seed), dtype, bits, mxfp4
+
+    def __call__(self, module, skip: str | None = None) -> None:
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        self._randomize(module, skip)
+        if self.bits or self.mxfp4:
+            nn.quantize(
+                module,
+                group_size=QUANT_GROUP_SIZE,
+                bits=self.bits,
+                class_predicate=lambda p, m: (not skip or not p.startswith(skip)) and self._quantization(m),
+            )
+        mx.eval(module.parameters())
+
+    def _randomize(self, module, skip: str | None) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        new = []
+        for path, value in tree_flatten(module.parameters()):
+            if skip and path.startswith(skip):
+                continue
+            self.key, sub = mx.random.split(self.key)
+            if value.ndim >= 2:  # matrices and embeddings
+                value = (mx.random.normal(value.shape, key=sub) * 0.02).astype(self.dtype)
+            elif path.endswith("bias"):
+                value = mx.zeros(value.shape, dtype=self.dtype)
+            else:  # norm weights
+                value = mx.ones(value.shape, dtype=self.dtype)
+            new.append((path, value))
+        module.update(tree_unflatten(new), strict=False)
+
+    def _quantization(self, module) -> bool | dict:
+        from ..models.moe import SwitchLinear
+
+        if self.mxfp4 and isinstance(module, SwitchLinear):
+            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        quantizable = hasattr(module, "to_quantized") and module.weight.shape[-1] % QUANT_GROUP_SIZE == 0
+        return bool(self.bits) and quantizable
 
 
 def count_parameters(model) -> tuple[int, int]:
