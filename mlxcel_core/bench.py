@@ -344,10 +344,6 @@ def run_bench(
     env: dict[str, str] | None = None,
 ) -> list[BenchResult]:
     """Run every planned test: warm-up (unless disabled), then `repetitions` timed runs each."""
-    import gc
-
-    import mlx.core as mx
-
     config.validate()
     env = env or environment()
     results = []
@@ -357,52 +353,57 @@ def run_bench(
             raise InputError(
                 f"{test.label} needs {context} positions; the model's context is {bench_model.model.max_context_length}"
             )
-        gc.collect()
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        engine = engine_for(bench_model, test, config)
-        prompts, prefixes = bench_prompts(bench_model, test, config.seed)
-        warmup_ms = None
-        if config.warmup:
-            log(f"{test.label} (b={test.n_batch}): warm-up")
-            start = clock()
-            measure_test(engine, test, prompts, prefixes, clock, config.chunk(test.n_batch))
-            warmup_ms = (clock() - start) * 1000
-            log(f"{test.label} (b={test.n_batch}): warm-up took {warmup_ms:.1f} ms")
-        replayed_before = engine.stats().graph_replayed
-        samples = []
-        for rep in range(config.repetitions):
-            sample = measure_test(engine, test, prompts, prefixes, clock, config.chunk(test.n_batch))
-            log(
-                f"{test.label} (b={test.n_batch}): run {rep + 1}/{config.repetitions}: {sample.seconds * 1000:.1f} ms, "
-                f"{test.credited_tokens / sample.seconds:.2f} t/s, prefill computed {sample.prefill_computed}"
-            )
-            samples.append(sample)
-        result = BenchResult(
-            test=test,
-            model=bench_model.description,
-            model_filename=bench_model.filename,
-            model_size=bench_model.size_bytes,
-            model_n_params=bench_model.n_params,
-            backend=env["backend"],
-            device=env["device"],
-            samples_ns=[int(round(s.seconds * 1e9)) for s in samples],
-            ttft_ms=statistics.fmean(s.ttft_s for s in samples) * 1000,
-            peak_memory_gb=mx.get_peak_memory() / 1e9,
-            prefill_computed=max(s.prefill_computed for s in samples),
-            kv_bits=config.kv_bits,
-            storage=engine.config.resolved_storage,
-            mlx_version=env["mlx_version"],
-            warmup_ms=warmup_ms,
-            graph_steps=None if replayed_before is None else engine.stats().graph_replayed - replayed_before,
-        )
-        if engine.stats().graph_not_replaying:
-            log(
-                f"{test.label} (b={test.n_batch}): no decode step was replayed as a recorded graph: "
-                f"{engine.stats().graph_not_replaying}"
-            )
-        del engine
-        results.append(result)
+        results.append(_run_test(bench_model, config, test, log, clock, env))
         if on_result is not None:
-            on_result(result)
+            on_result(results[-1])
     return results
+
+
+def _run_test(bench_model: BenchModel, config: BenchConfig, test, log, clock, env: dict[str, str]) -> BenchResult:
+    """One planned test on a fresh engine: its warm-up, its timed repetitions, their result."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    engine = engine_for(bench_model, test, config)
+    prompts, prefixes = bench_prompts(bench_model, test, config.seed)
+    label = f"{test.label} (b={test.n_batch})"
+    warmup_ms = None
+    if config.warmup:
+        log(f"{label}: warm-up")
+        start = clock()
+        measure_test(engine, test, prompts, prefixes, clock, config.chunk(test.n_batch))
+        warmup_ms = (clock() - start) * 1000
+        log(f"{label}: warm-up took {warmup_ms:.1f} ms")
+    replayed_before = engine.stats().graph_replayed
+    samples = []
+    for rep in range(config.repetitions):
+        sample = measure_test(engine, test, prompts, prefixes, clock, config.chunk(test.n_batch))
+        log(
+            f"{label}: run {rep + 1}/{config.repetitions}: {sample.seconds * 1000:.1f} ms, "
+            f"{test.credited_tokens / sample.seconds:.2f} t/s, prefill computed {sample.prefill_computed}"
+        )
+        samples.append(sample)
+    if engine.stats().graph_not_replaying:
+        log(f"{label}: no decode step was replayed as a recorded graph: {engine.stats().graph_not_replaying}")
+    return BenchResult(
+        test=test,
+        model=bench_model.description,
+        model_filename=bench_model.filename,
+        model_size=bench_model.size_bytes,
+        model_n_params=bench_model.n_params,
+        backend=env["backend"],
+        device=env["device"],
+        samples_ns=[int(round(s.seconds * 1e9)) for s in samples],
+        ttft_ms=statistics.fmean(s.ttft_s for s in samples) * 1000,
+        peak_memory_gb=mx.get_peak_memory() / 1e9,
+        prefill_computed=max(s.prefill_computed for s in samples),
+        kv_bits=config.kv_bits,
+        storage=engine.config.resolved_storage,
+        mlx_version=env["mlx_version"],
+        warmup_ms=warmup_ms,
+        graph_steps=None if replayed_before is None else engine.stats().graph_replayed - replayed_before,
+    )
