@@ -71,38 +71,13 @@ def run_requests(
     before = engine.stats().prefill_tokens
     submitted = clock()
     seq_ids = [engine.open(p, params, c) for p, c in zip(prompts, conversations)]
-    row_of = {s: i for i, s in enumerate(seq_ids)}
-    first: dict[int, float] = {}
-    done: set[int] = set()
-    window_start, window_tokens, end = None, 0, None
-    target = None if steady_tokens is None else steady_tokens * len(prompts)
+    progress = _Progress(seq_ids, None if steady_tokens is None else steady_tokens * len(prompts))
+    end = None
     try:
         while engine.has_work():
             outputs = engine.step()
             now = clock()
-            for out in outputs:
-                if out.finish_reason == "error":
-                    raise RuntimeFailure(f"generation failed: {out.error}")
-                row = row_of.get(out.seq_id)
-                if row is None:
-                    continue
-                if out.token is not None:
-                    if row not in first:
-                        first[row] = now
-                    elif window_start is not None:
-                        window_tokens += 1
-                if out.finished:
-                    done.add(row)
-            if window_start is None and len(first) == len(prompts) and target is not None:
-                window_start = now
-            if (
-                target is not None
-                and window_start is not None
-                and (window_tokens >= target or len(done) == len(prompts))
-            ):
-                end = now
-                break
-            if len(done) == len(prompts):
+            if progress.read(outputs, now):
                 end = now
                 break
         computed = engine.stats().prefill_tokens - before
@@ -113,9 +88,47 @@ def run_requests(
             engine.step()
         for seq in seq_ids:
             engine.release(seq)
+    first = progress.first
     if end is None or len(first) < len(prompts):
         raise RuntimeFailure("the engine stopped before every request produced a token")
-    return RunTiming(submitted, [first[i] for i in range(len(prompts))], end, window_start, window_tokens, computed)
+    return RunTiming(
+        submitted, [first[i] for i in range(len(prompts))], end, progress.window_start, progress.window_tokens, computed
+    )
+
+
+class _Progress:
+    """What run_requests has read so far: each row's first token time, the finished rows, and (with a `target` of
+    decode tokens) the steady window, which opens when every row has its first token."""
+
+    def __init__(self, seq_ids: list[int], target: int | None):
+        self.row_of = {s: i for i, s in enumerate(seq_ids)}
+        self.target = target
+        self.first: dict[int, float] = {}
+        self.done: set[int] = set()
+        self.window_start: float | None = None
+        self.window_tokens = 0
+
+    def read(self, outputs, now: float) -> bool:
+        """Take one step's outputs; whether the timed run ends with them."""
+        for out in outputs:
+            if out.finish_reason == "error":
+                raise RuntimeFailure(f"generation failed: {out.error}")
+            row = self.row_of.get(out.seq_id)
+            if row is None:
+                continue
+            if out.token is not None:
+                if row not in self.first:
+                    self.first[row] = now
+                elif self.window_start is not None:
+                    self.window_tokens += 1
+            if out.finished:
+                self.done.add(row)
+        all_done = len(self.done) == len(self.row_of)
+        if self.target is None:
+            return all_done
+        if self.window_start is None and len(self.first) == len(self.row_of):
+            self.window_start = now
+        return all_done or (self.window_start is not None and self.window_tokens >= self.target)
 
 
 def prefill_context(engine, prefixes: list[list[int]]):
