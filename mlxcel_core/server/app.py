@@ -233,29 +233,8 @@ async def generate(
     text_plan: TextPlan | None = None,
 ) -> Response:
     """`constraint`: the tool-call grammar (else response_format's); `text_plan`: server/reply_text.py's."""
-    ctx, n_prompt = server.engine.max_context, len(prompt_ids)
-    if n_prompt >= ctx:
-        raise context_exceeded(
-            f"The prompt has {n_prompt} tokens but the context holds {ctx} "
-            f"(prompt and completion together). Please shorten the prompt.",
-            prompt_param,
-            n_prompt,
-            ctx,
-        )
-    room = ctx - n_prompt
-    if limit is None:
-        max_tokens = room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-    elif limit > room:
-        raise context_exceeded(
-            f"This model's maximum context length is {ctx} tokens. However, you requested "
-            f"{n_prompt + limit} tokens ({n_prompt} in the prompt, {limit} for the completion). "
-            f"Please reduce the prompt or {limit_param}.",
-            limit_param,
-            n_prompt,
-            ctx,
-        )
-    else:
-        max_tokens = limit
+    n_prompt = len(prompt_ids)
+    max_tokens = completion_budget(server.engine.max_context, n_prompt, chat, limit, limit_param, prompt_param)
     if body.n > server.config.max_n:
         raise bad_request(f"n must be at most {server.config.max_n} on this server (--max-n), got {body.n}.", "n")
     validate_logit_bias(body.logit_bias, server.vocab_size)
@@ -284,10 +263,56 @@ async def generate(
             pass
 
     jobs = [Job(prompt_ids, make_params(i), i, emit) for i in range(body.n)]
+    await open_jobs(server, jobs, events, constraint, param)
+    model = body.model or server.model_id
+    reply = Reply(server, chat, model, logprobs is not None, body.include_usage, len(jobs), text_plan)
+    if body.stream:
+        return EventStream(reply.stream(events), on_close=lambda: server.engine.cancel(jobs))
+    try:
+        result = await until_disconnect(request, reply.collect(events))
+    finally:
+        server.engine.cancel(jobs)  # a no-op for finished sequences
+    return JSONResponse(result)
+
+
+def completion_budget(
+    ctx: int, n_prompt: int, chat: bool, limit: int | None, limit_param: str, prompt_param: str
+) -> int:
+    """The completion's max_tokens: the request's limit, else what the context leaves (capped for completions); a 400
+    where the prompt fills the context or the limit does not fit beside it."""
+    if n_prompt >= ctx:
+        raise context_exceeded(
+            f"The prompt has {n_prompt} tokens but the context holds {ctx} "
+            f"(prompt and completion together). Please shorten the prompt.",
+            prompt_param,
+            n_prompt,
+            ctx,
+        )
+    room = ctx - n_prompt
+    if limit is None:
+        return room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    if limit > room:
+        raise context_exceeded(
+            f"This model's maximum context length is {ctx} tokens. However, you requested "
+            f"{n_prompt + limit} tokens ({n_prompt} in the prompt, {limit} for the completion). "
+            f"Please reduce the prompt or {limit_param}.",
+            limit_param,
+            n_prompt,
+            ctx,
+        )
+    return limit
+
+
+async def open_jobs(
+    server: Server, jobs: list[Job], events: asyncio.Queue, constraint: Constraint | None, param: str
+) -> None:
+    """Submit the jobs and wait until every one is open. A constraint compiled before is checked at once; a new one
+    on a worker beside the rows' opening and prefill (its queue may hold long prompts). A refusal or a bad grammar
+    cancels every job and raises."""
     checking = None
     if constraint is not None and compiled_now(constraint):
-        checked(constraint, param)  # known: answered at once, no worker (whose queue may hold long prompts)
-    elif constraint is not None:  # new: validated on a worker beside the rows' opening and prefill
+        checked(constraint, param)
+    elif constraint is not None:
         checking = asyncio.ensure_future(server.offload.run(checked, constraint, param))
     server.engine.submit(jobs)
     try:
@@ -299,15 +324,6 @@ async def generate(
         if checking is not None:
             checking.add_done_callback(lambda done: done.cancelled() or done.exception())  # (read: no warning)
         raise
-    model = body.model or server.model_id
-    reply = Reply(server, chat, model, logprobs is not None, body.include_usage, len(jobs), text_plan)
-    if body.stream:
-        return EventStream(reply.stream(events), on_close=lambda: server.engine.cancel(jobs))
-    try:
-        result = await until_disconnect(request, reply.collect(events))
-    finally:
-        server.engine.cancel(jobs)  # a no-op for finished sequences
-    return JSONResponse(result)
 
 
 async def wait_opened(events: asyncio.Queue, n: int) -> None:
