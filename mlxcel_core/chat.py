@@ -225,33 +225,36 @@ class ChatSession:
                         pieces.append(out.text)
                         reply["content"] = "".join(pieces)
                         yield out.text
-        finally:
-            # Reached early when the caller stops iterating: cancel, then step until the engine is idle
-            # so that the conversation keeps the KV state of everything computed so far.
-            self.engine.close(seq_id)
-            while self.engine.has_work():
-                self.engine.step()
-            seq = self.engine.sequence(seq_id)
-            self.engine.release(seq_id)
-            reply.update(self._split("".join(pieces), prompt_ids))
-            if seq.finish_reason == "cancelled":
-                reply["interrupted"] = True
-            self.last_turn = TurnStats(
-                prompt_tokens=len(prompt_ids),
-                cached_tokens=seq.cached_tokens,
-                generated_tokens=len(seq.output_ids),
-                prefill_s=seq.timings.prefill_s if seq.timings.first_token else 0.0,
-                decode_s=seq.timings.decode_s if seq.timings.first_token else 0.0,
-                finish_reason=seq.finish_reason,
-                dropped_messages=dropped,
-                prompt_ids=prompt_ids,
-                reply_ids=list(seq.output_ids),
-            )
+        finally:  # (reached early too, when the caller stops iterating)
+            self._end_turn(seq_id, reply, "".join(pieces), prompt_ids, dropped)
         if error is not None:
             self._messages = messages[:-1]  # the failed turn never happened (its KV state is matched away)
             raise RuntimeFailure(f"generation failed: {error}")
 
     # -- internals ----------------------------------------------------------------------------------
+    def _end_turn(self, seq_id: int, reply: dict, text: str, prompt_ids: list[int], dropped: int) -> None:
+        """Cancel the reply if it still runs, step until the engine is idle so that the conversation keeps the KV
+        state of everything computed so far, and record the turn: the reply's message and `last_turn`."""
+        self.engine.close(seq_id)
+        while self.engine.has_work():
+            self.engine.step()
+        seq = self.engine.sequence(seq_id)
+        self.engine.release(seq_id)
+        reply.update(self._split(text, prompt_ids))
+        if seq.finish_reason == "cancelled":
+            reply["interrupted"] = True
+        self.last_turn = TurnStats(
+            prompt_tokens=len(prompt_ids),
+            cached_tokens=seq.cached_tokens,
+            generated_tokens=len(seq.output_ids),
+            prefill_s=seq.timings.prefill_s if seq.timings.first_token else 0.0,
+            decode_s=seq.timings.decode_s if seq.timings.first_token else 0.0,
+            finish_reason=seq.finish_reason,
+            dropped_messages=dropped,
+            prompt_ids=prompt_ids,
+            reply_ids=list(seq.output_ids),
+        )
+
     def _initial_messages(self) -> list[dict]:
         return [{"role": "system", "content": self._system}] if self._system else []
 
