@@ -104,19 +104,26 @@ def paged_decode_attention(
     softcap = None if softcap is None else float(softcap)
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
-    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    B, D = q.shape[0], q.shape[-1]
     _, block_size, Hkv, _ = k_pool.shape
-    n_rep = Hq // Hkv
     scale = D**-0.5 if scale is None else scale
-    S = num_splits
 
     # Gather each row's blocks into a dense token axis: [B, T, Hkv, D].
     T = block_tables.shape[1] * block_size
     k = k_pool[block_tables].reshape(B, T, Hkv, D)
     Dv = D if values_in_keys is None else values_in_keys
     v = v_pool[block_tables].reshape(B, T, Hkv, D) if values_in_keys is None else k[..., :Dv]
-    if S == 1:
+    if num_splits == 1:
         return _whole(q, k, v, context_lens, scale, sinks, chunk, window, softcap)
+    return _split(q, k, v, context_lens, num_splits, scale, sinks, chunk, window, softcap)
+
+
+def _split(q, k, v, context_lens, S: int, scale: float, sinks, chunk, window, softcap) -> mx.array:
+    """paged_decode_attention over `S` splits of the gathered keys k [B, T, Hkv, D] and values v [B, T, Hkv, Dv]:
+    each split's softmax partials in float32, merged by their maxima."""
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    T, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    n_rep = Hq // Hkv
     # Pad T so it splits evenly; the padding is masked out below like any position >= context_len.
     span = max(1, -(-T // S))  # keys per split
     pad = span * S - T
