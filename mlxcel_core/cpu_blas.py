@@ -145,6 +145,7 @@ def _load() -> str:
         openblas = ctypes.CDLL(str(_openblas()))
         tiles = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
         tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        _fit_threads(tiles, openblas, cpu_budget())
         rows = _cached_tile(openblas, lambda: pick_tile(tiles, openblas), library)
         threads = tiles.mlxcel_blas_init(ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p), rows, 1)
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
@@ -152,6 +153,38 @@ def _load() -> str:
     if threads:
         return f"mlxcel's AVX2 rows ({threads} thread{'s' if threads > 1 else ''})"
     return f"openblas ({rows}-row tiles)"
+
+
+def cpu_budget(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may keep busy: its CPU affinity, capped by a cgroup CPU quota (a container's `--cpus`),
+    which neither OpenMP nor OpenBLAS reads: on a many-core host a 2-CPU container would otherwise start a thread a
+    core, and their spinning would take turns on its quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup)
+    return max(1, min(cores, -int(-quota // 1))) if quota else cores
+
+
+def _cgroup_quota(cgroup: Path) -> float | None:
+    """CPUs a second the cgroup may use (cgroup v2's cpu.max, else v1's cfs quota and period); None: no quota."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota, period = (int((cgroup / "cpu" / name).read_text()) for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+        return quota / period if quota > 0 and period > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def _fit_threads(tiles: ctypes.CDLL, openblas: ctypes.CDLL, budget: int) -> None:
+    """blas_rows.c's and OpenBLAS's threads at most `budget`, where OMP_NUM_THREADS / OPENBLAS_NUM_THREADS do not
+    say otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        tiles.mlxcel_rows_set_threads(min(budget, tiles.mlxcel_rows_threads()))
+    if "OPENBLAS_NUM_THREADS" not in os.environ and openblas.scipy_openblas_get_num_threads() > budget:
+        openblas.scipy_openblas_set_num_threads(budget)
 
 
 def _cached_tile(openblas: ctypes.CDLL, pick: Callable[[], int], library: Path) -> int:

@@ -110,9 +110,13 @@ TARGET static void column_block(int m, int n0, int n1, ARGS) {
 #undef AT
 }
 
+static int rows_threads; /* 0: OpenMP's own count (OMP_NUM_THREADS, else the cores) */
+
+void mlxcel_rows_set_threads(int n) { rows_threads = n; }
+
 int mlxcel_rows_threads(void) {
 #ifdef _OPENMP
-  return omp_get_max_threads();
+  return rows_threads > 0 ? rows_threads : omp_get_max_threads();
 #else
   return 1;
 #endif
@@ -125,7 +129,7 @@ int mlxcel_rows_available(void) {
 
 void mlxcel_rows(int m, int n, ARGS) {
   int blocks = (n + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
-#pragma omp parallel for schedule(static) if ((long)m * n * k > PARALLEL_WORK)
+#pragma omp parallel for schedule(static) num_threads(mlxcel_rows_threads()) if ((long)m * n * k > PARALLEL_WORK)
   for (int t = 0; t < blocks; t++) {
     int n0 = t * COLUMN_BLOCK, n1 = n0 + COLUMN_BLOCK < n ? n0 + COLUMN_BLOCK : n;
     column_block(m, n0, n1, a, lda, b, ldb, k, alpha, beta, c, ldc);
@@ -135,6 +139,7 @@ void mlxcel_rows(int m, int n, ARGS) {
 #else /* not x86-64: OpenBLAS's tiles compute every product */
 int mlxcel_rows_available(void) { return 0; }
 int mlxcel_rows_threads(void) { return 0; }
+void mlxcel_rows_set_threads(int n) {}
 void mlxcel_rows(int m, int n, const float *a, int lda, const float *b, int ldb, int k, float alpha, float beta,
                  float *c, int ldc) {}
 #endif

@@ -274,3 +274,53 @@ def test_the_tile_is_picked_once_per_openblas_build_kernel_and_thread_count(tmp_
     fake.scipy_openblas_get_num_threads = lambda: 2
     assert cpu_blas._cached_tile(fake, lambda: picks.append(1) or 8, library) == 8
     assert len(picks) == 2
+
+
+@pytest.mark.parametrize(
+    "files,cpus",
+    [
+        ({}, None),  # no cgroup files: the affinity's cores
+        ({"cpu.max": "max 100000\n"}, None),  # v2 without a quota
+        ({"cpu.max": "150000 100000\n"}, 2),  # v2: 1.5 CPUs a second, rounded up
+        ({"cpu.max": "50000 100000\n"}, 1),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1 without a quota
+        ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
+    ],
+)
+def test_the_cpu_budget_is_the_affinity_capped_by_a_cgroup_quota(tmp_path, files, cpus):
+    import os
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_blas.cpu_budget(tmp_path) == (cores if cpus is None else min(cores, cpus))
+
+
+@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4"}])
+def test_threads_fit_the_budget_unless_the_environment_sets_them(monkeypatch, env):
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = {}
+    tiles = SimpleNamespace(
+        mlxcel_rows_threads=lambda: 8, mlxcel_rows_set_threads=lambda n: calls.setdefault("rows", n)
+    )
+    openblas = SimpleNamespace(
+        scipy_openblas_get_num_threads=lambda: 8, scipy_openblas_set_num_threads=lambda n: calls.setdefault("blas", n)
+    )
+    cpu_blas._fit_threads(tiles, openblas, 2)
+    assert calls == ({} if env else {"rows": 2, "blas": 2})
+
+
+@own_rows
+def test_the_rows_kernel_runs_on_the_threads_it_is_given(tmp_path):
+    """A copy of the library (its own state): the count handed over is the count its products run on."""
+    library = tmp_path / "copy.so"
+    library.write_bytes(cpu_blas._library().read_bytes())
+    copy = ctypes.CDLL(str(library))
+    if copy.mlxcel_rows_threads() == 1:
+        pytest.skip("built without OpenMP: one thread")
+    copy.mlxcel_rows_set_threads(3)
+    assert copy.mlxcel_rows_threads() == 3
