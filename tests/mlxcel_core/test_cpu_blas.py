@@ -320,7 +320,7 @@ def test_the_rows_kernel_runs_on_the_threads_it_is_given(tmp_path):
     library = tmp_path / "copy.so"
     library.write_bytes(cpu_blas._library().read_bytes())
     copy = ctypes.CDLL(str(library))
-    if copy.mlxcel_rows_threads() == 1:
+    if not hasattr(copy, "omp_get_max_threads"):  # (dlsym searches the libraries it links: libgomp)
         pytest.skip("built without OpenMP: one thread")
     copy.mlxcel_rows_set_threads(3)
     assert copy.mlxcel_rows_threads() == 3
