@@ -268,8 +268,10 @@ def build(jobs: int, toolkit: str = "auto") -> Path:
     return out / "bin"
 
 
-# Scales of random blocks, so the weights come out about 0.02 across and centred (value = d * (q - 8) for Q4_0;
-# d * sc * q - dmin * m for Q4_K, with 6-bit sc and m and 4-bit q drawn uniformly).
+# Scales of random blocks, so the weights come out about 0.02 across and centred (value = d * (q - 8) for Q4_0, its
+# q drawn from 1..15 and 8 so that q - 8 averages 0: uniform 0..15 would offset every weight by -d / 2, which summed
+# over an 8B model's 32 layers overflowed its float16 activations; d * sc * q - dmin * m for Q4_K, with 6-bit sc and
+# m and 4-bit q drawn uniformly).
 Q4_0_D, Q4_K_D = 0.0043, 9.0e-5
 Q4_K_DMIN = 7.5 * Q4_K_D
 
@@ -282,6 +284,11 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str) ->
     blocks = np.frombuffer(rng.bytes(rows * (cols // values) * size), np.uint8).reshape(rows, cols // values, size)
     blocks = blocks.copy()
     scales = [Q4_0_D] if qtype == "q4_0" else [Q4_K_D, Q4_K_DMIN]
+    if qtype == "q4_0":  # nibble 0 (q - 8 = -8) becomes 8 (0): q - 8 symmetric about 0
+        quants = blocks[:, :, 2:]
+        low, high = quants & 0x0F, quants >> 4
+        low[low == 0], high[high == 0] = 8, 8
+        blocks[:, :, 2:] = low | (high << 4)
     for i, base in enumerate(scales):  # each block's leading float16 scale(s), 0.75-1.25x the base
         d = (base * rng.uniform(0.75, 1.25, blocks.shape[:2])).astype(np.float16)
         blocks[:, :, 2 * i : 2 * i + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
