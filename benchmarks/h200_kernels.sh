@@ -48,8 +48,7 @@
 #   abq SHAPE..       the same pairing with `mlxcel bench` only (tg128 @ d512, 5 reps, three times a tree): a lever's
 #                     A/B in a third of ab's time; claims against mlx-lm still come from compare_mlx_lm
 # Kernels and profiles:
-#   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows), with
-#                     the candidate designs beside it (xprep: x reordered and summed once a product)
+#   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
 #   ggufload [ARGS..] a random llama-3-8b Q4_K GGUF (llama_cpp_peer.py write ARGS) read into MLX layouts twice (the blocks
 #                     decoded by MLX ops on the GPU; alternately with the tree in before/ where there is one), then
 #                     `mlxcel bench -m` on it: the load's seconds
