@@ -24,7 +24,8 @@ The tile: within one call some OpenBLAS kernels round a row by its place in the 
 thread, rounds rows 6-15 of 16 apart from rows 0-5), and how a call splits its rows depends on the kernel and the
 threads it runs on. So `install` checks the tile sizes 16, 8, 4, 2 in turn, end to end through the tiled library on
 every thread count up to this process's, and keeps the first whose rows come out the same alone and together; one row
-a call is the same by construction. The choice is cached per OpenBLAS build, kernel and thread count.
+a call is the same by construction. The choice is cached per OpenBLAS build, kernel and thread count; a CPU with AVX2
+and FMA needs none.
 
 `install` runs when mlxcel_core is imported. It does nothing, and MLX's own BLAS serves, where: MLX is already
 imported (its symbols are bound), the platform is not Linux, MLX's CPU wheel's reference BLAS is not there (a CUDA
@@ -146,12 +147,16 @@ def _load() -> str:
         tiles = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
         tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         _fit_threads(tiles, openblas, cpu_budget())
+        sgemm = ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p)
+        if tiles.mlxcel_rows_available():
+            # Every product on blas_rows.c: no tile to pick. OpenBLAS serves only where a thread's scratch cannot
+            # grow, one row a call (the same alone by construction).
+            threads = tiles.mlxcel_blas_init(sgemm, 1, 1)
+            return f"mlxcel's AVX2 rows ({threads} thread{'s' if threads > 1 else ''})"
         rows = _cached_tile(openblas, lambda: pick_tile(tiles, openblas), library)
-        threads = tiles.mlxcel_blas_init(ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p), rows, 1)
+        tiles.mlxcel_blas_init(sgemm, rows, 0)
     except (OSError, AttributeError, subprocess.SubprocessError) as exc:
         return f"OpenBLAS could not be loaded ({type(exc).__name__}: {exc}): MLX's reference BLAS serves"
-    if threads:
-        return f"mlxcel's AVX2 rows ({threads} thread{'s' if threads > 1 else ''})"
     return f"openblas ({rows}-row tiles)"
 
 

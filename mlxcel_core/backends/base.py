@@ -26,8 +26,8 @@ from ..kv.paged_attention import RUNNER_OPS, paged_decode_attention
 GPU_PREFILL_BATCH = 8  # waiting prompts one prefill forward takes on a GPU (bandwidth-bound: one pass of the weights)
 # Prompt tokens one prefill forward computes while other rows decode (engine/scheduler.py), so that a long prompt
 # holds the running rows for about a second at most (benchmarks/RESULTS.md, "The prefill chunk beside running rows").
-# On CPU the float32 products run in tiles of 16 rows or fewer (cpu_blas.py): a chunk of a few tiles keeps the
-# running rows' wait near a decode step's while the prompt's tokens share each pass over the weights. On a GPU one
+# On CPU (cpu_blas.py's float32 products) a chunk of a few dozen rows keeps the running rows' wait near a decode
+# step's while the prompt's tokens share each pass over the weights. On a GPU one
 # forward takes a whole prompt of up to 2048 tokens.
 GPU_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 32
@@ -49,7 +49,7 @@ class Backend:
 
     # -- models ------------------------------------------------------------------------------------
     def prepare_model(self, model) -> None:
-        """What load_model and build_random_model do to every built model: on the CPU with OpenBLAS, quantized layers
+        """What load_model and build_random_model do to every built model: on the CPU with cpu_blas.py, quantized layers
         compute float32 products of their dequantized weights (cpu_float32.py); otherwise nothing."""
         from . import cpu_float32
 

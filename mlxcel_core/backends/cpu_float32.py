@@ -1,5 +1,5 @@
 """Quantized and half-precision layers computed as float32 products on the CPU, where MLX's float32 products run on
-OpenBLAS.
+cpu_blas.py's kernel (or OpenBLAS).
 
 Why: with cpu_blas.py in place MLX's float32 matmul runs at tens of GFLOP/s on the CPU, while its quantized and
 bfloat16/float16 matmuls stay near 2 GFLOP/s (benchmarks/RESULTS.md, "CPU: MLX's float32 products through OpenBLAS").
@@ -72,7 +72,7 @@ HALF = (mx.bfloat16, mx.float16)
 
 
 def applies() -> bool:
-    """Whether this process computes on the CPU with MLX's float32 products on OpenBLAS."""
+    """Whether this process computes on the CPU with MLX's float32 products taken over by cpu_blas.py."""
     from .. import cpu_blas
 
     return mx.default_device() == mx.cpu and cpu_blas.active()
@@ -85,7 +85,7 @@ def _takes(model: nn.Module, layer: nn.Module) -> bool:
     quantized = is_quantized(layer)
     if quantized and getattr(layer, "mode", "affine") != "affine":
         return False
-    if not quantized and layer["weight"].dtype not in HALF:  # (float32 weights are OpenBLAS's already)
+    if not quantized and layer["weight"].dtype not in HALF:  # (float32 weights are cpu_blas.py's already)
         return False
     if kind in (nn.Embedding, nn.QuantizedEmbedding):  # only a tied output projection reads it as a product
         return getattr(getattr(model, "args", None), "tie_word_embeddings", True) is not False

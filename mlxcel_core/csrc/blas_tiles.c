@@ -81,7 +81,7 @@ static int rows(int ta, int tb, int m, int n, int k, float alpha, const float *a
   return 1;
 }
 
-static void tiled(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
+static void product(int ta, int tb, int m, int n, int k, float alpha, const float *a, int lda, const float *b, int ldb,
                   float beta, float *c, int ldc) {
   if (own_rows && rows(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) return;
   if (blas == NULL) {
@@ -116,7 +116,7 @@ void cblas_sgemm(int order, int ta, int tb, int m, int n, int k, float alpha, co
                  const float *b, int ldb, float beta, float *c, int ldc) {
   if (m <= 0 || n <= 0) return;
   if (order == COL_MAJOR) /* C^T = op(B)^T op(A)^T in row-major form */
-    tiled(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
+    product(tb, ta, n, m, k, alpha, b, ldb, a, lda, beta, c, ldc);
   else
-    tiled(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    product(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
