@@ -20,6 +20,8 @@
 #   families SHAPE..  issue 36's table: 4-bit shapes at batch 1 and 8 beside mlx-lm's BatchGenerator (batch_decode.py,
 #                     2 runs a cell, 170 s a shape; default: the shapes whose attention last moved onto the kernel),
 #                     then llama-4-scout's batch-1 peer (compare_mlx_lm.py, 3 rounds: BatchGenerator cannot batch it)
+#   prompt            a prompt's 4-bit products as 16-bit GEMMs (prefill_products.py), their GPU tests, the 8B 4-bit
+#                     TTFT at 512 tokens beside mlx-lm
 #   longctx           issue 42's target 5: llama-3.1-8b 4-bit decode and TTFT at a 32k-token context beside mlx-lm
 #                     (compare_mlx_lm.py, 2 rounds), then where one decode token's GPU time goes there (mlxcel's side)
 #   restart           serve's first request: request_phases.py --serve-warmup in a process that compiles (empty cache
@@ -81,6 +83,14 @@ settings_ab() {
   done
 }
 case "${1:-}" in
+  prompt)
+    # a prompt's 4-bit products: MLX's quantized_matmul against the dequantized weight's 16-bit GEMM, per product and
+    # in the model (8B 4-bit, 512-token prompt: TTFT beside mlx-lm), and the fast path's GPU tests
+    timeout 200 python benchmarks/prefill_products.py --rows 32,64,128,256,512,2048
+    timeout 120 python -m pytest -q -p no:cacheprovider $CUDA_TESTS/kernels/test_fast_linear.py -k prompt -s \
+      --timeout 100 --tb=short 2>&1 | tail -4
+    timeout 240 python benchmarks/compare_mlx_lm.py --model-shape llama-3-8b --bits 4 --prompt-tokens 512 \
+      --gen-tokens 128 --rounds 2 2>&1 | tail -8 ;;
   qmmablate)
     timeout 540 python benchmarks/qmm_ablate.py ;;
   ggufload)

@@ -108,6 +108,32 @@ def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
+# A prompt's rows (prefill) multiply a 4-bit layer's weight dequantized to x's 16-bit dtype, then MLX's matmul
+# (cuBLAS, tensor cores), once a call has PROMPT_MIN_ROWS rows or more: the dequantization reads the 4-bit weight and
+# writes a 16-bit copy that the GEMM reads back, which costs less than MLX 0.32's quantized_matmul computing the
+# prompt's product on its own (benchmarks/prefill_products.py; benchmarks/RESULTS.md). The values are MLX's
+# dequantized weights, the same for both; each output differs from quantized_matmul's by the order of the float32
+# sums only. The copy lives for one product (a gate/up weight of the 8B shape: 117 MB in bf16).
+PROMPT_MIN_ROWS = 128
+
+
+def prompt_rows(x: mx.array, scales: mx.array) -> bool:
+    """x is a prompt's rows the 16-bit GEMM takes: PROMPT_MIN_ROWS or more, 16-bit as the scales, on the GPU."""
+    return (
+        qmv.rows_of(x.shape) >= PROMPT_MIN_ROWS
+        and x.dtype in (mx.bfloat16, mx.float16)
+        and scales.dtype == x.dtype
+        and qmv.kernel_ready()
+    )
+
+
+def prompt_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int):
+    """x @ dequantize(w).T as a 16-bit GEMM where `prompt_rows`, else None."""
+    if not prompt_rows(x, scales):
+        return None
+    return x @ mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=x.dtype).T
+
+
 class _DecodeKernelLayer:
     """A linear layer's `__call__` and `add_to` whose decode calls run a kernel (`_matvec`, None where it does not
     run that call: then the MLX class's own call). `fuses_residual` (set by kernels/fused_projections.py on o_proj
@@ -149,7 +175,7 @@ class _DecodeKernelLayer:
 
 class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
     """nn.QuantizedLinear whose decode calls (<= LAYER_MAX_ROWS rows of x) run the 4-bit CUDA matvec kernel; larger
-    decode batches run kernels/qmm.py (`batch_product`)."""
+    decode batches run kernels/qmm.py (`batch_product`), a prompt's rows a 16-bit GEMM (`prompt_product`)."""
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
         y = _kernel_matvec(self, x, mode, extra)
@@ -159,6 +185,12 @@ class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
 
     def _product_dtype(self, x: mx.array):
         return mx.result_type(x, self["scales"])
+
+    def _mlx_call(self, x: mx.array) -> mx.array:
+        y = prompt_product(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+        if y is None:
+            return super()._mlx_call(x)
+        return y + self["bias"] if "bias" in self else y
 
 
 class FastQuantizedEmbedding(nn.QuantizedEmbedding):

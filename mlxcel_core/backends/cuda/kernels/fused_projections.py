@@ -6,7 +6,8 @@ At decode (a few rows of x) each projection is a matrix-vector product, and on a
 launch and the tail of a short kernel: fused, a Llama layer makes 2 matmul launches instead of 5 (MLX's k/v GEMVs
 on the 8B shape read at 381 GB/s, a third of what the larger ones reach). The layers' weights (and scales, biases)
 are concatenated along the output rows once; each layer then keeps a row-range view of the fused array, so memory,
-parameter names and every other path (prefill, 16-bit batches of more than FUSED_MAX_ROWS rows) are unchanged.
+parameter names and every other path (a 16-bit model's prefill, 16-bit batches of more than FUSED_MAX_ROWS rows)
+are unchanged.
 
 The models stay as models/ describes them: each fused block's class is swapped, in place, to a subclass of its own
 class (made once per class: `FusedAttention` from Attention and FusedAttentionMixin, `FusedGatedMLP` from GatedMLP
@@ -33,7 +34,8 @@ layers' results.
 A decode batch of more than FUSED_MAX_ROWS rows of a 4-bit model takes the fused projections too, their matmul on
 kernels/qmm.py (fast_linear.batch_product): q/k/v one launch instead of three and gate/up one instead of two, each
 reading one fused weight. The norm and the RoPE stay their own ops there (qmm.py has no such modes); the values are
-the separate launches' up to the order of the float32 sums (another split of K).
+the separate launches' up to the order of the float32 sums (another split of K). So does a prompt's rows
+(fast_linear.prompt_rows): one 16-bit GEMM of the fused weight, dequantized (fast_linear.prompt_product).
 """
 
 from __future__ import annotations
@@ -113,11 +115,12 @@ class FusedProjection:
                 mx.eval([layer[name] for layer in layers])
 
     def takes(self, x: mx.array) -> bool:
-        """Whether x takes the fused path: up to FUSED_MAX_ROWS rows, and a decode batch of more rows where the 4-bit
-        kernels run this projection."""
+        """Whether x takes the fused path: up to FUSED_MAX_ROWS rows, and where the 4-bit kernels run this projection
+        a decode batch of more rows or a prompt's rows (one 16-bit GEMM of the fused weight, fast_linear.prompt_rows).
+        """
         if qmv.rows_of(x.shape) <= FUSED_MAX_ROWS:
             return True
-        return self.kernel and fast_linear.decode_rows(x)
+        return self.kernel and (fast_linear.decode_rows(x) or fast_linear.prompt_rows(x, self.params["scales"]))
 
     def _kernel_args(self, x: mx.array, mode: str, split=None, eps: float | None = None) -> dict | None:
         """The qmv kernel's launch for x in `mode` (a "_norm" mode: with the norm's `eps`), or None where the kernel
@@ -146,8 +149,10 @@ class FusedProjection:
         """x @ the fused weight (+ bias), every layer's output side by side."""
         p = self.params
         y = None
-        if self.kernel and qmv.rows_of(x.shape) > FUSED_MAX_ROWS:  # (a decode batch: kernels/qmm.py)
+        if self.kernel and qmv.rows_of(x.shape) > FUSED_MAX_ROWS:  # (a decode batch: kernels/qmm.py; a prompt: GEMM)
             y = fast_linear.batch_product(x, p["weight"], p["scales"], p["biases"], self.group_size)
+            if y is None:
+                y = fast_linear.prompt_product(x, p["weight"], p["scales"], p["biases"], self.group_size, self.bits)
         if y is None and self.quantized:
             y = mx.quantized_matmul(
                 x,
