@@ -407,6 +407,7 @@ def test_a_prompt_multiplies_the_dequantized_weight(monkeypatch):
     full = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=4, dtype=mx.bfloat16)
     want = x @ full.T + layer.bias
     mlx_own = nn.QuantizedLinear.__call__(layer, x)
+    monkeypatch.setattr(qmv, "kernel_ready", lambda: False)
     assert mx.array_equal(layer(x), mlx_own).item()  # no GPU: MLX's own call
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     monkeypatch.setattr(qmv, "launch_args", lambda *args: None)  # (the matvec kernel takes no call here)
@@ -476,7 +477,8 @@ def test_a_fused_projection_takes_a_prompt_as_one_gemm(monkeypatch):
     fused = FusedProjection([layer(128), layer(64), layer(64)])
     fused.kernel = True  # (as where the 4-bit kernels run it)
     x = mx.random.normal((2, fast_linear.PROMPT_MIN_ROWS // 2, 256), key=mx.random.key(4)).astype(mx.float16)
-    assert not fused.takes(x)  # no GPU here
+    monkeypatch.setattr(qmv, "kernel_ready", lambda: False)
+    assert not fused.takes(x)  # no GPU
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     assert fused.takes(x) and not fused.takes(x[:, :-1]) and not fused.takes(x.astype(mx.float32))
     p = fused.params
