@@ -192,32 +192,15 @@ def cuda_paged_decode_attention(
         raise ValueError(f"sinks must be [Hq={q.shape[1]}], got shape {sinks.shape}")
     with_sinks = [] if sinks is None else [sinks]  # (read in their own dtype: no conversion op in the step)
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
-    _, block_size, Hkv, _ = k_pool.shape
-    n_rep = Hq // Hkv
-    geo = launch_geometry(D, n_rep)
-    scale = D**-0.5 if scale is None else scale
+    Hkv = k_pool.shape[2]
+    geo = launch_geometry(D, Hq // Hkv)
     S = num_splits
     inputs = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
     if new_kv is not None:
         inputs += _new_kv_inputs(new_kv, k_pool, B)
     writes = new_kv is not None
-    template = [
-        ("KV", k_pool.dtype),
-        ("SCALE_BITS", _scale_bits(float(scale))),
-        ("D", D),
-        ("BS", block_size),
-        ("HKV", Hkv),
-        ("NREP", n_rep),
-        ("G", geo["G"]),
-        ("LPT", geo["LPT"]),
-        ("EPL", geo["EPL"]),
-        ("TPB", THREADS),
-        ("UNROLL", UNROLL),
-        ("WINDOW", int(window or 0)),
-        ("CHUNK", int(chunk or 0)),
-        ("SOFTCAP_BITS", 0 if softcap is None else float32_bits(float(softcap))),
-    ]
-    grid = (S * THREADS, Hkv * (n_rep // geo["G"]), B)
+    template = _template(q, k_pool, geo, scale, window, chunk, softcap)
+    grid = (S * THREADS, Hkv * (Hq // Hkv // geo["G"]), B)
     if S == 1 and not _two_launches:
         (out,) = _kernel(True, writes, False, sinks is not None)(
             inputs=inputs + with_sinks,
@@ -228,13 +211,23 @@ def cuda_paged_decode_attention(
             output_dtypes=[q.dtype],
         )
         return out
+    combining = counters is not None and not _two_launches
+    return _launch_splits(inputs, template, grid, q, geo, writes, counters if combining else None, with_sinks)
+
+
+def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters, with_sinks: list) -> mx.array:
+    """Several splits: one launch whose last block of each head group merges them (given `counters` and room for
+    the merge), else the split launch and the combine launch."""
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
+    S = grid[0] // THREADS
     partials = [(B, Hq, S, D), (B, Hq, S), (B, Hq, S)]
     # (the last block stages 2 G S floats in the merge's shared memory, NVG G D of them)
     fits = 2 * S <= (THREADS // geo["LPT"]) * D
-    if counters is not None and not _two_launches and counters.size >= grid[1] * B and fits:
+    sinks = bool(with_sinks)
+    if counters is not None and counters.size >= grid[1] * B and fits:
         if counters.dtype != mx.int32:
             raise ValueError(f"combine counters must be int32, got {counters.dtype}")
-        out, *_ = _kernel(False, writes, True, sinks is not None)(
+        out, *_ = _kernel(False, writes, True, sinks)(
             inputs=inputs + [counters] + with_sinks,
             template=template + [("OUT", q.dtype)],
             grid=grid,
@@ -251,8 +244,37 @@ def cuda_paged_decode_attention(
         output_shapes=partials,
         output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
+    return _combine(o_part, m_part, l_part, with_sinks, q)
+
+
+def _template(q, k_pool, geo: dict, scale: float | None, window, chunk, softcap) -> list:
+    """The split kernel's template constants but its output dtype: the pools' layout, the launch geometry and the
+    layer's attention options, each a compile-time constant."""
+    _, block_size, Hkv, D = k_pool.shape
+    scale = D**-0.5 if scale is None else scale
+    return [
+        ("KV", k_pool.dtype),
+        ("SCALE_BITS", _scale_bits(float(scale))),
+        ("D", D),
+        ("BS", block_size),
+        ("HKV", Hkv),
+        ("NREP", q.shape[1] // Hkv),
+        ("G", geo["G"]),
+        ("LPT", geo["LPT"]),
+        ("EPL", geo["EPL"]),
+        ("TPB", THREADS),
+        ("UNROLL", UNROLL),
+        ("WINDOW", int(window or 0)),
+        ("CHUNK", int(chunk or 0)),
+        ("SOFTCAP_BITS", 0 if softcap is None else float32_bits(float(softcap))),
+    ]
+
+
+def _combine(o_part: mx.array, m_part: mx.array, l_part: mx.array, with_sinks: list, q: mx.array) -> mx.array:
+    """The combine kernel's launch: the splits' partial outputs merged into q's shape and dtype."""
+    B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
     combine_threads = 256
-    (out,) = _combine_kernel(sinks is not None)(
+    (out,) = _combine_kernel(bool(with_sinks))(
         inputs=[o_part, m_part, l_part] + with_sinks,
         template=[("OUT", q.dtype), ("D", D)],
         grid=(-(-B * Hq * D // combine_threads) * combine_threads, 1, 1),
