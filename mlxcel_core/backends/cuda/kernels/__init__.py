@@ -52,7 +52,8 @@ def describe_decode_kernels() -> str:
     from . import hmv, qmv
 
     return (
-        f"CUDA kernels: 4-bit matvecs up to {qmv.MAX_ROWS} rows (tensor-core matmul beyond), 16-bit matvecs in "
+        f"CUDA kernels: 4-bit matvecs up to {qmv.MAX_ROWS} rows (tensor-core matmul beyond; a prompt's as 16-bit "
+        "GEMMs), 16-bit matvecs in "
         f"models up to {hmv.DEFAULT_MAX_HIDDEN} wide, fused q/k/v and gate/up with the norm and RoPE folded in, "
         "paged attention writing the step's KV in place"
     )
