@@ -8,7 +8,8 @@ are big enough to gain (N x K >= MIN_WEIGHT) become `FastQuantizedLinear`, and s
 layers `FastQuantizedEmbedding` (whose ``as_linear`` is the tied LM head). Only the class changes, as
 distributed/shard.py does: parameters, names and isinstance checks stay those of MLX's classes. An input of at most
 LAYER_MAX_ROWS rows (decode) runs the kernel on the CUDA device, a decode batch of more rows of 16-bit x
-kernels/qmm.py; anything else is MLX's own call, unchanged.
+kernels/qmm.py, a prompt of PROMPT_MIN_ROWS rows or more a 16-bit GEMM of the dequantized weight
+(`prompt_product`); anything else is MLX's own call, unchanged.
 
 Gate (`enabled`): wherever MLX runs on CUDA with the kernel available. The kernel passes its accuracy tests on the
 H200; with it, compiled decode steps and fused projections, batch-1 decode of the 8B 4-bit shape runs at 1.25x
