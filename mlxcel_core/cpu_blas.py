@@ -69,7 +69,7 @@ def active() -> bool:
 
 
 def install() -> str:
-    """Route MLX's cblas_sgemm through OpenBLAS (module docstring); returns `status()`."""
+    """Route MLX's cblas_sgemm to blas_rows.c or OpenBLAS's tiles (module docstring); returns `status()`."""
     global _status
     if active():
         return _status
