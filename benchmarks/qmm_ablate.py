@@ -17,10 +17,9 @@ printed): each one removes a part and keeps the rest, so the time it saves bound
                out; x is still staged
   d2           half a chunk of K staged at any row count, so a warp loads 2 groups of weights ahead instead of 4 (as
                past 32 rows): what the depth of the weight prefetch is worth
-Candidates, whose products must be the kernel's (their largest difference from MLX's is printed too):
-  stage_shift  the staging loop finds a piece's row and offset by a compile-time power of two, not a division
-  warps8       8 warps (128 weight rows) a block share one staged chunk of x: half the staging and summing a weight row
-  warps8_shift both
+Candidates (none now; WARPS_OF names those launched with other than qmm.WARPS warps) must give the kernel's products:
+their largest difference from MLX's is printed too. The last ones, 8 warps a block and the staging loop without a
+division, won and are the kernel now (benchmarks/archive/2026-12-05-h200-session-26/).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
 """
@@ -70,32 +69,6 @@ def _prep_pass() -> str:
     return SOURCE[start : SOURCE.index(end_text, start) + len(end_text)]
 
 
-# Candidates (correct products, unlike the ablations): the staging loop's row and offset by a compile-time power of
-# two (pieces a row) instead of a division by the chunk's pieces; 8 warps (128 weight rows) a block sharing one
-# staged x, which halves the staging and summing a weight row costs.
-_STAGE_SHIFT = [
-    (
-        """        const int row_pieces = min(CG, gend - g0) * (G / 4);
-        for (int p = threadIdx.x; p < M * row_pieces; p += blockDim.x) {
-            const int m = p / row_pieces;
-            const int j = p - m * row_pieces;
-""",
-        """        constexpr int PR = CG * (G / 4);  // pieces a whole chunk's row (a power of two)
-        const int row_pieces = min(CG, gend - g0) * (G / 4);
-        for (int p = threadIdx.x; p < M * PR; p += blockDim.x) {
-            const int m = p / PR;
-            const int j = p % PR;
-            if (j >= row_pieces) {
-                continue;
-            }
-""",
-    )
-]
-_WARPS8 = [
-    ("const int n0 = (blockIdx.x * 4 + warp) * 16;", "const int n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;")
-]
-
-
 VARIANTS = {  # name: (text of the kernel, its replacement), ...
     "full": [],
     "no_weights": [
@@ -115,7 +88,7 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
         )
     ],
     "no_x": [
-        ("p < M * row_pieces; p += blockDim.x", "p < 0; p += blockDim.x"),
+        ("p < M * PR; p += blockDim.x", "p < 0; p += blockDim.x"),
         ("i < min(CG, gend - g0) * NT * 8; i += blockDim.x", "i < 0; i += blockDim.x"),
     ],
     "l2_weights": [
@@ -130,11 +103,8 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
             "for (int nt = 0; nt < NT; ++nt) { for (int i = 0; i < 4; ++i) { tot[nt][i] += acc[nt][i] * ps[0]; } }",
         )
     ],
-    "stage_shift": _STAGE_SHIFT,
-    "warps8": _WARPS8,
-    "warps8_shift": _WARPS8 + _STAGE_SHIFT,
 }
-WARPS_OF = {"warps8": 8, "warps8_shift": 8}  # candidates launched with other than qmm.WARPS warps a block
+WARPS_OF: dict[str, int] = {}  # candidates launched with other than qmm.WARPS warps a block
 
 
 def variant_source(name: str) -> str:
@@ -206,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             cells, base, diffs = [], None, []
             for v in a.variants:
                 fn = product(v)
-                if v == "full" or v in WARPS_OF or v.startswith("stage"):  # (correct by design: MLX's product)
+                if v == "full" or v in WARPS_OF:  # (correct by design: MLX's product)
                     diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
                 base = seconds if v == "full" else base

@@ -12,8 +12,8 @@ from .qmv_source import base_mode
 QMV_CHUNK = 32  # elements of K per lane per chunk of the 4-bit kernel (one uint4 of packed weights)
 HMV_CHUNK = 8  # elements of K per lane per step of the 16-bit kernel (one 16-byte load of a weight row)
 WARPS = (1, 2, 4, 8)
-QMM_ROWS_PER_BLOCK = 64  # qmm.ROWS_PER_BLOCK: 4 warps of 16 weight rows
-QMM_TARGET_BLOCKS = 264  # about two blocks per SM of an H200 (132 SMs): split K until the grid has as many
+QMM_ROWS_PER_BLOCK = 128  # qmm.ROWS_PER_BLOCK: 8 warps of 16 weight rows
+QMM_TARGET_BLOCKS = 132  # about one block (8 warps) per SM of an H200 (132 SMs): split K until the grid has as many
 
 
 def _candidates(k: int, chunk: int, rows: tuple[int, ...], unrolls: tuple[int, ...]) -> list[tuple[int, int, int]]:

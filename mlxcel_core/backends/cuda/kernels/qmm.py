@@ -19,27 +19,30 @@ and 2t+8, 2t+9 (a4a5, b2b3) at a thread: this kernel maps those to the physical 
 same permutation on both operands, so the products pair up. The emulation in
 tests/mlxcel_core/backends/cuda/kernels/test_qmm.py follows this mapping and the PTX fragment layouts index by index.
 
-Data movement: a block's 4 warps (64 weight rows) share x. The block copies a chunk of it (all rows, CHUNK_K values
+Data movement: a block's 8 warps (128 weight rows) share x. The block copies a chunk of it (all rows, CHUNK_K values
 of K) into shared memory with cp.async, the next chunk copying while the warps compute on this one (two buffers);
 rows are padded by 8 bytes, so a warp's 8-byte reads of 4 rows by 4 offsets hit 16 different bank pairs (no
 conflict), and rows M .. 8 NT - 1 hold zeros. Each warp keeps D groups of its weights (words, scales, biases) in
 flight in a ring of registers, loading a group D groups before its turn. Why: where each warp loads its own x from
 global memory (8 bytes at a time, 8 rows by 4 offsets: 32 sectors touched, a quarter of each used) and a group's
 weights only when the group starts, every warp waits a memory latency a group (benchmarks/RESULTS.md has the whole
-decode step both ways).
+decode step both ways). Eight warps rather than four a block halve what staging and summing x costs a weight row: an
+8B model's fused gate/up product at 32 rows takes 0.80x the time of four warps, 0.74x at 64 rows
+(benchmarks/qmm_ablate.py's candidates, archived). The staging loop finds a piece's row and offset by a power of two
+(the pieces of a whole chunk's row), not a division.
 
 The bias term needs each x row's sum over each group: the block sums each staged chunk's rows once, into shared
 memory behind a second barrier, and each warp reads two sums a tile (rather than every warp adding up its own x
 fragments beside its products). The same pass reorders each 8 staged values of x as x0 x4 x1 x5 x2 x6 x3 x7, so that a
 warp makes a register of two weights from a whole packed word with one AND-OR (nibbles 0 and 4, then 1 and 5, ...:
 mlxcel_qmm_pair4); the tensor cores see the same products, in another order of K within a step. The kernel is
-compiled with __launch_bounds__(128, MIN_BLOCKS), at most 128 registers a thread, so four blocks fit an SM instead of
-three. Both cut the sm_90 code a group of 16 tensor-core products takes by half (benchmarks/qmm_sass.py counts it) and
-lift an 8B model's 4-bit decode at 32 and 64 rows by about a tenth (benchmarks/RESULTS.md).
+compiled with __launch_bounds__(256, MIN_BLOCKS), at most 128 registers a thread, so two blocks (16 warps) fit an SM.
+The pass and the reorder cut the sm_90 code a group of 16 tensor-core products takes by half (benchmarks/qmm_sass.py
+counts it) and lift an 8B model's 4-bit decode at 32 and 64 rows by about a tenth (benchmarks/RESULTS.md).
 
 A decode batch of 33..64 rows runs as one launch of up to 8 tiles (NT 5..8, each weight read once, not once a launch
 of 32 rows). Past 4 tiles the accumulators take more registers (still at most 128 a thread in groups of 64 or 128, so
-four blocks an SM; three in groups of 32, which spill at 128) and a chunk stages half as much of K, so that the chunk
+two blocks an SM; one in groups of 32, which spill at 128) and a chunk stages half as much of K, so that the chunk
 buffers stay within 48 KiB of shared memory.
 
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
@@ -63,13 +66,12 @@ from .qmm_source import SOURCE as _SOURCE
 
 MAX_ROWS = 64  # rows of x one launch takes (8 tiles of 8)
 NARROW_ROWS = 32  # rows of x (4 tiles) up to which every group size fits MIN_BLOCKS blocks an SM
-WARPS = 4  # a block's warps, 16 weight rows each
+WARPS = 8  # a block's warps, 16 weight rows each
 ROWS_PER_BLOCK = 16 * WARPS
 X_TYPES = (mx.bfloat16, mx.float16)
-# Blocks an SM: registers capped at 65536 / (128 * 4) = 128 a thread, which the kernel needs no spill for (with 3
-# blocks an SM an 8B gate projection's 448 blocks take two waves)
-MIN_BLOCKS = 4
-MIN_BLOCKS_WIDE_G32 = 3  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
+# Blocks an SM: registers capped at 65536 / (256 * 2) = 128 a thread, which the kernel needs no spill for
+MIN_BLOCKS = 2
+MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
 
 # The name carries a hash of the source: MLX caches compiled kernels on disk by name (see kernels/qmv.py).
 KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:8]}"

@@ -150,7 +150,7 @@ SOURCE = r"""
     const int lane = threadIdx.x & 31;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int n0 = (blockIdx.x * 4 + warp) * 16;
+    const int n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;
     const bool live = n0 < N;  // a warp past the last row still stages and synchronizes with the block
     const int r0 = min(n0 + g, N - 1);
     const int r1 = min(n0 + g + 8, N - 1);
@@ -170,10 +170,14 @@ SOURCE = r"""
     // Chunk c of this split's groups into buffer c % 2: 8-byte pieces, copied asynchronously where x is aligned.
     auto stage = [&](int c) {
         const int g0 = gbeg + c * CG;
+        constexpr int PR = CG * (G / 4);  // pieces a whole chunk's row (a power of two: no division)
         const int row_pieces = min(CG, gend - g0) * (G / 4);
-        for (int p = threadIdx.x; p < M * row_pieces; p += blockDim.x) {
-            const int m = p / row_pieces;
-            const int j = p - m * row_pieces;
+        for (int p = threadIdx.x; p < M * PR; p += blockDim.x) {
+            const int m = p / PR;
+            const int j = p % PR;
+            if (j >= row_pieces) {
+                continue;
+            }
             const T* src = x + size_t(m) * K + size_t(g0) * G + 4 * j;
             T* dst = &xsh[c & 1][m][4 * j];
             if (whole) {

@@ -114,8 +114,8 @@ def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
 
 
 def test_split_k():
-    assert qmm.split_k(14336, 64) == (2, 32)  # 224 blocks of 64 rows: two parts of K
-    assert qmm.split_k(4096, 224) == (5, 45)  # 64 blocks: 5 parts (the last 44 groups)
+    assert qmm.split_k(14336, 64) == (2, 32)  # 112 blocks of 128 rows: two parts of K
+    assert qmm.split_k(4096, 224) == (5, 45)  # 32 blocks: 5 parts (the last 44 groups)
     assert qmm.split_k(128256, 64) == (1, 64)  # the LM head fills the GPU alone
     assert qmm.split_k(16, 1) == (1, 1)
     for n, groups in [(1024, 64), (4096, 64), (6144, 32), (300, 7)]:
@@ -127,7 +127,7 @@ def test_launch_args():
     args = qmm.launch_args((19, 1, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
     assert dict(args["template"]) == {"T": mx.bfloat16, "S": mx.bfloat16, "G": 64, "NT": 3, "GPS": 32}
     assert dict(qmm.launch_args((24, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)["template"])["NT"] == 3
-    assert args["grid"] == (224 * 128, 2, 1) and args["threadgroup"] == (128, 1, 1)
+    assert args["grid"] == (112 * 256, 2, 1) and args["threadgroup"] == (256, 1, 1)  # 112 blocks of 128 rows
     assert args["output_shapes"] == [(2, 19, 14336)] and args["output_dtypes"] == [mx.float32]
     assert qmm.launch_args((qmm.MAX_ROWS + 1, 4096), mx.bfloat16, mx.bfloat16, 64, 4096, 64) is None  # too many rows
     assert qmm.launch_args((9, 4096), mx.float32, mx.float32, 64, 4096, 64) is None  # 16-bit x only
@@ -172,9 +172,9 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
 
 @needs_nvcc
 @pytest.mark.parametrize("m", [9, 32, 64])
-def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch, m):
-    """The kernel's translation unit as the kernel cache builds it (__launch_bounds__(128, 4)): at most
-    128 registers a thread, none spilled, so four blocks of 128 threads fit an SM's 65536 (groups of 64, up to 64
+def test_the_kernel_fits_two_blocks_an_sm_without_spills(tmp_path, monkeypatch, m):
+    """The kernel's translation unit as the kernel cache builds it (__launch_bounds__(256, 2)): at most
+    128 registers a thread, none spilled, so two blocks of 256 threads fit an SM's 65536 (groups of 64, up to 64
     rows)."""
     from types import SimpleNamespace
 
@@ -186,7 +186,7 @@ def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch,
         kernel = qmm._kernel()
     finally:
         qmm._kernel.cache_clear()
-    assert kernel.launch_bounds == (qmm.WARPS * 32, qmm.MIN_BLOCKS) == (128, 4)
+    assert kernel.launch_bounds == (qmm.WARPS * 32, qmm.MIN_BLOCKS) == (256, 2)
     args = qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64)
     header, source = qmm.kernel_source()
     dtypes = [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16]
@@ -202,7 +202,7 @@ def test_the_kernel_fits_four_blocks_an_sm_without_spills(tmp_path, monkeypatch,
         args["template"],
         launch_bounds=kernel.launch_bounds,
     )
-    assert "__launch_bounds__(128, 4) k(" in text
+    assert "__launch_bounds__(256, 2) k(" in text
     report = compile_sm90(tmp_path, text)
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
 
