@@ -13,7 +13,11 @@ Default (the built-in heuristic, what runs when nothing is tuned):
   below that (measured: within noise at 1024 tokens) and a few splits help a little at 16384 tokens.
 - CUDA kernel: enough thread blocks to fill the GPU. One split launches batch x kv heads x query-head
   groups blocks of 128 threads; double the splits until that reaches 512 blocks (about four per SM of
-  an H100/H200), while every split keeps at least 64 tokens (of the context bucket), capped. (A first H200
+  an H100/H200), while every split keeps at least 64 tokens (of the context bucket), capped. With the
+  tensor-core body (head dims of 32..128 in steps of 32, 16-bit q and KV: 167 registers a thread, three
+  blocks an SM), double them only while the grid stays within 384 blocks, one wave of an H200's 396: at a
+  32k-token context, batch 1, 32 splits read the KV at 1.74 TB/s where 64 (two waves) read it at 1.38
+  (benchmarks/paged_kernel.py, archived). (A first H200
   run of `mlxcel tune` with a 256-block target found 2x more splits 14-34% faster at batch 8, context
   4096-16384. Batch 1 at a 528-token context, in a whole decode step on the H200: 16 splits cost 12.5 us a
   layer with the combine step against 22.6 us at 4, the split this rule chose while it asked 256 tokens. At a
@@ -29,6 +33,9 @@ OP = "paged-decode-splits"
 MAX_SPLITS = 32  # the MLX-ops path's cap
 MAX_CUDA_SPLITS = 256  # the CUDA kernel's (its last block merges up to 512 splits' partials in shared memory)
 MIN_CUDA_SPLIT_TOKENS = 64  # the CUDA kernel's default never splits the context bucket finer than this
+CUDA_TARGET_BLOCKS = 512  # the lane-group body's grid target (four blocks an SM)
+MMA_TARGET_BLOCKS = 384  # the tensor-core body's: one wave of three blocks an SM
+MMA_MAX_GROUP = 8  # query heads a block of the tensor-core body (backends/cuda/paged_attention.py)
 RUNNER_OPS = "mlx-ops"
 DTYPES = ("float16", "bfloat16", "float32")
 # Max-abs tolerance when checking a candidate's output against the default's (both computed in float32
@@ -120,9 +127,17 @@ def candidates(bucket: Bucket, runner: str) -> list[int]:
     return out
 
 
+def takes_mma(head_dim: int) -> bool:
+    """Whether the CUDA kernel runs its tensor-core body at this head dim (for 16-bit q and KV, which this heuristic
+    assumes: backends/cuda/paged_attention.takes_mma)."""
+    return head_dim % 32 == 0 and 32 <= head_dim <= 128
+
+
 def query_groups(q_heads: int, kv_heads: int, head_dim: int) -> int:
-    """Thread blocks per kv head in the CUDA kernel (see cuda_paged_attention.launch_geometry)."""
+    """Thread blocks per kv head in the CUDA kernel (see backends/cuda/paged_attention.launch_geometry)."""
     n_rep = q_heads // kv_heads
+    if takes_mma(head_dim):
+        return n_rep // max(g for g in range(1, min(n_rep, MMA_MAX_GROUP) + 1) if n_rep % g == 0)
     lpt = 1
     while lpt < 32 and lpt * 8 < head_dim:
         lpt *= 2
@@ -136,8 +151,12 @@ def default_splits(bucket: Bucket, runner: str) -> int:
     cap = split_cap(bucket, runner)
     if runner.startswith("cuda-kernel"):
         blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim)
+        if takes_mma(bucket.head_dim):  # (the grid after doubling stays within one wave)
+            grows = lambda s: blocks * s * 2 <= MMA_TARGET_BLOCKS  # noqa: E731
+        else:  # (doubling until the grid reaches the target)
+            grows = lambda s: blocks * s < CUDA_TARGET_BLOCKS  # noqa: E731
         s = 1
-        while s * 2 <= cap and blocks * s < 512 and bucket.context // (s * 2) >= MIN_CUDA_SPLIT_TOKENS:
+        while s * 2 <= cap and grows(s) and bucket.context // (s * 2) >= MIN_CUDA_SPLIT_TOKENS:
             s *= 2
         return s
     s = 1

@@ -2,12 +2,13 @@
 row, the step's own keys and values written in the kernel, the last block of each head group combining the splits.
 
     python benchmarks/paged_kernel.py                                  # Llama-3-8B geometry at 4k, 16k, 32k tokens
-    python benchmarks/paged_kernel.py --context 32768 --splits 32 64 128
+    python benchmarks/paged_kernel.py --context 32768 --splits 32 64 128 --bodies mma
 
-Per context and split count: the median time of one call (calls in sequence on one stream, CUDA graphs off, as a
-model runs them), the bandwidth that gives counting the K and V bytes the call reads (context x kv heads x head dim x
-2 x the pool's item size), and the largest difference from MLX's scaled_dot_product_attention on the same keys and
-values laid out densely. The context's blocks sit at shuffled pool rows, as in a running server.
+Per context, body (the tensor cores' where they take the inputs, the lane groups') and split count: the median time
+of one call (calls in sequence on one stream, CUDA graphs off, as a model runs them), the bandwidth that gives
+counting the K and V bytes the call reads (context x kv heads x head dim x 2 x the pool's item size), and the largest
+difference from MLX's scaled_dot_product_attention on the same keys and values laid out densely. The context's blocks
+sit at shuffled pool rows, as in a running server.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> int:
     parser.add_argument("--context", type=int, nargs="+", default=[4096, 16384, 32768])
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="split counts beside the default rule's")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--bodies", nargs="+", default=["mma", "lanes"], choices=["mma", "lanes"])
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
@@ -95,16 +97,18 @@ def main() -> int:
         ref = ref.astype(mx.float32)
         default = default_splits(Bucket.of(1, paged[2].shape[1] * bs, Geometry(d, hq, hkv, bs)), cpa.RUNNER_CUDA)
         kv_bytes = ctx * hkv * d * 2 * mx.zeros((), dtype).itemsize
-        for s in sorted(set(args.splits) | {default}):
+        for body, s in ((body, s) for s in sorted(set(args.splits) | {default}) for body in args.bodies):
 
-            def call(s=s):
-                return cpa.cuda_paged_decode_attention(q, *paged, num_splits=s, new_kv=new_kv, counters=counters)
+            def call(s=s, mma=body == "mma"):
+                return cpa.cuda_paged_decode_attention(
+                    q, *paged, num_splits=s, new_kv=new_kv, counters=counters, mma=mma
+                )
 
             diff = mx.abs(call().astype(mx.float32) - ref).max().item()
             sec = time_calls(call, args.calls, args.reps)
             mark = " (default)" if s == default else ""
             print(
-                f"context {ctx:6d}  splits {s:4d}{mark:10s}  {sec * 1e6:8.2f} us  "
+                f"context {ctx:6d}  {body:6s}  splits {s:4d}{mark:10s}  {sec * 1e6:8.2f} us  "
                 f"{kv_bytes / sec / 1e9:7.0f} GB/s  max abs diff vs SDPA {diff:.2e}"
             )
     return 0

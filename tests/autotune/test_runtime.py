@@ -71,7 +71,11 @@ def test_bucket_rounding_candidates_and_heuristic():
     assert ops_defaults == [1, 2, 4, 8]
     cells = ((1, 1024), (1, 32768), (8, 4096), (8, 16384))
     cuda = [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x") for b, c in cells]
-    assert cuda == [16, 64, 8, 8]  # batch 1: 8 kv heads x 16 (64 past 2048 tokens) splits; batch 8: 64 x 8 = 512 blocks
+    # The tensor-core body's head dims: batch 1: 8 kv heads x 16 splits (64 tokens each), 32 at 32k (256 blocks: one
+    # wave); batch 8: 64 blocks x 4. The lane groups' (head dim 256): 16 and 64 splits, 8 at batch 8 (512 blocks).
+    assert cuda == [16, 32, 4, 4]
+    lanes = [default_splits(Bucket.of(b, c, Geometry(head_dim=256)), "cuda-kernel-x") for b, c in cells]
+    assert lanes == [16, 64, 8, 8]
     for b in (1, 8):
         for c in (64, 1024, 16384):
             for runner in ("mlx-ops", "cuda-kernel-x"):

@@ -22,6 +22,12 @@ several splits when the caller keeps `counters` ("paged_decode_split_combine": t
 finish combines them; the CUDA backend gives engine/paged.py one counter array per layer).
 The kernel sources are in paged_attention_source.py.
 
+Bodies: where q and the pools share a 16-bit type and the head dim is a multiple of 32 up to 128 (`takes_mma`: every
+bf16 / fp16 model's usual head dims), the block's 4 warps take 8-token tiles on the tensor cores
+(paged_attention_mma.py; G up to 8 query heads a block); else LPT-lane groups take one token at a time in float32.
+At a 32k-token context (Llama-3-8B, batch 1, H200) the tensor cores' body reads the KV at 1.74 TB/s against the lane
+groups' 1.34 (benchmarks/paged_kernel.py). The lane groups' body:
+
 Tiles: a lane group keeps UNROLL = 2 tokens' keys and values as loaded (16-bit values: half a float's registers), in
 two buffers used alternately, so that the next tile's loads are in flight while this tile's arithmetic runs, and it
 takes one softmax maximum, one rescale of its G x EPL accumulators and UNROLL exponentials a tile
@@ -46,6 +52,7 @@ import mlx.core as mx
 from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments, check_limits
 
 from .paged_attention_source import (
+    MMA_HEADER,
     RUNNER_CUDA,
     THREADS,
     UNROLL,
@@ -57,13 +64,28 @@ from .small_arrays import float32_bits
 MAX_HEAD_DIM = 1024
 
 
-def launch_geometry(head_dim: int, n_rep: int) -> dict[str, int]:
+MMA_TYPES = (mx.bfloat16, mx.float16)
+MMA_MAX_GROUP = 8  # query heads a block of the tensor-core body (the columns of its P.V products)
+
+
+def takes_mma(q_dtype, kv_dtype, head_dim: int) -> bool:
+    """Whether the tensor-core body (paged_attention_mma.py) takes these: q in the pools' 16-bit type (its products
+    take q as it is), head dim a multiple of 32 up to 128 (a thread's quarter of a row in 16-byte loads, two tiles
+    of it in registers)."""
+    return q_dtype == kv_dtype and kv_dtype in MMA_TYPES and head_dim % 32 == 0 and 32 <= head_dim <= 128
+
+
+def launch_geometry(head_dim: int, n_rep: int, mma: bool = False) -> dict[str, int]:
     """Lanes per token (LPT), head-dim elements per lane (EPL) and query heads per block (G).
 
     LPT is the smallest power of two (<= 32) giving each lane at most 8 elements; G is the largest
-    divisor of n_rep with G x EPL <= 32 registers of query and of accumulator per lane."""
+    divisor of n_rep with G x EPL <= 32 registers of query and of accumulator per lane. With `mma` (the
+    tensor-core body: a warp's 32 lanes share its tokens) LPT is 32 and G the largest divisor of n_rep up to 8."""
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"the CUDA paged-decode kernel supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}")
+    if mma:
+        group = max(g for g in range(1, min(n_rep, MMA_MAX_GROUP) + 1) if n_rep % g == 0)
+        return {"LPT": 32, "EPL": head_dim // 32, "G": group}
     lpt = 1
     while lpt < 32 and lpt * 8 < head_dim:
         lpt *= 2
@@ -94,13 +116,20 @@ NEW_KV_INPUTS = ("k_new", "v_new", "slot_blocks", "slot_offsets")
 
 
 @functools.cache
-def _kernel(one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False, sinks: bool = False):
+def _kernel(
+    one_split: bool = False,
+    new_kv: bool = False,
+    last_block_combines: bool = False,
+    sinks: bool = False,
+    mma: bool = False,
+):
     from .kernels.cubin_cache import cuda_kernel  # (here: the kernels package imports this module)
 
     kind = "one_split" if one_split else ("split_combine" if last_block_combines else "split")
     takes_sinks = sinks and (one_split or last_block_combines)  # (a split's partials never read them)
+    suffix = f"{'_new_kv' if new_kv else ''}{'_sinks' if takes_sinks else ''}{'_mma' if mma else ''}"
     return cuda_kernel(
-        name=f"paged_decode_{kind}{'_new_kv' if new_kv else ''}{'_sinks' if takes_sinks else ''}",
+        name=f"paged_decode_{kind}{suffix}",
         input_names=[
             *INPUTS,
             *(NEW_KV_INPUTS if new_kv else ()),
@@ -110,7 +139,8 @@ def _kernel(one_split: bool = False, new_kv: bool = False, last_block_combines: 
         output_names=["out"]
         if one_split
         else [*(("out",) if last_block_combines else ()), "o_part", "m_part", "l_part"],
-        source=kernel_source(one_split, new_kv, last_block_combines, takes_sinks),
+        source=kernel_source(one_split, new_kv, last_block_combines, takes_sinks, mma),
+        header=MMA_HEADER if mma else "",
     )
 
 
@@ -169,6 +199,7 @@ def cuda_paged_decode_attention(
     chunk: int | None = None,
     sinks: mx.array | None = None,
     softcap: float | None = None,
+    mma: bool | None = None,
     _two_launches: bool = False,
 ) -> mx.array:
     """``paged_decode_attention`` on the CUDA kernel (needs the CUDA backend; see the module docstring). One split
@@ -185,7 +216,8 @@ def cuda_paged_decode_attention(
     `window`, `chunk`: a sliding-window or chunked layer's (the ops path's), the kernel's WINDOW and CHUNK template
     constants: the splits cut only the row's last `window` positions, or its own chunk's. `sinks` [Hq] (gpt-oss): each
     head's sink logit joins the softmax where the output is normalized (the ops path's `sinks`). `softcap` (Gemma 2):
-    the scores' soft-capping, the SOFTCAP_BITS template constant (its float32 bits; 0 without)."""
+    the scores' soft-capping, the SOFTCAP_BITS template constant (its float32 bits; 0 without). `mma`: the
+    tensor-core body where it takes the inputs (`takes_mma`; None or True), else the lane groups' (False)."""
     check_decode_arguments(q, k_pool, v_pool, block_tables, context_lens, num_splits)
     check_limits(window, chunk, softcap)
     if sinks is not None and sinks.shape != (q.shape[1],):
@@ -193,7 +225,8 @@ def cuda_paged_decode_attention(
     with_sinks = [] if sinks is None else [sinks]  # (read in their own dtype: no conversion op in the step)
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]  # q [B, Hq, D] or [B, Hq, 1, D]: the same memory
     Hkv = k_pool.shape[2]
-    geo = launch_geometry(D, Hq // Hkv)
+    mma = takes_mma(q.dtype, k_pool.dtype, D) and mma is not False
+    geo = launch_geometry(D, Hq // Hkv, mma)
     S = num_splits
     inputs = [q, k_pool, v_pool, block_tables.astype(mx.int32), context_lens.astype(mx.int32)]
     if new_kv is not None:
@@ -202,7 +235,7 @@ def cuda_paged_decode_attention(
     template = _template(q, k_pool, geo, scale, window, chunk, softcap)
     grid = (S * THREADS, Hkv * (Hq // Hkv // geo["G"]), B)
     if S == 1 and not _two_launches:
-        (out,) = _kernel(True, writes, False, sinks is not None)(
+        (out,) = _kernel(True, writes, False, sinks is not None, mma)(
             inputs=inputs + with_sinks,
             template=template + [("OUT", q.dtype)],
             grid=grid,
@@ -212,10 +245,11 @@ def cuda_paged_decode_attention(
         )
         return out
     combining = counters is not None and not _two_launches
-    return _launch_splits(inputs, template, grid, q, geo, writes, counters if combining else None, with_sinks)
+    kernel = functools.partial(_kernel, mma=mma)
+    return _launch_splits(inputs, template, grid, q, geo, writes, counters if combining else None, with_sinks, kernel)
 
 
-def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters, with_sinks: list) -> mx.array:
+def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters, with_sinks: list, kernel) -> mx.array:
     """Several splits: one launch whose last block of each head group merges them (given `counters` and room for
     the merge), else the split launch and the combine launch."""
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
@@ -227,7 +261,7 @@ def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters,
     if counters is not None and counters.size >= grid[1] * B and fits:
         if counters.dtype != mx.int32:
             raise ValueError(f"combine counters must be int32, got {counters.dtype}")
-        out, *_ = _kernel(False, writes, True, sinks)(
+        out, *_ = kernel(False, writes, True, sinks)(
             inputs=inputs + [counters] + with_sinks,
             template=template + [("OUT", q.dtype)],
             grid=grid,
@@ -236,7 +270,7 @@ def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters,
             output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32],
         )
         return out
-    o_part, m_part, l_part = _kernel(False, writes)(
+    o_part, m_part, l_part = kernel(False, writes)(
         inputs=inputs,
         template=template,
         grid=grid,

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import hashlib
 
+from .paged_attention_mma import BODY as _MMA_BODY
+from .paged_attention_mma import HEADER as MMA_HEADER  # noqa: F401  (paged_attention.py's)
 from .paged_attention_tile import TILE_LOOP as _TILE_LOOP
 
-_SOURCE = r"""
+_PROLOGUE = r"""
     constexpr int NVG = TPB / LPT;  // lane groups per block, one token each per iteration
     constexpr int HQ = HKV * NREP;
     constexpr int GROUPS = NREP / G;
@@ -36,6 +38,15 @@ _SOURCE = r"""
     const float NEG_INF = __int_as_float(0xff800000);
 /*NEW_KV*/
 
+    // The lane groups' (the tensor-core body: the warps') states, merged after the body.
+    __shared__ float sm_m[NVG][G];
+    __shared__ float sm_l[NVG][G];
+    __shared__ float sm_o[NVG][G][D];
+"""
+
+# The lane-group body: each lane group of LPT lanes takes one token at a time (the module docstring of
+# paged_attention.py); leaves its state in sm_m, sm_l, sm_o at index vg.
+_LANE_GROUP_BODY = r"""
     float qv[G][EPL];
     float m[G];
     float l[G];
@@ -61,10 +72,7 @@ _SOURCE = r"""
     // The lane groups' tiles of tokens into their online softmax (paged_attention_tile.py).
 /*TILE_LOOP*/
 
-    // Merge the lane groups' states, then write this split's partials.
-    __shared__ float sm_m[NVG][G];
-    __shared__ float sm_l[NVG][G];
-    __shared__ float sm_o[NVG][G][D];
+    // The lane group's state into the block's merge arrays.
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         if (sub == 0) {
@@ -79,6 +87,10 @@ _SOURCE = r"""
             }
         }
     }
+"""
+
+# Merge the lane groups' states, then write this split's partials.
+_MERGE = r"""
     __syncthreads();
     for (int idx = tid; idx < G * D; idx += TPB) {
         const int g = idx / D;
@@ -106,7 +118,9 @@ _SOURCE = r"""
         }
     }
 /*LAST_BLOCK*/
-""".replace("/*TILE_LOOP*/", _TILE_LOOP)
+"""
+_SOURCE = (_PROLOGUE + _LANE_GROUP_BODY + _MERGE).replace("/*TILE_LOOP*/", _TILE_LOOP)
+_MMA_SOURCE = _PROLOGUE + _MMA_BODY + _MERGE
 
 
 # One split (the whole context in one block per head group): the combine step's arithmetic for S = 1 (its rescale
@@ -247,14 +261,20 @@ def _with_sinks(source: str, where: str, sinks: bool) -> str:
 
 
 def kernel_source(
-    one_split: bool = False, new_kv: bool = False, last_block_combines: bool = False, sinks: bool = False
+    one_split: bool = False,
+    new_kv: bool = False,
+    last_block_combines: bool = False,
+    sinks: bool = False,
+    mma: bool = False,
 ) -> str:
     """The split kernel's source (partials; with `last_block_combines` also the output, `_LAST_BLOCK_COMBINES`), or
     with one split the output itself; with or without the step's keys and values (`_WITH_NEW_KV`); with `sinks`, the
-    output's normalization takes each head's sink (a split's partials never do)."""
+    output's normalization takes each head's sink (a split's partials never do); with `mma`, the tensor-core body
+    (paged_attention_mma.py, compiled with its MMA_HEADER) in place of the lane groups'."""
     if one_split and last_block_combines:
         raise ValueError("one split writes the output itself: there is nothing to combine")
-    source = _SOURCE.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else _SOURCE
+    source = _MMA_SOURCE if mma else _SOURCE
+    source = source.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else source
     source = _with_sinks(source, "MERGE", sinks and one_split)
     block = _with_sinks(_LAST_BLOCK_COMBINES, "COMBINE", sinks) if last_block_combines else ""
     source = source.replace("/*LAST_BLOCK*/", block)
@@ -304,7 +324,7 @@ UNROLL = 2  # tokens in flight per lane group (loads issued together)
 
 # Part of the cache key of tuned tactics: a changed kernel must not reuse old measurements.
 KERNEL_HASH = hashlib.sha256(
-    f"{_SOURCE}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{_SINK_MAX}{_SINK_SUM}"
+    f"{_SOURCE}{_MMA_SOURCE}{MMA_HEADER}{_COMBINE_SOURCE}{_WRITE_OUTPUT}{_POOLS_ONLY}{_WITH_NEW_KV}{_LAST_BLOCK_COMBINES}{_SINK_MAX}{_SINK_SUM}"
     f"{THREADS}/{UNROLL}".encode()
 ).hexdigest()[:8]
 RUNNER_CUDA = f"cuda-kernel-{KERNEL_HASH}"

@@ -174,16 +174,17 @@ def test_new_kv_is_checked():
 
 
 _KINDS = ["split", "one_split", "last_block_combines", "one_split_sinks", "combines_sinks"]
-_COMPILED = [(k, n) for k in _KINDS for n in (False, True)]
+_COMPILED = [(k, n, mma) for k in _KINDS for n in (False, True) for mma in (False, True)]
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kind,new_kv", _COMPILED)
-def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
-    """The split kernel in its variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16)."""
+@pytest.mark.parametrize("kind,new_kv,mma", _COMPILED)
+def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv, mma):
+    """The split kernel in its variants as MLX's cuda_kernel assembles them (Llama-3-8B geometry, bf16), with the
+    lane groups' body and with the tensor cores'."""
     one_split, combines, sinks = kind.startswith("one_split"), "combines" in kind, kind.endswith("sinks")
-    source = cpa.kernel_source(one_split, new_kv, combines, sinks)
-    geo = launch_geometry(128, 4)
+    source = cpa.kernel_source(one_split, new_kv, combines, sinks, mma)
+    geo = launch_geometry(128, 4, mma)
     template = {
         "KV": mx.bfloat16,
         "SCALE_BITS": cpa._scale_bits(128**-0.5),
@@ -220,15 +221,17 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv):
     params += [] if one_split else [f"    float* {n}" for n in ("o_part", "m_part", "l_part")]
     assert ("k_pool_shape" in source) == new_kv and ("atomicAdd" in source) == combines
     assert ("sinks[" in source) == sinks and "/*" not in source.replace("/*NEW_KV*/", "")  # (every placeholder filled)
-    compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source))
+    compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source, cpa.MMA_HEADER if mma else ""))
 
 
 @needs_nvcc
-def test_the_llama_kernel_fits_four_blocks_an_sm(tmp_path):
+@pytest.mark.parametrize("mma", [False, True])
+def test_the_llama_kernel_fits_four_blocks_an_sm(tmp_path, mma):
     """Llama-3-8B's decode kernel as a step launches it (the step's KV, last block combines; no window or soft cap):
-    at most 128 registers a thread and no spill, so four blocks of 128 threads fit an SM."""
-    source = cpa.kernel_source(False, True, True, False)
-    geo = launch_geometry(128, 4)
+    no spill, and at most 128 registers a thread (four blocks of 128 threads an SM) with the lane groups' body, 168
+    (three) with the tensor cores' (two tiles of keys and values in flight a warp)."""
+    source = cpa.kernel_source(False, True, True, False, mma)
+    geo = launch_geometry(128, 4, mma)
     template = {
         **{"KV": mx.bfloat16, "SCALE_BITS": cpa._scale_bits(128**-0.5), "D": 128, "BS": 32, "HKV": 8, "NREP": 4},
         **{"G": geo["G"], "LPT": geo["LPT"], "EPL": geo["EPL"], "TPB": cpa.THREADS},
@@ -242,8 +245,8 @@ def test_the_llama_kernel_fits_four_blocks_an_sm(tmp_path):
         if f"{name}_shape" in source:
             params.append(f"    const __grid_constant__ Shape {name}_shape")
     params += ["    __nv_bfloat16* out"] + [f"    float* {n}" for n in ("o_part", "m_part", "l_part")]
-    report = compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source))
-    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
+    report = compile_sm90(tmp_path, kernel_file("paged_decode", params, template, source, cpa.MMA_HEADER * mma))
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= (168 if mma else 128), report
 
 
 def test_one_split_has_nothing_to_combine():
@@ -310,7 +313,9 @@ def test_launch_geometry_bounds_and_tuner_agrees():
         for n_rep in (1, 4, 7, 32):
             g = launch_geometry(d, n_rep)
             assert g["LPT"] * g["EPL"] >= d and g["G"] * g["EPL"] <= 32 and n_rep % g["G"] == 0
-            assert query_groups(8 * n_rep, 8, d) == n_rep // g["G"]  # the CUDA heuristic's block count
+            mma = cpa.takes_mma(mx.bfloat16, mx.bfloat16, d)
+            groups = n_rep // launch_geometry(d, n_rep, mma)["G"]
+            assert query_groups(8 * n_rep, 8, d) == groups  # the CUDA heuristic's block count (16-bit q and KV)
 
 
 def test_combine_partials_matches_single_split():

@@ -288,6 +288,8 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
     cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=1, sinks=sinks, window=8)
     cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=2, _two_launches=True, sinks=sinks, chunk=16)
     cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=2, counters=counters, sinks=sinks)
+    cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=1, mma=False)  # (the lane groups' body)
+    cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=2, _two_launches=True, mma=False)
     rms_norm._kernels.clear()  # (kernels made before the fixture's stand-ins)
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         rms_norm.rms_norm(mx.zeros((1, 1, 256), dtype), mx.ones((256,), dtype), 1e-5)
@@ -308,9 +310,11 @@ def test_every_kernel_familys_variants_compile_with_their_symbol(through_nvcc):
         "paged_decode_one_split",
         "paged_decode_split",
         "paged_decode_combine",
-        "paged_decode_one_split_sinks",
+        "paged_decode_one_split_mma",
+        "paged_decode_split_mma",
+        "paged_decode_one_split_sinks_mma",
         "paged_decode_combine_sinks",
-        "paged_decode_split_combine_sinks",
+        "paged_decode_split_combine_sinks_mma",
     } <= names, names
     assert sum(n.startswith("mlxcel_rms_norm_") for n in through_nvcc) == 3  # one variant a dtype
 
