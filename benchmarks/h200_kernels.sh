@@ -51,6 +51,8 @@
 #                     A/B in a third of ab's time; claims against mlx-lm still come from compare_mlx_lm
 # Kernels and profiles:
 #   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
+#   paged             the paged decode kernel alone (paged_kernel.py, 8B geometry): both bodies at 4k/16k/32k and
+#                     their split counts, then the tensor-core body with registers capped for 4 blocks an SM
 #   ggufload [ARGS..] a random llama-3-8b Q4_K GGUF (llama_cpp_peer.py write ARGS) read into MLX layouts twice (the blocks
 #                     decoded by MLX ops on the GPU; alternately with the tree in before/ where there is one), then
 #                     `mlxcel bench -m` on it: the load's seconds
@@ -93,6 +95,11 @@ case "${1:-}" in
       --gen-tokens 128 --rounds 2 2>&1 | tail -8 ;;
   qmmablate)
     timeout 540 python benchmarks/qmm_ablate.py ;;
+  paged)
+    export MLX_USE_CUDA_GRAPHS=0
+    timeout 200 python benchmarks/paged_kernel.py --splits 16 32 64 128 | tee "${OUT:-/tmp}/paged_kernel.txt"
+    timeout 100 python benchmarks/paged_kernel.py --context 32768 --splits 32 64 --bodies mma --min-blocks 4 \
+      | tee "${OUT:-/tmp}/paged_kernel_lb4.txt" ;;
   ggufload)
     shift
     args=("$@"); [ ${#args[@]} -gt 0 ] || args=(--model-shape llama-3-8b)

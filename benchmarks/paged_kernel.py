@@ -3,12 +3,14 @@ row, the step's own keys and values written in the kernel, the last block of eac
 
     python benchmarks/paged_kernel.py                                  # Llama-3-8B geometry at 4k, 16k, 32k tokens
     python benchmarks/paged_kernel.py --context 32768 --splits 32 64 128 --bodies mma
+    python benchmarks/paged_kernel.py --context 32768 --splits 32 64 --bodies mma --min-blocks 4
 
 Per context, body (the tensor cores' where they take the inputs, the lane groups') and split count: the median time
 of one call (calls in sequence on one stream, CUDA graphs off, as a model runs them), the bandwidth that gives
 counting the K and V bytes the call reads (context x kv heads x head dim x 2 x the pool's item size), and the largest
 difference from MLX's scaled_dot_product_attention on the same keys and values laid out densely. The context's blocks
-sit at shuffled pool rows, as in a running server.
+sit at shuffled pool rows, as in a running server. `--min-blocks N` compiles the tensor-core body with
+__launch_bounds__(128, N) (registers capped so that N blocks fit an SM; a cap below its 167 registers spills).
 """
 
 from __future__ import annotations
@@ -55,6 +57,22 @@ def make_case(ctx: int, hq: int, hkv: int, d: int, bs: int, dtype, seed: int = 0
     return q, (k_pool, v_pool, table, lens), (k_new, v_new, *slot), (dense_k, dense_v)
 
 
+def bound_tensor_core_body(blocks: int) -> None:
+    """Every tensor-core kernel the calls build from here on compiled with __launch_bounds__(THREADS, blocks), under
+    its own name (the kernel cache keeps both)."""
+    from mlxcel_core.backends.cuda.kernels import cubin_cache
+
+    build = cubin_cache.cuda_kernel
+
+    def bounded(**kwargs):
+        if kwargs["name"].endswith("_mma"):
+            kwargs = {**kwargs, "name": f"{kwargs['name']}_lb{blocks}", "launch_bounds": (cpa.THREADS, blocks)}
+        return build(**kwargs)
+
+    cubin_cache.cuda_kernel = bounded  # (paged_attention._kernel imports it at each build)
+    cpa._kernel.cache_clear()
+
+
 def time_calls(fn, calls: int, reps: int) -> float:
     """Median seconds per call over `reps` evaluations of `calls` calls each (one warm-up first)."""
     mx.eval([fn() for _ in range(calls)])
@@ -78,6 +96,7 @@ def main() -> int:
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="split counts beside the default rule's")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--bodies", nargs="+", default=["mma", "lanes"], choices=["mma", "lanes"])
+    parser.add_argument("--min-blocks", type=int, help="the tensor-core body's __launch_bounds__ blocks an SM")
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
@@ -90,6 +109,8 @@ def main() -> int:
         f"head_dim {d}, q heads {hq}, kv heads {hkv}, block size {bs}, {args.dtype}; geometry "
         f"{cpa.launch_geometry(d, hq // hkv)}; {args.calls} calls an eval, median of {args.reps}"
     )
+    if args.min_blocks:
+        bound_tensor_core_body(args.min_blocks)
     counters = mx.zeros((cpa.COUNTERS,), mx.int32)
     for ctx in args.context:
         q, paged, new_kv, dense = make_case(ctx, hq, hkv, d, bs, dtype)

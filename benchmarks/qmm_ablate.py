@@ -17,9 +17,9 @@ printed): each one removes a part and keeps the rest, so the time it saves bound
                out; x is still staged
   d2           half a chunk of K staged at any row count, so a warp loads 2 groups of weights ahead instead of 4 (as
                past 32 rows): what the depth of the weight prefetch is worth
-Candidates (none now; WARPS_OF names those launched with other than qmm.WARPS warps) must give the kernel's products:
-their largest difference from MLX's is printed too. The last ones, 8 warps a block and the staging loop without a
-division, won and are the kernel now (benchmarks/archive/2026-12-05-h200-session-26/).
+Candidates must give the kernel's products: their largest difference from MLX's is printed too.
+  warps16      16 warps (256 weight rows) a block share one staged chunk of x, one block an SM: the kernel's own
+               source, launched wider (8 warps against 4 won and is the kernel: archive/2026-12-05-h200-session-26/)
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
 """
@@ -103,8 +103,9 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
             "for (int nt = 0; nt < NT; ++nt) { for (int i = 0; i < 4; ++i) { tot[nt][i] += acc[nt][i] * ps[0]; } }",
         )
     ],
+    "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
 }
-WARPS_OF: dict[str, int] = {}  # candidates launched with other than qmm.WARPS warps a block
+WARPS_OF = {"warps16": 16}  # candidates launched with other than qmm.WARPS warps a block (the kernel's own source)
 
 
 def variant_source(name: str) -> str:

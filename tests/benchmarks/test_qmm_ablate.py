@@ -23,7 +23,9 @@ from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text  # noqa: E
 def test_every_variant_changes_the_kernel():
     sources = {name: qmm_ablate.variant_source(name) for name in qmm_ablate.VARIANTS}
     assert sources["full"] == qmm.kernel_source()[1]
-    assert len(set(sources.values())) == len(sources)  # (each edit took)
+    edited = {name: text for name, text in sources.items() if name not in qmm_ablate.WARPS_OF}
+    assert len(set(edited.values())) == len(edited)  # (each edit took)
+    assert all(sources[name] == sources["full"] for name in qmm_ablate.WARPS_OF)  # (launched wider, same source)
 
 
 @needs_nvcc
@@ -80,4 +82,25 @@ def test_the_table_prints_every_variant_and_the_kernels_difference(monkeypatch, 
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[2:] == list(qmm_ablate.VARIANTS)
     assert lines[1].startswith("tiny") and lines[1].count("|") == len(qmm_ablate.VARIANTS) - 1
-    assert lines[2].strip() == "vs MLX, max rel diff: full 0.00e+00", lines[2]
+    assert lines[2].strip() == "vs MLX, max rel diff: full 0.00e+00, warps16 0.00e+00", lines[2]
+
+
+def test_a_candidate_of_16_warps_launches_256_weight_rows_a_block(monkeypatch):
+    """warps16's launch: 512 threads a block, half the blocks of the kernel's 8 warps, registers capped for one block
+    an SM; qmm's own launch shape is back after the call."""
+    launches = []
+
+    def stand_in(**kwargs):
+        def launch(inputs, output_shapes, **args):
+            launches.append((kwargs["launch_bounds"], args["grid"], args["threadgroup"]))
+            return [mx.zeros(output_shapes[0], mx.float32)]
+
+        return launch
+
+    monkeypatch.setattr(qmm_ablate, "cuda_kernel", stand_in)
+    x, w = mx.ones((32, 256), mx.bfloat16), mx.zeros((1024, 32), mx.uint32)
+    scales = biases = mx.zeros((1024, 4), mx.bfloat16)
+    qmm_ablate.product("warps16")(x, w, scales, biases)
+    ((bounds, grid, block),) = launches
+    assert bounds == (512, 1) and grid[0] == 4 * 512 and block == (512, 1, 1)
+    assert qmm.WARPS == 8 and qmm.ROWS_PER_BLOCK == 128
