@@ -204,11 +204,15 @@ class DecodeView:
                 **extra_args,
             )
         pools = storage.write(self.layer, self.slots, keys, values)
-        # Quantized KV: gather the rows densely and mask per row (window, chunk, soft-capping and sinks as given).
-        all_keys, all_values = storage.gather(pools, self.block_tables, queries.dtype)
+        return self._attend_gathered(queries, pools, scale, window, softcap, sinks, values_in_keys, chunk)
+
+    def _attend_gathered(self, queries, pools, scale, window, softcap, sinks, values_in_keys, chunk):
+        """Quantized KV: the rows gathered densely and masked per row (window, chunk, soft-capping and sinks as
+        given)."""
+        all_keys, all_values = self.storage.gather(pools, self.block_tables, queries.dtype)
         all_values = read_values(all_keys, all_values, values_in_keys)
         k_pos = mx.arange(all_keys.shape[2])[None, :]
-        mask = k_pos < context_lens[:, None]
+        mask = k_pos < self.context_lens[:, None]
         if window is not None:
             mask = mx.logical_and(mask, k_pos > self.offset[:, None] - window)
         if chunk is not None:  # the keys of the row's own chunk (Llama 4)
