@@ -15,9 +15,11 @@ Default (the built-in heuristic, what runs when nothing is tuned):
   groups blocks of 128 threads; double the splits until that reaches 512 blocks (about four per SM of
   an H100/H200), while every split keeps at least 64 tokens (of the context bucket), capped. With the
   tensor-core body (head dims of 32..128 in steps of 32, 16-bit q and KV: 167 registers a thread, three
-  blocks an SM), double them only while the grid stays within 384 blocks, one wave of an H200's 396: at a
-  32k-token context, batch 1, 32 splits read the KV at 1.74 TB/s where 64 (two waves) read it at 1.38
-  (benchmarks/paged_kernel.py, archived). (A first H200
+  blocks an SM at head dim 128, where the rule is measured), double them only while the grid stays within 384
+  blocks, one wave of an H200's 396, and the splits within 2 x head dim (what its last block merges in one launch):
+  at a 32k-token context, batch 1, 32 splits read the KV at 1.74 TB/s where 64 (two waves) read it at 1.38
+  (benchmarks/paged_kernel.py, archived). The rule sees no dtypes: a float32 model's calls run the lane groups with
+  this rule's splits. (A first H200
   run of `mlxcel tune` with a 256-block target found 2x more splits 14-34% faster at batch 8, context
   4096-16384. Batch 1 at a 528-token context, in a whole decode step on the H200: 16 splits cost 12.5 us a
   layer with the combine step against 22.6 us at 4, the split this rule chose while it asked 256 tokens. At a
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 OP = "paged-decode-splits"
 MAX_SPLITS = 32  # the MLX-ops path's cap
-MAX_CUDA_SPLITS = 256  # the CUDA kernel's (its last block merges up to 512 splits' partials in shared memory)
+MAX_CUDA_SPLITS = 256  # the CUDA kernel's cap (its last block merges S splits where 2 S <= warps-or-lane-groups x D)
 MIN_CUDA_SPLIT_TOKENS = 64  # the CUDA kernel's default never splits the context bucket finer than this
 CUDA_TARGET_BLOCKS = 512  # the lane-group body's grid target (four blocks an SM)
 MMA_TARGET_BLOCKS = 384  # the tensor-core body's: one wave of three blocks an SM
@@ -152,7 +154,7 @@ def default_splits(bucket: Bucket, runner: str) -> int:
     if runner.startswith("cuda-kernel"):
         blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim)
         if takes_mma(bucket.head_dim):  # (the grid after doubling stays within one wave)
-            grows = lambda s: blocks * s * 2 <= MMA_TARGET_BLOCKS  # noqa: E731
+            grows = lambda s: blocks * s * 2 <= MMA_TARGET_BLOCKS and s * 2 <= 2 * bucket.head_dim  # noqa: E731
         else:  # (doubling until the grid reaches the target)
             grows = lambda s: blocks * s < CUDA_TARGET_BLOCKS  # noqa: E731
         s = 1

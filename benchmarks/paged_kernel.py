@@ -106,8 +106,9 @@ def main() -> int:
     dtype = getattr(mx, args.dtype)
     d, hq, hkv, bs = args.head_dim, args.q_heads, args.kv_heads, args.block_size
     print(
-        f"head_dim {d}, q heads {hq}, kv heads {hkv}, block size {bs}, {args.dtype}; geometry "
-        f"{cpa.launch_geometry(d, hq // hkv)}; {args.calls} calls an eval, median of {args.reps}"
+        f"head_dim {d}, q heads {hq}, kv heads {hkv}, block size {bs}, {args.dtype}; geometry: tensor cores "
+        f"{cpa.launch_geometry(d, hq // hkv, True)}, lane groups {cpa.launch_geometry(d, hq // hkv)}; "
+        f"{args.calls} calls an eval, median of {args.reps}; (default): the split rule's choice for this head dim"
     )
     if args.min_blocks:
         bound_tensor_core_body(args.min_blocks)

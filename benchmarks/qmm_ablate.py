@@ -41,7 +41,7 @@ os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # calls run one after another
 import mlx.core as mx  # noqa: E402
 from qmv import GROUP_SIZE, L2_BYTES, make_weights, max_rel_diff, mlx_qmm, time_calls, weight_bytes  # noqa: E402
 
-from mlxcel_core.backends.cuda.kernels import qmm  # noqa: E402
+from mlxcel_core.backends.cuda.kernels import matvec_config, qmm  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.cubin_cache import cuda_kernel  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.qmm_source import HEADER, SOURCE  # noqa: E402
 
@@ -133,18 +133,20 @@ def product(name: str):
             output_names=["partial"],
             source=source,
             header=HEADER,
-            launch_bounds=(warps * 32, min_blocks * base // warps),
+            launch_bounds=(warps * 32, max(1, min_blocks * base // warps)),
         )
 
     def fn(x, w, scales, biases):
         # (the call builds its lazy op with the kernel and launch shape it finds; launch_args caches by shape)
-        own = qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK
+        # (and the split rule's rows a block: its target counts blocks of the candidate's width)
+        own = qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK, matvec_config.QMM_ROWS_PER_BLOCK
         qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK = kernel, warps, 16 * warps
+        matvec_config.QMM_ROWS_PER_BLOCK = 16 * warps
         qmm.launch_args.cache_clear()
         try:
             return qmm.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
         finally:
-            qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK = own
+            qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK, matvec_config.QMM_ROWS_PER_BLOCK = own
             qmm.launch_args.cache_clear()
 
     return fn

@@ -76,6 +76,10 @@ def test_bucket_rounding_candidates_and_heuristic():
     assert cuda == [16, 32, 4, 4]
     lanes = [default_splits(Bucket.of(b, c, Geometry(head_dim=256)), "cuda-kernel-x") for b, c in cells]
     assert lanes == [16, 64, 8, 8]
+    # One block a split (one kv head, one query head): the tensor-core body's splits stay within what its last block
+    # merges in one launch, 2 x head dim.
+    narrow = Bucket.of(1, 32768, Geometry(head_dim=32, q_heads=1, kv_heads=1))
+    assert default_splits(narrow, "cuda-kernel-x") == 64
     for b in (1, 8):
         for c in (64, 1024, 16384):
             for runner in ("mlx-ops", "cuda-kernel-x"):

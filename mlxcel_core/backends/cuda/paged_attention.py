@@ -22,11 +22,11 @@ several splits when the caller keeps `counters` ("paged_decode_split_combine": t
 finish combines them; the CUDA backend gives engine/paged.py one counter array per layer).
 The kernel sources are in paged_attention_source.py.
 
-Bodies: where q and the pools share a 16-bit type and the head dim is a multiple of 32 up to 128 (`takes_mma`: every
-bf16 / fp16 model's usual head dims), the block's 4 warps take 8-token tiles on the tensor cores
-(paged_attention_mma.py; G up to 8 query heads a block); else LPT-lane groups take one token at a time in float32.
-At a 32k-token context (Llama-3-8B, batch 1, H200) the tensor cores' body reads the KV at 1.74 TB/s against the lane
-groups' 1.34 (benchmarks/paged_kernel.py). The lane groups' body:
+Bodies: where q and the pools share a 16-bit type and the head dim is a multiple of 32 up to 128 (`takes_mma`: a
+bf16 / fp16 model with 64- or 128-wide heads, say; not Gemma's 256), the block's 4 warps take 8-token tiles on the
+tensor cores (paged_attention_mma.py; G up to 8 query heads a block); else LPT-lane groups take one token at a time
+in float32. At a 32k-token context (Llama-3-8B, batch 1, H200) the tensor cores' body reads the KV at 1.74 TB/s
+against the lane groups' 1.34 (benchmarks/paged_kernel.py). The lane groups' body:
 
 Tiles: a lane group keeps UNROLL = 2 tokens' keys and values as loaded (16-bit values: half a float's registers), in
 two buffers used alternately, so that the next tile's loads are in flight while this tile's arithmetic runs, and it
@@ -36,7 +36,7 @@ bound by its reads of the layer's KV, and a lane group that converted each token
 before issuing its next loads left the memory idle meanwhile (benchmarks/RESULTS.md has the figures).
 
 ``num_splits`` is the grid's x extent: every value is the same compiled kernel. The kernel is compiled
-once per (dtypes, D, block_size, Hkv, n_rep) at first use (NVRTC).
+once per (dtypes, D, block_size, Hkv, n_rep, body) at first use (NVRTC).
 
 Validated on the device by tests/mlxcel_core/backends/cuda/test_cuda_paged_attention.py (skipped without CUDA).
 No Metal kernel exists: on Apple silicon, as on CPU, the ops path runs.

@@ -18,8 +18,9 @@ c D / 4 ..), 16-byte loads, as 32-bit pairs.
   thread; each thread keeps its part of the head's sum (added up over the 4 lanes at the end).
 - O^T [dims x heads] += V^T P^T: ``m16n8k8`` products, D / 16 of them, twice, P^T the B operand as the scores left it
   (thread (r, c): head r, tokens 2c, 2c + 1) in two 16-bit terms, P = hi + lo (hi: P rounded to the pools' type; lo:
-  the rest, rounded): P.V then holds P to about 16 bits, not the 8 of a bfloat16 P as flash attention rounds it, so
-  the output is the lane groups' to within float32 sums in another order; the tensor cores have room for it. V^T the A
+  the rest, rounded): P.V then holds P to about 2^-16 relative in bfloat16 (2^-22 in float16, whose P below 6e-5 keeps
+  subnormal, absolute precision), not the 2^-8 of a bfloat16 P as flash attention rounds it, so the output is within
+  float32-level rounding of the lane groups' (the sums l take P exactly); the tensor cores have room for it. V^T the A
   operand: each loaded word of V (token r, two adjacent dims) transposed across the warp with ``movmatrix`` gives
   thread (r, c) the values of tokens 2c and 2c + 1 at one dim. Word 2i gives the A rows 0..7 of product i, word 2i + 1
   rows 8..15: row r of product i is dim (r / 2) D / 4 + 4 i + r % 2, row r + 8 the same + 2. Thread (r, c) accumulates
@@ -107,6 +108,8 @@ __device__ __forceinline__ void mlxcel_pa_mma8(float* d, const uint32_t* a, uint
 # The body: after the prologue (indices, the split's tokens t0..t1, `sc`, NEG_INF, the NEW_KV constants) and the
 # block's shared merge arrays; leaves each warp's state in sm_m, sm_l, sm_o at index vg (the warp: LPT is 32).
 _TAKE = r"""
+    static_assert(LPT == 32 && TPB % 32 == 0 && D % 32 == 0 && D <= 128 && G <= 8,
+                  "the tensor-core body takes whole warps, head dims 32..128 in steps of 32, up to 8 heads a block");
     constexpr int DPT = D / 4;  // dims of a token a thread loads
     constexpr int RPT = DPT / 2;  // their 32-bit words
     constexpr int KS = D / 16;  // q.k's k-steps (16 dims each), and P.V's products (16 dims each)
@@ -198,7 +201,7 @@ _TAKE = r"""
         m = mn;
         const float ca = __shfl_sync(FULL, corr, 8 * lc);  // heads 2 lc and 2 lc + 1's factors, from their lanes
         const float cb = __shfl_sync(FULL, corr, 8 * lc + 4);
-        // P as two 16-bit terms, hi + lo, each its own product: P.V with P to about 16 bits of mantissa, not 8 or 11
+        // P as two 16-bit terms, hi + lo, each its own product: P.V with P to about 16 bits (bf16), not 8 (or 11)
         const uint32_t ph = mlxcel_pa_pack<KV>(p0, p1);
         const float2 hf = mlxcel_pa_unpack<KV>(ph);
         const uint32_t pl = mlxcel_pa_pack<KV>(p0 - hf.x, p1 - hf.y);

@@ -73,8 +73,9 @@ X_TYPES = (mx.bfloat16, mx.float16)
 MIN_BLOCKS = 2
 MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
 
-# The name carries a hash of the source: MLX caches compiled kernels on disk by name (see kernels/qmv.py).
-KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:8]}"
+# The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned splits
+# are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py).
+KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE + f'/{WARPS}').encode()).hexdigest()[:8]}"
 
 
 @functools.cache

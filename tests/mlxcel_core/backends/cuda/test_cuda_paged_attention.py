@@ -226,7 +226,7 @@ def test_kernel_sources_compile_for_sm90_without_spills(tmp_path, kind, new_kv, 
 
 @needs_nvcc
 @pytest.mark.parametrize("mma", [False, True])
-def test_the_llama_kernel_fits_four_blocks_an_sm(tmp_path, mma):
+def test_the_llama_kernel_fits_its_blocks_an_sm(tmp_path, mma):
     """Llama-3-8B's decode kernel as a step launches it (the step's KV, last block combines; no window or soft cap):
     no spill, and at most 128 registers a thread (four blocks of 128 threads an SM) with the lane groups' body, 168
     (three) with the tensor cores' (two tiles of keys and values in flight a warp)."""

@@ -243,11 +243,13 @@ def test_kernel_on_misaligned_views():
 
 
 def test_kernel_name_carries_the_source_hash():
-    """MLX caches compiled kernels on disk by name: an edited source must get a new name."""
+    """MLX caches compiled kernels on disk by name: an edited source, or another block width (which the source reads
+    from blockDim, and tuned splits are keyed on), must get a new name."""
     import hashlib
 
     header, source = qmm.kernel_source()
-    assert qmm.KERNEL_NAME == "mlxcel_qmm_mma_" + hashlib.sha256((header + source).encode()).hexdigest()[:8]
+    digest = hashlib.sha256((header + source + f"/{qmm.WARPS}").encode()).hexdigest()[:8]
+    assert qmm.KERNEL_NAME == "mlxcel_qmm_mma_" + digest
 
 
 @needs_cuda
