@@ -37,8 +37,10 @@ case "${1:-}" in
       pytest-xdist execnet mlx-lm==0.32.2 ruff import-linter grimp pexpect ptyprocess llguidance jsonschema \
       jsonschema-specifications referencing rpds-py attrs libgguf gguf pyyaml openai distro jiter sniffio tqdm \
       httpx2 httpcore2 truststore anyio idna h11
-    # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB)
+    # (the larger extra wheels ride with the second half, which has room: each call carries at most 64 MiB, the
+    # working tree's ~7 MiB included; openai and llguidance ride with the third, installed beside transformers)
     mv .devwheels/a/ruff-*.whl .devwheels/a/grimp-*.whl .devwheels/b/
+    mkdir -p .devwheels/c && mv .devwheels/a/openai-*.whl .devwheels/a/llguidance-*.whl .devwheels/c/
     # The test extras' transformers (that machine's is older than the GGUF tests need) rides alone in a third call,
     # with the versions of the libraries it needs that are installed here (that machine's may be too old for it;
     # transformers loads every model with `kernels` where it finds one, and refuses one outside its range).
