@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlxcel_core.backends.cuda.paged_attention_source import geometry, mma_head_dim  # (imports no MLX)
+
 OP = "paged-decode-splits"
 MAX_SPLITS = 32  # the MLX-ops path's cap
 MAX_CUDA_SPLITS = 256  # the CUDA kernel's cap (its last block merges S splits where 2 S <= warps-or-lane-groups x D)
 MIN_CUDA_SPLIT_TOKENS = 64  # the CUDA kernel's default never splits the context bucket finer than this
 CUDA_TARGET_BLOCKS = 512  # the lane-group body's grid target (four blocks an SM)
 MMA_TARGET_BLOCKS = 384  # the tensor-core body's: one wave of three blocks an SM
-MMA_MAX_GROUP = 8  # query heads a block of the tensor-core body (backends/cuda/paged_attention.py)
 RUNNER_OPS = "mlx-ops"
 DTYPES = ("float16", "bfloat16", "float32")
 # Max-abs tolerance when checking a candidate's output against the default's (both computed in float32
@@ -129,23 +130,10 @@ def candidates(bucket: Bucket, runner: str) -> list[int]:
     return out
 
 
-def takes_mma(head_dim: int) -> bool:
-    """Whether the CUDA kernel runs its tensor-core body at this head dim (for 16-bit q and KV, which this heuristic
-    assumes: backends/cuda/paged_attention.takes_mma)."""
-    return head_dim % 32 == 0 and 32 <= head_dim <= 128
-
-
 def query_groups(q_heads: int, kv_heads: int, head_dim: int) -> int:
     """Thread blocks per kv head in the CUDA kernel (see backends/cuda/paged_attention.launch_geometry)."""
-    n_rep = q_heads // kv_heads
-    if takes_mma(head_dim):
-        return n_rep // max(g for g in range(1, min(n_rep, MMA_MAX_GROUP) + 1) if n_rep % g == 0)
-    lpt = 1
-    while lpt < 32 and lpt * 8 < head_dim:
-        lpt *= 2
-    epl = -(-head_dim // lpt)
-    group = max([g for g in range(1, n_rep + 1) if n_rep % g == 0 and g * epl <= 32] or [1])
-    return n_rep // group
+    n_rep = q_heads // kv_heads  # (the tensor-core body where it takes the head dim, for the 16-bit q and KV assumed)
+    return n_rep // geometry(head_dim, n_rep, mma_head_dim(head_dim))["G"]
 
 
 def default_splits(bucket: Bucket, runner: str) -> int:
@@ -153,7 +141,7 @@ def default_splits(bucket: Bucket, runner: str) -> int:
     cap = split_cap(bucket, runner)
     if runner.startswith("cuda-kernel"):
         blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim)
-        if takes_mma(bucket.head_dim):  # (the grid after doubling stays within one wave)
+        if mma_head_dim(bucket.head_dim):  # (the grid after doubling stays within one wave)
             grows = lambda s: blocks * s * 2 <= MMA_TARGET_BLOCKS and s * 2 <= 2 * bucket.head_dim  # noqa: E731
         else:  # (doubling until the grid reaches the target)
             grows = lambda s: blocks * s < CUDA_TARGET_BLOCKS  # noqa: E731

@@ -57,7 +57,9 @@ from .paged_attention_source import (
     THREADS,
     UNROLL,
     combine_source,
+    geometry,
     kernel_source,
+    mma_head_dim,
 )
 from .small_arrays import float32_bits
 
@@ -65,14 +67,12 @@ MAX_HEAD_DIM = 1024
 
 
 MMA_TYPES = (mx.bfloat16, mx.float16)
-MMA_MAX_GROUP = 8  # query heads a block of the tensor-core body (the columns of its P.V products)
 
 
 def takes_mma(q_dtype, kv_dtype, head_dim: int) -> bool:
     """Whether the tensor-core body (paged_attention_mma.py) takes these: q in the pools' 16-bit type (its products
-    take q as it is), head dim a multiple of 32 up to 128 (a thread's quarter of a row in 16-byte loads, two tiles
-    of it in registers)."""
-    return q_dtype == kv_dtype and kv_dtype in MMA_TYPES and head_dim % 32 == 0 and 32 <= head_dim <= 128
+    take q as it is) and a head dim it takes (`mma_head_dim`)."""
+    return q_dtype == kv_dtype and kv_dtype in MMA_TYPES and mma_head_dim(head_dim)
 
 
 def launch_geometry(head_dim: int, n_rep: int, mma: bool = False) -> dict[str, int]:
@@ -83,15 +83,7 @@ def launch_geometry(head_dim: int, n_rep: int, mma: bool = False) -> dict[str, i
     tensor-core body: a warp's 32 lanes share its tokens) LPT is 32 and G the largest divisor of n_rep up to 8."""
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"the CUDA paged-decode kernel supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}")
-    if mma:
-        group = max(g for g in range(1, min(n_rep, MMA_MAX_GROUP) + 1) if n_rep % g == 0)
-        return {"LPT": 32, "EPL": head_dim // 32, "G": group}
-    lpt = 1
-    while lpt < 32 and lpt * 8 < head_dim:
-        lpt *= 2
-    epl = -(-head_dim // lpt)
-    group = max([g for g in range(1, n_rep + 1) if n_rep % g == 0 and g * epl <= 32] or [1])
-    return {"LPT": lpt, "EPL": epl, "G": group}
+    return geometry(head_dim, n_rep, mma)
 
 
 @functools.cache
@@ -245,11 +237,12 @@ def cuda_paged_decode_attention(
         )
         return out
     combining = counters is not None and not _two_launches
-    kernel = functools.partial(_kernel, mma=mma)
-    return _launch_splits(inputs, template, grid, q, geo, writes, counters if combining else None, with_sinks, kernel)
+    return _launch_splits(inputs, template, grid, q, geo, writes, counters if combining else None, with_sinks, mma)
 
 
-def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters, with_sinks: list, kernel) -> mx.array:
+def _launch_splits(
+    inputs, template, grid, q, geo: dict, writes: bool, counters, with_sinks: list, mma: bool
+) -> mx.array:
     """Several splits: one launch whose last block of each head group merges them (given `counters` and room for
     the merge), else the split launch and the combine launch."""
     B, Hq, D = q.shape[0], q.shape[1], q.shape[-1]
@@ -261,7 +254,7 @@ def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters,
     if counters is not None and counters.size >= grid[1] * B and fits:
         if counters.dtype != mx.int32:
             raise ValueError(f"combine counters must be int32, got {counters.dtype}")
-        out, *_ = kernel(False, writes, True, sinks)(
+        out, *_ = _kernel(False, writes, True, sinks, mma)(
             inputs=inputs + [counters] + with_sinks,
             template=template + [("OUT", q.dtype)],
             grid=grid,
@@ -270,7 +263,7 @@ def _launch_splits(inputs, template, grid, q, geo: dict, writes: bool, counters,
             output_dtypes=[q.dtype, mx.float32, mx.float32, mx.float32],
         )
         return out
-    o_part, m_part, l_part = kernel(False, writes)(
+    o_part, m_part, l_part = _kernel(False, writes, mma=mma)(
         inputs=inputs,
         template=template,
         grid=grid,

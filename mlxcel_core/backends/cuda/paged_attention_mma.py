@@ -33,20 +33,18 @@ the same.
 
 from __future__ import annotations
 
-HEADER = r"""
-template <typename A, typename B>
-struct mlxcel_pa_same {
-    static constexpr bool value = false;
-};
-template <typename A>
-struct mlxcel_pa_same<A, A> {
-    static constexpr bool value = true;
-};
+from .kernels.qmm_source import MMA_M16N8K16
+from .kernels.qmv_source import SAME_TYPE
 
+# The 16-bit type test and the m16n8k16 product are the 4-bit batch kernel's (kernels/qmv_source.py, qmm_source.py).
+HEADER = (
+    SAME_TYPE
+    + MMA_M16N8K16
+    + r"""
 // Two floats as a pair of KV (lo in the low half: the fragment element of the lower index).
 template <typename KV>
 __device__ __forceinline__ uint32_t mlxcel_pa_pack(float lo, float hi) {
-    if constexpr (mlxcel_pa_same<KV, __half>::value) {
+    if constexpr (mlxcel_qmv_same<KV, __half>::value) {
         __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<uint32_t*>(&h);
     } else {
@@ -58,7 +56,7 @@ __device__ __forceinline__ uint32_t mlxcel_pa_pack(float lo, float hi) {
 // The two KV values packed in v, as floats (exactly).
 template <typename KV>
 __device__ __forceinline__ float2 mlxcel_pa_unpack(uint32_t v) {
-    if constexpr (mlxcel_pa_same<KV, __half>::value) {
+    if constexpr (mlxcel_qmv_same<KV, __half>::value) {
         return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(v & 0xFFFFu))),
                            __half2float(__ushort_as_half(static_cast<unsigned short>(v >> 16))));
     } else {
@@ -73,26 +71,10 @@ __device__ __forceinline__ uint32_t mlxcel_pa_trans(uint32_t x) {
     return y;
 }
 
-// d += a (16 x 16, row) * b (16 x 8, col), float32 accumulators.
-template <typename KV>
-__device__ __forceinline__ void mlxcel_pa_mma16(float* d, const uint32_t* a, const uint32_t* b) {
-    if constexpr (mlxcel_pa_same<KV, __half>::value) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-}
-
 // d += a (16 x 8, row) * b (8 x 8, col), float32 accumulators.
 template <typename KV>
 __device__ __forceinline__ void mlxcel_pa_mma8(float* d, const uint32_t* a, uint32_t b) {
-    if constexpr (mlxcel_pa_same<KV, __half>::value) {
+    if constexpr (mlxcel_qmv_same<KV, __half>::value) {
         asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                      : "r"(a[0]), "r"(a[1]), "r"(b));
@@ -104,6 +86,7 @@ __device__ __forceinline__ void mlxcel_pa_mma8(float* d, const uint32_t* a, uint
     }
 }
 """
+)
 
 # The body: after the prologue (indices, the split's tokens t0..t1, `sc`, NEG_INF, the NEW_KV constants) and the
 # block's shared merge arrays; leaves each warp's state in sm_m, sm_l, sm_o at index vg (the warp: LPT is 32).
@@ -178,7 +161,7 @@ _TAKE = r"""
         for (int s = 0; s < KS; ++s) {
             const uint32_t a[4] = {qa[s][0], 0u, qa[s][1], 0u};
             const uint32_t kb[2] = {kr[2 * s], kr[2 * s + 1]};
-            mlxcel_pa_mma16<KV>(c, a, kb);
+            mlxcel_qmm_mma<KV>(c, a, kb);
         }
         const int ta = base + 2 * lc;  // c[0], c[1]: head lr's scores of tokens ta, ta + 1
         const bool v0 = ta < t1;

@@ -11,6 +11,28 @@ from .paged_attention_mma import BODY as _MMA_BODY
 from .paged_attention_mma import HEADER as MMA_HEADER  # noqa: F401  (paged_attention.py's)
 from .paged_attention_tile import TILE_LOOP as _TILE_LOOP
 
+MMA_MAX_GROUP = 8  # query heads a block of the tensor-core body (the columns of its P.V products)
+
+
+def mma_head_dim(head_dim: int) -> bool:
+    """Whether the tensor-core body takes this head dim: a thread's quarter of a row in 16-byte loads, two tiles of it
+    in registers (paged_attention_mma.py); with 16-bit q and KV of one type (paged_attention.takes_mma)."""
+    return head_dim % 32 == 0 and 32 <= head_dim <= 128
+
+
+def geometry(head_dim: int, n_rep: int, mma: bool = False) -> dict[str, int]:
+    """Lanes per token (LPT), head-dim elements per lane (EPL) and query heads per block (G) of either body
+    (paged_attention.launch_geometry checks the head dim first; autotune counts blocks with it)."""
+    if mma:  # (a warp's 32 lanes share its tokens; G: the largest divisor of n_rep up to MMA_MAX_GROUP)
+        return {"LPT": 32, "EPL": head_dim // 32, "G": max(g for g in range(1, MMA_MAX_GROUP + 1) if n_rep % g == 0)}
+    lpt = 1
+    while lpt < 32 and lpt * 8 < head_dim:
+        lpt *= 2
+    epl = -(-head_dim // lpt)
+    group = max([g for g in range(1, n_rep + 1) if n_rep % g == 0 and g * epl <= 32] or [1])
+    return {"LPT": lpt, "EPL": epl, "G": group}
+
+
 _PROLOGUE = r"""
     constexpr int NVG = TPB / LPT;  // lane groups per block, one token each per iteration
     constexpr int HQ = HKV * NREP;

@@ -9,9 +9,9 @@ from . import qmv_source
 CHUNK_K = 256  # values of K a block stages in shared memory at a time (whole groups: 8, 4 or 2 of 32, 64 or 128);
 # launches of more than 32 rows (NT > 4) stage half as many
 
-HEADER = (
-    qmv_source.SAME_TYPE
-    + r"""
+# d += a b on the tensor cores (m16n8k16, float32 accumulators), for any 16-bit T: the 4-bit batch kernel's product,
+# which the paged decode kernel's tensor-core body takes too (it needs qmv_source.SAME_TYPE before it).
+MMA_M16N8K16 = r"""
 // d += a (16 x 16, row) * b (16 x 8, col), float32 accumulators; T is the 16-bit type of a and b.
 template <typename T>
 __device__ __forceinline__ void mlxcel_qmm_mma(float* d, const uint32_t* a, const uint32_t* b) {
@@ -27,7 +27,12 @@ __device__ __forceinline__ void mlxcel_qmm_mma(float* d, const uint32_t* a, cons
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
 }
+"""
 
+HEADER = (
+    qmv_source.SAME_TYPE
+    + MMA_M16N8K16
+    + r"""
 // Nibbles 0 and 4 of w (bits 0-3 and 16-19) as a pair of T holding exactly them: one AND-OR on the whole word puts
 // them in the mantissas of two 16-bit OFF (bf16 128, fp16 1024), giving OFF + q0 | OFF + q1, and OFF is then taken
 // off, exactly, in 16 bits.
