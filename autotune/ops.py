@@ -17,9 +17,8 @@ Default (the built-in heuristic, what runs when nothing is tuned):
   tensor-core body (head dims of 32..128 in steps of 32, 16-bit q and KV: 167 registers a thread, three
   blocks an SM at head dim 128, where the rule is measured), double them only while the grid stays within 384
   blocks, one wave of an H200's 396, and the splits within 2 x head dim (what its last block merges in one launch):
-  at a 32k-token context, batch 1, 32 splits read the KV at 1.74 TB/s where 64 (two waves) read it at 1.38
-  (benchmarks/paged_kernel.py, archived). The rule sees no dtypes: a float32 model's calls run the lane groups with
-  this rule's splits. (A first H200
+  one wave beats two at a 32k-token context (benchmarks/RESULTS.md, the kernels-alone table). The rule sees no
+  dtypes: a float32 model's calls run the lane groups with this rule's splits. (A first H200
   run of `mlxcel tune` with a 256-block target found 2x more splits 14-34% faster at batch 8, context
   4096-16384. Batch 1 at a 528-token context, in a whole decode step on the H200: 16 splits cost 12.5 us a
   layer with the combine step against 22.6 us at 4, the split this rule chose while it asked 256 tokens. At a

@@ -25,8 +25,7 @@ The kernel sources are in paged_attention_source.py.
 Bodies: where q and the pools share a 16-bit type and the head dim is a multiple of 32 up to 128 (`takes_mma`: a
 bf16 / fp16 model with 64- or 128-wide heads, say; not Gemma's 256), the block's 4 warps take 8-token tiles on the
 tensor cores (paged_attention_mma.py; G up to 8 query heads a block); else LPT-lane groups take one token at a time
-in float32. At a 32k-token context (Llama-3-8B, batch 1, H200) the tensor cores' body reads the KV at 1.74 TB/s
-against the lane groups' 1.34 (benchmarks/paged_kernel.py). The lane groups' body:
+in float32 (benchmarks/RESULTS.md, the kernels-alone table, has the two bodies side by side). The lane groups' body:
 
 Tiles: a lane group keeps UNROLL = 2 tokens' keys and values as loaded (16-bit values: half a float's registers), in
 two buffers used alternately, so that the next tile's loads are in flight while this tile's arithmetic runs, and it

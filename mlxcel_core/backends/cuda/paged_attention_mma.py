@@ -2,10 +2,10 @@
 place of the lane-group body where the query and the pools share a 16-bit type and the head dim is a multiple of 32
 up to 128 (backends/cuda/paged_attention.py chooses). Imports nothing.
 
-Why: the lane-group body spends about 65 warp instructions a token on float32 multiply-adds, conversions and shuffle
-reductions, and at long contexts it stays far below the memory's bandwidth with its registers limiting the loads in
-flight. Here a warp takes 8 tokens a tile with the tensor cores (``mma.sync``, float32 accumulation): about 11
-instructions a token.
+Why: the lane-group body spends about 65 warp instructions a token (a count of its source) on float32 multiply-adds,
+conversions and shuffle reductions, and at long contexts it stays far below the memory's bandwidth. Here a warp takes
+8 tokens a tile with the tensor cores (``mma.sync``, float32 accumulation): about 11 instructions a token by the same
+count (benchmarks/RESULTS.md has the two bodies timed).
 
 A warp's tile: thread (r = lane / 4, c = lane % 4) loads token r's key and value slices of D / 4 elements (dims
 c D / 4 ..), 16-byte loads, as 32-bit pairs.

@@ -19,17 +19,16 @@ and 2t+8, 2t+9 (a4a5, b2b3) at a thread: this kernel maps those to the physical 
 same permutation on both operands, so the products pair up. The emulation in
 tests/mlxcel_core/backends/cuda/kernels/test_qmm.py follows this mapping and the PTX fragment layouts index by index.
 
-Data movement: a block's 8 warps (128 weight rows) share x. The block copies a chunk of it (all rows, CHUNK_K values
-of K) into shared memory with cp.async, the next chunk copying while the warps compute on this one (two buffers);
-rows are padded by 8 bytes, so a warp's 8-byte reads of 4 rows by 4 offsets hit 16 different bank pairs (no
-conflict), and rows M .. 8 NT - 1 hold zeros. Each warp keeps D groups of its weights (words, scales, biases) in
-flight in a ring of registers, loading a group D groups before its turn. Why: where each warp loads its own x from
-global memory (8 bytes at a time, 8 rows by 4 offsets: 32 sectors touched, a quarter of each used) and a group's
-weights only when the group starts, every warp waits a memory latency a group (benchmarks/RESULTS.md has the whole
-decode step both ways). Eight warps rather than four a block halve what staging and summing x costs a weight row: an
-8B model's fused gate/up product at 32 rows takes 0.80x the time of four warps, 0.74x at 64 rows
-(benchmarks/qmm_ablate.py's candidates, archived). The staging loop finds a piece's row and offset by a power of two
-(the pieces of a whole chunk's row), not a division.
+Data movement: a block's 8 warps (128 weight rows) share x. The block copies a chunk of it (all rows, CHUNK_K values of
+K) into shared memory with cp.async, the next chunk copying while the warps compute on this one (two buffers); rows are
+padded by 8 bytes, so a warp's 8-byte reads of 4 rows by 4 offsets hit 16 different bank pairs (no conflict), and rows M
+.. 8 NT - 1 hold zeros. Each warp keeps D groups of its weights (words, scales, biases) in flight in a ring of
+registers, loading a group D groups before its turn. Why: where each warp loads its own x from global memory (8 bytes at
+a time, 8 rows by 4 offsets: 32 sectors touched, a quarter of each used) and a group's weights only when the group
+starts, every warp waits a memory latency a group (benchmarks/RESULTS.md has the whole decode step both ways). Eight
+warps rather than four a block halve what staging and summing x costs a weight row (benchmarks/RESULTS.md, the
+kernels-alone table, has the two side by side). The staging loop finds a piece's row and offset by a power of two (the
+pieces of a whole chunk's row), not a division.
 
 The bias term needs each x row's sum over each group: the block sums each staged chunk's rows once, into shared
 memory behind a second barrier, and each warp reads two sums a tile (rather than every warp adding up its own x
