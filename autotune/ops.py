@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxcel_core.backends.cuda.paged_attention_source import geometry, mma_head_dim  # (imports no MLX)
-
 OP = "paged-decode-splits"
 MAX_SPLITS = 32  # the MLX-ops path's cap
 MAX_CUDA_SPLITS = 256  # the CUDA kernel's cap (its last block merges S splits where 2 S <= warps-or-lane-groups x D)
@@ -131,6 +129,9 @@ def candidates(bucket: Bucket, runner: str) -> list[int]:
 
 def query_groups(q_heads: int, kv_heads: int, head_dim: int) -> int:
     """Thread blocks per kv head in the CUDA kernel (see backends/cuda/paged_attention.launch_geometry)."""
+    # (imported here: a machine without the CUDA kernel never loads the CUDA wing; the module imports no MLX)
+    from mlxcel_core.backends.cuda.paged_attention_source import geometry, mma_head_dim
+
     n_rep = q_heads // kv_heads  # (the tensor-core body where it takes the head dim, for the 16-bit q and KV assumed)
     return n_rep // geometry(head_dim, n_rep, mma_head_dim(head_dim))["G"]
 
@@ -140,6 +141,8 @@ def default_splits(bucket: Bucket, runner: str) -> int:
     cap = split_cap(bucket, runner)
     if runner.startswith("cuda-kernel"):
         blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim)
+        from mlxcel_core.backends.cuda.paged_attention_source import mma_head_dim  # (as in query_groups)
+
         if mma_head_dim(bucket.head_dim):  # (the grid after doubling stays within one wave)
             grows = lambda s: blocks * s * 2 <= MMA_TARGET_BLOCKS and s * 2 <= 2 * bucket.head_dim  # noqa: E731
         else:  # (doubling until the grid reaches the target)
