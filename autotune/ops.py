@@ -17,8 +17,8 @@ Default (the built-in heuristic, what runs when nothing is tuned):
   tensor-core body (head dims of 32..128 in steps of 32, 16-bit q and KV: 167 registers a thread, three
   blocks an SM at head dim 128, where the rule is measured), double them only while the grid stays within 384
   blocks, one wave of an H200's 396, and the splits within 2 x head dim (what its last block merges in one launch):
-  one wave beats two at a 32k-token context (benchmarks/RESULTS.md, the kernels-alone table). The rule sees no
-  dtypes: a float32 model's calls run the lane groups with this rule's splits. (A first H200
+  one wave beats two at a 32k-token context (benchmarks/RESULTS.md, the kernels-alone table). A float32 model's
+  calls run the lane groups and get their rule. (A first H200
   run of `mlxcel tune` with a 256-block target found 2x more splits 14-34% faster at batch 8, context
   4096-16384. Batch 1 at a 528-token context, in a whole decode step on the H200: 16 splits cost 12.5 us a
   layer with the combine step against 22.6 us at 4, the split this rule chose while it asked 256 tokens. At a
@@ -127,23 +127,26 @@ def candidates(bucket: Bucket, runner: str) -> list[int]:
     return out
 
 
-def query_groups(q_heads: int, kv_heads: int, head_dim: int) -> int:
-    """Thread blocks per kv head in the CUDA kernel (see backends/cuda/paged_attention.launch_geometry)."""
+def query_groups(q_heads: int, kv_heads: int, head_dim: int, mma: bool) -> int:
+    """Thread blocks per kv head in the CUDA kernel, of the tensor-core body or the lane groups (see
+    backends/cuda/paged_attention.launch_geometry)."""
     # (imported here: a machine without the CUDA kernel never loads the CUDA wing; the module imports no MLX)
-    from mlxcel_core.backends.cuda.paged_attention_source import geometry, mma_head_dim
+    from mlxcel_core.backends.cuda.paged_attention_source import geometry
 
-    n_rep = q_heads // kv_heads  # (the tensor-core body where it takes the head dim, for the 16-bit q and KV assumed)
-    return n_rep // geometry(head_dim, n_rep, mma_head_dim(head_dim))["G"]
+    n_rep = q_heads // kv_heads
+    return n_rep // geometry(head_dim, n_rep, mma)["G"]
 
 
-def default_splits(bucket: Bucket, runner: str) -> int:
-    """The built-in heuristic (module docstring); always one of `candidates(bucket, runner)`."""
+def default_splits(bucket: Bucket, runner: str, dtype: str) -> int:
+    """The built-in heuristic (module docstring) for q and pools of `dtype` (a name, one of DTYPES); always one of
+    `candidates(bucket, runner)`."""
     cap = split_cap(bucket, runner)
     if runner.startswith("cuda-kernel"):
-        blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim)
-        from mlxcel_core.backends.cuda.paged_attention_source import mma_head_dim  # (as in query_groups)
+        from mlxcel_core.backends.cuda.paged_attention_source import body_is_mma  # (as in query_groups)
 
-        if mma_head_dim(bucket.head_dim):  # (the grid after doubling stays within one wave)
+        mma = body_is_mma(dtype, bucket.head_dim)
+        blocks = bucket.batch * bucket.kv_heads * query_groups(bucket.q_heads, bucket.kv_heads, bucket.head_dim, mma)
+        if mma:  # (the grid after doubling stays within one wave)
             grows = lambda s: blocks * s * 2 <= MMA_TARGET_BLOCKS and s * 2 <= 2 * bucket.head_dim  # noqa: E731
         else:  # (doubling until the grid reaches the target)
             grows = lambda s: blocks * s < CUDA_TARGET_BLOCKS  # noqa: E731
@@ -300,7 +303,7 @@ def profile_cell(
     runner = runner or current_runner(geometry.head_dim)
     bucket = Bucket.of(batch, context, geometry)
     splits = candidates(bucket, runner)
-    default = default_splits(bucket, runner)
+    default = default_splits(bucket, runner, dtype)
     attention = backends.current().paged_attention(runner)
     q, k_pool, v_pool, tables, lens = workload(batch, context, geometry, dtype)
     decode_inputs = decode_step_inputs(q, k_pool, tables, context) if runner.startswith("cuda-kernel") else {}

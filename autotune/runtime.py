@@ -90,7 +90,7 @@ class SplitsChooser:
     def _resolve(self, batch, context, q_heads, kv_heads, head_dim, block_size, dtype, runner) -> int:
         geometry = Geometry(head_dim, q_heads, kv_heads, block_size)
         bucket = Bucket.of(batch, context, geometry)
-        default = default_splits(bucket, runner)
+        default = default_splits(bucket, runner, dtype)
         if self.mode == "off":
             return default
         from .ops import device_identity

@@ -117,7 +117,9 @@ def main() -> int:
         q, paged, new_kv, dense = make_case(ctx, hq, hkv, d, bs, dtype)
         ref = mx.fast.scaled_dot_product_attention(q[:, :, None, :], *dense, scale=d**-0.5)[:, :, 0, :]
         ref = ref.astype(mx.float32)
-        default = default_splits(Bucket.of(1, paged[2].shape[1] * bs, Geometry(d, hq, hkv, bs)), cpa.RUNNER_CUDA)
+        default = default_splits(
+            Bucket.of(1, paged[2].shape[1] * bs, Geometry(d, hq, hkv, bs)), cpa.RUNNER_CUDA, args.dtype
+        )
         kv_bytes = ctx * hkv * d * 2 * mx.zeros((), dtype).itemsize
         for body, s in ((body, s) for s in sorted(set(args.splits) | {default}) for body in args.bodies):
 

@@ -307,7 +307,7 @@ def _paged_dry_run(cells, geometry, dtype: str, settings, as_json: bool, others:
     runner, directory, rows = predicted_runner(), autotune_dir(), []
     for b, c in cells:
         bucket = Bucket.of(b, c, geometry)
-        default, cands = label(default_splits(bucket, runner)), [label(s) for s in candidates(bucket, runner)]
+        default, cands = label(default_splits(bucket, runner, dtype)), [label(s) for s in candidates(bucket, runner)]
         rows.append({"batch": b, "context": c, "bucket": bucket.key(), "default": default, "candidates": cands})
     if as_json:
         doc = {"dry_run": True, "cache_dir": str(directory), "op": OP, "runner": runner, "profile": settings.__dict__}

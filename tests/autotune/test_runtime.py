@@ -67,24 +67,30 @@ def test_bucket_rounding_candidates_and_heuristic():
     assert candidates(Bucket.of(1, 20000, Geometry()), "cuda-kernel-x") == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert candidates(Bucket.of(1, 5, Geometry(block_size=32)), "cuda-kernel-x") == [1]
     assert candidates(Bucket(1, 96, 4, 2, 32, 32), "mlx-ops") == [1, 2, 3]  # the cap itself when not a power of two
-    ops_defaults = [default_splits(Bucket.of(1, c, Geometry()), "mlx-ops") for c in (1024, 4096, 8192, 16384)]
+    ops_defaults = [
+        default_splits(Bucket.of(1, c, Geometry()), "mlx-ops", "bfloat16") for c in (1024, 4096, 8192, 16384)
+    ]
     assert ops_defaults == [1, 2, 4, 8]
     cells = ((1, 1024), (1, 32768), (8, 4096), (8, 16384))
-    cuda = [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x") for b, c in cells]
+    cuda = [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x", "bfloat16") for b, c in cells]
     # The tensor-core body's head dims: batch 1: 8 kv heads x 16 splits (64 tokens each), 32 at 32k (256 blocks: one
     # wave); batch 8: 64 blocks x 4. The lane groups' (head dim 256): 16 and 64 splits, 8 at batch 8 (512 blocks).
     assert cuda == [16, 32, 4, 4]
-    lanes = [default_splits(Bucket.of(b, c, Geometry(head_dim=256)), "cuda-kernel-x") for b, c in cells]
+    lanes = [default_splits(Bucket.of(b, c, Geometry(head_dim=256)), "cuda-kernel-x", "bfloat16") for b, c in cells]
     assert lanes == [16, 64, 8, 8]
+    # A float32 model runs the lane groups at every head dim, and gets their rule.
+    assert [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x", "float32") for b, c in cells] == lanes
+    assert [default_splits(Bucket.of(b, c, Geometry()), "cuda-kernel-x", "float16") for b, c in cells] == cuda
     # One block a split (one kv head, one query head): the tensor-core body's splits stay within what its last block
     # merges in one launch, 2 x head dim.
     narrow = Bucket.of(1, 32768, Geometry(head_dim=32, q_heads=1, kv_heads=1))
-    assert default_splits(narrow, "cuda-kernel-x") == 64
+    assert default_splits(narrow, "cuda-kernel-x", "float16") == 64
     for b in (1, 8):
         for c in (64, 1024, 16384):
             for runner in ("mlx-ops", "cuda-kernel-x"):
                 bucket = Bucket.of(b, c, Geometry())
-                assert default_splits(bucket, runner) in candidates(bucket, runner)
+                for dtype in ("bfloat16", "float32"):
+                    assert default_splits(bucket, runner, dtype) in candidates(bucket, runner)
 
 
 def test_env_splits_parsing(capsys):
@@ -179,7 +185,7 @@ def test_tune_mode_measures_nothing_in_a_dry_run_and_tunes_after_it(monkeypatch)
     monkeypatch.setenv("MLXCEL_AUTOTUNE", "1")
     calls = []
     monkeypatch.setattr(ops, "profile_cell", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(MemoryError()))
-    assert SplitsChooser()(**SHAPE) == default_splits(BUCKET, "mlx-ops") and calls == []
+    assert SplitsChooser()(**SHAPE) == default_splits(BUCKET, "mlx-ops", SHAPE["dtype"]) and calls == []
     backend.dry = False
     SplitsChooser()(**SHAPE)
     assert len(calls) == 1

@@ -51,6 +51,7 @@ import mlx.core as mx
 from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments, check_limits
 
 from .paged_attention_source import (
+    MMA_DTYPES,
     MMA_HEADER,
     RUNNER_CUDA,
     THREADS,
@@ -65,7 +66,7 @@ from .small_arrays import float32_bits
 MAX_HEAD_DIM = 1024
 
 
-MMA_TYPES = (mx.bfloat16, mx.float16)
+MMA_TYPES = tuple(getattr(mx, name) for name in MMA_DTYPES)
 
 
 def takes_mma(q_dtype, kv_dtype, head_dim: int) -> bool:

@@ -20,6 +20,14 @@ def mma_head_dim(head_dim: int) -> bool:
     return head_dim % 32 == 0 and 32 <= head_dim <= 128
 
 
+MMA_DTYPES = ("bfloat16", "float16")  # the pools' types the tensor-core body reads (by name: this imports no MLX)
+
+
+def body_is_mma(dtype: str, head_dim: int) -> bool:
+    """Whether a call with q and pools of dtype `dtype` (a name, e.g. "bfloat16") runs the tensor-core body."""
+    return dtype in MMA_DTYPES and mma_head_dim(head_dim)
+
+
 def geometry(head_dim: int, n_rep: int, mma: bool = False) -> dict[str, int]:
     """Lanes per token (LPT), head-dim elements per lane (EPL) and query heads per block (G) of either body
     (paged_attention.launch_geometry checks the head dim first; autotune counts blocks with it)."""

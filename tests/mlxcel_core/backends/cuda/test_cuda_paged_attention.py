@@ -308,14 +308,17 @@ def test_bad_input_is_a_value_error():
 
 def test_launch_geometry_bounds_and_tuner_agrees():
     from autotune.ops import query_groups
+    from mlxcel_core.backends.cuda.paged_attention_source import body_is_mma
 
     for d in (32, 64, 80, 96, 128, 256, 512):
         for n_rep in (1, 4, 7, 32):
             g = launch_geometry(d, n_rep)
             assert g["LPT"] * g["EPL"] >= d and g["G"] * g["EPL"] <= 32 and n_rep % g["G"] == 0
-            mma = cpa.takes_mma(mx.bfloat16, mx.bfloat16, d)
-            groups = n_rep // launch_geometry(d, n_rep, mma)["G"]
-            assert query_groups(8 * n_rep, 8, d) == groups  # the CUDA heuristic's block count (16-bit q and KV)
+            for dtype in (mx.bfloat16, mx.float32):
+                mma = cpa.takes_mma(dtype, dtype, d)
+                assert mma == body_is_mma(str(dtype).rsplit(".", 1)[-1], d)  # (what the split rule sees)
+                groups = n_rep // launch_geometry(d, n_rep, mma)["G"]
+                assert query_groups(8 * n_rep, 8, d, mma) == groups  # the CUDA heuristic's block count
 
 
 def test_combine_partials_matches_single_split():
