@@ -51,6 +51,8 @@
 #                     A/B in a third of ab's time; claims against mlx-lm still come from compare_mlx_lm
 # Kernels and profiles:
 #   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
+#   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
+#                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM
 #   paged             the paged decode kernel alone (paged_kernel.py, 8B geometry): both bodies at 4k/16k/32k and
 #                     their split counts, then the tensor-core body with registers capped for 4 blocks an SM
 #   ggufload [ARGS..] a random llama-3-8b Q4_K GGUF (llama_cpp_peer.py write ARGS) read into MLX layouts twice (the blocks
@@ -95,6 +97,10 @@ case "${1:-}" in
       --gen-tokens 128 --rounds 2 2>&1 | tail -8 ;;
   qmmablate)
     timeout 540 python benchmarks/qmm_ablate.py ;;
+  qmmwarps)
+    timeout 300 python benchmarks/qmm_ablate.py --variants full warps16 warps4 | tee "${OUT:-/tmp}/qmm_warps.txt"
+    timeout 200 python benchmarks/qmm_ablate.py --variants full warps4 --group-size 32 --rows 48 64 \
+      | tee "${OUT:-/tmp}/qmm_warps_g32.txt" ;;
   paged)
     export MLX_USE_CUDA_GRAPHS=0
     timeout 200 python benchmarks/paged_kernel.py --splits 16 32 64 128 | tee "${OUT:-/tmp}/paged_kernel.txt"

@@ -20,6 +20,9 @@ printed): each one removes a part and keeps the rest, so the time it saves bound
 Candidates must give the kernel's products: their largest difference from MLX's is printed too.
   warps16      16 warps (256 weight rows) a block share one staged chunk of x, one block an SM: the kernel's own
                source, launched wider (8 warps against 4 won and is the kernel: archive/2026-12-05-h200-session-26/)
+  warps4       the kernel's source at 4 warps a block, as before 8 won: at groups of 32 past 32 rows (--group-size 32
+               --rows 64), where 8 warps take one block an SM (registers above 128), 4 took three
+Groups of 32 and 128 with --group-size (MLX's quantization of the same random weights).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
 """
@@ -104,8 +107,10 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
         )
     ],
     "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
+    "warps4": [],
 }
-WARPS_OF = {"warps16": 16}  # candidates launched with other than qmm.WARPS warps a block (the kernel's own source)
+# Candidates launched with other than qmm.WARPS warps a block (the kernel's own source)
+WARPS_OF = {"warps16": 16, "warps4": 4}
 
 
 def variant_source(name: str) -> str:
@@ -117,7 +122,7 @@ def variant_source(name: str) -> str:
     return source
 
 
-def product(name: str):
+def product(name: str, group_size: int = GROUP_SIZE):
     """The variant's x @ W.T: kernels/qmm.py's own launch and partial sums, its kernel built from the variant's
     source."""
     source = variant_source(name)
@@ -144,7 +149,7 @@ def product(name: str):
         matvec_config.QMM_ROWS_PER_BLOCK = 16 * warps
         qmm.launch_args.cache_clear()
         try:
-            return qmm.quantized_matmul(x, w, scales, biases, GROUP_SIZE)
+            return qmm.quantized_matmul(x, w, scales, biases, group_size)
         finally:
             qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK, matvec_config.QMM_ROWS_PER_BLOCK = own
             qmm.launch_args.cache_clear()
@@ -164,21 +169,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
     p.add_argument("--calls", type=int, default=24)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--group-size", type=int, default=GROUP_SIZE, choices=[32, 64, 128])
     a = p.parse_args(argv)
     if not _cuda():
         print("qmm_ablate.py needs MLX's CUDA backend and a CUDA device", file=sys.stderr)
         return 1
+    print(f"group size {a.group_size}")
     print(f"{'shape':<14} {'rows':>4} " + " ".join(f"{v:>17}" for v in a.variants))
     for shape, n, k in (s for s in SHAPES if s[0] in a.shapes):
-        probe = make_weights(n, k, mx.bfloat16, 1)
+        probe = make_weights(n, k, mx.bfloat16, 1, group_size=a.group_size)
         copies = max(2, math.ceil(3 * L2_BYTES / weight_bytes(*probe[0])))
-        weights = probe + make_weights(n, k, mx.bfloat16, copies - 1, seed=1)
+        weights = probe + make_weights(n, k, mx.bfloat16, copies - 1, seed=1, group_size=a.group_size)
         gbytes = weight_bytes(*weights[0]) / 1e9
         for rows in a.rows:
             x = (mx.random.normal((rows, k), key=mx.random.key(rows)) * 0.5).astype(mx.bfloat16)
             cells, base, diffs = [], None, []
             for v in a.variants:
-                fn = product(v)
+                fn = product(v, a.group_size)
                 if v == "full" or v in WARPS_OF:  # (correct by design: MLX's product)
                     diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)

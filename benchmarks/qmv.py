@@ -75,13 +75,13 @@ def weight_bytes(w: mx.array, scales: mx.array, biases: mx.array) -> int:
     return w.nbytes + scales.nbytes + biases.nbytes
 
 
-def make_weights(n: int, k: int, dtype, copies: int, seed: int = 0):
+def make_weights(n: int, k: int, dtype, copies: int, seed: int = 0, group_size: int = GROUP_SIZE):
     out = []
     key = mx.random.key(seed)
     for _ in range(copies):
         key, sub = mx.random.split(key)
         w = (mx.random.normal((n, k), key=sub) * 0.02).astype(dtype)
-        q = mx.quantize(w, group_size=GROUP_SIZE, bits=4)
+        q = mx.quantize(w, group_size=group_size, bits=4)
         mx.eval(q)
         out.append(q)
         del w
@@ -110,7 +110,8 @@ def time_calls(fn, x, weights, calls: int, reps: int) -> tuple[float, float]:
 
 
 def mlx_qmm(x, w, scales, biases):
-    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=GROUP_SIZE, bits=4)
+    group_size = x.shape[-1] // scales.shape[-1]
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
 
 
 def ours(config=None):

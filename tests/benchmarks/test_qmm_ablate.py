@@ -78,16 +78,18 @@ def test_the_table_prints_every_variant_and_the_kernels_difference(monkeypatch, 
         return launch
 
     monkeypatch.setattr(qmm_ablate, "cuda_kernel", stand_in)
-    assert qmm_ablate.main(["--rows", "16", "--calls", "1", "--reps", "1"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[2:] == list(qmm_ablate.VARIANTS)
-    assert lines[1].startswith("tiny") and lines[1].count("|") == len(qmm_ablate.VARIANTS) - 1
-    assert lines[2].strip() == "vs MLX, max rel diff: full 0.00e+00, warps16 0.00e+00", lines[2]
+    for group_size in (64, 32):
+        assert qmm_ablate.main(["--rows", "16", "--calls", "1", "--reps", "1", "--group-size", str(group_size)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0] == f"group size {group_size}"
+        assert lines[1].split()[2:] == list(qmm_ablate.VARIANTS)
+        assert lines[2].startswith("tiny") and lines[2].count("|") == len(qmm_ablate.VARIANTS) - 1
+        assert lines[3].strip() == "vs MLX, max rel diff: full 0.00e+00, warps16 0.00e+00, warps4 0.00e+00", lines[3]
 
 
-def test_a_candidate_of_16_warps_launches_256_weight_rows_a_block(monkeypatch):
+def test_candidates_of_16_and_4_warps_launch_256_and_64_weight_rows_a_block(monkeypatch):
     """warps16's launch: 512 threads a block, half the blocks of the kernel's 8 warps, registers capped for one block
-    an SM; qmm's own launch shape is back after the call."""
+    an SM; warps4's: 128 threads, twice the blocks, four an SM; qmm's own launch shape is back after each call."""
     launches = []
 
     def stand_in(**kwargs):
@@ -101,6 +103,8 @@ def test_a_candidate_of_16_warps_launches_256_weight_rows_a_block(monkeypatch):
     x, w = mx.ones((32, 256), mx.bfloat16), mx.zeros((1024, 32), mx.uint32)
     scales = biases = mx.zeros((1024, 4), mx.bfloat16)
     qmm_ablate.product("warps16")(x, w, scales, biases)
-    ((bounds, grid, block),) = launches
+    qmm_ablate.product("warps4")(x, w, scales, biases)
+    (bounds, grid, block), (bounds4, grid4, block4) = launches
     assert bounds == (512, 1) and grid[0] == 4 * 512 and block == (512, 1, 1)
+    assert bounds4 == (128, 4) and grid4[0] == 16 * 128 and block4 == (128, 1, 1)  # (4 warps: 64 weight rows a block)
     assert qmm.WARPS == 8 and qmm.ROWS_PER_BLOCK == 128
