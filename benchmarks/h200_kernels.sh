@@ -54,7 +54,9 @@
 #   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
 #                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM
 #   paged             the paged decode kernel alone (paged_kernel.py, 8B geometry): both bodies at 4k/16k/32k and
-#                     their split counts, then the tensor-core body with registers capped for 4 blocks an SM
+#                     their split counts; the tensor-core body at split counts between powers of two that fill more
+#                     of one wave (48 x 8 heads = 384 blocks of an H200's 396 at three an SM); then the same body
+#                     with registers capped for 4 blocks an SM
 #   ggufload [ARGS..] a random llama-3-8b Q4_K GGUF (llama_cpp_peer.py write ARGS) read into MLX layouts twice (the blocks
 #                     decoded by MLX ops on the GPU; alternately with the tree in before/ where there is one), then
 #                     `mlxcel bench -m` on it: the load's seconds
@@ -104,7 +106,9 @@ case "${1:-}" in
   paged)
     export MLX_USE_CUDA_GRAPHS=0
     timeout 200 python benchmarks/paged_kernel.py --splits 16 32 64 128 | tee "${OUT:-/tmp}/paged_kernel.txt"
-    timeout 100 python benchmarks/paged_kernel.py --context 32768 --splits 32 64 --bodies mma --min-blocks 4 \
+    timeout 100 python benchmarks/paged_kernel.py --context 8192 32768 --splits 24 32 40 48 --bodies mma \
+      | tee "${OUT:-/tmp}/paged_kernel_wave.txt"
+    timeout 100 python benchmarks/paged_kernel.py --context 32768 --splits 32 48 64 --bodies mma --min-blocks 4 \
       | tee "${OUT:-/tmp}/paged_kernel_lb4.txt" ;;
   ggufload)
     shift
