@@ -37,6 +37,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .pdl_prefetch import PDL_WAIT
+
 ELF_MAGIC = b"\x7fELF"  # a cubin is an ELF file
 log = logging.getLogger("mlxcel")
 
@@ -79,6 +81,12 @@ PDL_PROLOGUE = r"""#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 """
 
 
+# A body may say where its wait goes (PDL_WAIT, on a line of its own): what comes before it must read nothing an
+# earlier kernel writes and write nothing (it may run while the previous kernel does). Such a body's translation unit
+# defines PDL_EARLY (1 with PDL_PROLOGUE at the marker, 0 without PDL), for the work it does ahead of the wait;
+# MLX's own build of the body (the fallback) leaves it undefined, which `#if` reads as 0.
+
+
 def pdl_enabled() -> bool:
     """Whether cached kernels carry PDL_PROLOGUE and replayed graphs chain their launches programmatically, so a
     kernel's blocks are placed before the previous kernel ends: on a GPU of sm_90 or newer. On the H200 it gains 5%
@@ -106,8 +114,8 @@ def kernel_text(
     launch_bounds: tuple[int, int] | None = None,
 ) -> str:
     """The translation unit of one variant (module docstring: how it differs from MLX's build_kernel); `pdl`: the body
-    starts with PDL_PROLOGUE; `launch_bounds`: (threads a block, blocks an SM) as CUDA's __launch_bounds__ takes them,
-    which caps the registers a thread so that many blocks fit an SM."""
+    starts with PDL_PROLOGUE (or has it at its PDL_WAIT marker); `launch_bounds`: (threads a block, blocks an SM) as
+    CUDA's __launch_bounds__ takes them, which caps the registers a thread so that many blocks fit an SM."""
     params = [f"    const {CUDA_TYPES[dt]}* {name}" for name, dt in zip(input_names, input_dtypes)]
     params += [f"    {CUDA_TYPES[dt]}* {name}" for name, dt in zip(output_names, output_dtypes)]
     unpack = []
@@ -126,8 +134,12 @@ def kernel_text(
             consts.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
         else:
             consts.append(f"  constexpr int {key} = {int(value)};")
+    early = PDL_WAIT in source  # (the body places the wait itself)
+    if early:
+        source = source.replace(PDL_WAIT + "\n", PDL_PROLOGUE if pdl else "")
     return (
         PRELUDE
+        + (f"#define PDL_EARLY {int(pdl)}\n\n" if early else "")
         + header
         + '\nextern "C" __global__ void '
         + (f"__launch_bounds__({launch_bounds[0]}, {launch_bounds[1]}) " if launch_bounds else "")
@@ -136,7 +148,7 @@ def kernel_text(
         + ") {\n"
         + "\n".join(unpack + consts)
         + "\n\n"
-        + (PDL_PROLOGUE if pdl else "")
+        + (PDL_PROLOGUE if pdl and not early else "")
         + source
         + "\n}\n"
     )

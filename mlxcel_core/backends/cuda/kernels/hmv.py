@@ -22,6 +22,8 @@ import functools
 
 import mlx.core as mx
 
+from mlxcel_core import settings
+
 from . import qmv
 from .cubin_cache import cuda_kernel
 from .matvec_config import HMV_CHUNK as CHUNK
@@ -90,12 +92,13 @@ def launch_args(
 
 @functools.cache
 def _kernel(mode: str = "plain"):
+    early = settings.get("MLXCEL_PDL_PREFETCH")  # (an experiment's switch, read once a mode)
     return cuda_kernel(
-        name=kernel_name(mode, "half"),
+        name=kernel_name(mode, "half", early),
         input_names=["x", "w", *MODES[mode][0]],
         output_names=list(MODES[mode][1]),
-        source=kernel_source(mode, "half"),
-        header=header("half"),
+        source=kernel_source(mode, "half", early),
+        header=header("half", early),
     )
 
 

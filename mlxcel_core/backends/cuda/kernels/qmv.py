@@ -41,12 +41,14 @@ import math
 
 import mlx.core as mx
 
+from mlxcel_core import settings
+
 from ..paged_attention import cuda_kernel_available
 from ..small_arrays import float32_bits
 from .cubin_cache import cuda_kernel
 from .matvec_config import QMV_CHUNK as CHUNK
 from .matvec_config import qmv_launch_config as launch_config  # the untuned rule
-from .qmv_source import _HEADER, KERNEL_NAME, MODES, base_mode, kernel_name, kernel_source  # noqa: F401
+from .qmv_source import _HEADER, KERNEL_NAME, MODES, base_mode, header, kernel_name, kernel_source  # noqa: F401
 
 MAX_ROWS = 8  # rows of x one launch handles (decode batch); more rows go to mx.quantized_matmul
 GROUP_SIZES = (32, 64, 128)
@@ -56,12 +58,13 @@ FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 @functools.cache
 def _kernel(mode: str = "plain"):
+    early = settings.get("MLXCEL_PDL_PREFETCH")  # (an experiment's switch, read once a mode)
     return cuda_kernel(
-        name=kernel_name(mode),
+        name=kernel_name(mode, "q4", early),
         input_names=["x", "w", "scales", "biases", *MODES[mode][0]],
         output_names=list(MODES[mode][1]),
-        source=kernel_source(mode),
-        header=_HEADER,
+        source=kernel_source(mode, "q4", early),
+        header=header("q4", early),
     )
 
 

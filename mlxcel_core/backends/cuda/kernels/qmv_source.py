@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 
 from .hmv_source import _HEADER_HALF, _MAIN_HALF
+from .pdl_prefetch import PREFETCH_HELPER, with_prefetch
 
 # Whether two types are one (also kernels/qmm.py's).
 SAME_TYPE = r"""template <typename A, typename B>
@@ -462,16 +463,19 @@ def base_mode(mode: str) -> str:
 WEIGHTS = ("q4", "half")  # 4-bit affine (w, scales, biases) or 16-bit (w)
 
 
-def header(weights: str = "q4") -> str:
-    return _HEADER if weights == "q4" else _HEADER + _HEADER_HALF
+def header(weights: str = "q4", early: bool = False) -> str:  # (early: kernel_source's)
+    text = _HEADER if weights == "q4" else _HEADER + _HEADER_HALF
+    return text + PREFETCH_HELPER if early else text
 
 
-def kernel_source(mode: str = "plain", weights: str = "q4") -> str:
+def kernel_source(mode: str = "plain", weights: str = "q4", early: bool = False) -> str:
     """The kernel body for `mode` and `weights`: plain y = x @ w.T; qkv the same split into three outputs by weight
     row ranges (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]; residual y =
-    residual + x @ w.T (residual [M, N], of the output's dtype); qkv_norm and swiglu_norm the same of rms_norm(x)."""
+    residual + x @ w.T (residual [M, N], of the output's dtype); qkv_norm and swiglu_norm the same of rms_norm(x).
+    `early`: the block's weights asked of L2 before the wait for the previous kernel (MLXCEL_PDL_PREFETCH)."""
     _, outputs, block_rows, row_map, epilogue = MODES[mode]
     body = (_MAIN_Q4 if weights == "q4" else _MAIN_HALF) + _TAIL
+    body = with_prefetch(body, weights) if early else body
     source = (
         body.replace("/*OUT0*/", outputs[0])
         .replace("/*GROUP_IDS*/", _GROUP_IDS)
@@ -485,9 +489,10 @@ def kernel_source(mode: str = "plain", weights: str = "q4") -> str:
     return source.replace("/*KX*/", "k + 8 * i" if weights == "q4" else "k")  # the x chunk's first element
 
 
-def kernel_name(mode: str = "plain", weights: str = "q4") -> str:
+def kernel_name(mode: str = "plain", weights: str = "q4", early: bool = False) -> str:
     """Carries a hash of the source: MLX caches compiled kernels on disk by name."""
-    digest = hashlib.sha256(f"{header(weights)}{kernel_source(mode, weights)}".encode()).hexdigest()[:8]
+    text = f"{header(weights, early)}{kernel_source(mode, weights, early)}"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
     kind = "qmv" if weights == "q4" else "hmv"
     return f"mlxcel_{kind}_{digest}" if mode == "plain" else f"mlxcel_{kind}_{mode}_{digest}"
 

@@ -102,6 +102,20 @@ def test_a_pdl_variant_is_its_own_cubin_with_the_prologue(tmp_path, machine):
     assert text.index("griddepcontrol.wait") < text.index("griddepcontrol.launch_dependents") < text.index(BODY.strip())
 
 
+def test_a_body_that_places_its_wait_gets_the_prologue_there():
+    """A body with cubin_cache.PDL_WAIT: the prologue goes at the marker, not at the top, and PDL_EARLY says
+    whether it is there (the work before it is for a chained launch only); without PDL the marker is dropped."""
+    body = "    int a = 1;\n#if PDL_EARLY\n    a = 2;\n#endif\n" + cubin_cache.PDL_WAIT + "\n    y[0] = a;\n"
+    args = ("k", body, "", ["x"], [mx.float32], [1], ["y"], [mx.float32], [])
+    chained = kernel_text(*args, pdl=True)
+    assert chained.count("griddepcontrol.wait") == 1 and cubin_cache.PDL_WAIT not in chained
+    assert chained.index("#define PDL_EARLY 1") < chained.index("a = 2;") < chained.index("griddepcontrol.wait")
+    assert chained.index("griddepcontrol.launch_dependents") < chained.index("y[0] = a;")
+    plain = kernel_text(*args, pdl=False)
+    assert "griddepcontrol" not in plain and cubin_cache.PDL_WAIT not in plain and "#define PDL_EARLY 0" in plain
+    assert "PDL_EARLY" not in kernel_text("k", BODY, "", ["x"], [mx.float32], [2], ["y"], [mx.float32], [], True)
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_ensure_row_contiguous_reaches_the_launch_and_mlxs_fallback(tmp_path, machine, monkeypatch, contiguous):
     launched, made = [], []
@@ -354,6 +368,40 @@ def test_kernels_with_the_pdl_prologue_compile_for_sm90(through_nvcc, monkeypatc
     qembedding.embedding(mx.array([1, 2], mx.uint32), mx.zeros((64, 256), mx.bfloat16))
     assert len(through_nvcc) == 2
     assert all("griddepcontrol.wait" in (tmp_path / f"{name}.cu").read_text() for name in through_nvcc)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("architecture", ["sm_90", "sm_80"])
+def test_the_matvec_kernels_prefetch_experiment_compiles_and_waits_after_it(
+    through_nvcc, monkeypatch, tmp_path, architecture
+):
+    """MLXCEL_PDL_PREFETCH=1 (an experiment): the 4-bit and 16-bit matvec kernels ask L2 for their rows before the
+    PDL wait, where PDL is on (sm_90: the bulk prefetch compiles there), and not at all where it is off; their names
+    differ from the default kernels' (kernel caches and tuned results are by name)."""
+    from mlxcel_core.backends.cuda.kernels import hmv, qmv, qmv_source
+
+    monkeypatch.setattr(cubin_cache.mx, "device_info", lambda: {"architecture": architecture})
+    monkeypatch.setenv("MLXCEL_PDL_PREFETCH", "1")
+    qmv._kernel.cache_clear()
+    hmv._kernel.cache_clear()
+    x = mx.zeros((1, 256), mx.bfloat16)
+    w, scales, biases = mx.quantize(mx.zeros((64, 256), mx.bfloat16), group_size=64, bits=4)
+    qmv.cuda_quantized_matvec(x, w, scales, biases, 64)
+    hmv.launch(hmv.launch_args(x.shape, x.dtype, mx.bfloat16, 64), x, mx.zeros((64, 256), mx.bfloat16))
+    names = {n.rsplit("_", 1)[0]: n for n in through_nvcc}
+    for weights, first_load in (("q4", "mlxcel_qmv_load_w("), ("half", "mlxcel_hmv_load_w(")):
+        name = qmv_source.kernel_name("plain", weights, early=True)
+        assert name != qmv_source.kernel_name("plain", weights) and name in names, names
+        text = (tmp_path / f"{names[name]}.cu").read_text()
+        loop = text.index("float acc[ROWS][M];")
+        if architecture == "sm_90":
+            assert text.index("mlxcel_qmv_prefetch_l2(w_row[r]") < text.index("griddepcontrol.wait") < loop
+            assert "#define PDL_EARLY 1" in text
+        else:
+            assert "griddepcontrol" not in text and "#define PDL_EARLY 0" in text
+        assert loop < text.index(first_load, loop)
+    qmv._kernel.cache_clear()
+    hmv._kernel.cache_clear()
 
 
 # -- on CUDA ------------------------------------------------------------------------------------------------------
