@@ -55,7 +55,8 @@
 # Kernels and profiles:
 #   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
 #   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
-#                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM
+#                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM; then that
+#                     kernel at 4 and 8 rows beside the matvec kernel there (qmv.py), which takes batches up to 8
 #   paged             the paged decode kernel alone (paged_kernel.py, 8B geometry): both bodies at 4k/16k/32k and
 #                     their split counts; the tensor-core body at split counts between powers of two that fill more
 #                     of one wave (48 x 8 heads = 384 blocks of an H200's 396 at three an SM); then the same body
@@ -105,7 +106,9 @@ case "${1:-}" in
   qmmwarps)
     timeout 300 python benchmarks/qmm_ablate.py --variants full warps16 warps4 | tee "${OUT:-/tmp}/qmm_warps.txt"
     timeout 200 python benchmarks/qmm_ablate.py --variants full warps4 --group-size 32 --rows 48 64 \
-      | tee "${OUT:-/tmp}/qmm_warps_g32.txt" ;;
+      | tee "${OUT:-/tmp}/qmm_warps_g32.txt"
+    timeout 100 python benchmarks/qmm_ablate.py --variants full --rows 4 8 | tee "${OUT:-/tmp}/qmm_rows8.txt"
+    timeout 100 python benchmarks/qmv.py --m 4 8 --no-sweep --no-e2e | tee "${OUT:-/tmp}/qmv_rows8.txt" ;;
   paged)
     export MLX_USE_CUDA_GRAPHS=0
     timeout 200 python benchmarks/paged_kernel.py --splits 16 32 64 128 | tee "${OUT:-/tmp}/paged_kernel.txt"
