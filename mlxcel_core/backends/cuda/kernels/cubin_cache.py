@@ -79,12 +79,10 @@ PDL_PROLOGUE = r"""#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 """
-
-
-# A body may say where its wait goes (PDL_WAIT, on a line of its own): what comes before it must read nothing an
-# earlier kernel writes and write nothing (it may run while the previous kernel does). Such a body's translation unit
-# defines PDL_EARLY (1 with PDL_PROLOGUE at the marker, 0 without PDL), for the work it does ahead of the wait;
-# MLX's own build of the body (the fallback) leaves it undefined, which `#if` reads as 0.
+# A body may place the prologue itself with the marker PDL_WAIT (pdl_prefetch.py), on a line of its own: what comes
+# before it must read nothing an earlier kernel writes and write nothing (it may run while the previous kernel does).
+# Such a body's translation unit defines PDL_EARLY (1 with PDL_PROLOGUE at the marker, 0 without PDL), for the work it
+# does ahead of the wait; MLX's own build of the body (the fallback) leaves it undefined, which `#if` reads as 0.
 
 
 def pdl_enabled() -> bool:
