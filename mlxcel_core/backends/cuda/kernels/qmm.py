@@ -164,5 +164,6 @@ def quantized_matmul(
         )
     narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
     partial = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32)(inputs=[x, w, scales, biases], **args)[0]
-    y = partial[0] if partial.shape[0] == 1 else partial.sum(axis=0)
+    # (one split: a reshape, which is free; MLX makes `partial[0]` a gather kernel, a launch per call)
+    y = partial.reshape(partial.shape[1:]) if partial.shape[0] == 1 else partial.sum(axis=0)
     return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)

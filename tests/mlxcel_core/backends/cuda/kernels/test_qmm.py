@@ -242,6 +242,36 @@ def test_kernel_on_misaligned_views():
         )
 
 
+@pytest.mark.parametrize("gps", [64, 16])  # (K = 4096 in groups of 64: one split, then four)
+def test_the_partial_sums_become_the_product_without_a_gather(tmp_path, monkeypatch, gps):
+    """After the launch, one split's partials [1, M, N] are the product through a reshape (MLX's `a[0]` is a Gather:
+    a kernel a call, at a 32-row 8B step 33 launches of 18 us), several splits' a sum; then the cast. A stand-in
+    kernel returns each split's index, so the values show which reduction ran."""
+
+    def stand_in(**_):
+        def launch(inputs, output_shapes, **__):
+            splits, m, n = output_shapes[0]
+            return [mx.broadcast_to(mx.arange(1, splits + 1, dtype=mx.float32)[:, None, None], (splits, m, n))]
+
+        return launch
+
+    monkeypatch.setattr(qmm, "_kernel", lambda *_: stand_in())
+    x = mx.zeros((32, 1, 4096), mx.bfloat16)
+    w, scales, biases = (
+        mx.zeros((256, 512), mx.uint32),
+        mx.zeros((256, 64), mx.bfloat16),
+        mx.zeros((256, 64), mx.bfloat16),
+    )
+    y = qmm.quantized_matmul(x, w, scales, biases, 64, gps=gps)
+    dot = tmp_path / "graph.dot"
+    with open(dot, "w") as f:  # (before anything evaluates y: an evaluated array has no graph left)
+        mx.export_to_dot(f, y)
+    assert "Gather" not in dot.read_text()
+    splits = 4096 // 64 // gps
+    assert y.shape == (32, 1, 256) and y.dtype == mx.bfloat16
+    assert mx.array_equal(y, mx.full(y.shape, splits * (splits + 1) // 2, mx.bfloat16)).item()
+
+
 def test_kernel_name_carries_the_source_hash():
     """MLX caches compiled kernels on disk by name: an edited source, or another block width (which the source reads
     from blockDim, and tuned splits are keyed on), must get a new name."""
