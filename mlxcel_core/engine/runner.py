@@ -75,7 +75,8 @@ class ModelRunner:
         `take_back`, and the forward is one over generated tokens (recurrent_rollback.py)."""
         self._scored = (tokens, self.storage.checkpoint(seq_id) if self.recurrent else None)
         caches = self.storage.extend_caches(seq_id, len(tokens))
-        return self.model(mx.array([tokens]), decode_tokens(caches) if self.recurrent else caches)[0]
+        logits = self.model(mx.array([tokens]), decode_tokens(caches) if self.recurrent else caches)
+        return logits.squeeze(0)  # (a view: MLX makes logits[0] a gather of the n x V rows)
 
     def take_back(self, seq_id: int, count: int) -> None:
         """Forget the last `count` tokens of the last `score` (rejected draft tokens): KV caches are cut back; a

@@ -101,7 +101,7 @@ def _op_positions(offset: mx.array, batch: int, length: int, scale: float) -> mx
     if length == 1:  # a decode step: [rows, batch], row 0 is every row's position
         rows = -(-MIN_ELEMENTS // batch)
         start = mx.broadcast_to(start.reshape(1, -1), (1, batch))
-        return ((start + _ramp(rows)[:, None]) * scale)[0]
+        return ((start + _ramp(rows)[:, None]) * scale)[0, :]  # (a slice: MLX makes a bare [0] a gather)
     # [batch, rows], the first `length` columns (all of them unless batch is 1 and length < MIN_ELEMENTS)
     rows = max(length, -(-MIN_ELEMENTS // batch))
     start = mx.broadcast_to(start.reshape(-1, 1), (batch, 1))
