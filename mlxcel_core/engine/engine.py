@@ -321,7 +321,7 @@ class Engine:
                 row = seq.sampler.process(masked[i : i + 1], seq.prompt_ids + seq.output_ids)
                 logprobs = None
                 if seq.params.logprobs is not None:  # of the model's distribution, before sampling filters
-                    raw = logits[i].astype(mx.float32)
+                    raw = logits[i, :].astype(mx.float32)  # (a slice; a bare [i] is a gather)
                     logprobs = raw - mx.logsumexp(raw)
                 token = seq.sampler.draw(row).reshape(1)
                 produced[seq.seq_id] = Sampled(token, readout_of(token, row), logprobs)
