@@ -105,9 +105,9 @@ SETTINGS: tuple[Setting, ...] = (
         "0/1",
         False,
         "Experiment (issue 42): 1 has the decode matvec kernels (4-bit and 16-bit) ask L2 for their block's weight "
-        "rows before they wait for the previous kernel, where kernels chain by programmatic dependent launch (a "
-        "replayed decode step on sm_90 or newer), so that read overlaps the previous kernel's end. Read when a "
-        "kernel is first built in a process.",
+        "rows, and the paged attention kernel for its split's first keys and values, before they wait for the "
+        "previous kernel, where kernels chain by programmatic dependent launch (a replayed decode step on sm_90 or "
+        "newer), so that read overlaps the previous kernel's end. Read when a kernel is first built in a process.",
         _switch,
     ),
     Setting(

@@ -48,8 +48,10 @@ import math
 
 import mlx.core as mx
 
+from mlxcel_core import settings
 from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments, check_limits
 
+from .kernels.pdl_prefetch import PREFETCH_HELPER
 from .paged_attention_source import (
     MMA_DTYPES,
     MMA_HEADER,
@@ -119,7 +121,9 @@ def _kernel(
 
     kind = "one_split" if one_split else ("split_combine" if last_block_combines else "split")
     takes_sinks = sinks and (one_split or last_block_combines)  # (a split's partials never read them)
+    early = settings.get("MLXCEL_PDL_PREFETCH")  # (an experiment's switch, read once a variant)
     suffix = f"{'_new_kv' if new_kv else ''}{'_sinks' if takes_sinks else ''}{'_mma' if mma else ''}"
+    suffix += "_early" if early else ""
     return cuda_kernel(
         name=f"paged_decode_{kind}{suffix}",
         input_names=[
@@ -131,8 +135,8 @@ def _kernel(
         output_names=["out"]
         if one_split
         else [*(("out",) if last_block_combines else ()), "o_part", "m_part", "l_part"],
-        source=kernel_source(one_split, new_kv, last_block_combines, takes_sinks, mma),
-        header=MMA_HEADER if mma else "",
+        source=kernel_source(one_split, new_kv, last_block_combines, takes_sinks, mma, early),
+        header=(MMA_HEADER if mma else "") + (PREFETCH_HELPER if early else ""),
     )
 
 

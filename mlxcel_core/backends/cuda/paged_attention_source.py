@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+from .kernels.pdl_prefetch import paged_with_prefetch
 from .paged_attention_mma import BODY as _MMA_BODY
 from .paged_attention_mma import HEADER as MMA_HEADER  # noqa: F401  (paged_attention.py's)
 from .paged_attention_tile import TILE_LOOP as _TILE_LOOP
@@ -296,14 +297,17 @@ def kernel_source(
     last_block_combines: bool = False,
     sinks: bool = False,
     mma: bool = False,
+    early: bool = False,
 ) -> str:
     """The split kernel's source (partials; with `last_block_combines` also the output, `_LAST_BLOCK_COMBINES`), or
     with one split the output itself; with or without the step's keys and values (`_WITH_NEW_KV`); with `sinks`, the
     output's normalization takes each head's sink (a split's partials never do); with `mma`, the tensor-core body
-    (paged_attention_mma.py, compiled with its MMA_HEADER) in place of the lane groups'."""
+    (paged_attention_mma.py, compiled with its MMA_HEADER) in place of the lane groups'; with `early`, the prefetch
+    of the experiment MLXCEL_PDL_PREFETCH (kernels/pdl_prefetch.py, compiled with its PREFETCH_HELPER)."""
     if one_split and last_block_combines:
         raise ValueError("one split writes the output itself: there is nothing to combine")
     source = _MMA_SOURCE if mma else _SOURCE
+    source = paged_with_prefetch(source) if early else source
     source = source.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else source
     source = _with_sinks(source, "MERGE", sinks and one_split)
     block = _with_sinks(_LAST_BLOCK_COMBINES, "COMBINE", sinks) if last_block_combines else ""

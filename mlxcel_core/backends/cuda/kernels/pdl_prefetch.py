@@ -1,9 +1,16 @@
-"""The experiment MLXCEL_PDL_PREFETCH (settings.py; issue 42): the decode matvec kernels (kernels/qmv_source.py, both
-weight kinds) ask L2 for their block's weight rows (and the 4-bit kernel's scales and biases), one bulk request a row,
-before they wait for the previous kernel, which those rows do not depend on. Where kernels chain by programmatic
-dependent launch (a decode step replayed on sm_90 or newer: kernels/cubin_cache.py), a kernel's blocks are placed while
-the previous kernel's last ones run, so the weights' read overlaps that kernel's end instead of starting after it.
-Elsewhere the prefetch is compiled out. Imports nothing (autotune names the kernels without MLX)."""
+"""The experiment MLXCEL_PDL_PREFETCH (settings.py; issue 42): kernels of a decode step ask L2 for what they will read
+that no earlier kernel of the step writes, before they wait for the previous kernel:
+- the matvec kernels (kernels/qmv_source.py, both weight kinds): their block's weight rows (and the 4-bit kernel's
+  scales and biases), one bulk request a row;
+- the paged attention kernel (backends/cuda/paged_attention_source.py): the keys and values of its split's first
+  tokens (one a thread, a request a 32-byte sector) from the pools, which earlier steps wrote. The block tables and
+  context lengths it reads to find them are the step's ints, uploaded before the replayed graph's first kernel
+  (graph_decode.py), and a kernel chained by PDL starts only after the one two launches before it has ended. The
+  step's own keys and values (the previous kernel's output) and their write into the pools stay after the wait.
+Where kernels chain by programmatic dependent launch (a decode step replayed on sm_90 or newer:
+kernels/cubin_cache.py), a kernel's blocks are placed while the previous kernel's last ones run, so those reads
+overlap that kernel's end instead of starting after it. Elsewhere the prefetch is compiled out. Imports nothing
+(autotune names the kernels without MLX)."""
 
 from __future__ import annotations
 
@@ -12,13 +19,21 @@ PDL_WAIT = "/*PDL_WAIT*/"  # where a body's PDL wait goes (cubin_cache.kernel_te
 
 PREFETCH_HELPER = r"""
 // `bytes` from p into L2, one bulk request (sm_90+); nothing where p or bytes is not a multiple of 16.
-__device__ __forceinline__ void mlxcel_qmv_prefetch_l2(const void* p, unsigned bytes) {
+__device__ __forceinline__ void mlxcel_prefetch_l2(const void* p, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (bytes != 0 && ((reinterpret_cast<size_t>(p) | bytes) & 15) == 0) {
         asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; cp.async.bulk.prefetch.L2.global [g], %1; }\n"
                      :: "l"(p), "r"(bytes) : "memory");
     }
 #endif
+}
+
+// `bytes` from p into L2 by one request per 32-byte sector: for addresses that differ across a warp's threads, where
+// the bulk form's uniform operands would make the warp issue them one thread at a time.
+__device__ __forceinline__ void mlxcel_prefetch_l2_sectors(const void* p, unsigned bytes) {
+    for (unsigned o = 0; o < bytes; o += 32) {
+        asm volatile("prefetch.L2 [%0];\n" :: "l"(static_cast<const char*>(p) + o));
+    }
 }
 """
 
@@ -28,9 +43,9 @@ _EARLY = {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         if (gtid == r) {
-            mlxcel_qmv_prefetch_l2(w_row[r], unsigned(KW) * 4u);
-            mlxcel_qmv_prefetch_l2(s_row[r], unsigned(G * sizeof(S)));
-            mlxcel_qmv_prefetch_l2(b_row[r], unsigned(G * sizeof(S)));
+            mlxcel_prefetch_l2(w_row[r], unsigned(KW) * 4u);
+            mlxcel_prefetch_l2(s_row[r], unsigned(G * sizeof(S)));
+            mlxcel_prefetch_l2(b_row[r], unsigned(G * sizeof(S)));
         }
     }
 #endif
@@ -39,7 +54,7 @@ _EARLY = {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         if (gtid == r) {
-            mlxcel_qmv_prefetch_l2(w_row[r], unsigned(K * sizeof(W)));
+            mlxcel_prefetch_l2(w_row[r], unsigned(K * sizeof(W)));
         }
     }
 #endif
@@ -54,3 +69,23 @@ def with_prefetch(body: str, weights: str) -> str:
     if _BEFORE_ACC not in body:
         raise ValueError("the matvec main loop no longer declares its accumulators where the prefetch goes")
     return body.replace(_BEFORE_ACC, _EARLY[weights] + PDL_WAIT + "\n" + _BEFORE_ACC, 1)
+
+
+# The paged kernel: after its prologue has found the split's tokens t0..t1, before the step's keys and values.
+_PAGED_EARLY = """#if PDL_EARLY
+    if (tid < t1 - t0) {
+        const int tok = t0 + tid;
+        const size_t at = ((size_t(block_tables[size_t(b) * max_blocks + tok / BS]) * BS + tok % BS) * HKV + kvh) * D;
+        mlxcel_prefetch_l2_sectors(k_pool + at, unsigned(D * sizeof(KV)));
+        mlxcel_prefetch_l2_sectors(v_pool + at, unsigned(D * sizeof(KV)));
+    }
+#endif
+"""
+_NEW_KV = "/*NEW_KV*/"
+
+
+def paged_with_prefetch(source: str) -> str:
+    """The paged kernel's text (before its NEW_KV marker is filled) with the prefetch and the wait."""
+    if _NEW_KV not in source:
+        raise ValueError("the paged kernel no longer marks where the step's keys and values come in")
+    return source.replace(_NEW_KV, _PAGED_EARLY + PDL_WAIT + "\n" + _NEW_KV, 1)

@@ -249,6 +249,47 @@ def test_the_llama_kernel_fits_its_blocks_an_sm(tmp_path, mma):
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= (168 if mma else 128), report
 
 
+_NDIMS = {"q": 3, "k_pool": 4, "v_pool": 4, "block_tables": 2, "k_new": 3, "v_new": 3}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kind", ["split_combine", "one_split", "combines_sinks"])
+@pytest.mark.parametrize("mma", [False, True])
+def test_the_prefetch_experiment_compiles_chained_without_more_registers(tmp_path, kind, mma):
+    """MLXCEL_PDL_PREFETCH's paged kernel as the kernel cache builds it with PDL: the split's first keys and values
+    asked of L2, then the wait, then the step's own keys and values; no spill and no more registers than without it.
+    Without PDL the prefetch is compiled out."""
+    from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
+    from mlxcel_core.backends.cuda.kernels.pdl_prefetch import PREFETCH_HELPER
+
+    one_split, combines, sinks = kind == "one_split", kind != "one_split", kind.endswith("sinks")
+    geo = launch_geometry(128, 4, mma)
+    template = [
+        *[("KV", mx.bfloat16), ("SCALE_BITS", cpa._scale_bits(128**-0.5)), ("D", 128), ("BS", 32), ("HKV", 8)],
+        *[("NREP", 4), ("G", geo["G"]), ("LPT", geo["LPT"]), ("EPL", geo["EPL"]), ("TPB", cpa.THREADS)],
+        *[("UNROLL", cpa.UNROLL), ("WINDOW", 0), ("CHUNK", 0), ("SOFTCAP_BITS", 0), ("OUT", mx.bfloat16)],
+    ]
+    names = [*cpa.INPUTS, *cpa.NEW_KV_INPUTS, *(["counters"] if combines else []), *(["sinks"] if sinks else [])]
+    dtypes = [mx.bfloat16 if n in ("q", "k_pool", "v_pool", "k_new", "v_new", "sinks") else mx.int32 for n in names]
+    outputs = ["out"] if one_split else ["out", "o_part", "m_part", "l_part"]
+    out_dtypes = [mx.bfloat16] + [mx.float32] * (len(outputs) - 1)
+    registers = {}
+    for early, pdl in ((False, True), (True, True), (True, False)):
+        source = cpa.kernel_source(one_split, True, combines, sinks, mma, early)
+        header = cpa.MMA_HEADER * mma + PREFETCH_HELPER * early
+        args = (names, dtypes, [_NDIMS.get(n, 1) for n in names], outputs, out_dtypes, template, pdl)
+        text = kernel_text("k", source, header, *args)
+        (tmp_path / f"{early}{pdl}").mkdir()
+        report = compile_sm90(tmp_path / f"{early}{pdl}", text)
+        registers[early, pdl] = int(re.search(r"Used (\d+) registers", report).group(1))
+        if early and pdl:
+            assert text.index("mlxcel_prefetch_l2_sectors(k_pool") < text.index("griddepcontrol.wait")
+            assert text.index("griddepcontrol.wait") < text.index("constexpr bool NEW_KV = true;")
+        elif early:
+            assert "griddepcontrol" not in text and "#define PDL_EARLY 0" in text
+    assert registers[True, True] <= registers[False, True], registers
+
+
 def test_one_split_has_nothing_to_combine():
     with pytest.raises(ValueError, match="nothing to combine"):
         cpa.kernel_source(True, False, True)

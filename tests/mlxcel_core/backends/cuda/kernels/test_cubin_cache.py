@@ -375,15 +375,17 @@ def test_kernels_with_the_pdl_prologue_compile_for_sm90(through_nvcc, monkeypatc
 def test_the_matvec_kernels_prefetch_experiment_compiles_and_waits_after_it(
     through_nvcc, monkeypatch, tmp_path, architecture
 ):
-    """MLXCEL_PDL_PREFETCH=1 (an experiment): the 4-bit and 16-bit matvec kernels ask L2 for their rows before the
-    PDL wait, where PDL is on (sm_90: the bulk prefetch compiles there), and not at all where it is off; their names
-    differ from the default kernels' (kernel caches and tuned results are by name)."""
+    """MLXCEL_PDL_PREFETCH=1 (an experiment): the 4-bit and 16-bit matvec kernels ask L2 for their rows, and the
+    paged attention kernel for its split's first keys and values, before the PDL wait, where PDL is on (sm_90: the
+    prefetches compile there), and not at all where it is off; their names differ from the default kernels' (kernel
+    caches and tuned results are by name)."""
+    from mlxcel_core.backends.cuda import paged_attention as cpa
     from mlxcel_core.backends.cuda.kernels import hmv, qmv, qmv_source
 
     monkeypatch.setattr(cubin_cache.mx, "device_info", lambda: {"architecture": architecture})
     monkeypatch.setenv("MLXCEL_PDL_PREFETCH", "1")
-    qmv._kernel.cache_clear()
-    hmv._kernel.cache_clear()
+    for factory in (qmv._kernel, hmv._kernel, cpa._kernel):
+        factory.cache_clear()
     x = mx.zeros((1, 256), mx.bfloat16)
     w, scales, biases = mx.quantize(mx.zeros((64, 256), mx.bfloat16), group_size=64, bits=4)
     qmv.cuda_quantized_matvec(x, w, scales, biases, 64)
@@ -395,13 +397,24 @@ def test_the_matvec_kernels_prefetch_experiment_compiles_and_waits_after_it(
         text = (tmp_path / f"{names[name]}.cu").read_text()
         loop = text.index("float acc[ROWS][M];")
         if architecture == "sm_90":
-            assert text.index("mlxcel_qmv_prefetch_l2(w_row[r]") < text.index("griddepcontrol.wait") < loop
+            assert text.index("mlxcel_prefetch_l2(w_row[r]") < text.index("griddepcontrol.wait") < loop
             assert "#define PDL_EARLY 1" in text
         else:
             assert "griddepcontrol" not in text and "#define PDL_EARLY 0" in text
         assert loop < text.index(first_load, loop)
-    qmv._kernel.cache_clear()
-    hmv._kernel.cache_clear()
+    q, pool = mx.zeros((1, 4, 64), mx.bfloat16), mx.zeros((4, 16, 2, 64), mx.bfloat16)
+    new_kv = (mx.zeros((1, 2, 64), mx.bfloat16), mx.zeros((1, 2, 64), mx.bfloat16), mx.array([1]), mx.array([3]))
+    table, lens, counters = mx.array([[0, 1]], mx.int32), mx.array([20], mx.int32), mx.zeros((16,), mx.int32)
+    cpa.cuda_paged_decode_attention(q, pool, pool, table, lens, num_splits=2, new_kv=new_kv, counters=counters)
+    (paged,) = [n for n in through_nvcc if n.startswith("paged_decode_split_combine_new_kv_mma_early_")]
+    text = (tmp_path / f"{paged}.cu").read_text()
+    if architecture == "sm_90":
+        assert text.index("mlxcel_prefetch_l2_sectors(k_pool") < text.index("griddepcontrol.wait")
+        assert text.index("griddepcontrol.wait") < text.index("constexpr bool NEW_KV = true;")
+    else:
+        assert "griddepcontrol" not in text and "#define PDL_EARLY 0" in text
+    for factory in (qmv._kernel, hmv._kernel, cpa._kernel):
+        factory.cache_clear()
 
 
 # -- on CUDA ------------------------------------------------------------------------------------------------------
