@@ -98,6 +98,7 @@ def test_kernel_rows_are_mlxs_bit_for_bit(dtype, group_size):
             mx.array([vocab - 1], mx.uint32),
             mx.array([[3], [vocab - 2]], mx.int32),
             mx.array([[0, 7], [11, 5], [2, vocab - 1]], mx.uint32),
+            (mx.arange(qembedding.MAX_IDS, dtype=mx.uint32) * 37 % vocab).reshape(-1, 1),  # a batch of 64 rows
         ):
             assert qembedding.kernel_runs(ids, fast)
             got = fast(ids)
@@ -203,6 +204,7 @@ def test_half_kernel_rows_are_mlxs_bit_for_bit(dtype):
             mx.array([vocab - 1], mx.uint32),
             mx.array([[3], [vocab - 2]], mx.int32),
             mx.array([[0, 7], [11, 5], [2, vocab - 1]], mx.uint32),
+            (mx.arange(qembedding.MAX_IDS, dtype=mx.uint32) * 37 % vocab).reshape(-1, 1),  # a batch of 64 rows
         ):
             assert qembedding.half_kernel_runs(ids, layer)
             got = qembedding.embedding(ids, layer.weight)
