@@ -48,9 +48,9 @@ import math
 
 import mlx.core as mx
 
-from mlxcel_core import settings
 from mlxcel_core.kv.paged_attention import RUNNER_OPS, check_decode_arguments, check_limits
 
+from .kernels import pdl_prefetch
 from .kernels.pdl_prefetch import PREFETCH_HELPER
 from .paged_attention_source import (
     MMA_DTYPES,
@@ -121,7 +121,7 @@ def _kernel(
 
     kind = "one_split" if one_split else ("split_combine" if last_block_combines else "split")
     takes_sinks = sinks and (one_split or last_block_combines)  # (a split's partials never read them)
-    early = settings.get("MLXCEL_PDL_PREFETCH")  # (an experiment's switch, read once a variant)
+    early = pdl_prefetch.enabled()
     suffix = f"{'_new_kv' if new_kv else ''}{'_sinks' if takes_sinks else ''}{'_mma' if mma else ''}"
     suffix += "_early" if early else ""
     return cuda_kernel(

@@ -79,10 +79,6 @@ PDL_PROLOGUE = r"""#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 """
-# A body may place the prologue itself with the marker PDL_WAIT (pdl_prefetch.py), on a line of its own: what comes
-# before it must read nothing an earlier kernel writes and write nothing (it may run while the previous kernel does).
-# Such a body's translation unit defines PDL_EARLY (1 with PDL_PROLOGUE at the marker, 0 without PDL), for the work it
-# does ahead of the wait; MLX's own build of the body (the fallback) leaves it undefined, which `#if` reads as 0.
 
 
 def pdl_enabled() -> bool:
@@ -132,7 +128,7 @@ def kernel_text(
             consts.append(f"  constexpr bool {key} = {'true' if value else 'false'};")
         else:
             consts.append(f"  constexpr int {key} = {int(value)};")
-    early = PDL_WAIT in source  # (the body places the wait itself)
+    early = PDL_WAIT in source  # (the body places the wait itself and reads PDL_EARLY: pdl_prefetch.py)
     if early:
         source = source.replace(PDL_WAIT + "\n", PDL_PROLOGUE if pdl else "")
     return (

@@ -22,9 +22,7 @@ import functools
 
 import mlx.core as mx
 
-from mlxcel_core import settings
-
-from . import qmv
+from . import pdl_prefetch, qmv
 from .cubin_cache import cuda_kernel
 from .matvec_config import HMV_CHUNK as CHUNK
 from .matvec_config import hmv_launch_config as launch_config  # the untuned rule
@@ -92,7 +90,7 @@ def launch_args(
 
 @functools.cache
 def _kernel(mode: str = "plain"):
-    early = settings.get("MLXCEL_PDL_PREFETCH")  # (an experiment's switch, read once a mode)
+    early = pdl_prefetch.enabled()
     return cuda_kernel(
         name=kernel_name(mode, "half", early),
         input_names=["x", "w", *MODES[mode][0]],

@@ -14,8 +14,19 @@ overlap that kernel's end instead of starting after it. Elsewhere the prefetch i
 
 from __future__ import annotations
 
-PDL_WAIT = "/*PDL_WAIT*/"  # where a body's PDL wait goes (cubin_cache.kernel_text: what comes before reads no input
-# an earlier kernel writes, and writes nothing)
+# Where a body's PDL wait goes, on a line of its own (cubin_cache.kernel_text puts PDL_PROLOGUE there instead of at the
+# top): what comes before it must read nothing an earlier kernel writes and write nothing (it may run while the
+# previous kernel does). Such a body's translation unit defines PDL_EARLY (1 with the prologue at the marker, 0 without
+# PDL) for the work ahead of the wait; MLX's own build of the body (the fallback) leaves it undefined: `#if` reads 0.
+PDL_WAIT = "/*PDL_WAIT*/"
+
+
+def enabled() -> bool:
+    """MLXCEL_PDL_PREFETCH, read where a kernel is first built (the kernel factories cache their kernels)."""
+    from mlxcel_core import settings  # (no MLX)
+
+    return settings.get("MLXCEL_PDL_PREFETCH")
+
 
 PREFETCH_HELPER = r"""
 // `bytes` from p into L2, one bulk request (sm_90+); nothing where p or bytes is not a multiple of 16.

@@ -41,10 +41,9 @@ import math
 
 import mlx.core as mx
 
-from mlxcel_core import settings
-
 from ..paged_attention import cuda_kernel_available
 from ..small_arrays import float32_bits
+from . import pdl_prefetch
 from .cubin_cache import cuda_kernel
 from .matvec_config import QMV_CHUNK as CHUNK
 from .matvec_config import qmv_launch_config as launch_config  # the untuned rule
@@ -58,7 +57,7 @@ FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 @functools.cache
 def _kernel(mode: str = "plain"):
-    early = settings.get("MLXCEL_PDL_PREFETCH")  # (an experiment's switch, read once a mode)
+    early = pdl_prefetch.enabled()
     return cuda_kernel(
         name=kernel_name(mode, "q4", early),
         input_names=["x", "w", "scales", "biases", *MODES[mode][0]],
