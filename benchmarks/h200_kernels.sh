@@ -47,11 +47,12 @@
 #   ab SHAPE..        a change's paired runs: the tree in before/ (made on your machine with
 #                     `mkdir before && git archive REF | tar -x -C before`; it is carried because it is untracked;
 #                     delete it after) and this tree, alternately, twice, per shape
-#   pdlprefetch [tests|ab|long]  the experiment MLXCEL_PDL_PREFETCH (the matvec kernels' weights and the paged
-#                     kernel's first keys and values asked of L2 before the PDL wait), a call each: `tests` the CUDA
-#                     graph's tests, the matvec and paged-attention kernels' with it on; `ab` tg128 off/on,
-#                     alternating, on 8B 4-bit, 8B bf16 and 1B 4-bit; `long` 8B 4-bit decode at a 32k-token context
-#                     off/on, alternating (`mlxcel bench -d 32768`)
+#   pdlprefetch [tests|ab|ab16|long]  the experiment MLXCEL_PDL_PREFETCH=MiB (the first MiB of a matvec launch's
+#                     weight rows, and the paged kernel's first keys and values, asked of L2 before the PDL wait), a
+#                     call each: `tests` the CUDA graph's tests, the matvec and paged-attention kernels' with it on
+#                     (4 MiB); `ab` tg128 at 0 (off), 2, 8 and 64 MiB (64: every 8B layer's rows whole), alternating,
+#                     on 8B 4-bit and 1B 4-bit; `ab16` the same on 8B bf16; `long` 8B 4-bit decode at a 32k-token
+#                     context, 0 and 8 MiB, alternating (`mlxcel bench -d 32768`)
 #   abq SHAPE..       the same pairing with `mlxcel bench` only (tg128 @ d512, 5 reps, three times a tree): a lever's
 #                     A/B in a third of ab's time; claims against mlx-lm still come from compare_mlx_lm
 # Kernels and profiles:
@@ -217,15 +218,18 @@ for line in sys.stdin:
   pdlprefetch)
     case "${2:-tests}" in
       tests)
-        MLXCEL_PDL_PREFETCH=1 timeout 500 python -m pytest -q -p no:cacheprovider -n 8 \
+        MLXCEL_PDL_PREFETCH=4 timeout 500 python -m pytest -q -p no:cacheprovider -n 8 \
           $CUDA_TESTS/test_graph_decode.py $CUDA_TESTS/test_cuda_paged_attention.py $CUDA_TESTS/kernels/test_qmv.py \
           $CUDA_TESTS/kernels/test_hmv.py --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error" ;;
       ab)
-        settings_ab "MLXCEL_PDL_PREFETCH=0 MLXCEL_PDL_PREFETCH=1" "llama-3-8b --bits 4" "llama-3-8b --dtype bfloat16" \
-          "llama-3.2-1b --bits 4" ;;
+        settings_ab "MLXCEL_PDL_PREFETCH=0 MLXCEL_PDL_PREFETCH=2 MLXCEL_PDL_PREFETCH=8 MLXCEL_PDL_PREFETCH=64" \
+          "llama-3-8b --bits 4" "llama-3.2-1b --bits 4" ;;
+      ab16)
+        settings_ab "MLXCEL_PDL_PREFETCH=0 MLXCEL_PDL_PREFETCH=2 MLXCEL_PDL_PREFETCH=8 MLXCEL_PDL_PREFETCH=64" \
+          "llama-3-8b --dtype bfloat16" ;;
       long)
         for rep in 1 2; do
-          for on in 0 1; do
+          for on in 0 8; do
             echo "== MLXCEL_PDL_PREFETCH=$on 8B 4-bit @ d32768: $(MLXCEL_PDL_PREFETCH=$on python -m mlxcel_cli bench \
               --model-shape llama-3.1-8b --bits 4 -p 0 -n 64 -d 32768 -r 2 -o jsonl 2>/dev/null | tail -1)"
           done

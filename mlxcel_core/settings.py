@@ -40,6 +40,13 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be 0 or more")
+    return value
+
+
 def _float(raw: str) -> float:
     return float(raw)
 
@@ -102,13 +109,14 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "MLXCEL_PDL_PREFETCH",
-        "0/1",
-        False,
-        "Experiment (issue 42): 1 has the decode matvec kernels (4-bit and 16-bit) ask L2 for their block's weight "
-        "rows, and the paged attention kernel for its split's first keys and values, before they wait for the "
-        "previous kernel, where kernels chain by programmatic dependent launch (a replayed decode step on sm_90 or "
-        "newer), so that read overlaps the previous kernel's end. Read when a kernel is first built in a process.",
-        _switch,
+        "MiB",
+        0,
+        "Experiment (issue 42): N > 0 has the decode matvec kernels (4-bit and 16-bit) ask L2 for the first part of "
+        "their block's weight rows, at most N MiB a launch, and the paged attention kernel for its split's first keys "
+        "and values, before they wait for the previous kernel, where kernels chain by programmatic dependent launch "
+        "(a replayed decode step on sm_90 or newer), so that read overlaps the previous kernel's end. 0 leaves it "
+        "out. Read when a kernel is first built in a process.",
+        _non_negative_int,
     ),
     Setting(
         "MLXCEL_NET_TIMEOUT",

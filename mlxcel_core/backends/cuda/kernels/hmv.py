@@ -90,7 +90,7 @@ def launch_args(
 
 @functools.cache
 def _kernel(mode: str = "plain"):
-    early = pdl_prefetch.enabled()
+    early = pdl_prefetch.budget()
     return cuda_kernel(
         name=kernel_name(mode, "half", early),
         input_names=["x", "w", *MODES[mode][0]],

@@ -1,7 +1,8 @@
 """The experiment MLXCEL_PDL_PREFETCH (settings.py; issue 42): kernels of a decode step ask L2 for what they will read
 that no earlier kernel of the step writes, before they wait for the previous kernel:
-- the matvec kernels (kernels/qmv_source.py, both weight kinds): their block's weight rows (and the 4-bit kernel's
-  scales and biases), one bulk request a row;
+- the matvec kernels (kernels/qmv_source.py, both weight kinds): the first share of their block's weight rows (and of
+  the 4-bit kernel's scales and biases), one bulk request a row, at most the setting's MiB over a launch's rows (a
+  whole large matrix asked for at once may not stay in L2 until its blocks read it);
 - the paged attention kernel (backends/cuda/paged_attention_source.py): the keys and values of its split's first
   tokens (one a thread, a request a 32-byte sector) from the pools, which earlier steps wrote. The block tables and
   context lengths it reads to find them are the step's ints, uploaded before the replayed graph's first kernel
@@ -21,11 +22,31 @@ from __future__ import annotations
 PDL_WAIT = "/*PDL_WAIT*/"
 
 
-def enabled() -> bool:
-    """MLXCEL_PDL_PREFETCH, read where a kernel is first built (the kernel factories cache their kernels)."""
+def budget() -> int:
+    """MLXCEL_PDL_PREFETCH in bytes (0: off), read where a kernel is first built (the kernel factories cache their
+    kernels)."""
     from mlxcel_core import settings  # (no MLX)
 
-    return settings.get("MLXCEL_PDL_PREFETCH")
+    return settings.get("MLXCEL_PDL_PREFETCH") << 20
+
+
+def enabled() -> bool:
+    """Whether the experiment is on (the paged kernel's prefetch takes no budget)."""
+    return budget() > 0
+
+
+def matvec_share(budget_bytes: int) -> str:
+    """The matvec kernels' share of each row to ask for, for a launch budget of `budget_bytes` (its text carries the
+    budget, so kernel names differ by it)."""
+    return f"""
+#define PDL_PREFETCH_BYTES {int(budget_bytes)}ull
+// The bytes of each of a launch's `rows` rows of `row_bytes` to ask L2 for: the whole row, or the first multiple of
+// 16 bytes that keeps the launch within PDL_PREFETCH_BYTES.
+__device__ __forceinline__ unsigned mlxcel_prefetch_share(unsigned row_bytes, int rows) {{
+    const unsigned cap = unsigned(PDL_PREFETCH_BYTES / (unsigned long long)(rows > 0 ? rows : 1)) & ~15u;
+    return row_bytes < cap ? row_bytes : cap;
+}}
+"""
 
 
 PREFETCH_HELPER = r"""
@@ -51,21 +72,24 @@ __device__ __forceinline__ void mlxcel_prefetch_l2_sectors(const void* p, unsign
 # Per weight kind: thread r of a group (of the block's warps) asks for row r; PDL_EARLY is cubin_cache's.
 _EARLY = {
     "q4": """#if PDL_EARLY
+    const unsigned pf_w = mlxcel_prefetch_share(unsigned(KW) * 4u, N);
+    const unsigned pf_s = unsigned((unsigned long long)(G * sizeof(S)) * pf_w / (unsigned(KW) * 4u)) & ~15u;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         if (gtid == r) {
-            mlxcel_prefetch_l2(w_row[r], unsigned(KW) * 4u);
-            mlxcel_prefetch_l2(s_row[r], unsigned(G * sizeof(S)));
-            mlxcel_prefetch_l2(b_row[r], unsigned(G * sizeof(S)));
+            mlxcel_prefetch_l2(w_row[r], pf_w);
+            mlxcel_prefetch_l2(s_row[r], pf_s);
+            mlxcel_prefetch_l2(b_row[r], pf_s);
         }
     }
 #endif
 """,
     "half": """#if PDL_EARLY
+    const unsigned pf_w = mlxcel_prefetch_share(unsigned(K * sizeof(W)), N);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         if (gtid == r) {
-            mlxcel_prefetch_l2(w_row[r], unsigned(K * sizeof(W)));
+            mlxcel_prefetch_l2(w_row[r], pf_w);
         }
     }
 #endif

@@ -57,7 +57,7 @@ FLOAT_TYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 @functools.cache
 def _kernel(mode: str = "plain"):
-    early = pdl_prefetch.enabled()
+    early = pdl_prefetch.budget()
     return cuda_kernel(
         name=kernel_name(mode, "q4", early),
         input_names=["x", "w", "scales", "biases", *MODES[mode][0]],

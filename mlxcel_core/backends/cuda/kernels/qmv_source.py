@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 
 from .hmv_source import _HEADER_HALF, _MAIN_HALF
-from .pdl_prefetch import PREFETCH_HELPER, with_prefetch
+from .pdl_prefetch import PREFETCH_HELPER, matvec_share, with_prefetch
 
 # Whether two types are one (also kernels/qmm.py's).
 SAME_TYPE = r"""template <typename A, typename B>
@@ -463,16 +463,17 @@ def base_mode(mode: str) -> str:
 WEIGHTS = ("q4", "half")  # 4-bit affine (w, scales, biases) or 16-bit (w)
 
 
-def header(weights: str = "q4", early: bool = False) -> str:  # (early: kernel_source's)
+def header(weights: str = "q4", early: int = 0) -> str:  # (early: kernel_source's)
     text = _HEADER if weights == "q4" else _HEADER + _HEADER_HALF
-    return text + PREFETCH_HELPER if early else text
+    return text + PREFETCH_HELPER + matvec_share(early) if early else text
 
 
-def kernel_source(mode: str = "plain", weights: str = "q4", early: bool = False) -> str:
+def kernel_source(mode: str = "plain", weights: str = "q4", early: int = 0) -> str:
     """The kernel body for `mode` and `weights`: plain y = x @ w.T; qkv the same split into three outputs by weight
     row ranges (template ints NQ, NK); swiglu silu(x @ gate.T) * (x @ up.T) for w = [gate; up]; residual y =
     residual + x @ w.T (residual [M, N], of the output's dtype); qkv_norm and swiglu_norm the same of rms_norm(x).
-    `early`: the block's weights asked of L2 before the wait for the previous kernel (MLXCEL_PDL_PREFETCH)."""
+    `early` (bytes a launch, 0: none): the block's weights asked of L2 before the wait for the previous kernel
+    (MLXCEL_PDL_PREFETCH; the header carries the budget)."""
     _, outputs, block_rows, row_map, epilogue = MODES[mode]
     body = (_MAIN_Q4 if weights == "q4" else _MAIN_HALF) + _TAIL
     body = with_prefetch(body, weights) if early else body
@@ -489,7 +490,7 @@ def kernel_source(mode: str = "plain", weights: str = "q4", early: bool = False)
     return source.replace("/*KX*/", "k + 8 * i" if weights == "q4" else "k")  # the x chunk's first element
 
 
-def kernel_name(mode: str = "plain", weights: str = "q4", early: bool = False) -> str:
+def kernel_name(mode: str = "plain", weights: str = "q4", early: int = 0) -> str:
     """Carries a hash of the source: MLX caches compiled kernels on disk by name."""
     text = f"{header(weights, early)}{kernel_source(mode, weights, early)}"
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]

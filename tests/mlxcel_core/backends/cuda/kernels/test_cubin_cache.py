@@ -375,10 +375,10 @@ def test_kernels_with_the_pdl_prologue_compile_for_sm90(through_nvcc, monkeypatc
 def test_the_matvec_kernels_prefetch_experiment_compiles_and_waits_after_it(
     through_nvcc, monkeypatch, tmp_path, architecture
 ):
-    """MLXCEL_PDL_PREFETCH=1 (an experiment): the 4-bit and 16-bit matvec kernels ask L2 for their rows, and the
-    paged attention kernel for its split's first keys and values, before the PDL wait, where PDL is on (sm_90: the
-    prefetches compile there), and not at all where it is off; their names differ from the default kernels' (kernel
-    caches and tuned results are by name)."""
+    """MLXCEL_PDL_PREFETCH=1 (an experiment; 1 MiB a launch): the 4-bit and 16-bit matvec kernels ask L2 for their
+    rows' first share, and the paged attention kernel for its split's first keys and values, before the PDL wait,
+    where PDL is on (sm_90: the prefetches compile there), and not at all where it is off; their names differ from the
+    default kernels' and by the budget (kernel caches and tuned results are by name)."""
     from mlxcel_core.backends.cuda import paged_attention as cpa
     from mlxcel_core.backends.cuda.kernels import hmv, qmv, qmv_source
 
@@ -392,8 +392,9 @@ def test_the_matvec_kernels_prefetch_experiment_compiles_and_waits_after_it(
     hmv.launch(hmv.launch_args(x.shape, x.dtype, mx.bfloat16, 64), x, mx.zeros((64, 256), mx.bfloat16))
     names = {n.rsplit("_", 1)[0]: n for n in through_nvcc}
     for weights, first_load in (("q4", "mlxcel_qmv_load_w("), ("half", "mlxcel_hmv_load_w(")):
-        name = qmv_source.kernel_name("plain", weights, early=True)
+        name = qmv_source.kernel_name("plain", weights, early=1 << 20)
         assert name != qmv_source.kernel_name("plain", weights) and name in names, names
+        assert name != qmv_source.kernel_name("plain", weights, early=2 << 20)  # (the budget is in the text)
         text = (tmp_path / f"{names[name]}.cu").read_text()
         loop = text.index("float acc[ROWS][M];")
         if architecture == "sm_90":
