@@ -45,15 +45,19 @@ two blocks an SM; one in groups of 32, which spill at 128) and a chunk stages ha
 buffers stay within 48 KiB of shared memory.
 
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
-partial sums [SPLITS, M, N], which are summed and cast after the launch.
+partial sums [SPLITS, M, N], which are summed and cast after the launch. Under the experiment MLXCEL_QMM_OWN_OUTPUT
+the kernel writes the product in its own type instead: one split directly, several by the last block of each column
+to finish (qmm_source.TAILS), so that neither the sum nor the cast is a launch of its own.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 
 import mlx.core as mx
+import numpy as np
 
 from . import qmv
 from .cubin_cache import cuda_kernel
@@ -61,7 +65,7 @@ from .matvec_config import QMM_TARGET_BLOCKS as TARGET_BLOCKS  # noqa: F401
 from .matvec_config import qmm_split_k as split_k  # the untuned rule
 from .qmm_source import CHUNK_K  # noqa: F401  (values of K a block stages in shared memory at a time)
 from .qmm_source import HEADER as _HEADER
-from .qmm_source import SOURCE as _SOURCE
+from .qmm_source import kernel_source as _kernel_source
 
 MAX_ROWS = 64  # rows of x one launch takes (8 tiles of 8)
 NARROW_ROWS = 32  # rows of x (4 tiles) up to which every group size fits MIN_BLOCKS blocks an SM
@@ -72,27 +76,60 @@ X_TYPES = (mx.bfloat16, mx.float16)
 MIN_BLOCKS = 2
 MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
 
-# The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned splits
-# are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py).
-KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE + f'/{WARPS}').encode()).hexdigest()[:8]}"
+_OUTPUTS = {"partial": ["partial"], "direct": ["y"], "last_block": ["y", "partial"]}
+
+
+def kernel_name(tail: str = "partial") -> str:
+    """The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned
+    splits are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py)."""
+    digest = hashlib.sha256((_HEADER + _kernel_source(tail) + f"/{WARPS}").encode()).hexdigest()[:8]
+    return f"mlxcel_qmm_mma_{digest}" if tail == "partial" else f"mlxcel_qmm_mma_{tail}_{digest}"
+
+
+KERNEL_NAME = kernel_name()
 
 
 @functools.cache
-def _kernel(min_blocks: int = MIN_BLOCKS):
-    """The kernel, its registers capped so that `min_blocks` blocks fit an SM."""
+def _kernel(min_blocks: int = MIN_BLOCKS, tail: str = "partial"):
+    """The kernel, its registers capped so that `min_blocks` blocks fit an SM, its results leaving it as `tail`
+    (qmm_source.TAILS) says."""
     return cuda_kernel(
-        name=KERNEL_NAME,
-        input_names=["x", "w", "scales", "biases"],
-        output_names=["partial"],
-        source=_SOURCE,
+        name=kernel_name(tail),
+        input_names=["x", "w", "scales", "biases", *(["counters"] if tail == "last_block" else [])],
+        output_names=_OUTPUTS[tail],
+        source=_kernel_source(tail),
         header=_HEADER,
         launch_bounds=(WARPS * 32, min_blocks),
     )
 
 
-def kernel_source() -> tuple[str, str]:
+def kernel_source(tail: str = "partial") -> tuple[str, str]:
     """(header, body) as MLX's cuda_kernel assembles them (the compile test's input)."""
-    return _HEADER, _SOURCE
+    return _HEADER, _kernel_source(tail)
+
+
+def own_output() -> bool:
+    """MLXCEL_QMM_OWN_OUTPUT (an experiment): the kernel writes the product itself. Read where a launch shape is
+    first seen (`launch_args` caches its answer)."""
+    from mlxcel_core import settings
+
+    return settings.get("MLXCEL_QMM_OWN_OUTPUT")
+
+
+_threads = threading.local()
+
+
+def counters(blocks: int) -> mx.array:
+    """The calling thread's int32 zeros for the last-block sums, at least `blocks` of them. A thread's launches run
+    one after another on its stream, so they may share them; another thread's may run beside them, so each thread
+    has its own. Kept for the process, outgrown ones too: a graph that recorded a launch reads them at every replay."""
+    have = getattr(_threads, "counters", [])
+    if not have or have[-1].size < blocks:
+        # (from host memory, so the array holds its values at once: no evaluation, which a trace of mx.compile
+        # refuses, and a compiled step keeps it as a constant)
+        have.append(mx.array(np.zeros(max(blocks, 4096), np.int32)))
+        _threads.counters = have
+    return have[-1]
 
 
 def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
@@ -130,6 +167,9 @@ def launch_args(
     groups = k // group_size
     gps = gps or chosen_gps(n, k, m, group_size, x_dtype)
     splits = -(-groups // gps)
+    tail = ("direct" if splits == 1 else "last_block") if own_output() else "partial"
+    out = mx.result_type(x_dtype, s_dtype)
+    shapes = {"partial": [(splits, m, n)], "direct": [(m, n)], "last_block": [(m, n), (splits, m, n)]}[tail]
     return dict(
         template=[
             ("T", x_dtype),
@@ -140,8 +180,9 @@ def launch_args(
         ],
         grid=(-(-n // ROWS_PER_BLOCK) * WARPS * 32, splits, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(splits, m, n)],
-        output_dtypes=[mx.float32],
+        output_shapes=shapes,
+        output_dtypes={"partial": [mx.float32], "direct": [out], "last_block": [out, mx.float32]}[tail],
+        tail=tail,
     )
 
 
@@ -163,7 +204,11 @@ def quantized_matmul(
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
     narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
-    partial = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32)(inputs=[x, w, scales, biases], **args)[0]
-    # (one split: a reshape, which is free; MLX makes `partial[0]` a gather kernel, a launch per call)
-    y = partial.reshape(partial.shape[1:]) if partial.shape[0] == 1 else partial.sum(axis=0)
-    return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)
+    args = dict(args)
+    tail = args.pop("tail")
+    inputs = [x, w, scales, biases] + ([counters(args["grid"][0] // (WARPS * 32))] if tail == "last_block" else [])
+    out = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32, tail)(inputs=inputs, **args)[0]
+    if tail == "partial":  # (one split: a reshape, which is free; MLX makes `out[0]` a gather kernel, a launch a call)
+        y = out.reshape(out.shape[1:]) if out.shape[0] == 1 else out.sum(axis=0)
+        out = y.astype(mx.result_type(x.dtype, scales.dtype))
+    return out.reshape(*x.shape[:-1], n)

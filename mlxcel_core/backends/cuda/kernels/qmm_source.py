@@ -92,10 +92,11 @@ __device__ __forceinline__ void mlxcel_qmm_scale_sums(float (&tot)[NT][4], const
     }
 }
 
-// A warp's results into one split's partial sums [M, N]: accumulator (i, j) of tile nt is weight row n0 + g (+ 8)
-// against x row nt * 8 + 2t (+ 1); rows past M and columns past N are dropped.
-template <int NT>
-__device__ __forceinline__ void mlxcel_qmm_store(float* out, int M, int N, int n0, int g, int t,
+// A warp's results into [M, N] (one split's float32 partial sums, or the product in its own type O): accumulator
+// (i, j) of tile nt is weight row n0 + g (+ 8) against x row nt * 8 + 2t (+ 1); rows past M and columns past N are
+// dropped.
+template <int NT, typename O>
+__device__ __forceinline__ void mlxcel_qmm_store(O* out, int M, int N, int n0, int g, int t,
                                                  const float (&tot)[NT][4]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -105,10 +106,16 @@ __device__ __forceinline__ void mlxcel_qmm_store(float* out, int M, int N, int n
             const int m = ma + (i & 1);
             const int n = n0 + g + (i >> 1) * 8;
             if (m < M && n < N) {
-                out[size_t(m) * N + n] = tot[nt][i];
+                out[size_t(m) * N + n] = static_cast<O>(tot[nt][i]);
             }
         }
     }
+}
+
+// v into out[at], in out's type.
+template <typename O>
+__device__ __forceinline__ void mlxcel_qmm_put(O* out, size_t at, float v) {
+    out[at] = static_cast<O>(v);
 }
 
 // The two T values packed in v, as floats, summed.
@@ -295,8 +302,62 @@ SOURCE = r"""
         }
         __syncthreads();  // every warp is done with this buffer before the next stage() refills it
     }
-    if (!live) {
+/*TAIL*/
+"""
+
+# How a launch's results leave the kernel (`kernel_source(tail)`):
+# - "partial": each split's float32 partial sums [SPLITS, M, N] (output `partial`), summed and cast after the launch;
+# - "direct" (one split): the product [M, N] in its own type (output `y`);
+# - "last_block" (several splits): the partials (output `partial`) and the product (output `y`), which the last of a
+#   column of blocks to finish sums from them, in split order (extra input `counters`, int32 zeros, one a block
+#   column, which MLX sees as an input only): each block makes its partials visible device-wide and counts itself in;
+#   the block that counts SPLITS sets the counter back to 0 for the next launch and writes y for the block's 16 WARPS
+#   rows. Launches that share counters must not run at the same time (kernels/qmm.py keeps them a thread).
+TAILS = {
+    "partial": r"""    if (!live) {
         return;
     }
     mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
-"""
+""",
+    "direct": r"""    if (!live) {
+        return;
+    }
+    mlxcel_qmm_store<NT>(y, M, N, n0, g, t, tot);
+""",
+    "last_block": r"""    if (live) {
+        mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
+    }
+    __threadfence();  // this block's partials, visible to whichever block sums them
+    __syncthreads();
+    __shared__ bool sums_splits;
+    if (threadIdx.x == 0) {
+        int* counter = const_cast<int*>(counters) + blockIdx.x;
+        sums_splits = atomicAdd(counter, 1) == int(gridDim.y) - 1;
+        if (sums_splits) {
+            atomicExch(counter, 0);  // every split has arrived
+        }
+    }
+    __syncthreads();
+    if (!sums_splits) {
+        return;
+    }
+    __threadfence();
+    const int nb = blockIdx.x * (blockDim.x >> 5) * 16;  // the block column's first weight row
+    const int cols = min((blockDim.x >> 5) * 16, N - nb);
+    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
+        const int m = i / cols;
+        const size_t at = size_t(m) * N + nb + (i - m * cols);
+        float sum = 0.0f;
+        for (int sp = 0; sp < int(gridDim.y); ++sp) {
+            sum += __ldcg(partial + size_t(sp) * M * N + at);  // (from L2: other SMs wrote them)
+        }
+        mlxcel_qmm_put(y, at, sum);
+    }
+""",
+}
+TAIL_MARKER = "/*TAIL*/"
+
+
+def kernel_source(tail: str = "partial") -> str:
+    """The kernel body with the results leaving it as `tail` (a key of TAILS) says."""
+    return SOURCE.replace(TAIL_MARKER, TAILS[tail])

@@ -207,6 +207,88 @@ def test_the_kernel_fits_two_blocks_an_sm_without_spills(tmp_path, monkeypatch, 
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
 
 
+@needs_nvcc
+@pytest.mark.parametrize("tail,m,gps", [("direct", 32, 64), ("last_block", 32, 16), ("last_block", 64, 16)])
+def test_the_kernel_writing_its_product_fits_two_blocks_an_sm(tmp_path, tail, m, gps):
+    """MLXCEL_QMM_OWN_OUTPUT's kernels as the kernel cache builds them (the product in bf16: one split directly,
+    several summed by the last block of a column): at most 128 registers a thread, none spilled; the last block
+    counts itself in with an atomic and reads the partials from L2."""
+    from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
+
+    header, source = qmm.kernel_source(tail)
+    inputs = ["x", "w", "scales", "biases", *(["counters"] if tail == "last_block" else [])]
+    dtypes = [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16, mx.int32][: len(inputs)]
+    outputs = {"direct": ["y"], "last_block": ["y", "partial"]}[tail]
+    template = dict(qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64, gps)["template"])
+    text = kernel_text("k", source, header, inputs, dtypes, [2] * len(inputs), outputs,
+                       [{"y": mx.bfloat16, "partial": mx.float32}[o] for o in outputs], list(template.items()),
+                       launch_bounds=(qmm.WARPS * 32, qmm.MIN_BLOCKS))  # fmt: skip
+    report = compile_sm90(tmp_path, text)
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
+    assert "spill" not in report or re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
+    assert ("atomicAdd(counter, 1)" in source) == ("__ldcg(partial" in source) == (tail == "last_block")
+
+
+@pytest.mark.parametrize("gps", [64, 16])  # (K = 4096 in groups of 64: one split, then four)
+def test_the_kernel_writing_its_product_leaves_nothing_after_the_launch(tmp_path, monkeypatch, gps):
+    """With MLXCEL_QMM_OWN_OUTPUT=1 the launch's output is the product, in x's type: no sum and no cast after it
+    (at a 32-row 8B step, 96 sums and 129 casts). Several splits take the thread's counters, one a block column. A
+    stand-in kernel records what it was given."""
+    seen = {}
+
+    def stand_in(min_blocks, tail):
+        def launch(inputs, output_shapes, output_dtypes, grid, **__):
+            seen.update(tail=tail, inputs=len(inputs), dtypes=output_dtypes, grid=grid, counters=inputs[4:])
+            return [mx.full(shape, 7.0, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+
+        return launch
+
+    monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", "1")
+    monkeypatch.setattr(qmm, "_kernel", stand_in)
+    qmm.launch_args.cache_clear()
+    try:
+        x = mx.zeros((32, 1, 4096), mx.bfloat16)
+        w = mx.zeros((256, 512), mx.uint32)
+        scales = biases = mx.zeros((256, 64), mx.bfloat16)
+        y = qmm.quantized_matmul(x, w, scales, biases, 64, gps=gps)
+        dot = tmp_path / "graph.dot"
+        with open(dot, "w") as f:
+            mx.export_to_dot(f, y)
+        graph = dot.read_text()
+    finally:
+        qmm.launch_args.cache_clear()
+    assert "Sum" not in graph and "AsType" not in graph and "Gather" not in graph, graph
+    assert y.shape == (32, 1, 256) and y.dtype == mx.bfloat16 and mx.all(y == 7).item()
+    one = gps == 64
+    assert seen["tail"] == ("direct" if one else "last_block") and seen["inputs"] == (4 if one else 5)
+    assert seen["dtypes"] == ([mx.bfloat16] if one else [mx.bfloat16, mx.float32])
+    if not one:
+        (counters,) = seen["counters"]
+        assert counters.dtype == mx.int32 and counters.size >= seen["grid"][0] // (qmm.WARPS * 32)
+        assert not mx.any(counters).item()
+
+
+def test_counters_are_the_threads_own_and_grow_keeping_the_old():
+    import threading
+
+    first = qmm.counters(8)
+    assert qmm.counters(8) is first and first.size >= 8 and first.dtype == mx.int32
+    bigger = qmm.counters(first.size + 1)
+    assert bigger.size > first.size and qmm.counters(8) is bigger
+    other = []
+    thread = threading.Thread(target=lambda: other.append(qmm.counters(8)))
+    thread.start()
+    thread.join()
+    assert other[0] is not bigger
+    # a thread's first launch may come inside a trace of mx.compile (a compiled decode step), which refuses evaluation
+    traced = []
+    step = mx.compile(lambda x: x + qmm.counters(8)[:2])
+    thread = threading.Thread(target=lambda: traced.append(step(mx.ones(2)).tolist()))
+    thread.start()
+    thread.join()
+    assert traced == [[1, 1]]
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1024, 14336, 64), (1000, 512, 32), (333, 1024, 128)])
@@ -288,10 +370,24 @@ def test_kernel_name_carries_the_source_hash():
     "n,k,group_size,gps",
     [(4096, 4096, 64, None), (1000, 14336, 64, None), (333, 1024, 128, 3), (100, 512, 32, 5), (64, 4096, 64, 64)],
 )
-def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
+@pytest.mark.parametrize("own_output", ["0", "1"], ids=["partials", "own-output"])
+def test_kernel_across_tiles_splits_and_chunks(monkeypatch, own_output, dtype, n, k, group_size, gps):
     """Row counts that leave a tile part empty, weights whose last block has warps past N, splits that end inside a
     chunk of x in shared memory (gps not a multiple of the chunk's groups) and a whole K in one split; and x as a view
-    at an odd offset (copied without cp.async). Within the reference's tolerance."""
+    at an odd offset (copied without cp.async). Within the reference's tolerance, with the partial sums summed after
+    the launch and with the kernel writing the product itself (MLXCEL_QMM_OWN_OUTPUT), whose counters must be back
+    at zero after every launch."""
+    monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", own_output)
+    qmm.launch_args.cache_clear()
+    try:
+        _check_tiles_splits_and_chunks(dtype, n, k, group_size, gps)
+    finally:
+        qmm.launch_args.cache_clear()
+    if own_output == "1":
+        assert not mx.any(qmm.counters(1)).item()
+
+
+def _check_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
     x, w, scales, biases = make_operands(33, n, k, dtype, group_size=group_size, seed=n + k)
     ref, mag = reference(x, w, scales, biases, group_size)
     odd = x.reshape(-1)[1 : 1 + 12 * k].reshape(12, k)
