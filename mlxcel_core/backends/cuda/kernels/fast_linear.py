@@ -105,7 +105,7 @@ def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
         return None
     # x itself when one launch takes it: a slice is one more op in every layer of a decode step's graph
     rows = [x] if x.shape[0] <= step else [x[i : i + step] for i in range(0, x.shape[0], step)]
-    parts = [qmm.quantized_matmul(r, w, scales, biases, group_size) for r in rows]
+    parts = [qmm.quantized_matmul(r, w, scales, biases, group_size, part=i) for i, r in enumerate(rows)]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 

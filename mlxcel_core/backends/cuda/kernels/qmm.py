@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import threading
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -116,20 +117,23 @@ def own_output() -> bool:
     return settings.get("MLXCEL_QMM_OWN_OUTPUT")
 
 
-_threads = threading.local()
+_counters: dict[tuple[int, int, int], mx.array] = {}
 
 
-def counters(blocks: int) -> mx.array:
-    """The calling thread's int32 zeros for the last-block sums, at least `blocks` of them. A thread's launches run
-    one after another on its stream, so they may share them; another thread's may run beside them, so each thread
-    has its own. Kept for the process, outgrown ones too: a graph that recorded a launch reads them at every replay."""
-    have = getattr(_threads, "counters", [])
-    if not have or have[-1].size < blocks:
+def counters(w: mx.array, part: int, blocks: int) -> mx.array:
+    """int32 zeros for the last-block sums of launches on weight `w` (its `part`-th launch of a step, where a batch
+    takes several), from the calling thread: at least `blocks` of them. Launches that share counters must not run at
+    the same time, and MLX may run launches that do not depend on each other side by side (within a recorded graph,
+    or on two threads' streams); the launches of one site, thread and part never do (each step's needs the last
+    step's token). Kept while `w` lives (its launches always take as many blocks)."""
+    key = (id(w), part, threading.get_ident())
+    have = _counters.get(key)
+    if have is None:
+        weakref.finalize(w, _counters.pop, key, None)
         # (from host memory, so the array holds its values at once: no evaluation, which a trace of mx.compile
         # refuses, and a compiled step keeps it as a constant)
-        have.append(mx.array(np.zeros(max(blocks, 4096), np.int32)))
-        _threads.counters = have
-    return have[-1]
+        have = _counters[key] = mx.array(np.zeros(blocks, np.int32))
+    return have
 
 
 def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
@@ -193,9 +197,11 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     gps: int | None = None,
+    part: int = 0,
 ) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
-    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split."""
+    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split; `part` numbers a
+    step's launches on the same weight (`counters`)."""
     n, k = w.shape[0], w.shape[1] * 8
     args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
     if args is None:
@@ -206,7 +212,10 @@ def quantized_matmul(
     narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
     args = dict(args)
     tail = args.pop("tail")
-    inputs = [x, w, scales, biases] + ([counters(args["grid"][0] // (WARPS * 32))] if tail == "last_block" else [])
+    if tail == "last_block":
+        inputs = [x, w, scales, biases, counters(w, part, args["grid"][0] // (WARPS * 32))]
+    else:
+        inputs = [x, w, scales, biases]
     out = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32, tail)(inputs=inputs, **args)[0]
     if tail == "partial":  # (one split: a reshape, which is free; MLX makes `out[0]` a gather kernel, a launch a call)
         y = out.reshape(out.shape[1:]) if out.shape[0] == 1 else out.sum(axis=0)

@@ -312,7 +312,8 @@ SOURCE = r"""
 #   column of blocks to finish sums from them, in split order (extra input `counters`, int32 zeros, one a block
 #   column, which MLX sees as an input only): each block makes its partials visible device-wide and counts itself in;
 #   the block that counts SPLITS sets the counter back to 0 for the next launch and writes y for the block's 16 WARPS
-#   rows. Launches that share counters must not run at the same time (kernels/qmm.py keeps them a thread).
+#   rows. Launches that share counters must not run at the same time (kernels/qmm.py keeps them a weight, a part of a
+#   step and a thread).
 TAILS = {
     "partial": r"""    if (!live) {
         return;

@@ -77,7 +77,7 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
         launched.append(x.shape)
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=64, bits=4)
 
-    def mma_stand_in(x, w, scales, biases, group_size):
+    def mma_stand_in(x, w, scales, biases, group_size, part=0):
         launched.append(("mma", x.shape))
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
 
@@ -97,7 +97,7 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
 
 def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     """A decode batch of more than qmm.MAX_ROWS rows: launches of that many rows, the last one short (a server batch
-    may exceed one launch); MLX's values, in order."""
+    may exceed one launch), numbered; MLX's values, in order."""
     most = qmm.MAX_ROWS
     layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
     holder = nn.Module()
@@ -114,15 +114,16 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     launched = []
     real = mx.quantized_matmul
 
-    def mma_stand_in(x, w, scales, biases, group_size):
-        launched.append(x.shape)
+    def mma_stand_in(x, w, scales, biases, group_size, part=0):
+        launched.append((x.shape, part))
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4, stream=mx.cpu)
 
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     monkeypatch.setattr(qmv, "launch", lambda *args, **kwargs: None)  # never reached: more rows than it takes
     monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
     got = layer(x)
-    assert launched == [(most, 1, 256), (most, 1, 256), (5, 1, 256)]
+    # (each launch numbered: the weight's counters of one are not another's, MLXCEL_QMM_OWN_OUTPUT's last blocks)
+    assert launched == [((most, 1, 256), 0), ((most, 1, 256), 1), ((5, 1, 256), 2)]
     assert got.shape == want.shape and mx.array_equal(got, want).item()
 
 
@@ -316,7 +317,7 @@ def test_engine_decode_batch_beyond_the_kernel(monkeypatch, tiny_q4):
                     out.setdefault(o.seq_id, []).append(o.token)
         return [out[i] for i in ids]
 
-    def mma_stand_in(x, w, scales, biases, group_size):
+    def mma_stand_in(x, w, scales, biases, group_size, part=0):
         launched.append(("mma", *x.shape[:-1]))
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
 

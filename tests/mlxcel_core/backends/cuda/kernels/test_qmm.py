@@ -232,7 +232,7 @@ def test_the_kernel_writing_its_product_fits_two_blocks_an_sm(tmp_path, tail, m,
 @pytest.mark.parametrize("gps", [64, 16])  # (K = 4096 in groups of 64: one split, then four)
 def test_the_kernel_writing_its_product_leaves_nothing_after_the_launch(tmp_path, monkeypatch, gps):
     """With MLXCEL_QMM_OWN_OUTPUT=1 the launch's output is the product, in x's type: no sum and no cast after it
-    (at a 32-row 8B step, 96 sums and 129 casts). Several splits take the thread's counters, one a block column. A
+    (at a 32-row 8B step, 96 sums and 129 casts). Several splits take the weight's counters, one a block column. A
     stand-in kernel records what it was given."""
     seen = {}
 
@@ -264,29 +264,42 @@ def test_the_kernel_writing_its_product_leaves_nothing_after_the_launch(tmp_path
     assert seen["dtypes"] == ([mx.bfloat16] if one else [mx.bfloat16, mx.float32])
     if not one:
         (counters,) = seen["counters"]
-        assert counters.dtype == mx.int32 and counters.size >= seen["grid"][0] // (qmm.WARPS * 32)
+        assert counters.dtype == mx.int32 and counters.size == seen["grid"][0] // (qmm.WARPS * 32)
+        assert counters is qmm.counters(w, 0, counters.size)
         assert not mx.any(counters).item()
 
 
-def test_counters_are_the_threads_own_and_grow_keeping_the_old():
+def test_counters_are_a_weights_a_parts_and_a_threads_and_go_with_the_weight():
+    """Launches that may run side by side never share counters: each weight, each launch of a batch taken in parts,
+    and each thread has its own; they are freed with the weight, and a thread's first launch may come inside a trace
+    of mx.compile (a compiled decode step), which refuses evaluation."""
+    import gc
     import threading
 
-    first = qmm.counters(8)
-    assert qmm.counters(8) is first and first.size >= 8 and first.dtype == mx.int32
-    bigger = qmm.counters(first.size + 1)
-    assert bigger.size > first.size and qmm.counters(8) is bigger
-    other = []
-    thread = threading.Thread(target=lambda: other.append(qmm.counters(8)))
+    w, other_w = mx.zeros((256, 32), mx.uint32), mx.zeros((256, 32), mx.uint32)
+    first = qmm.counters(w, 0, 2)
+    assert qmm.counters(w, 0, 2) is first and first.size == 2 and first.dtype == mx.int32
+    assert qmm.counters(w, 1, 2) is not first and qmm.counters(other_w, 0, 2) is not first
+    elsewhere = []
+    thread = threading.Thread(target=lambda: elsewhere.append(qmm.counters(w, 0, 2) is first))
     thread.start()
     thread.join()
-    assert other[0] is not bigger
-    # a thread's first launch may come inside a trace of mx.compile (a compiled decode step), which refuses evaluation
+    assert elsewhere == [False]
     traced = []
-    step = mx.compile(lambda x: x + qmm.counters(8)[:2])
+    step = mx.compile(lambda x: x + qmm.counters(w, 2, 2))
     thread = threading.Thread(target=lambda: traced.append(step(mx.ones(2)).tolist()))
     thread.start()
     thread.join()
     assert traced == [[1, 1]]
+
+    def launches_on_a_weight_that_goes():
+        gone = mx.zeros((256, 32), mx.uint32)
+        qmm.counters(gone, 0, 2), qmm.counters(gone, 1, 2)
+        return len(qmm._counters)
+
+    with_it = launches_on_a_weight_that_goes()
+    gc.collect()
+    assert len(qmm._counters) == with_it - 2
 
 
 @needs_cuda
