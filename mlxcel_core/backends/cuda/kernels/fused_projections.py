@@ -49,7 +49,7 @@ from mlxcel_core.models.activations import swiglu
 from mlxcel_core.models.base import normed
 from mlxcel_core.models.transformer import Attention, GatedMLP, heads_first
 
-from . import fast_linear, hmv, qmv
+from . import fast_linear, hmv, qmm, qmv
 from .rope_fold import fold_frequencies, fold_positions
 
 FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (decode batches)
@@ -202,6 +202,14 @@ class FusedProjection:
         if not self.fold_rope:
             return None
         outs = self._launch(x, "qkv", norm, (*self.qkv_split, head_dim), (positions, inv_freq))
+        p, widths = self.params, (*self.qkv_split, head_dim)
+        # (a decode batch past the matvec's rows: the batch kernel's q/k/v tail, where it runs; asked first, so that
+        # no norm op is built for nothing)
+        batch = self.kernel and fast_linear.decode_rows(x) and x.shape[0] <= qmm.MAX_ROWS and qmv.kernel_ready()
+        if outs is None and batch and qmm.qkv_rope_args(x.shape, x.dtype, p["scales"].dtype, *widths, x.shape[-1],
+                                                        self.group_size) is not None:  # fmt: skip
+            outs = qmm.qkv_rope(normed(x, norm), p["weight"], p["scales"], p["biases"], self.group_size, widths,
+                                (positions, inv_freq))  # fmt: skip
         if outs is None or outs[0].ndim == 4:
             return outs
         return [heads_first(t, t.shape[-1] // head_dim) for t in outs]

@@ -47,7 +47,9 @@ buffers stay within 48 KiB of shared memory.
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
 partial sums [SPLITS, M, N], which are summed and cast after the launch. Under the experiment MLXCEL_QMM_OWN_OUTPUT
 the kernel writes the product in its own type instead: one split directly, several by the last block of each column
-to finish (qmm_source.TAILS), so that neither the sum nor the cast is a launch of its own.
+to finish (qmm_source.TAILS), so that neither the sum nor the cast is a launch of its own; and a fused q/k/v whose RoPE
+the kernels fold comes out as q, k and v with q and k rotated (`qkv_rope`), as kernels/qmv.py's qkv_rope mode does for
+batches of up to 8 rows.
 """
 
 from __future__ import annotations
@@ -77,7 +79,14 @@ X_TYPES = (mx.bfloat16, mx.float16)
 MIN_BLOCKS = 2
 MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
 
-_OUTPUTS = {"partial": ["partial"], "direct": ["y"], "last_block": ["y", "partial"]}
+_OUTPUTS = {
+    "partial": ["partial"],
+    "direct": ["y"],
+    "last_block": ["y", "partial"],
+    "last_block_qkv_rope": ["q", "k", "v", "partial"],
+}
+_EXTRA_INPUTS = {"last_block": ["counters"], "last_block_qkv_rope": ["counters", "positions", "inv_freq"]}
+HEAD_DIMS = (32, 64, 128)  # the q/k/v rope tail's: a block's 128 weight rows hold whole heads
 
 
 def kernel_name(tail: str = "partial") -> str:
@@ -96,7 +105,7 @@ def _kernel(min_blocks: int = MIN_BLOCKS, tail: str = "partial"):
     (qmm_source.TAILS) says."""
     return cuda_kernel(
         name=kernel_name(tail),
-        input_names=["x", "w", "scales", "biases", *(["counters"] if tail == "last_block" else [])],
+        input_names=["x", "w", "scales", "biases", *_EXTRA_INPUTS.get(tail, [])],
         output_names=_OUTPUTS[tail],
         source=_kernel_source(tail),
         header=_HEADER,
@@ -221,3 +230,39 @@ def quantized_matmul(
         y = out.reshape(out.shape[1:]) if out.shape[0] == 1 else out.sum(axis=0)
         out = y.astype(mx.result_type(x.dtype, scales.dtype))
     return out.reshape(*x.shape[:-1], n)
+
+
+@functools.lru_cache(maxsize=256)
+def qkv_rope_args(x_shape: tuple, x_dtype, s_dtype, nq: int, nk: int, head_dim: int, k: int, group_size: int):
+    """`launch_args` for the q/k/v tail (qmm_source.TAILS' "last_block_qkv_rope") of a fused [q; k; v] weight (nq, nk,
+    nk rows), or None where it does not run: MLXCEL_QMM_OWN_OUTPUT off, a head dim outside HEAD_DIMS, widths not in
+    whole heads, or a launch the kernel does not take."""
+    base = launch_args(x_shape, x_dtype, s_dtype, nq + 2 * nk, k, group_size) if own_output() else None
+    if base is None or head_dim not in HEAD_DIMS or nq % head_dim or nk % head_dim:
+        return None
+    m, out = qmv.rows_of(x_shape), mx.result_type(x_dtype, s_dtype)
+    splits = base["grid"][1]
+    return dict(
+        template=[*base["template"], ("NQ", nq), ("NK", nk), ("HD", head_dim)],
+        grid=base["grid"],
+        threadgroup=base["threadgroup"],
+        output_shapes=[(m, nq), (m, nk), (m, nk), (splits, m, nq + 2 * nk)],
+        output_dtypes=[out, out, out, mx.float32],
+    )
+
+
+def qkv_rope(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, widths: tuple, rope: tuple
+) -> list[mx.array] | None:
+    """q, k, v [..., width] of x @ dequantize(w).T (x [..., K], M rows) for a fused [q; k; v] weight (`widths` =
+    (nq, nk, head_dim)), q and k rotated by `rope` = (positions [M] float32, times the RoPE's scale; inverse
+    frequencies [head_dim / 2] float32), in one launch whose last blocks write them; None where `qkv_rope_args` says
+    it does not run."""
+    nq, nk, head_dim = widths
+    args = qkv_rope_args(x.shape, x.dtype, scales.dtype, nq, nk, head_dim, x.shape[-1], group_size)
+    if args is None:
+        return None
+    narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
+    inputs = [x, w, scales, biases, counters(w, -1, args["grid"][0] // (WARPS * 32)), *rope]  # (-1: not a part)
+    outs = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32, "last_block_qkv_rope")(inputs=inputs, **args)[:3]
+    return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]

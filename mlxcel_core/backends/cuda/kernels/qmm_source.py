@@ -118,6 +118,34 @@ __device__ __forceinline__ void mlxcel_qmm_put(O* out, size_t at, float v) {
     out[at] = static_cast<O>(v);
 }
 
+// The sum over the launch's splits (gridDim.y, in order) of element `at` of the partials, each split `stride` apart:
+// read from L2 (other SMs wrote them).
+__device__ __forceinline__ float mlxcel_qmm_split_sum(const float* partial, size_t stride, size_t at) {
+    float sum = 0.0f;
+    for (int sp = 0; sp < int(gridDim.y); ++sp) {
+        sum += __ldcg(partial + sp * stride + at);
+    }
+    return sum;
+}
+
+// v rounded to the type O points to, as a float.
+template <typename O>
+__device__ __forceinline__ float mlxcel_qmm_round(const O*, float v) {
+    return static_cast<float>(static_cast<O>(v));
+}
+
+// Element n of row m of [q; k; v] (NQ, NK, NK wide) into its array, in its type.
+template <typename O>
+__device__ __forceinline__ void mlxcel_qmm_store_qkv(O* q, O* k, O* v, int nq, int nk, int m, int n, float o) {
+    if (n < nq) {
+        q[size_t(m) * nq + n] = static_cast<O>(o);
+    } else if (n < nq + nk) {
+        k[size_t(m) * nk + (n - nq)] = static_cast<O>(o);
+    } else {
+        v[size_t(m) * nk + (n - nq - nk)] = static_cast<O>(o);
+    }
+}
+
 // The two T values packed in v, as floats, summed.
 template <typename T>
 __device__ __forceinline__ float mlxcel_qmm_sum2(uint32_t v) {
@@ -308,24 +336,18 @@ SOURCE = r"""
 # How a launch's results leave the kernel (`kernel_source(tail)`):
 # - "partial": each split's float32 partial sums [SPLITS, M, N] (output `partial`), summed and cast after the launch;
 # - "direct" (one split): the product [M, N] in its own type (output `y`);
-# - "last_block" (several splits): the partials (output `partial`) and the product (output `y`), which the last of a
+# - "last_block" (any splits): the partials (output `partial`) and the product (output `y`), which the last of a
 #   column of blocks to finish sums from them, in split order (extra input `counters`, int32 zeros, one a block
 #   column, which MLX sees as an input only): each block makes its partials visible device-wide and counts itself in;
 #   the block that counts SPLITS sets the counter back to 0 for the next launch and writes y for the block's 16 WARPS
 #   rows. Launches that share counters must not run at the same time (kernels/qmm.py keeps them a weight, a part of a
 #   step and a thread).
-TAILS = {
-    "partial": r"""    if (!live) {
-        return;
-    }
-    mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
-""",
-    "direct": r"""    if (!live) {
-        return;
-    }
-    mlxcel_qmm_store<NT>(y, M, N, n0, g, t, tot);
-""",
-    "last_block": r"""    if (live) {
+# - "last_block_qkv_rope": the same, for a fused [q; k; v] weight (template ints NQ, NK: rows of q and of k and v; HD:
+#   head dim, dividing the block's rows, so that a column holds whole heads), whose last block writes q, k and v
+#   (outputs [M, NQ], [M, NK], [M, NK]: heads first at one token a row) with q and k rotated (non-traditional RoPE:
+#   extra inputs `positions` [M] float32, times the RoPE's scale, and `inv_freq` [HD / 2] float32), each product
+#   rounded to the output's type first, as the product alone returns it (kernels/qmv_source.py's qkv_rope mode).
+_LAST_BLOCK = r"""    if (live) {
         mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
     }
     __threadfence();  // this block's partials, visible to whichever block sums them
@@ -345,14 +367,45 @@ TAILS = {
     __threadfence();
     const int nb = blockIdx.x * (blockDim.x >> 5) * 16;  // the block column's first weight row
     const int cols = min((blockDim.x >> 5) * 16, N - nb);
-    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
+"""
+TAILS = {
+    "partial": r"""    if (!live) {
+        return;
+    }
+    mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
+""",
+    "direct": r"""    if (!live) {
+        return;
+    }
+    mlxcel_qmm_store<NT>(y, M, N, n0, g, t, tot);
+""",
+    "last_block": _LAST_BLOCK
+    + r"""    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
         const int m = i / cols;
         const size_t at = size_t(m) * N + nb + (i - m * cols);
-        float sum = 0.0f;
-        for (int sp = 0; sp < int(gridDim.y); ++sp) {
-            sum += __ldcg(partial + size_t(sp) * M * N + at);  // (from L2: other SMs wrote them)
+        mlxcel_qmm_put(y, at, mlxcel_qmm_split_sum(partial, size_t(M) * N, at));
+    }
+""",
+    "last_block_qkv_rope": _LAST_BLOCK
+    + r"""    const int pairs = cols / 2;  // (whole heads: HD divides the block's rows and N)
+    for (int i = threadIdx.x; i < M * pairs; i += blockDim.x) {
+        const int m = i / pairs;
+        const int pc = i - m * pairs;
+        const int j = pc % (HD / 2);
+        const int n = nb + (pc / (HD / 2)) * HD + j;
+        const float a = mlxcel_qmm_round(q, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + n));
+        const float b = mlxcel_qmm_round(q, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + n + HD / 2));
+        float oa = a;
+        float ob = b;
+        if (n < NQ + NK) {  // q and k rotate; v does not
+            float s;
+            float c;
+            sincosf(positions[m] * inv_freq[j], &s, &c);  // one range reduction for both
+            oa = a * c - b * s;
+            ob = b * c + a * s;
         }
-        mlxcel_qmm_put(y, at, sum);
+        mlxcel_qmm_store_qkv(q, k, v, NQ, NK, m, n, oa);
+        mlxcel_qmm_store_qkv(q, k, v, NQ, NK, m, n + HD / 2, ob);
     }
 """,
 }

@@ -208,25 +208,55 @@ def test_the_kernel_fits_two_blocks_an_sm_without_spills(tmp_path, monkeypatch, 
 
 
 @needs_nvcc
-@pytest.mark.parametrize("tail,m,gps", [("direct", 32, 64), ("last_block", 32, 16), ("last_block", 64, 16)])
+@pytest.mark.parametrize(
+    "tail,m,gps",
+    [("direct", 32, 64), ("last_block", 32, 16), ("last_block", 64, 16), ("last_block_qkv_rope", 32, 16),
+     ("last_block_qkv_rope", 64, 16)],
+)  # fmt: skip
 def test_the_kernel_writing_its_product_fits_two_blocks_an_sm(tmp_path, tail, m, gps):
     """MLXCEL_QMM_OWN_OUTPUT's kernels as the kernel cache builds them (the product in bf16: one split directly,
-    several summed by the last block of a column): at most 128 registers a thread, none spilled; the last block
-    counts itself in with an atomic and reads the partials from L2."""
+    several summed by the last block of a column; q, k, v rotated): at most 128 registers a thread, none spilled; the
+    last block counts itself in with an atomic and reads the partials from L2."""
     from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
 
     header, source = qmm.kernel_source(tail)
-    inputs = ["x", "w", "scales", "biases", *(["counters"] if tail == "last_block" else [])]
-    dtypes = [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16, mx.int32][: len(inputs)]
-    outputs = {"direct": ["y"], "last_block": ["y", "partial"]}[tail]
-    template = dict(qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 14336, 4096, 64, gps)["template"])
-    text = kernel_text("k", source, header, inputs, dtypes, [2] * len(inputs), outputs,
-                       [{"y": mx.bfloat16, "partial": mx.float32}[o] for o in outputs], list(template.items()),
+    inputs = ["x", "w", "scales", "biases", *qmm._EXTRA_INPUTS.get(tail, [])]
+    types = {"x": mx.bfloat16, "w": mx.uint32, "counters": mx.int32, "positions": mx.float32, "inv_freq": mx.float32}
+    outputs = qmm._OUTPUTS[tail]
+    template = qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 6144, 4096, 64, gps)["template"]
+    template += [("NQ", 4096), ("NK", 1024), ("HD", 128)] if tail.endswith("rope") else []
+    text = kernel_text("k", source, header, inputs, [types.get(i, mx.bfloat16) for i in inputs], [2] * len(inputs),
+                       outputs, [mx.float32 if o == "partial" else mx.bfloat16 for o in outputs], template,
                        launch_bounds=(qmm.WARPS * 32, qmm.MIN_BLOCKS))  # fmt: skip
     report = compile_sm90(tmp_path, text)
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
-    assert "spill" not in report or re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
-    assert ("atomicAdd(counter, 1)" in source) == ("__ldcg(partial" in source) == (tail == "last_block")
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
+    assert ("atomicAdd(counter, 1)" in source) == ("mlxcel_qmm_split_sum(partial" in source) == (tail != "direct")
+
+
+def test_the_qkv_tail_runs_only_where_it_can(monkeypatch):
+    """The q/k/v tail (MLXCEL_QMM_OWN_OUTPUT): whole heads of 32, 64 or 128 a block's rows, and only with the switch
+    on."""
+    args = ((32, 1, 4096), mx.bfloat16, mx.bfloat16)
+
+    def clear():
+        qmm.qkv_rope_args.cache_clear()
+        qmm.launch_args.cache_clear()
+
+    clear()
+    assert qmm.qkv_rope_args(*args, 4096, 1024, 128, 4096, 64) is None  # (the switch off)
+    monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", "1")
+    clear()
+    try:
+        on = qmm.qkv_rope_args(*args, 4096, 1024, 128, 4096, 64)
+        assert on["output_shapes"][:3] == [(32, 4096), (32, 1024), (32, 1024)]
+        assert dict(on["template"])["HD"] == 128 and on["output_dtypes"][3] == mx.float32
+        assert qmm.qkv_rope_args(*args, 3072, 1024, 64, 4096, 64) is not None
+        assert qmm.qkv_rope_args(*args, 2560, 640, 80, 4096, 64) is None  # (heads of 80 straddle blocks)
+        assert qmm.qkv_rope_args(*args, 4096 + 64, 1024, 128, 4096, 64) is None  # (not whole heads)
+        assert qmm.qkv_rope_args((65, 1, 4096), mx.bfloat16, mx.bfloat16, 4096, 1024, 128, 4096, 64) is None
+    finally:
+        clear()
 
 
 @pytest.mark.parametrize("gps", [64, 16])  # (K = 4096 in groups of 64: one split, then four)
@@ -423,3 +453,46 @@ def test_wide_launches_match_the_reference(dtype, n, k, group_size):
         y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
         assert y.dtype == dtype and y.shape == (m, n)
         check_close(y, ref[:m], mag[:m], dtype, f"M={m} N={n} K={k}")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (16, 4, 64), (8, 2, 32)])
+def test_the_qkv_tail_is_the_product_rotated(monkeypatch, dtype, heads, kv_heads, head_dim):
+    """MLXCEL_QMM_OWN_OUTPUT's q/k/v tail against the same launch's product (the last block's sum of the same splits,
+    rounded the same): v equal to it, q and k equal at position 0 and rotated within a rounding of the float64
+    rotation elsewhere; the counters back at zero."""
+    monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", "1")
+    qmm.qkv_rope_args.cache_clear()
+    qmm.launch_args.cache_clear()
+    nq, nk, k = heads * head_dim, kv_heads * head_dim, 2048
+    x, w, scales, biases = make_operands(64, nq + 2 * nk, k, dtype, seed=head_dim)
+    inv_freq = mx.array(1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim), mx.float32)
+    half = head_dim // 2
+    try:
+        for m in (9, 19, 33, 64):
+            xs = x[:m].reshape(m, 1, k)
+            y = np.array(qmm.quantized_matmul(xs, w, scales, biases, 64).astype(mx.float32)).reshape(m, -1)
+            for positions in (mx.zeros((m,), mx.float32), mx.arange(m).astype(mx.float32) * 37 + 5):
+                q, kk, v = qmm.qkv_rope(xs, w, scales, biases, 64, (nq, nk, head_dim), (positions, inv_freq))
+                assert q.shape == (m, 1, nq) and kk.shape == v.shape == (m, 1, nk) and q.dtype == dtype
+                got = np.concatenate([np.array(t.astype(mx.float32)).reshape(m, -1) for t in (q, kk, v)], axis=1)
+                assert np.array_equal(got[:, nq + nk :], y[:, nq + nk :]), f"v, M={m}"
+                angle = np.array(positions)[:, None].astype(np.float64) * np.array(inv_freq)[None, :]
+                c, s = (
+                    np.tile(np.cos(angle), (1, (nq + nk) // head_dim)),
+                    np.tile(np.sin(angle), (1, (nq + nk) // head_dim)),
+                )
+                a = y[:, : nq + nk].reshape(m, -1, 2, half)[:, :, 0].reshape(m, -1)
+                b = y[:, : nq + nk].reshape(m, -1, 2, half)[:, :, 1].reshape(m, -1)
+                turned = [(a * c - b * s).reshape(m, -1, half), (b * c + a * s).reshape(m, -1, half)]
+                want = np.stack(turned, axis=2).reshape(m, -1)  # (each head: its pairs d, d + half)
+                ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+                bound = ulp * (np.abs(want) + np.abs(a).max()) + 1e-6
+                assert (np.abs(got[:, : nq + nk] - want) <= bound).all(), f"q/k, M={m}"
+                if not mx.any(positions).item():
+                    assert np.array_equal(got[:, : nq + nk], y[:, : nq + nk]), f"q/k at position 0, M={m}"
+        assert not mx.any(qmm.counters(w, -1, 1)).item()
+    finally:
+        qmm.qkv_rope_args.cache_clear()
+        qmm.launch_args.cache_clear()
