@@ -61,7 +61,8 @@
 #                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM; then that
 #                     kernel at 4 and 8 rows beside the matvec kernel there (qmv.py), which takes batches up to 8
 #   qmmown [tests|batch]  the experiment MLXCEL_QMM_OWN_OUTPUT (the 4-bit batch kernel writes its 16-bit product,
-#                     the last block of a column summing the splits; a fused q/k/v as q, k, v with q and k rotated),
+#                     the last block of a column summing the splits, with the step's epilogues: q/k/v rotated,
+#                     silu(gate) * up, the residual add),
 #                     a call each: `tests` the kernel's and the batch
 #                     paths' GPU tests with it on, then the kernel alone against the partials summed after it
 #                     (qmm_ablate own_output); `batch` 8B 4-bit decode batches of 32 and 64 off/on, alternating

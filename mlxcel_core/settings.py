@@ -124,9 +124,9 @@ SETTINGS: tuple[Setting, ...] = (
         False,
         "Experiment (issue 42): 1 has the 4-bit batch product kernel (decode batches of 9..64 rows on CUDA) write "
         "the product in the model's dtype itself, the last block of each column summing the splits of K, instead of "
-        "writing float32 partial sums that two more launches sum and cast; for a fused q/k/v whose RoPE the kernels "
-        "fold, it writes q, k and v with q and k rotated (no split, copy or RoPE launches after it). Read when a "
-        "launch shape is first seen in a process.",
+        "writing float32 partial sums that two more launches sum and cast; and the decode step's epilogues with "
+        "it: q, k and v of a fused q/k/v with q and k rotated, silu(gate) * up of a fused gate/up, and the residual "
+        "add of o_proj and down_proj. Read when a launch shape is first seen in a process.",
         _switch,
     ),
     Setting(

@@ -109,6 +109,16 @@ def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
 
 
+def batch_residual(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, residual: mx.array
+) -> mx.array | None:
+    """residual + x @ dequantize(w).T for a decode batch past LAYER_MAX_ROWS rows, in one launch of kernels/qmm.py's
+    residual tail (MLXCEL_QMM_OWN_OUTPUT), or None where that does not run."""
+    if not decode_rows(x) or not LAYER_MAX_ROWS < x.shape[0] <= qmm.MAX_ROWS or not qmv.kernel_ready():
+        return None
+    return qmm.residual_product(x, w, scales, biases, group_size, residual)
+
+
 # A prompt's rows (prefill) multiply a 4-bit layer's weight dequantized to x's 16-bit dtype, then MLX's matmul
 # (cuBLAS, tensor cores), once a call has PROMPT_MIN_ROWS rows or more: the dequantization reads the 4-bit weight and
 # writes a 16-bit copy that the GEMM reads back, which costs less than MLX 0.32's quantized_matmul computing the
@@ -182,6 +192,8 @@ class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
         y = _kernel_matvec(self, x, mode, extra)
         if y is None and mode == "plain":
             return batch_product(x, self["weight"], self["scales"], self["biases"], self.group_size)
+        if y is None and mode == "residual":
+            return batch_residual(x, self["weight"], self["scales"], self["biases"], self.group_size, extra[0])
         return y
 
     def _product_dtype(self, x: mx.array):

@@ -203,16 +203,24 @@ class FusedProjection:
             return None
         outs = self._launch(x, "qkv", norm, (*self.qkv_split, head_dim), (positions, inv_freq))
         p, widths = self.params, (*self.qkv_split, head_dim)
-        # (a decode batch past the matvec's rows: the batch kernel's q/k/v tail, where it runs; asked first, so that
-        # no norm op is built for nothing)
-        batch = self.kernel and fast_linear.decode_rows(x) and x.shape[0] <= qmm.MAX_ROWS and qmv.kernel_ready()
-        if outs is None and batch and qmm.qkv_rope_args(x.shape, x.dtype, p["scales"].dtype, *widths, x.shape[-1],
-                                                        self.group_size) is not None:  # fmt: skip
+        if outs is None and self._batch_tail(x, "last_block_qkv_rope", widths):
             outs = qmm.qkv_rope(normed(x, norm), p["weight"], p["scales"], p["biases"], self.group_size, widths,
                                 (positions, inv_freq))  # fmt: skip
         if outs is None or outs[0].ndim == 4:
             return outs
         return [heads_first(t, t.shape[-1] // head_dim) for t in outs]
+
+    def _batch_tail(self, x: mx.array, tail: str, widths: tuple = ()) -> bool:
+        """Whether a decode batch past the matvec's rows runs kernels/qmm.py's epilogue `tail` on the fused weight
+        (MLXCEL_QMM_OWN_OUTPUT): asked before any op is built for it, such as the norm."""
+        if not (self.kernel and fast_linear.decode_rows(x) and x.shape[0] <= qmm.MAX_ROWS and qmv.kernel_ready()):
+            return False
+        p = self.params
+        n = p["weight"].shape[0]
+        return (
+            qmm.tail_args(tail, x.shape, x.dtype, p["scales"].dtype, n, x.shape[-1], self.group_size, widths)
+            is not None
+        )
 
     def split(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
         """Each layer's output, in order, of x (of norm(x) when given)."""
@@ -231,6 +239,9 @@ class FusedProjection:
         applies."""
         if activation is swiglu and "bias" not in self.params:
             y = self._launch(x, "swiglu", norm)
+            if y is None and self._batch_tail(x, "last_block_swiglu"):
+                p = self.params
+                y = qmm.swiglu(normed(x, norm), p["weight"], p["scales"], p["biases"], self.group_size)
             if y is not None:
                 return y
         gate, up = self.split(x, norm)

@@ -47,9 +47,10 @@ buffers stay within 48 KiB of shared memory.
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
 partial sums [SPLITS, M, N], which are summed and cast after the launch. Under the experiment MLXCEL_QMM_OWN_OUTPUT
 the kernel writes the product in its own type instead: one split directly, several by the last block of each column
-to finish (qmm_source.TAILS), so that neither the sum nor the cast is a launch of its own; and a fused q/k/v whose RoPE
-the kernels fold comes out as q, k and v with q and k rotated (`qkv_rope`), as kernels/qmv.py's qkv_rope mode does for
-batches of up to 8 rows.
+to finish (qmm_source.TAILS), so that neither the sum nor the cast is a launch of its own; and that last block takes
+the decode step's epilogues, as kernels/qmv.py's modes do for batches of up to 8 rows: a fused q/k/v comes out as q, k
+and v with q and k rotated (`qkv_rope`), a fused gate/up as silu(gate) * up (`swiglu`), o_proj and down_proj with the
+residual added (`residual_product`).
 """
 
 from __future__ import annotations
@@ -84,9 +85,18 @@ _OUTPUTS = {
     "direct": ["y"],
     "last_block": ["y", "partial"],
     "last_block_qkv_rope": ["q", "k", "v", "partial"],
+    "last_block_swiglu": ["y", "partial"],
+    "last_block_residual": ["y", "partial"],
 }
-_EXTRA_INPUTS = {"last_block": ["counters"], "last_block_qkv_rope": ["counters", "positions", "inv_freq"]}
+_EXTRA_INPUTS = {
+    "last_block": ["counters"],
+    "last_block_qkv_rope": ["counters", "positions", "inv_freq"],
+    "last_block_swiglu": ["counters"],
+    "last_block_residual": ["counters", "residual"],
+}
 HEAD_DIMS = (32, 64, 128)  # the q/k/v rope tail's: a block's 128 weight rows hold whole heads
+# `counters`' part numbers of the tails beside a batch's parts (0, 1, ...), so that no two launches on a weight share
+_TAIL_PARTS = {"last_block_qkv_rope": -1, "last_block_swiglu": -2, "last_block_residual": -3}
 
 
 def kernel_name(tail: str = "partial") -> str:
@@ -232,23 +242,46 @@ def quantized_matmul(
     return out.reshape(*x.shape[:-1], n)
 
 
-@functools.lru_cache(maxsize=256)
-def qkv_rope_args(x_shape: tuple, x_dtype, s_dtype, nq: int, nk: int, head_dim: int, k: int, group_size: int):
-    """`launch_args` for the q/k/v tail (qmm_source.TAILS' "last_block_qkv_rope") of a fused [q; k; v] weight (nq, nk,
-    nk rows), or None where it does not run: MLXCEL_QMM_OWN_OUTPUT off, a head dim outside HEAD_DIMS, widths not in
-    whole heads, or a launch the kernel does not take."""
-    base = launch_args(x_shape, x_dtype, s_dtype, nq + 2 * nk, k, group_size) if own_output() else None
-    if base is None or head_dim not in HEAD_DIMS or nq % head_dim or nk % head_dim:
+@functools.lru_cache(maxsize=512)
+def tail_args(tail: str, x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: int, widths: tuple = ()):
+    """`launch_args` for one of the epilogue tails (qmm_source.TAILS' "last_block_qkv_rope", "..._swiglu",
+    "..._residual") of an N x K weight, or None where it does not run: MLXCEL_QMM_OWN_OUTPUT off, a launch the kernel
+    does not take, or weights the tail cannot split: q/k/v `widths` (nq, nk, head_dim) not in whole heads of
+    HEAD_DIMS, a [gate; up] whose halves are not whole half-blocks of rows."""
+    base = launch_args(x_shape, x_dtype, s_dtype, n, k, group_size) if own_output() else None
+    if base is None:
         return None
-    m, out = qmv.rows_of(x_shape), mx.result_type(x_dtype, s_dtype)
-    splits = base["grid"][1]
+    m, out, template = qmv.rows_of(x_shape), mx.result_type(x_dtype, s_dtype), list(base["template"])
+    if tail == "last_block_qkv_rope":
+        nq, nk, head_dim = widths
+        if head_dim not in HEAD_DIMS or nq % head_dim or nk % head_dim or nq + 2 * nk != n:
+            return None
+        shapes, template = [(m, nq), (m, nk), (m, nk)], template + [("NQ", nq), ("NK", nk), ("HD", head_dim)]
+    elif tail == "last_block_swiglu":
+        if n % ROWS_PER_BLOCK:
+            return None
+        shapes = [(m, n // 2)]
+    else:
+        shapes = [(m, n)]
     return dict(
-        template=[*base["template"], ("NQ", nq), ("NK", nk), ("HD", head_dim)],
+        template=template,
         grid=base["grid"],
         threadgroup=base["threadgroup"],
-        output_shapes=[(m, nq), (m, nk), (m, nk), (splits, m, nq + 2 * nk)],
-        output_dtypes=[out, out, out, mx.float32],
+        output_shapes=[*shapes, (base["grid"][1], m, n)],
+        output_dtypes=[out] * len(shapes) + [mx.float32],
     )
+
+
+def _tail_launch(tail: str, x, w, scales, biases, group_size: int, extra: tuple, widths: tuple = ()):
+    """The tail's outputs (less the partials), each [..., width] like x, or None where `tail_args` says it does not
+    run."""
+    args = tail_args(tail, x.shape, x.dtype, scales.dtype, w.shape[0], x.shape[-1], group_size, widths)
+    if args is None:
+        return None
+    narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
+    inputs = [x, w, scales, biases, counters(w, _TAIL_PARTS[tail], args["grid"][0] // (WARPS * 32)), *extra]
+    outs = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32, tail)(inputs=inputs, **args)[:-1]
+    return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
 
 
 def qkv_rope(
@@ -256,13 +289,23 @@ def qkv_rope(
 ) -> list[mx.array] | None:
     """q, k, v [..., width] of x @ dequantize(w).T (x [..., K], M rows) for a fused [q; k; v] weight (`widths` =
     (nq, nk, head_dim)), q and k rotated by `rope` = (positions [M] float32, times the RoPE's scale; inverse
-    frequencies [head_dim / 2] float32), in one launch whose last blocks write them; None where `qkv_rope_args` says
-    it does not run."""
-    nq, nk, head_dim = widths
-    args = qkv_rope_args(x.shape, x.dtype, scales.dtype, nq, nk, head_dim, x.shape[-1], group_size)
-    if args is None:
+    frequencies [head_dim / 2] float32), in one launch whose last blocks write them; None where it does not run."""
+    return _tail_launch("last_block_qkv_rope", x, w, scales, biases, group_size, rope, widths)
+
+
+def swiglu(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array | None:
+    """silu(gate) * up [..., I] of x @ dequantize(w).T for a fused [gate; up] weight (2 I rows), in one launch; None
+    where it does not run."""
+    outs = _tail_launch("last_block_swiglu", x, w, scales, biases, group_size, ())
+    return None if outs is None else outs[0]
+
+
+def residual_product(
+    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, residual: mx.array
+) -> mx.array | None:
+    """residual + x @ dequantize(w).T (residual shaped like the product, in its dtype), in one launch; None where it
+    does not run."""
+    if residual.dtype != mx.result_type(x.dtype, scales.dtype) or residual.shape != (*x.shape[:-1], w.shape[0]):
         return None
-    narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
-    inputs = [x, w, scales, biases, counters(w, -1, args["grid"][0] // (WARPS * 32)), *rope]  # (-1: not a part)
-    outs = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32, "last_block_qkv_rope")(inputs=inputs, **args)[:3]
-    return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
+    outs = _tail_launch("last_block_residual", x, w, scales, biases, group_size, (residual,))
+    return None if outs is None else outs[0]

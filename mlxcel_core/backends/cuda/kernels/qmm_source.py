@@ -347,6 +347,12 @@ SOURCE = r"""
 #   (outputs [M, NQ], [M, NK], [M, NK]: heads first at one token a row) with q and k rotated (non-traditional RoPE:
 #   extra inputs `positions` [M] float32, times the RoPE's scale, and `inv_freq` [HD / 2] float32), each product
 #   rounded to the output's type first, as the product alone returns it (kernels/qmv_source.py's qkv_rope mode).
+# - "last_block_swiglu": the same, for a fused [gate; up] weight (N = 2 I, I a multiple of the block's half): a block
+#   computes gate rows and the up rows I below them (its first half of warps the one, its second the other: SWIGLU_N0
+#   in place of the kernel's row map), so that its column's last block writes y [M, I] = silu(gate) * up, each
+#   rounded to the output's type first (kernels/qmv_source.py's swiglu mode).
+# - "last_block_residual": the same, writing y = residual + the product (input `residual` [M, N] in the output's type;
+#   the product rounded first, then one rounding of the sum: as a separate add of the product computes it).
 _LAST_BLOCK = r"""    if (live) {
         mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
     }
@@ -386,6 +392,26 @@ TAILS = {
         mlxcel_qmm_put(y, at, mlxcel_qmm_split_sum(partial, size_t(M) * N, at));
     }
 """,
+    "last_block_swiglu": _LAST_BLOCK
+    + r"""    const int half_n = N / 2;
+    const int jb = blockIdx.x * (blockDim.x >> 6) * 16;  // the column's first gate row (of I = N / 2)
+    const int outs = min((blockDim.x >> 6) * 16, half_n - jb);
+    for (int i = threadIdx.x; i < M * outs; i += blockDim.x) {
+        const int m = i / outs;
+        const int j = jb + (i - m * outs);
+        const float g = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j));
+        const float u = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j + half_n));
+        mlxcel_qmm_put(y, size_t(m) * half_n + j, g / (1.0f + expf(-g)) * u);
+    }
+""",
+    "last_block_residual": _LAST_BLOCK
+    + r"""    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
+        const int m = i / cols;
+        const size_t at = size_t(m) * N + nb + (i - m * cols);
+        const float t = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, at));
+        mlxcel_qmm_put(y, at, t + static_cast<float>(residual[at]));
+    }
+""",
     "last_block_qkv_rope": _LAST_BLOCK
     + r"""    const int pairs = cols / 2;  // (whole heads: HD divides the block's rows and N)
     for (int i = threadIdx.x; i < M * pairs; i += blockDim.x) {
@@ -412,6 +438,15 @@ TAILS = {
 TAIL_MARKER = "/*TAIL*/"
 
 
+ROW_MAP = "    const int n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;\n"
+# A block's first half of warps on gate rows, its second on the up rows I = N / 2 below them (the swiglu tail's)
+SWIGLU_N0 = (
+    "    const int n0 = ((warp < (blockDim.x >> 6)) ? 0 : N / 2)\n"
+    "                   + (blockIdx.x * (blockDim.x >> 6) + warp % (blockDim.x >> 6)) * 16;\n"
+)
+
+
 def kernel_source(tail: str = "partial") -> str:
     """The kernel body with the results leaving it as `tail` (a key of TAILS) says."""
-    return SOURCE.replace(TAIL_MARKER, TAILS[tail])
+    source = SOURCE.replace(TAIL_MARKER, TAILS[tail])
+    return source.replace(ROW_MAP, SWIGLU_N0) if tail == "last_block_swiglu" else source

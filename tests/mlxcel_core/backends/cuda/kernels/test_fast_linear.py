@@ -127,6 +127,34 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     assert got.shape == want.shape and mx.array_equal(got, want).item()
 
 
+def test_a_decode_batch_adds_its_residual_in_the_batch_kernels_launch_where_it_runs(monkeypatch):
+    """An output projection's add_to (o_proj, down_proj) for a decode batch past the matvec's rows asks kernels/qmm.py's
+    residual tail (MLXCEL_QMM_OWN_OUTPUT's; here a stand-in) for residual + product; where it does not run (None), the
+    product and a separate add."""
+    layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.layers = [layer]
+    assert use_fast_quantized_linear(holder) == 1
+    layer.fuses_residual = True
+    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
+    monkeypatch.setattr(qmv, "launch_args", lambda *a, **k: None)  # (the matvec takes at most 8 rows)
+    calls = []
+
+    def tail_stand_in(x, w, scales, biases, group_size, residual):
+        calls.append((x.shape, w is layer["weight"], residual.shape))
+        return residual + 1
+
+    monkeypatch.setattr(qmm, "residual_product", tail_stand_in)
+    rows = fast_linear.LAYER_MAX_ROWS + 4
+    x = mx.zeros((rows, 1, 256), mx.bfloat16)
+    residual = mx.full((rows, 1, 128), 2.0, mx.float32)  # (the product's dtype: float32 scales)
+    assert mx.array_equal(layer.add_to(x, residual), residual + 1).item()
+    assert calls == [((rows, 1, 256), True, (rows, 1, 128))]
+    monkeypatch.setattr(qmm, "residual_product", lambda *args: None)
+    monkeypatch.setattr(fast_linear, "batch_product", lambda *args: mx.zeros((rows, 1, 128), mx.bfloat16))
+    assert mx.array_equal(layer.add_to(x, residual), residual).item()
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -17,7 +17,7 @@ import pytest
 from cuda_compile import CUDA_TYPES, compile_sm90, kernel_file, needs_nvcc
 from test_qmv import check_close, make_operands, needs_cuda, reference
 
-from mlxcel_core.backends.cuda.kernels import qmm
+from mlxcel_core.backends.cuda.kernels import qmm, qmm_source
 
 
 def _pair4(v: int) -> tuple[int, int]:
@@ -211,17 +211,19 @@ def test_the_kernel_fits_two_blocks_an_sm_without_spills(tmp_path, monkeypatch, 
 @pytest.mark.parametrize(
     "tail,m,gps",
     [("direct", 32, 64), ("last_block", 32, 16), ("last_block", 64, 16), ("last_block_qkv_rope", 32, 16),
-     ("last_block_qkv_rope", 64, 16)],
+     ("last_block_qkv_rope", 64, 16), ("last_block_swiglu", 32, 16), ("last_block_swiglu", 64, 16),
+     ("last_block_residual", 32, 16), ("last_block_residual", 64, 16)],
 )  # fmt: skip
 def test_the_kernel_writing_its_product_fits_two_blocks_an_sm(tmp_path, tail, m, gps):
     """MLXCEL_QMM_OWN_OUTPUT's kernels as the kernel cache builds them (the product in bf16: one split directly,
-    several summed by the last block of a column; q, k, v rotated): at most 128 registers a thread, none spilled; the
-    last block counts itself in with an atomic and reads the partials from L2."""
+    several summed by the last block of a column; q, k, v rotated; silu(gate) * up; plus a residual): at most 128
+    registers a thread, none spilled; the last block counts itself in with an atomic and reads the partials from L2;
+    the swiglu tail's blocks take gate rows and the up rows below them."""
     from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text
 
     header, source = qmm.kernel_source(tail)
     inputs = ["x", "w", "scales", "biases", *qmm._EXTRA_INPUTS.get(tail, [])]
-    types = {"x": mx.bfloat16, "w": mx.uint32, "counters": mx.int32, "positions": mx.float32, "inv_freq": mx.float32}
+    types = {"w": mx.uint32, "counters": mx.int32, "positions": mx.float32, "inv_freq": mx.float32}
     outputs = qmm._OUTPUTS[tail]
     template = qmm.launch_args((m, 4096), mx.bfloat16, mx.bfloat16, 6144, 4096, 64, gps)["template"]
     template += [("NQ", 4096), ("NK", 1024), ("HD", 128)] if tail.endswith("rope") else []
@@ -232,29 +234,36 @@ def test_the_kernel_writing_its_product_fits_two_blocks_an_sm(tmp_path, tail, m,
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 128, report
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", report), report
     assert ("atomicAdd(counter, 1)" in source) == ("mlxcel_qmm_split_sum(partial" in source) == (tail != "direct")
+    assert (qmm_source.SWIGLU_N0 in source) == (qmm_source.ROW_MAP not in source) == (tail == "last_block_swiglu")
 
 
-def test_the_qkv_tail_runs_only_where_it_can(monkeypatch):
-    """The q/k/v tail (MLXCEL_QMM_OWN_OUTPUT): whole heads of 32, 64 or 128 a block's rows, and only with the switch
-    on."""
-    args = ((32, 1, 4096), mx.bfloat16, mx.bfloat16)
+def test_the_epilogue_tails_run_only_where_they_can(monkeypatch):
+    """The q/k/v, swiglu and residual tails (MLXCEL_QMM_OWN_OUTPUT): only with the switch on; q/k/v in whole heads of
+    32, 64 or 128 (a block's 128 rows hold whole heads); [gate; up] halves of whole half-blocks (64 rows)."""
+
+    def args(tail, n, widths=(), rows=32):
+        return qmm.tail_args(tail, (rows, 1, 4096), mx.bfloat16, mx.bfloat16, n, 4096, 64, widths)
 
     def clear():
-        qmm.qkv_rope_args.cache_clear()
+        qmm.tail_args.cache_clear()
         qmm.launch_args.cache_clear()
 
     clear()
-    assert qmm.qkv_rope_args(*args, 4096, 1024, 128, 4096, 64) is None  # (the switch off)
+    assert args("last_block_qkv_rope", 6144, (4096, 1024, 128)) is None  # (the switch off)
+    assert args("last_block_swiglu", 28672) is None and args("last_block_residual", 4096) is None
     monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", "1")
     clear()
     try:
-        on = qmm.qkv_rope_args(*args, 4096, 1024, 128, 4096, 64)
-        assert on["output_shapes"][:3] == [(32, 4096), (32, 1024), (32, 1024)]
+        on = args("last_block_qkv_rope", 6144, (4096, 1024, 128))
+        assert on["output_shapes"] == [(32, 4096), (32, 1024), (32, 1024), (on["grid"][1], 32, 6144)]
         assert dict(on["template"])["HD"] == 128 and on["output_dtypes"][3] == mx.float32
-        assert qmm.qkv_rope_args(*args, 3072, 1024, 64, 4096, 64) is not None
-        assert qmm.qkv_rope_args(*args, 2560, 640, 80, 4096, 64) is None  # (heads of 80 straddle blocks)
-        assert qmm.qkv_rope_args(*args, 4096 + 64, 1024, 128, 4096, 64) is None  # (not whole heads)
-        assert qmm.qkv_rope_args((65, 1, 4096), mx.bfloat16, mx.bfloat16, 4096, 1024, 128, 4096, 64) is None
+        assert args("last_block_qkv_rope", 5120, (3072, 1024, 64)) is not None
+        assert args("last_block_qkv_rope", 3840, (2560, 640, 80)) is None  # (heads of 80 straddle blocks)
+        assert args("last_block_qkv_rope", 6144 + 64, (4096 + 64, 1024, 128)) is None  # (not whole heads)
+        assert args("last_block_qkv_rope", 6144, (4096, 1024, 128), rows=65) is None  # (past one launch)
+        swiglu = args("last_block_swiglu", 28672)
+        assert swiglu["output_shapes"][0] == (32, 14336) and args("last_block_swiglu", 28672 + 64) is None
+        assert args("last_block_residual", 4096)["output_shapes"][0] == (32, 4096)
     finally:
         clear()
 
@@ -463,7 +472,7 @@ def test_the_qkv_tail_is_the_product_rotated(monkeypatch, dtype, heads, kv_heads
     rounded the same): v equal to it, q and k equal at position 0 and rotated within a rounding of the float64
     rotation elsewhere; the counters back at zero."""
     monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", "1")
-    qmm.qkv_rope_args.cache_clear()
+    qmm.tail_args.cache_clear()
     qmm.launch_args.cache_clear()
     nq, nk, k = heads * head_dim, kv_heads * head_dim, 2048
     x, w, scales, biases = make_operands(64, nq + 2 * nk, k, dtype, seed=head_dim)
@@ -494,5 +503,34 @@ def test_the_qkv_tail_is_the_product_rotated(monkeypatch, dtype, heads, kv_heads
                     assert np.array_equal(got[:, : nq + nk], y[:, : nq + nk]), f"q/k at position 0, M={m}"
         assert not mx.any(qmm.counters(w, -1, 1)).item()
     finally:
-        qmm.qkv_rope_args.cache_clear()
+        qmm.tail_args.cache_clear()
         qmm.launch_args.cache_clear()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+def test_the_swiglu_and_residual_tails_are_the_product_then_the_op(monkeypatch, dtype):
+    """MLXCEL_QMM_OWN_OUTPUT's swiglu tail against silu(gate) * up of the same launch's product (its blocks take gate
+    rows and the up rows below them, each row summed as in the plain launch): within a rounding; its residual tail
+    against a separate add of the product: equal."""
+    monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", "1")
+    for clear in (qmm.tail_args.cache_clear, qmm.launch_args.cache_clear):
+        clear()
+    width, k = 1024, 2048
+    x, w, scales, biases = make_operands(64, 2 * width, k, dtype, seed=21)
+    try:
+        for m in (9, 33, 64):
+            xs = x[:m].reshape(m, 1, k)
+            y = qmm.quantized_matmul(xs, w, scales, biases, 64)
+            g, u = (np.array(t.astype(mx.float32)).reshape(m, -1) for t in (y[..., :width], y[..., width:]))
+            want = g / (1 + np.exp(-g.astype(np.float64))) * u
+            got = np.array(qmm.swiglu(xs, w, scales, biases, 64).astype(mx.float32)).reshape(m, -1)
+            ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
+            assert (np.abs(got - want) <= ulp * np.abs(want) + 1e-6).all(), f"swiglu, M={m}"
+            residual = (mx.random.normal(y.shape, key=mx.random.key(m)) * 4).astype(dtype)
+            summed = qmm.residual_product(xs, w, scales, biases, 64, residual)
+            assert summed.shape == y.shape and mx.array_equal(summed, residual + y).item(), f"residual, M={m}"
+        assert not mx.any(qmm.counters(w, -2, 1)).item() and not mx.any(qmm.counters(w, -3, 1)).item()
+    finally:
+        for clear in (qmm.tail_args.cache_clear, qmm.launch_args.cache_clear):
+            clear()
