@@ -399,17 +399,17 @@ TAILS = {
     for (int i = threadIdx.x; i < M * outs; i += blockDim.x) {
         const int m = i / outs;
         const int j = jb + (i - m * outs);
-        const float g = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j));
-        const float u = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j + half_n));
-        mlxcel_qmm_put(y, size_t(m) * half_n + j, g / (1.0f + expf(-g)) * u);
+        const float gate = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j));
+        const float up = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j + half_n));
+        mlxcel_qmm_put(y, size_t(m) * half_n + j, gate / (1.0f + expf(-gate)) * up);
     }
 """,
     "last_block_residual": _LAST_BLOCK
     + r"""    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
         const int m = i / cols;
         const size_t at = size_t(m) * N + nb + (i - m * cols);
-        const float t = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, at));
-        mlxcel_qmm_put(y, at, t + static_cast<float>(residual[at]));
+        const float product = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, at));
+        mlxcel_qmm_put(y, at, product + static_cast<float>(residual[at]));
     }
 """,
     "last_block_qkv_rope": _LAST_BLOCK
