@@ -114,8 +114,8 @@ def batch_residual(
 ) -> mx.array | None:
     """residual + x @ dequantize(w).T for a decode batch past LAYER_MAX_ROWS rows, in one launch of kernels/qmm.py's
     residual tail (MLXCEL_QMM_OWN_OUTPUT), or None where that does not run."""
-    if not decode_rows(x) or not LAYER_MAX_ROWS < x.shape[0] <= qmm.MAX_ROWS or not qmv.kernel_ready():
-        return None
+    if not decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS or not qmv.kernel_ready():
+        return None  # (qmm.tail_args refuses more rows than one launch takes)
     return qmm.residual_product(x, w, scales, biases, group_size, residual)
 
 

@@ -213,8 +213,8 @@ class FusedProjection:
     def _batch_tail(self, x: mx.array, tail: str, widths: tuple = ()) -> bool:
         """Whether a decode batch past the matvec's rows runs kernels/qmm.py's epilogue `tail` on the fused weight
         (MLXCEL_QMM_OWN_OUTPUT): asked before any op is built for it, such as the norm."""
-        if not (self.kernel and fast_linear.decode_rows(x) and x.shape[0] <= qmm.MAX_ROWS and qmv.kernel_ready()):
-            return False
+        if not (self.kernel and fast_linear.decode_rows(x) and qmv.kernel_ready()):
+            return False  # (tail_args refuses more rows than one launch takes)
         p = self.params
         n = p["weight"].shape[0]
         return (

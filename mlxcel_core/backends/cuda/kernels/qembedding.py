@@ -30,9 +30,9 @@ import mlx.core as mx
 
 from ..paged_attention import cuda_kernel_available
 from .cubin_cache import cuda_kernel
+from .qmm import MAX_ROWS as MAX_IDS  # a decode step's rows (batches past 8 too); a longer prompt's lookup stays MLX's
 from .qmv import FLOAT_TYPES, GROUP_SIZES
 
-MAX_IDS = 64  # a decode step's rows (qmm.py's MAX_ROWS: batches past 8 too); a longer prompt's lookup stays MLX's
 THREADS = 256
 
 
