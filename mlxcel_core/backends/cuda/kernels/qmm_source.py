@@ -118,14 +118,41 @@ __device__ __forceinline__ void mlxcel_qmm_put(O* out, size_t at, float v) {
     out[at] = static_cast<O>(v);
 }
 
-// The sum over the launch's splits (gridDim.y, in order) of element `at` of the partials, each split `stride` apart:
-// read from L2 (other SMs wrote them).
-__device__ __forceinline__ float mlxcel_qmm_split_sum(const float* partial, size_t stride, size_t at) {
-    float sum = 0.0f;
-    for (int sp = 0; sp < int(gridDim.y); ++sp) {
-        sum += __ldcg(partial + sp * stride + at);
+// The last block's sums of a column, from the launch's splits' partials (in L2: other SMs wrote them), each split
+// `stride` apart: elements i = threadIdx.x, + blockDim.x, ... of [0, count), U of them a thread at a time, P sums each
+// (at(i, p): the sum's offset in one split's partials); each sum is taken over the splits in order, and its U * P loads
+// of one split are in flight together. done(i, sums) then writes element i from its P sums.
+template <int U, int P, typename At, typename Done>
+__device__ __forceinline__ void mlxcel_qmm_split_sums(const float* partial, size_t stride, int count, At at,
+                                                      Done done) {
+    for (int i0 = threadIdx.x; i0 < count; i0 += U * int(blockDim.x)) {
+        size_t a[U][P];
+        float s[U][P];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * int(blockDim.x);
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                a[u][p] = at(i < count ? i : i0, p);  // (past the end: element i0 again, read and not written)
+                s[u][p] = 0.0f;
+            }
+        }
+        for (int sp = 0; sp < int(gridDim.y); ++sp) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int p = 0; p < P; ++p) {
+                    s[u][p] += __ldcg(partial + sp * stride + a[u][p]);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (i0 + u * int(blockDim.x) < count) {
+                done(i0 + u * int(blockDim.x), s[u]);
+            }
+        }
     }
-    return sum;
 }
 
 // v rounded to the type O points to, as a float.
@@ -386,53 +413,52 @@ TAILS = {
     mlxcel_qmm_store<NT>(y, M, N, n0, g, t, tot);
 """,
     "last_block": _LAST_BLOCK
-    + r"""    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
-        const int m = i / cols;
-        const size_t at = size_t(m) * N + nb + (i - m * cols);
-        mlxcel_qmm_put(y, at, mlxcel_qmm_split_sum(partial, size_t(M) * N, at));
-    }
+    + r"""    const auto at = [&](int i, int) { return size_t(i / cols) * N + nb + i % cols; };
+    mlxcel_qmm_split_sums<4, 1>(partial, size_t(M) * N, M * cols, at, [&](int i, const float* s) {
+        mlxcel_qmm_put(y, at(i, 0), s[0]);
+    });
 """,
     "last_block_swiglu": _LAST_BLOCK
     + r"""    const int half_n = N / 2;
     const int jb = blockIdx.x * (blockDim.x >> 6) * 16;  // the column's first gate row (of I = N / 2)
     const int outs = min((blockDim.x >> 6) * 16, half_n - jb);
-    for (int i = threadIdx.x; i < M * outs; i += blockDim.x) {
-        const int m = i / outs;
-        const int j = jb + (i - m * outs);
-        const float gate = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j));
-        const float up = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + j + half_n));
-        mlxcel_qmm_put(y, size_t(m) * half_n + j, gate / (1.0f + expf(-gate)) * up);
-    }
+    const auto at = [&](int i, int p) { return size_t(i / outs) * N + jb + i % outs + p * half_n; };  // gate, up
+    mlxcel_qmm_split_sums<4, 2>(partial, size_t(M) * N, M * outs, at, [&](int i, const float* s) {
+        const float gate = mlxcel_qmm_round(y, s[0]);
+        const float up = mlxcel_qmm_round(y, s[1]);
+        mlxcel_qmm_put(y, size_t(i / outs) * half_n + jb + i % outs, gate / (1.0f + expf(-gate)) * up);
+    });
 """,
     "last_block_residual": _LAST_BLOCK
-    + r"""    for (int i = threadIdx.x; i < M * cols; i += blockDim.x) {
-        const int m = i / cols;
-        const size_t at = size_t(m) * N + nb + (i - m * cols);
-        const float product = mlxcel_qmm_round(y, mlxcel_qmm_split_sum(partial, size_t(M) * N, at));
-        mlxcel_qmm_put(y, at, product + static_cast<float>(residual[at]));
-    }
+    + r"""    const auto at = [&](int i, int) { return size_t(i / cols) * N + nb + i % cols; };
+    mlxcel_qmm_split_sums<4, 1>(partial, size_t(M) * N, M * cols, at, [&](int i, const float* s) {
+        const float product = mlxcel_qmm_round(y, s[0]);
+        mlxcel_qmm_put(y, at(i, 0), product + static_cast<float>(residual[at(i, 0)]));
+    });
 """,
     "last_block_qkv_rope": _LAST_BLOCK
     + r"""    const int pairs = cols / 2;  // (whole heads: HD divides the block's rows and N)
-    for (int i = threadIdx.x; i < M * pairs; i += blockDim.x) {
+    // pair i: row m = i / pairs, its columns n and n + HD / 2 (n: element j of a head's first half)
+    const auto column = [&](int i) { return nb + (i % pairs) / (HD / 2) * HD + (i % pairs) % (HD / 2); };
+    const auto at = [&](int i, int p) { return size_t(i / pairs) * N + column(i) + p * (HD / 2); };
+    mlxcel_qmm_split_sums<4, 2>(partial, size_t(M) * N, M * pairs, at, [&](int i, const float* s) {
         const int m = i / pairs;
-        const int pc = i - m * pairs;
-        const int j = pc % (HD / 2);
-        const int n = nb + (pc / (HD / 2)) * HD + j;
-        const float a = mlxcel_qmm_round(q, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + n));
-        const float b = mlxcel_qmm_round(q, mlxcel_qmm_split_sum(partial, size_t(M) * N, size_t(m) * N + n + HD / 2));
+        const int n = column(i);
+        const int j = (i % pairs) % (HD / 2);
+        const float a = mlxcel_qmm_round(q, s[0]);
+        const float b = mlxcel_qmm_round(q, s[1]);
         float oa = a;
         float ob = b;
         if (n < NQ + NK) {  // q and k rotate; v does not
-            float s;
-            float c;
-            sincosf(positions[m] * inv_freq[j], &s, &c);  // one range reduction for both
-            oa = a * c - b * s;
-            ob = b * c + a * s;
+            float sn;
+            float cs;
+            sincosf(positions[m] * inv_freq[j], &sn, &cs);  // one range reduction for both
+            oa = a * cs - b * sn;
+            ob = b * cs + a * sn;
         }
         mlxcel_qmm_store_qkv(q, k, v, NQ, NK, m, n, oa);
         mlxcel_qmm_store_qkv(q, k, v, NQ, NK, m, n + HD / 2, ob);
-    }
+    });
 """,
 }
 TAIL_MARKER = "/*TAIL*/"
