@@ -60,7 +60,7 @@
 #   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
 #                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM; then that
 #                     kernel at 4 and 8 rows beside the matvec kernel there (qmv.py), which takes batches up to 8
-#   qmmown [tests|batch]  the experiment MLXCEL_QMM_OWN_OUTPUT (the 4-bit batch kernel writes its 16-bit product,
+#   qmmown [tests|batch [REPS]]  the experiment MLXCEL_QMM_OWN_OUTPUT (the 4-bit batch kernel writes its 16-bit product,
 #                     the last block of a column summing the splits, with the step's epilogues: q/k/v rotated,
 #                     silu(gate) * up, the residual add),
 #                     a call each: `tests` the kernel's and the batch
@@ -126,8 +126,8 @@ case "${1:-}" in
           $CUDA_TESTS/kernels/test_fast_linear.py $CUDA_TESTS/kernels/test_fused_projections.py \
           tests/mlxcel_core/engine/test_batching.py --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
         timeout 150 python benchmarks/qmm_ablate.py --variants full own_output | tee "${OUT:-/tmp}/qmm_own_output.txt" ;;
-      batch)
-        for rep in 1 2; do
+      batch)  # [REPS]: off/on pairs (2)
+        for rep in $(seq "${3:-2}"); do
           for on in 0 1; do
             echo "== MLXCEL_QMM_OWN_OUTPUT=$on: $(MLXCEL_QMM_OWN_OUTPUT=$on timeout 140 python \
               benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 --batches 32,64 --reps 1 --no-mlx-lm 2>&1 \
