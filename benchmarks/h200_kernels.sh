@@ -123,6 +123,7 @@ case "${1:-}" in
     case "${2:-tests}" in
       tests)
         MLXCEL_QMM_OWN_OUTPUT=1 timeout 400 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
+          $CUDA_TESTS/kernels/test_qmm_tails.py $CUDA_TESTS/kernels/test_fused_residual.py \
           $CUDA_TESTS/kernels/test_fast_linear.py $CUDA_TESTS/kernels/test_fused_projections.py \
           tests/mlxcel_core/engine/test_batching.py --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
         timeout 150 python benchmarks/qmm_ablate.py --variants full own_output | tee "${OUT:-/tmp}/qmm_own_output.txt" ;;
