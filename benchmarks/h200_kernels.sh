@@ -60,13 +60,6 @@
 #   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
 #                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM; then that
 #                     kernel at 4 and 8 rows beside the matvec kernel there (qmv.py), which takes batches up to 8
-#   qmmown [tests|batch [REPS]]  the experiment MLXCEL_QMM_OWN_OUTPUT (the 4-bit batch kernel writes its 16-bit product,
-#                     the last block of a column summing the splits, with the step's epilogues: q/k/v rotated,
-#                     silu(gate) * up, the residual add),
-#                     a call each: `tests` the kernel's and the batch
-#                     paths' GPU tests with it on, then the kernel alone against the partials summed after it
-#                     (qmm_ablate own_output); `batch` 8B 4-bit decode batches of 32 and 64 off/on, alternating
-#                     (batch_decode.py, one process each)
 #   paged             the paged decode kernel alone (paged_kernel.py, 8B geometry): both bodies at 4k/16k/32k and
 #                     their split counts; the tensor-core body at split counts between powers of two that fill more
 #                     of one wave (48 x 8 heads = 384 blocks of an H200's 396 at three an SM); then the same body
@@ -119,23 +112,6 @@ case "${1:-}" in
       | tee "${OUT:-/tmp}/qmm_warps_g32.txt"
     timeout 100 python benchmarks/qmm_ablate.py --variants full --rows 4 8 | tee "${OUT:-/tmp}/qmm_rows8.txt"
     timeout 100 python benchmarks/qmv.py --m 4 8 --no-sweep --no-e2e | tee "${OUT:-/tmp}/qmv_rows8.txt" ;;
-  qmmown)
-    case "${2:-tests}" in
-      tests)
-        MLXCEL_QMM_OWN_OUTPUT=1 timeout 400 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
-          $CUDA_TESTS/kernels/test_qmm_tails.py $CUDA_TESTS/kernels/test_fused_residual.py \
-          $CUDA_TESTS/kernels/test_fast_linear.py $CUDA_TESTS/kernels/test_fused_projections.py \
-          tests/mlxcel_core/engine/test_batching.py --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
-        timeout 150 python benchmarks/qmm_ablate.py --variants full own_output | tee "${OUT:-/tmp}/qmm_own_output.txt" ;;
-      batch)  # [REPS]: off/on pairs (2)
-        for rep in $(seq "${3:-2}"); do
-          for on in 0 1; do
-            echo "== MLXCEL_QMM_OWN_OUTPUT=$on: $(MLXCEL_QMM_OWN_OUTPUT=$on timeout 140 python \
-              benchmarks/batch_decode.py --model-shape llama-3-8b --bits 4 --batches 32,64 --reps 1 --no-mlx-lm 2>&1 \
-              | grep -E "b=(32|64) +run" | tr -s ' ' | tr '\n' ';')"
-          done
-        done ;;
-    esac ;;
   paged)
     export MLX_USE_CUDA_GRAPHS=0
     timeout 200 python benchmarks/paged_kernel.py --splits 16 32 64 128 | tee "${OUT:-/tmp}/paged_kernel.txt"

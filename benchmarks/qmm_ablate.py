@@ -22,8 +22,6 @@ Candidates must give the kernel's products: their largest difference from MLX's 
                source, launched wider (8 warps against 4 won and is the kernel: archive/2026-12-05-h200-session-26/)
   warps4       the kernel's source at 4 warps a block, as before 8 won: at groups of 32 past 32 rows (--group-size 32
                --rows 64), where 8 warps take one block an SM (registers above 128), 4 took three
-  own_output   the kernel writing the product in x's type itself (MLXCEL_QMM_OWN_OUTPUT): one split directly, several
-               summed by the last block of each column, against the float32 partials summed and cast after the launch
 Groups of 32 and 128 with --group-size (MLX's quantization of the same random weights).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
@@ -48,7 +46,7 @@ from qmv import GROUP_SIZE, L2_BYTES, make_weights, max_rel_diff, mlx_qmm, time_
 
 from mlxcel_core.backends.cuda.kernels import matvec_config, qmm  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.cubin_cache import cuda_kernel  # noqa: E402
-from mlxcel_core.backends.cuda.kernels.qmm_source import HEADER, SOURCE, TAIL_MARKER, TAILS  # noqa: E402,F401
+from mlxcel_core.backends.cuda.kernels.qmm_source import HEADER, SOURCE  # noqa: E402
 
 SHAPES = [  # (name, N, K): Llama-3-8B's decode-batch products as the fused layers run them
     ("q/k/v fused", 6144, 4096),
@@ -110,38 +108,35 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
     ],
     "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
     "warps4": [],
-    "own_output": [],  # (the kernel's source writing the product itself: MLXCEL_QMM_OWN_OUTPUT)
 }
 # Candidates launched with other than qmm.WARPS warps a block (the kernel's own source)
 WARPS_OF = {"warps16": 16, "warps4": 4}
 
 
-def variant_source(name: str, tail: str | None = None) -> str:
-    """The variant's kernel text, its results leaving it as `tail` (qmm_source.TAILS) says: by default the partial
-    sums, or for own_output the last block's sum."""
+def variant_source(name: str) -> str:
     source = SOURCE
     for old, new in VARIANTS[name]:
         if old not in source:
             raise SystemExit(f"variant {name}: the kernel no longer has {old.strip()[:60]!r}: update qmm_ablate.py")
         source = source.replace(old, new)
-    tail = tail or ("last_block" if name == "own_output" else "partial")
-    return source.replace(TAIL_MARKER, TAILS[tail])
+    return source
 
 
 def product(name: str, group_size: int = GROUP_SIZE):
     """The variant's x @ W.T: kernels/qmm.py's own launch and partial sums, its kernel built from the variant's
     source."""
-    tag = hashlib.sha256((HEADER + variant_source(name)).encode()).hexdigest()[:8]
+    source = variant_source(name)
+    tag = hashlib.sha256((HEADER + source).encode()).hexdigest()[:8]
 
     base, warps = qmm.WARPS, WARPS_OF.get(name, qmm.WARPS)  # (qmm.WARPS is the candidate's while its call runs)
 
     @functools.cache
-    def kernel(min_blocks: int = qmm.MIN_BLOCKS, tail: str = "partial"):
+    def kernel(min_blocks: int = qmm.MIN_BLOCKS):
         return cuda_kernel(
-            name=f"mlxcel_qmm_ablate_{name}_{tail}_{tag}",
-            input_names=["x", "w", "scales", "biases", *(["counters"] if tail == "last_block" else [])],
-            output_names=qmm._OUTPUTS[tail],
-            source=variant_source(name, tail),
+            name=f"mlxcel_qmm_ablate_{name}_{tag}",
+            input_names=["x", "w", "scales", "biases"],
+            output_names=["partial"],
+            source=source,
             header=HEADER,
             launch_bounds=(warps * 32, max(1, min_blocks * base // warps)),
         )
@@ -149,15 +144,14 @@ def product(name: str, group_size: int = GROUP_SIZE):
     def fn(x, w, scales, biases):
         # (the call builds its lazy op with the kernel and launch shape it finds; launch_args caches by shape)
         # (and the split rule's rows a block: its target counts blocks of the candidate's width)
-        own = qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK, matvec_config.QMM_ROWS_PER_BLOCK, qmm.own_output
+        own = qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK, matvec_config.QMM_ROWS_PER_BLOCK
         qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK = kernel, warps, 16 * warps
         matvec_config.QMM_ROWS_PER_BLOCK = 16 * warps
-        qmm.own_output = lambda: name == "own_output"
         qmm.launch_args.cache_clear()
         try:
             return qmm.quantized_matmul(x, w, scales, biases, group_size)
         finally:
-            qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK, matvec_config.QMM_ROWS_PER_BLOCK, qmm.own_output = own
+            qmm._kernel, qmm.WARPS, qmm.ROWS_PER_BLOCK, matvec_config.QMM_ROWS_PER_BLOCK = own
             qmm.launch_args.cache_clear()
 
     return fn
@@ -192,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             cells, base, diffs = [], None, []
             for v in a.variants:
                 fn = product(v, a.group_size)
-                if v in ("full", "own_output") or v in WARPS_OF:  # (correct by design: MLX's product)
+                if v == "full" or v in WARPS_OF:  # (correct by design: MLX's product)
                     diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
                 base = seconds if v == "full" else base

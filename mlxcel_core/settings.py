@@ -119,17 +119,6 @@ SETTINGS: tuple[Setting, ...] = (
         _non_negative_int,
     ),
     Setting(
-        "MLXCEL_QMM_OWN_OUTPUT",
-        "0/1",
-        False,
-        "Experiment (issue 42): 1 has the 4-bit batch product kernel (decode batches of 9..64 rows on CUDA) write "
-        "the product in the model's dtype itself, the last block of each column summing the splits of K, instead of "
-        "writing float32 partial sums that two more launches sum and cast; and the decode step's epilogues with "
-        "it: q, k and v of a fused q/k/v with q and k rotated, silu(gate) * up of a fused gate/up, and the residual "
-        "add of o_proj and down_proj. Read when a launch shape is first seen in a process.",
-        _switch,
-    ),
-    Setting(
         "MLXCEL_NET_TIMEOUT",
         "float",
         30.0,

@@ -8,8 +8,8 @@
 #                                            tokenizer stand-in: --tokenizer-model /tmp/tokenizer-stand-in
 #   device call 3, carry [".devwheels/b"]:  scripts/gpu_suite.sh run PART     # right away (the machine idles out)
 #
-# PART splits the suite so each call stays under the device's 10-minute limit (about 4-8 minutes each on 14 workers;
-# on a machine of several GPUs, 14 workers a GPU; fewer on a card of less memory, see below):
+# PART splits the suite so each call stays under the device's 10-minute limit (about 4-8 minutes each on an
+# H200's 11 workers; on a machine of several GPUs, that many a GPU; fewer on a card of less memory, see below):
 #   device   tests/mlxcel_core/{backends,engine,server} tests/autotune (the CUDA kernels, the graph, the paged kernel)
 #   models   tests/mlxcel_core/models (the families' parity against transformers)
 #   rest     everything else
@@ -116,13 +116,14 @@ print(" ".join(f"{p}=={m.version(p)}" for p in names))')
       all) paths=(tests) ;;
       *) echo "unknown part: ${2}" >&2; exit 2 ;;
     esac
-    # Workers a GPU: 14 (16 cores each on these machines) where the card has the memory for them, about 10 GiB a
-    # worker: an H200 (141 GiB) takes 14, an H100 (80 GiB) 7; 14 on an H100 run it out of memory, and a worker whose
-    # allocation fails then fails every test after it. Each worker runs on one GPU (tests/conftest.py).
+    # Workers a GPU: 14 (16 cores each on these machines) where the card has the memory for them, about 12 GiB a
+    # worker: an H200 (141 GiB) takes 11, an H100 (80 GiB) 6. At 10 GiB a worker (7 on an H100) the device part still
+    # ran an H100 out of memory; a worker whose allocation fails then fails every test after it ("illegal memory
+    # access"). Each worker runs on one GPU (tests/conftest.py).
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
     export GPU_SUITE_GPUS=$(( gpus > 1 ? gpus : 1 ))
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-    per_gpu=$(( ${mib:-143771} / 10240 ))
+    per_gpu=$(( ${mib:-143771} / 12288 ))
     per_gpu=$(( per_gpu > 14 ? 14 : (per_gpu < 1 ? 1 : per_gpu) ))
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n $(( per_gpu * GPU_SUITE_GPUS )))

@@ -105,18 +105,8 @@ def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, 
         return None
     # x itself when one launch takes it: a slice is one more op in every layer of a decode step's graph
     rows = [x] if x.shape[0] <= step else [x[i : i + step] for i in range(0, x.shape[0], step)]
-    parts = [qmm.quantized_matmul(r, w, scales, biases, group_size, part=i) for i, r in enumerate(rows)]
+    parts = [qmm.quantized_matmul(r, w, scales, biases, group_size) for r in rows]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
-
-
-def batch_residual(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, residual: mx.array
-) -> mx.array | None:
-    """residual + x @ dequantize(w).T for a decode batch past LAYER_MAX_ROWS rows, in one launch of kernels/qmm.py's
-    residual tail (MLXCEL_QMM_OWN_OUTPUT), or None where that does not run."""
-    if not decode_rows(x) or x.shape[0] <= LAYER_MAX_ROWS or not qmv.kernel_ready():
-        return None  # (qmm.tail_args refuses more rows than one launch takes)
-    return qmm.residual_product(x, w, scales, biases, group_size, residual)
 
 
 # A prompt's rows (prefill) multiply a 4-bit layer's weight dequantized to x's 16-bit dtype, then MLX's matmul
@@ -192,8 +182,6 @@ class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
         y = _kernel_matvec(self, x, mode, extra)
         if y is None and mode == "plain":
             return batch_product(x, self["weight"], self["scales"], self["biases"], self.group_size)
-        if y is None and mode == "residual":
-            return batch_residual(x, self["weight"], self["scales"], self["biases"], self.group_size, extra[0])
         return y
 
     def _product_dtype(self, x: mx.array):

@@ -49,7 +49,7 @@ from mlxcel_core.models.activations import swiglu
 from mlxcel_core.models.base import normed
 from mlxcel_core.models.transformer import Attention, GatedMLP, heads_first
 
-from . import fast_linear, hmv, qmm, qmv
+from . import fast_linear, hmv, qmv
 from .rope_fold import fold_frequencies, fold_positions
 
 FUSED_MAX_ROWS = qmv.MAX_ROWS  # rows of x up to which the fused path is taken (decode batches)
@@ -202,25 +202,9 @@ class FusedProjection:
         if not self.fold_rope:
             return None
         outs = self._launch(x, "qkv", norm, (*self.qkv_split, head_dim), (positions, inv_freq))
-        p, widths = self.params, (*self.qkv_split, head_dim)
-        if outs is None and self._batch_tail(x, "last_block_qkv_rope", widths):
-            outs = qmm.qkv_rope(normed(x, norm), p["weight"], p["scales"], p["biases"], self.group_size, widths,
-                                (positions, inv_freq))  # fmt: skip
         if outs is None or outs[0].ndim == 4:
             return outs
         return [heads_first(t, t.shape[-1] // head_dim) for t in outs]
-
-    def _batch_tail(self, x: mx.array, tail: str, widths: tuple = ()) -> bool:
-        """Whether a decode batch past the matvec's rows runs kernels/qmm.py's epilogue `tail` on the fused weight
-        (MLXCEL_QMM_OWN_OUTPUT): asked before any op is built for it, such as the norm."""
-        if not (self.kernel and fast_linear.decode_rows(x) and qmv.kernel_ready()):
-            return False  # (tail_args refuses more rows than one launch takes)
-        p = self.params
-        n = p["weight"].shape[0]
-        return (
-            qmm.tail_args(tail, x.shape, x.dtype, p["scales"].dtype, n, x.shape[-1], self.group_size, widths)
-            is not None
-        )
 
     def split(self, x: mx.array, norm: nn.Module | None = None) -> list[mx.array]:
         """Each layer's output, in order, of x (of norm(x) when given)."""
@@ -239,9 +223,6 @@ class FusedProjection:
         applies."""
         if activation is swiglu and "bias" not in self.params:
             y = self._launch(x, "swiglu", norm)
-            if y is None and self._batch_tail(x, "last_block_swiglu"):
-                p = self.params
-                y = qmm.swiglu(normed(x, norm), p["weight"], p["scales"], p["biases"], self.group_size)
             if y is not None:
                 return y
         gate, up = self.split(x, norm)

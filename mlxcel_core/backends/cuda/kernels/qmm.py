@@ -45,23 +45,15 @@ two blocks an SM; one in groups of 32, which spill at 128) and a chunk stages ha
 buffers stay within 48 KiB of shared memory.
 
 blockIdx.y splits K (SPLITS parts of GPS groups) so that narrow weights still fill the GPU; each split writes float32
-partial sums [SPLITS, M, N], which are summed and cast after the launch. Under the experiment MLXCEL_QMM_OWN_OUTPUT
-the kernel writes the product in its own type instead: one split directly, several by the last block of each column
-to finish (qmm_source.TAILS), so that neither the sum nor the cast is a launch of its own; and that last block takes
-the decode step's epilogues, as kernels/qmv.py's modes do for batches of up to 8 rows: a fused q/k/v comes out as q, k
-and v with q and k rotated (`qkv_rope`), a fused gate/up as silu(gate) * up (`swiglu`), o_proj and down_proj with the
-residual added (`residual_product`).
+partial sums [SPLITS, M, N], which are summed and cast after the launch.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import threading
-import weakref
 
 import mlx.core as mx
-import numpy as np
 
 from . import qmv
 from .cubin_cache import cuda_kernel
@@ -69,7 +61,7 @@ from .matvec_config import QMM_TARGET_BLOCKS as TARGET_BLOCKS  # noqa: F401
 from .matvec_config import qmm_split_k as split_k  # the untuned rule
 from .qmm_source import CHUNK_K  # noqa: F401  (values of K a block stages in shared memory at a time)
 from .qmm_source import HEADER as _HEADER
-from .qmm_source import kernel_source as _kernel_source
+from .qmm_source import SOURCE as _SOURCE
 
 MAX_ROWS = 64  # rows of x one launch takes (8 tiles of 8)
 NARROW_ROWS = 32  # rows of x (4 tiles) up to which every group size fits MIN_BLOCKS blocks an SM
@@ -80,79 +72,27 @@ X_TYPES = (mx.bfloat16, mx.float16)
 MIN_BLOCKS = 2
 MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
 
-_OUTPUTS = {
-    "partial": ["partial"],
-    "direct": ["y"],
-    "last_block": ["y", "partial"],
-    "last_block_qkv_rope": ["q", "k", "v", "partial"],
-    "last_block_swiglu": ["y", "partial"],
-    "last_block_residual": ["y", "partial"],
-}
-_EXTRA_INPUTS = {
-    "last_block": ["counters"],
-    "last_block_qkv_rope": ["counters", "positions", "inv_freq"],
-    "last_block_swiglu": ["counters"],
-    "last_block_residual": ["counters", "residual"],
-}
-HEAD_DIMS = (32, 64, 128)  # the q/k/v rope tail's: a block's 128 weight rows hold whole heads
-# `counters`' part numbers of the tails beside a batch's parts (0, 1, ...), so that no two launches on a weight share
-_TAIL_PARTS = {"last_block_qkv_rope": -1, "last_block_swiglu": -2, "last_block_residual": -3}
-
-
-def kernel_name(tail: str = "partial") -> str:
-    """The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned
-    splits are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py)."""
-    digest = hashlib.sha256((_HEADER + _kernel_source(tail) + f"/{WARPS}").encode()).hexdigest()[:8]
-    return f"mlxcel_qmm_mma_{digest}" if tail == "partial" else f"mlxcel_qmm_mma_{tail}_{digest}"
-
-
-KERNEL_NAME = kernel_name()
+# The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned splits
+# are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py).
+KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE + f'/{WARPS}').encode()).hexdigest()[:8]}"
 
 
 @functools.cache
-def _kernel(min_blocks: int = MIN_BLOCKS, tail: str = "partial"):
-    """The kernel, its registers capped so that `min_blocks` blocks fit an SM, its results leaving it as `tail`
-    (qmm_source.TAILS) says."""
+def _kernel(min_blocks: int = MIN_BLOCKS):
+    """The kernel, its registers capped so that `min_blocks` blocks fit an SM."""
     return cuda_kernel(
-        name=kernel_name(tail),
-        input_names=["x", "w", "scales", "biases", *_EXTRA_INPUTS.get(tail, [])],
-        output_names=_OUTPUTS[tail],
-        source=_kernel_source(tail),
+        name=KERNEL_NAME,
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["partial"],
+        source=_SOURCE,
         header=_HEADER,
         launch_bounds=(WARPS * 32, min_blocks),
     )
 
 
-def kernel_source(tail: str = "partial") -> tuple[str, str]:
+def kernel_source() -> tuple[str, str]:
     """(header, body) as MLX's cuda_kernel assembles them (the compile test's input)."""
-    return _HEADER, _kernel_source(tail)
-
-
-def own_output() -> bool:
-    """MLXCEL_QMM_OWN_OUTPUT (an experiment): the kernel writes the product itself. Read where a launch shape is
-    first seen (`launch_args` caches its answer)."""
-    from mlxcel_core import settings
-
-    return settings.get("MLXCEL_QMM_OWN_OUTPUT")
-
-
-_counters: dict[tuple[int, int, int], mx.array] = {}
-
-
-def counters(w: mx.array, part: int, blocks: int) -> mx.array:
-    """int32 zeros for the last-block sums of launches on weight `w` (its `part`-th launch of a step, where a batch
-    takes several), from the calling thread: at least `blocks` of them. Launches that share counters must not run at
-    the same time, and MLX may run launches that do not depend on each other side by side (within a recorded graph,
-    or on two threads' streams); the launches of one site, thread and part never do (each step's needs the last
-    step's token). Kept while `w` lives (its launches always take as many blocks)."""
-    key = (id(w), part, threading.get_ident())
-    have = _counters.get(key)
-    if have is None:
-        weakref.finalize(w, _counters.pop, key, None)
-        # (from host memory, so the array holds its values at once: no evaluation, which a trace of mx.compile
-        # refuses, and a compiled step keeps it as a constant)
-        have = _counters[key] = mx.array(np.zeros(blocks, np.int32))
-    return have
+    return _HEADER, _SOURCE
 
 
 def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:
@@ -190,9 +130,6 @@ def launch_args(
     groups = k // group_size
     gps = gps or chosen_gps(n, k, m, group_size, x_dtype)
     splits = -(-groups // gps)
-    tail = ("direct" if splits == 1 else "last_block") if own_output() else "partial"
-    out = mx.result_type(x_dtype, s_dtype)
-    shapes = {"partial": [(splits, m, n)], "direct": [(m, n)], "last_block": [(m, n), (splits, m, n)]}[tail]
     return dict(
         template=[
             ("T", x_dtype),
@@ -203,9 +140,8 @@ def launch_args(
         ],
         grid=(-(-n // ROWS_PER_BLOCK) * WARPS * 32, splits, 1),
         threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=shapes,
-        output_dtypes={"partial": [mx.float32], "direct": [out], "last_block": [out, mx.float32]}[tail],
-        tail=tail,
+        output_shapes=[(splits, m, n)],
+        output_dtypes=[mx.float32],
     )
 
 
@@ -216,11 +152,9 @@ def quantized_matmul(
     biases: mx.array,
     group_size: int,
     gps: int | None = None,
-    part: int = 0,
 ) -> mx.array:
     """x @ dequantize(w, scales, biases).T on the kernel (CUDA only; the caller has checked `launch_args`), in
-    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split; `part` numbers a
-    step's launches on the same weight (`counters`)."""
+    mx.result_type(x, scales) like mx.quantized_matmul. `gps` overrides the groups of K a split."""
     n, k = w.shape[0], w.shape[1] * 8
     args = launch_args(x.shape, x.dtype, scales.dtype, n, k, group_size, gps)
     if args is None:
@@ -229,83 +163,7 @@ def quantized_matmul(
             f"the group size, got x of shape {x.shape} and {x.dtype}, group size {group_size}"
         )
     narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
-    args = dict(args)
-    tail = args.pop("tail")
-    if tail == "last_block":
-        inputs = [x, w, scales, biases, counters(w, part, args["grid"][0] // (WARPS * 32))]
-    else:
-        inputs = [x, w, scales, biases]
-    out = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32, tail)(inputs=inputs, **args)[0]
-    if tail == "partial":  # (one split: a reshape, which is free; MLX makes `out[0]` a gather kernel, a launch a call)
-        y = out.reshape(out.shape[1:]) if out.shape[0] == 1 else out.sum(axis=0)
-        out = y.astype(mx.result_type(x.dtype, scales.dtype))
-    return out.reshape(*x.shape[:-1], n)
-
-
-@functools.lru_cache(maxsize=512)
-def tail_args(tail: str, x_shape: tuple, x_dtype, s_dtype, n: int, k: int, group_size: int, widths: tuple = ()):
-    """`launch_args` for one of the epilogue tails (qmm_source.TAILS' "last_block_qkv_rope", "..._swiglu",
-    "..._residual") of an N x K weight, or None where it does not run: MLXCEL_QMM_OWN_OUTPUT off, a launch the kernel
-    does not take, or weights the tail cannot split: q/k/v `widths` (nq, nk, head_dim) not in whole heads of
-    HEAD_DIMS, a [gate; up] whose halves are not whole half-blocks of rows."""
-    base = launch_args(x_shape, x_dtype, s_dtype, n, k, group_size) if own_output() else None
-    if base is None:
-        return None
-    m, out, template = qmv.rows_of(x_shape), mx.result_type(x_dtype, s_dtype), list(base["template"])
-    if tail == "last_block_qkv_rope":
-        nq, nk, head_dim = widths
-        if head_dim not in HEAD_DIMS or nq % head_dim or nk % head_dim or nq + 2 * nk != n:
-            return None
-        shapes, template = [(m, nq), (m, nk), (m, nk)], template + [("NQ", nq), ("NK", nk), ("HD", head_dim)]
-    elif tail == "last_block_swiglu":
-        if n % ROWS_PER_BLOCK:
-            return None
-        shapes = [(m, n // 2)]
-    else:
-        shapes = [(m, n)]
-    return dict(
-        template=template,
-        grid=base["grid"],
-        threadgroup=base["threadgroup"],
-        output_shapes=[*shapes, (base["grid"][1], m, n)],
-        output_dtypes=[out] * len(shapes) + [mx.float32],
-    )
-
-
-def _tail_launch(tail: str, x, w, scales, biases, group_size: int, extra: tuple, widths: tuple = ()):
-    """The tail's outputs (less the partials), each [..., width] like x, or None where `tail_args` says it does not
-    run."""
-    args = tail_args(tail, x.shape, x.dtype, scales.dtype, w.shape[0], x.shape[-1], group_size, widths)
-    if args is None:
-        return None
-    narrow = qmv.rows_of(x.shape) <= NARROW_ROWS or group_size > 32
-    inputs = [x, w, scales, biases, counters(w, _TAIL_PARTS[tail], args["grid"][0] // (WARPS * 32)), *extra]
-    outs = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32, tail)(inputs=inputs, **args)[:-1]
-    return [o.reshape(*x.shape[:-1], o.shape[-1]) for o in outs]
-
-
-def qkv_rope(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, widths: tuple, rope: tuple
-) -> list[mx.array] | None:
-    """q, k, v [..., width] of x @ dequantize(w).T (x [..., K], M rows) for a fused [q; k; v] weight (`widths` =
-    (nq, nk, head_dim)), q and k rotated by `rope` = (positions [M] float32, times the RoPE's scale; inverse
-    frequencies [head_dim / 2] float32), in one launch whose last blocks write them; None where it does not run."""
-    return _tail_launch("last_block_qkv_rope", x, w, scales, biases, group_size, rope, widths)
-
-
-def swiglu(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array | None:
-    """silu(gate) * up [..., I] of x @ dequantize(w).T for a fused [gate; up] weight (2 I rows), in one launch; None
-    where it does not run."""
-    outs = _tail_launch("last_block_swiglu", x, w, scales, biases, group_size, ())
-    return None if outs is None else outs[0]
-
-
-def residual_product(
-    x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, residual: mx.array
-) -> mx.array | None:
-    """residual + x @ dequantize(w).T (residual shaped like the product, in its dtype), in one launch; None where it
-    does not run."""
-    if residual.dtype != mx.result_type(x.dtype, scales.dtype) or residual.shape != (*x.shape[:-1], w.shape[0]):
-        return None
-    outs = _tail_launch("last_block_residual", x, w, scales, biases, group_size, (residual,))
-    return None if outs is None else outs[0]
+    partial = _kernel(MIN_BLOCKS if narrow else MIN_BLOCKS_WIDE_G32)(inputs=[x, w, scales, biases], **args)[0]
+    # (one split: a reshape, which is free; MLX makes `partial[0]` a gather kernel, a launch per call)
+    y = partial.reshape(partial.shape[1:]) if partial.shape[0] == 1 else partial.sum(axis=0)
+    return y.astype(mx.result_type(x.dtype, scales.dtype)).reshape(*x.shape[:-1], n)

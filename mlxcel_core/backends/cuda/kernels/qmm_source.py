@@ -92,11 +92,10 @@ __device__ __forceinline__ void mlxcel_qmm_scale_sums(float (&tot)[NT][4], const
     }
 }
 
-// A warp's results into [M, N] (one split's float32 partial sums, or the product in its own type O): accumulator
-// (i, j) of tile nt is weight row n0 + g (+ 8) against x row nt * 8 + 2t (+ 1); rows past M and columns past N are
-// dropped.
-template <int NT, typename O>
-__device__ __forceinline__ void mlxcel_qmm_store(O* out, int M, int N, int n0, int g, int t,
+// A warp's results into one split's partial sums [M, N]: accumulator (i, j) of tile nt is weight row n0 + g (+ 8)
+// against x row nt * 8 + 2t (+ 1); rows past M and columns past N are dropped.
+template <int NT>
+__device__ __forceinline__ void mlxcel_qmm_store(float* out, int M, int N, int n0, int g, int t,
                                                  const float (&tot)[NT][4]) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
@@ -106,70 +105,9 @@ __device__ __forceinline__ void mlxcel_qmm_store(O* out, int M, int N, int n0, i
             const int m = ma + (i & 1);
             const int n = n0 + g + (i >> 1) * 8;
             if (m < M && n < N) {
-                out[size_t(m) * N + n] = static_cast<O>(tot[nt][i]);
+                out[size_t(m) * N + n] = tot[nt][i];
             }
         }
-    }
-}
-
-// v into out[at], in out's type.
-template <typename O>
-__device__ __forceinline__ void mlxcel_qmm_put(O* out, size_t at, float v) {
-    out[at] = static_cast<O>(v);
-}
-
-// The last block's sums of a column, from the launch's splits' partials (in L2: other SMs wrote them), each split
-// `stride` apart: elements i = threadIdx.x, + blockDim.x, ... of [0, count), U of them a thread at a time, P sums each
-// (at(i, p): the sum's offset in one split's partials); each sum is taken over the splits in order, and its U * P loads
-// of one split are in flight together. done(i, sums) then writes element i from its P sums.
-template <int U, int P, typename At, typename Done>
-__device__ __forceinline__ void mlxcel_qmm_split_sums(const float* partial, size_t stride, int count, At at,
-                                                      Done done) {
-    for (int i0 = threadIdx.x; i0 < count; i0 += U * int(blockDim.x)) {
-        size_t a[U][P];
-        float s[U][P];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = i0 + u * int(blockDim.x);
-#pragma unroll
-            for (int p = 0; p < P; ++p) {
-                a[u][p] = at(i < count ? i : i0, p);  // (past the end: element i0 again, read and not written)
-                s[u][p] = 0.0f;
-            }
-        }
-        for (int sp = 0; sp < int(gridDim.y); ++sp) {
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-#pragma unroll
-                for (int p = 0; p < P; ++p) {
-                    s[u][p] += __ldcg(partial + sp * stride + a[u][p]);
-                }
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (i0 + u * int(blockDim.x) < count) {
-                done(i0 + u * int(blockDim.x), s[u]);
-            }
-        }
-    }
-}
-
-// v rounded to the type O points to, as a float.
-template <typename O>
-__device__ __forceinline__ float mlxcel_qmm_round(const O*, float v) {
-    return static_cast<float>(static_cast<O>(v));
-}
-
-// Element n of row m of [q; k; v] (NQ, NK, NK wide) into its array, in its type.
-template <typename O>
-__device__ __forceinline__ void mlxcel_qmm_store_qkv(O* q, O* k, O* v, int nq, int nk, int m, int n, float o) {
-    if (n < nq) {
-        q[size_t(m) * nq + n] = static_cast<O>(o);
-    } else if (n < nq + nk) {
-        k[size_t(m) * nk + (n - nq)] = static_cast<O>(o);
-    } else {
-        v[size_t(m) * nk + (n - nq - nk)] = static_cast<O>(o);
     }
 }
 
@@ -357,122 +295,8 @@ SOURCE = r"""
         }
         __syncthreads();  // every warp is done with this buffer before the next stage() refills it
     }
-/*TAIL*/
-"""
-
-# How a launch's results leave the kernel (`kernel_source(tail)`):
-# - "partial": each split's float32 partial sums [SPLITS, M, N] (output `partial`), summed and cast after the launch;
-# - "direct" (one split): the product [M, N] in its own type (output `y`);
-# - "last_block" (any splits): the partials (output `partial`) and the product (output `y`), which the last of a
-#   column of blocks to finish sums from them, in split order (extra input `counters`, int32 zeros, one a block
-#   column, which MLX sees as an input only): each block makes its partials visible device-wide and counts itself in;
-#   the block that counts SPLITS sets the counter back to 0 for the next launch and writes y for the block's 16 WARPS
-#   rows. Launches that share counters must not run at the same time (kernels/qmm.py keeps them a weight, a part of a
-#   step and a thread).
-# - "last_block_qkv_rope": the same, for a fused [q; k; v] weight (template ints NQ, NK: rows of q and of k and v; HD:
-#   head dim, dividing the block's rows, so that a column holds whole heads), whose last block writes q, k and v
-#   (outputs [M, NQ], [M, NK], [M, NK]: heads first at one token a row) with q and k rotated (non-traditional RoPE:
-#   extra inputs `positions` [M] float32, times the RoPE's scale, and `inv_freq` [HD / 2] float32), each product
-#   rounded to the output's type first, as the product alone returns it (kernels/qmv_source.py's qkv_rope mode).
-# - "last_block_swiglu": the same, for a fused [gate; up] weight (N = 2 I, I a multiple of the block's half): a block
-#   computes gate rows and the up rows I below them (its first half of warps the one, its second the other: SWIGLU_N0
-#   in place of the kernel's row map), so that its column's last block writes y [M, I] = silu(gate) * up, each
-#   rounded to the output's type first (kernels/qmv_source.py's swiglu mode).
-# - "last_block_residual": the same, writing y = residual + the product (input `residual` [M, N] in the output's type;
-#   the product rounded first, then one rounding of the sum: as a separate add of the product computes it).
-_LAST_BLOCK = r"""    if (live) {
-        mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
-    }
-    __threadfence();  // this block's partials, visible to whichever block sums them
-    __syncthreads();
-    __shared__ bool sums_splits;
-    if (threadIdx.x == 0) {
-        int* counter = const_cast<int*>(counters) + blockIdx.x;
-        sums_splits = atomicAdd(counter, 1) == int(gridDim.y) - 1;
-        if (sums_splits) {
-            atomicExch(counter, 0);  // every split has arrived
-        }
-    }
-    __syncthreads();
-    if (!sums_splits) {
-        return;
-    }
-    __threadfence();
-    const int nb = blockIdx.x * (blockDim.x >> 5) * 16;  // the block column's first weight row
-    const int cols = min((blockDim.x >> 5) * 16, N - nb);
-"""
-TAILS = {
-    "partial": r"""    if (!live) {
+    if (!live) {
         return;
     }
     mlxcel_qmm_store<NT>(partial + size_t(blockIdx.y) * M * N, M, N, n0, g, t, tot);
-""",
-    "direct": r"""    if (!live) {
-        return;
-    }
-    mlxcel_qmm_store<NT>(y, M, N, n0, g, t, tot);
-""",
-    "last_block": _LAST_BLOCK
-    + r"""    const auto at = [&](int i, int) { return size_t(i / cols) * N + nb + i % cols; };
-    mlxcel_qmm_split_sums<4, 1>(partial, size_t(M) * N, M * cols, at, [&](int i, const float* s) {
-        mlxcel_qmm_put(y, at(i, 0), s[0]);
-    });
-""",
-    "last_block_swiglu": _LAST_BLOCK
-    + r"""    const int half_n = N / 2;
-    const int jb = blockIdx.x * (blockDim.x >> 6) * 16;  // the column's first gate row (of I = N / 2)
-    const int outs = min((blockDim.x >> 6) * 16, half_n - jb);
-    const auto at = [&](int i, int p) { return size_t(i / outs) * N + jb + i % outs + p * half_n; };  // gate, up
-    mlxcel_qmm_split_sums<4, 2>(partial, size_t(M) * N, M * outs, at, [&](int i, const float* s) {
-        const float gate = mlxcel_qmm_round(y, s[0]);
-        const float up = mlxcel_qmm_round(y, s[1]);
-        mlxcel_qmm_put(y, size_t(i / outs) * half_n + jb + i % outs, gate / (1.0f + expf(-gate)) * up);
-    });
-""",
-    "last_block_residual": _LAST_BLOCK
-    + r"""    const auto at = [&](int i, int) { return size_t(i / cols) * N + nb + i % cols; };
-    mlxcel_qmm_split_sums<4, 1>(partial, size_t(M) * N, M * cols, at, [&](int i, const float* s) {
-        const float product = mlxcel_qmm_round(y, s[0]);
-        mlxcel_qmm_put(y, at(i, 0), product + static_cast<float>(residual[at(i, 0)]));
-    });
-""",
-    "last_block_qkv_rope": _LAST_BLOCK
-    + r"""    const int pairs = cols / 2;  // (whole heads: HD divides the block's rows and N)
-    // pair i: row m = i / pairs, its columns n and n + HD / 2 (n: element j of a head's first half)
-    const auto column = [&](int i) { return nb + (i % pairs) / (HD / 2) * HD + (i % pairs) % (HD / 2); };
-    const auto at = [&](int i, int p) { return size_t(i / pairs) * N + column(i) + p * (HD / 2); };
-    mlxcel_qmm_split_sums<4, 2>(partial, size_t(M) * N, M * pairs, at, [&](int i, const float* s) {
-        const int m = i / pairs;
-        const int n = column(i);
-        const int j = (i % pairs) % (HD / 2);
-        const float a = mlxcel_qmm_round(q, s[0]);
-        const float b = mlxcel_qmm_round(q, s[1]);
-        float oa = a;
-        float ob = b;
-        if (n < NQ + NK) {  // q and k rotate; v does not
-            float sn;
-            float cs;
-            sincosf(positions[m] * inv_freq[j], &sn, &cs);  // one range reduction for both
-            oa = a * cs - b * sn;
-            ob = b * cs + a * sn;
-        }
-        mlxcel_qmm_store_qkv(q, k, v, NQ, NK, m, n, oa);
-        mlxcel_qmm_store_qkv(q, k, v, NQ, NK, m, n + HD / 2, ob);
-    });
-""",
-}
-TAIL_MARKER = "/*TAIL*/"
-
-
-ROW_MAP = "    const int n0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 16;\n"
-# A block's first half of warps on gate rows, its second on the up rows I = N / 2 below them (the swiglu tail's)
-SWIGLU_N0 = (
-    "    const int n0 = ((warp < (blockDim.x >> 6)) ? 0 : N / 2)\n"
-    "                   + (blockIdx.x * (blockDim.x >> 6) + warp % (blockDim.x >> 6)) * 16;\n"
-)
-
-
-def kernel_source(tail: str = "partial") -> str:
-    """The kernel body with the results leaving it as `tail` (a key of TAILS) says."""
-    source = SOURCE.replace(TAIL_MARKER, TAILS[tail])
-    return source.replace(ROW_MAP, SWIGLU_N0) if tail == "last_block_swiglu" else source
+"""

@@ -77,7 +77,7 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
         launched.append(x.shape)
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=64, bits=4)
 
-    def mma_stand_in(x, w, scales, biases, group_size, part=0):
+    def mma_stand_in(x, w, scales, biases, group_size):
         launched.append(("mma", x.shape))
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
 
@@ -97,7 +97,7 @@ def test_a_decode_batch_beyond_the_kernel(monkeypatch):
 
 def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     """A decode batch of more than qmm.MAX_ROWS rows: launches of that many rows, the last one short (a server batch
-    may exceed one launch), numbered; MLX's values, in order."""
+    may exceed one launch); MLX's values, in order."""
     most = qmm.MAX_ROWS
     layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
     holder = nn.Module()
@@ -114,45 +114,16 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     launched = []
     real = mx.quantized_matmul
 
-    def mma_stand_in(x, w, scales, biases, group_size, part=0):
-        launched.append((x.shape, part))
+    def mma_stand_in(x, w, scales, biases, group_size):
+        launched.append(x.shape)
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4, stream=mx.cpu)
 
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     monkeypatch.setattr(qmv, "launch", lambda *args, **kwargs: None)  # never reached: more rows than it takes
     monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
     got = layer(x)
-    # (each launch numbered: the weight's counters of one are not another's, MLXCEL_QMM_OWN_OUTPUT's last blocks)
-    assert launched == [((most, 1, 256), 0), ((most, 1, 256), 1), ((5, 1, 256), 2)]
+    assert launched == [(most, 1, 256), (most, 1, 256), (5, 1, 256)]
     assert got.shape == want.shape and mx.array_equal(got, want).item()
-
-
-def test_a_decode_batch_adds_its_residual_in_the_batch_kernels_launch_where_it_runs(monkeypatch):
-    """An output projection's add_to (o_proj, down_proj) for a decode batch past the matvec's rows asks kernels/qmm.py's
-    residual tail (MLXCEL_QMM_OWN_OUTPUT's; here a stand-in) for residual + product; where it does not run (None), the
-    product and a separate add."""
-    layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
-    holder = nn.Module()
-    holder.layers = [layer]
-    assert use_fast_quantized_linear(holder) == 1
-    layer.fuses_residual = True
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
-    monkeypatch.setattr(qmv, "launch_args", lambda *a, **k: None)  # (the matvec takes at most 8 rows)
-    calls = []
-
-    def tail_stand_in(x, w, scales, biases, group_size, residual):
-        calls.append((x.shape, w is layer["weight"], residual.shape))
-        return residual + 1
-
-    monkeypatch.setattr(qmm, "residual_product", tail_stand_in)
-    rows = fast_linear.LAYER_MAX_ROWS + 4
-    x = mx.zeros((rows, 1, 256), mx.bfloat16)
-    residual = mx.full((rows, 1, 128), 2.0, mx.float32)  # (the product's dtype: float32 scales)
-    assert mx.array_equal(layer.add_to(x, residual), residual + 1).item()
-    assert calls == [((rows, 1, 256), True, (rows, 1, 128))]
-    monkeypatch.setattr(qmm, "residual_product", lambda *args: None)
-    monkeypatch.setattr(fast_linear, "batch_product", lambda *args: mx.zeros((rows, 1, 128), mx.bfloat16))
-    assert mx.array_equal(layer.add_to(x, residual), residual).item()
 
 
 class _Block(nn.Module):
@@ -345,7 +316,7 @@ def test_engine_decode_batch_beyond_the_kernel(monkeypatch, tiny_q4):
                     out.setdefault(o.seq_id, []).append(o.token)
         return [out[i] for i in ids]
 
-    def mma_stand_in(x, w, scales, biases, group_size, part=0):
+    def mma_stand_in(x, w, scales, biases, group_size):
         launched.append(("mma", *x.shape[:-1]))
         return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
 

@@ -16,7 +16,7 @@ from mlx.utils import tree_flatten
 from test_qmv import check_close, make_operands, needs_cuda, reference
 
 from mlxcel_core import cpu_blas
-from mlxcel_core.backends.cuda.kernels import fast_linear, fused_projections, qmm, qmv
+from mlxcel_core.backends.cuda.kernels import fast_linear, fused_projections, qmv
 from mlxcel_core.backends.cuda.kernels.fused_projections import (
     FUSED_MAX_ROWS,
     FusedAttentionMixin,
@@ -251,71 +251,6 @@ def test_decode_batches_take_one_batch_product_a_fused_projection(monkeypatch):
     assert calls == step * len(model.layers) * 2  # (two decode steps; none for the prompt)
 
 
-def test_a_decode_batch_rotates_in_the_batch_kernels_launch_where_it_runs(monkeypatch):
-    """Past FUSED_MAX_ROWS rows, a fused q/k/v whose RoPE the kernels fold asks kernels/qmm.py's q/k/v tail for q, k and
-    v rotated (MLXCEL_QMM_OWN_OUTPUT's; here a stand-in) and returns them heads first; where the tail does not run
-    (no launch: the switch off, a head dim it does not take), the block projects and rotates as usual."""
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
-    monkeypatch.setattr(qmv, "launch_args", lambda *a, **k: None)  # (the matvec takes at most FUSED_MAX_ROWS rows)
-    model, _ = build_random_model("tiny", bits=4, dtype="bfloat16", seed=11)
-    fuse_projections(model)
-    attn = model.layers[0].self_attn
-    fused = attn.fused_qkv
-    fused.kernel = fused.fold_rope = True
-    nq, nk = fused.qkv_split
-    hidden, batch = model.args.hidden_size, FUSED_MAX_ROWS + 4
-    calls = []
-
-    def tail_stand_in(x, w, scales, biases, group_size, widths, rope):
-        calls.append((x.shape, w is fused.params["weight"], widths, rope[0].shape, rope[1].shape))
-        return [mx.full((*x.shape[:-1], n), i + 1, x.dtype) for i, n in enumerate(widths[:1] + widths[1:2] * 2)]
-
-    monkeypatch.setattr(qmm, "qkv_rope", tail_stand_in)
-    monkeypatch.setattr(qmm, "tail_args", lambda *args: {})  # (as with MLXCEL_QMM_OWN_OUTPUT=1)
-    x = mx.random.normal((batch, 1, hidden), key=mx.random.key(2)).astype(mx.bfloat16)
-    q, k, v = attn.project_rotated(x, None, 5)
-    hd = attn.head_dim
-    assert calls == [((batch, 1, hidden), True, (nq, nk, hd), (batch,), (hd // 2,))]
-    assert q.shape == (batch, nq // hd, 1, hd) and k.shape == v.shape == (batch, nk // hd, 1, hd)
-    assert [t.flatten()[0].item() for t in (q, k, v)] == [1, 2, 3]
-    monkeypatch.setattr(qmm, "tail_args", lambda *args: None)
-    monkeypatch.setattr(fast_linear, "batch_product", lambda *args: None)  # (then the fused weight's MLX product)
-    with mx.stream(mx.cpu):
-        q, k, v = attn.project_rotated(x, None, 5)
-    assert q.shape == (batch, nq // hd, 1, hd) and v.shape == (batch, nk // hd, 1, hd)
-
-
-def test_a_decode_batch_takes_swiglu_in_the_batch_kernels_launch_where_it_runs(monkeypatch):
-    """Past FUSED_MAX_ROWS rows a fused [gate; up] asks kernels/qmm.py's swiglu tail (MLXCEL_QMM_OWN_OUTPUT's; here a
-    stand-in) for silu(gate) * up, of the norm's output; where it does not run, the product, a split and the
-    activation."""
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
-    monkeypatch.setattr(qmv, "launch_args", lambda *a, **k: None)
-    model, _ = build_random_model("tiny", bits=4, dtype="bfloat16", seed=11)
-    fuse_projections(model)
-    layer = model.layers[0]
-    fused = layer.mlp.fused_gate_up
-    fused.kernel = True
-    calls = []
-
-    def tail_stand_in(x, w, scales, biases, group_size):
-        calls.append((x.shape, w is fused.params["weight"]))
-        return mx.full((*x.shape[:-1], w.shape[0] // 2), 3.0, x.dtype)
-
-    monkeypatch.setattr(qmm, "swiglu", tail_stand_in)
-    monkeypatch.setattr(qmm, "tail_args", lambda *args: {})  # (as with MLXCEL_QMM_OWN_OUTPUT=1)
-    hidden, batch = model.args.hidden_size, FUSED_MAX_ROWS + 4
-    x = mx.random.normal((batch, 1, hidden), key=mx.random.key(2)).astype(mx.bfloat16)
-    y = fused.gated(x, swiglu, layer.post_attention_layernorm)
-    assert calls == [((batch, 1, hidden), True)] and y.shape == (batch, 1, model.args.intermediate_size)
-    assert mx.all(y == 3).item()
-    monkeypatch.setattr(qmm, "tail_args", lambda *args: None)
-    monkeypatch.setattr(fast_linear, "batch_product", lambda *args: None)
-    with mx.stream(mx.cpu):
-        y = fused.gated(x, swiglu, layer.post_attention_layernorm)
-    assert len(calls) == 1 and y.shape == (batch, 1, model.args.intermediate_size) and not mx.all(y == 3).item()
-
-
 def test_other_activations_and_biases_take_the_matmul_path():
     gate, up = nn.Linear(16, 24), nn.Linear(16, 24)
     x = mx.random.normal((1, 2, 16), key=mx.random.key(0))
@@ -456,35 +391,19 @@ def test_fused_model_decode_agrees_with_separate_on_cuda():
 
 
 @needs_cuda
-@pytest.mark.parametrize("own_output", ["0", "1"], ids=["partials", "own-output"])
-def test_fused_batches_agree_with_separate_launches_on_cuda(monkeypatch, own_output):
+def test_fused_batches_agree_with_separate_launches_on_cuda(monkeypatch):
     """On the GPU a bf16 4-bit batch of FUSED_MAX_ROWS + 4 rows decodes through kernels/qmm.py on the fused weights,
-    close to the separate layers' launches (another split of K); with MLXCEL_QMM_OWN_OUTPUT the q/k/v come out of
-    one launch, rotated, and gate/up as silu(gate) * up (its tails)."""
-    monkeypatch.setenv("MLXCEL_QMM_OWN_OUTPUT", own_output)
-    caches = (qmm.launch_args.cache_clear, qmm.tail_args.cache_clear)
-    for clear in caches:
-        clear()
+    close to the separate layers' launches (another split of K)."""
     model, _ = build_random_model("tiny", bits=4, dtype="bfloat16", seed=7)
     batch = FUSED_MAX_ROWS + 4
     separate = _decode_logits(model, batch)
     fuse_projections(model)
-    widths, tails, real, real_tail = [], [], fast_linear.batch_product, qmm.qkv_rope
+    widths, real = [], fast_linear.batch_product
     monkeypatch.setattr(
         fast_linear, "batch_product", lambda x, w, *rest: widths.append(w.shape[0]) or real(x, w, *rest)
     )
-    real_swiglu = qmm.swiglu
-    monkeypatch.setattr(qmm, "qkv_rope", lambda *args: tails.append("qkv") or real_tail(*args))
-    monkeypatch.setattr(qmm, "swiglu", lambda *args: tails.append("swiglu") or real_swiglu(*args))
-    try:
-        fused = _decode_logits(model, batch)
-    finally:
-        for clear in caches:
-            clear()
+    fused = _decode_logits(model, batch)
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     fused_widths = {attn.fused_qkv.params["weight"].shape[0], mlp.fused_gate_up.params["weight"].shape[0]}
-    if own_output == "0":  # the fused weights' products ran
-        assert fused_widths <= set(widths) and not tails
-    else:  # their tails ran instead
-        assert not fused_widths & set(widths) and set(tails) == {"qkv", "swiglu"}
+    assert fused_widths <= set(widths)  # the fused q/k/v and gate/up weights' products ran
     _assert_logits_agree(fused, separate, "bfloat16")
