@@ -126,6 +126,47 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     assert got.shape == want.shape and mx.array_equal(got, want).item()
 
 
+@pytest.mark.parametrize("min_rows", [2, 5])
+def test_the_batch_kernel_takes_fewer_rows_under_the_experiment(monkeypatch, min_rows):
+    """MLXCEL_QMM_MIN_ROWS (experiment): decode batches of that many rows or more take kernels/qmm.py (a stand-in
+    here) through a swapped layer, a tied LM head and a fused projection (its q/k/v and swiglu modes then decline);
+    fewer rows keep the matvec kernel. A lone row (the CUDA graph's step) is the matvec kernel's at any setting."""
+    from mlxcel_core.backends.cuda.kernels.fused_projections import FusedProjection
+    from mlxcel_core.models.activations import swiglu
+
+    monkeypatch.setenv("MLXCEL_QMM_MIN_ROWS", str(min_rows))
+    layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
+    emb = nn.QuantizedEmbedding(96, 256, group_size=64, bits=4)
+    holder = nn.Module()
+    holder.layers = [layer, emb]
+    assert use_fast_quantized_linear(holder) == 2
+    fused = FusedProjection([nn.QuantizedLinear(256, 64, bias=False, group_size=64, bits=4) for _ in range(2)])
+    fused.kernel = True  # (as where the 4-bit kernels run it)
+    launched = []
+    real = mx.quantized_matmul
+
+    def stand_in(args, x, w, scales, biases, mode="plain", extra=()):
+        launched.append(("qmv", mode, x.shape[0]))
+        return real(x, w, scales=scales, biases=biases, transpose=True, group_size=64, bits=4)
+
+    def mma_stand_in(x, w, scales, biases, group_size):
+        launched.append(("mma", x.shape[0]))
+        return real(x, w, scales=scales, biases=biases, transpose=True, group_size=group_size, bits=4)
+
+    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
+    monkeypatch.setattr(qmv, "launch", stand_in)
+    monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
+    assert fast_linear.matvec_rows() == min_rows - 1
+    for rows in (min_rows, min_rows - 1):  # (at min_rows 2, the lone row)
+        x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows)).astype(mx.bfloat16)
+        launched.clear()
+        layer(x), emb.as_linear(x), fused.gated(x, swiglu)
+        if rows == min_rows:
+            assert launched == [("mma", rows)] * 3
+        else:  # the matvec kernel, in the fused swiglu mode too
+            assert launched == [("qmv", "plain", rows), ("qmv", "plain", rows), ("qmv", "swiglu", rows)]
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()
@@ -355,16 +396,20 @@ def _batched_greedy(model, prompts: mx.array, steps: int, forced=None):
 
 
 @needs_cuda
-def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch):
-    """A random 4-bit llama-3.2-1b-shaped model (bf16) decoding 12 sequences at once: every decode product runs on
-    kernels/qmm.py and its greedy tokens are those of MLX's own layers, except at a near-tie: teacher-forced on MLX's
-    tokens, every step's logits agree within 0.25 x their std (test_qmv_models' bf16 bound) and where the argmaxes
-    differ MLX's gap between them is within 2x that step's difference."""
+@pytest.mark.parametrize("n,min_rows", [(12, None), (6, "2")], ids=["12-rows", "6-rows-qmm-min-rows-2"])
+def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch, n, min_rows):
+    """A random 4-bit llama-3.2-1b-shaped model (bf16) decoding n sequences at once (12; and 6 with the experiment
+    MLXCEL_QMM_MIN_ROWS=2, which sends them to the batch kernel too): every decode product runs on kernels/qmm.py
+    and its greedy tokens are those of MLX's own layers, except at a near-tie: teacher-forced on MLX's tokens, every
+    step's logits agree within 0.25 x their std (test_qmv_models' bf16 bound) and where the argmaxes differ MLX's gap
+    between them is within 2x that step's difference."""
     from mlxcel_core.loading.shapes import build_random_model
 
     monkeypatch.undo()  # the real thresholds: the layers a 1B model swaps by default
+    if min_rows is not None:
+        monkeypatch.setenv("MLXCEL_QMM_MIN_ROWS", min_rows)
     model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=1)
-    prompts = mx.array([[5 + i, 40 + 3 * i, 7, 90 - i] for i in range(12)])
+    prompts = mx.array([[5 + i, 40 + 3 * i, 7, 90 - i] for i in range(n)])
     launched = []
     real = qmm.quantized_matmul
     real_batch = fast_linear.batch_product
@@ -373,14 +418,14 @@ def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch):
         launched.append(x.shape)
         return real(x, *args)
 
-    # MLX's own products past 8 rows (the layers' and the fused projections')
+    # MLX's own products where the batch kernel would run (the layers' and the fused projections')
     monkeypatch.setattr(fast_linear, "batch_product", lambda *args: None)
     want, want_logits = _batched_greedy(model, prompts, 12)
     monkeypatch.setattr(fast_linear, "batch_product", real_batch)
     monkeypatch.setattr(qmm, "quantized_matmul", counted)
     got, _ = _batched_greedy(model, prompts, 12)
     _, forced_logits = _batched_greedy(model, prompts, 12, forced=want)
-    assert (12, 1, 2048) in launched
+    assert (n, 1, 2048) in launched
     spread = float(want_logits.std())
     for step, (r_rows, f_rows) in enumerate(zip(want_logits, forced_logits)):
         for row, (r, f) in enumerate(zip(r_rows, f_rows)):
@@ -389,100 +434,4 @@ def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch):
             a, b = int(r.argmax()), int(f.argmax())
             assert a == b or r[a] - r[b] <= 2 * diff, f"step {step}, sequence {row}: argmax {a} vs {b}, not a near-tie"
     agree = int((got == want).all(axis=1).sum().item())
-    print(f"mma vs mlx: {agree} of 12 sequences identical over 12 steps")
-
-
-# -- a prompt's rows -------------------------------------------------------------------------------------------
-def test_a_prompt_multiplies_the_dequantized_weight(monkeypatch):
-    """From PROMPT_MIN_ROWS rows of 16-bit x (a prompt; kernel_ready stands in for the GPU here) a swapped layer
-    computes x @ dequantize(W).T, MLX's dequantized weight in x's dtype; fewer rows, float32 x or no GPU: MLX's
-    quantized_matmul, as before."""
-    layer = nn.QuantizedLinear(256, 96, bias=True, group_size=64, bits=4)
-    layer.update({"scales": layer.scales.astype(mx.bfloat16), "biases": layer.biases.astype(mx.bfloat16)})
-    holder = nn.Module()
-    holder.layers = [layer]
-    assert use_fast_quantized_linear(holder) == 1
-    rows = fast_linear.PROMPT_MIN_ROWS
-    x = mx.random.normal((1, rows, 256), key=mx.random.key(3)).astype(mx.bfloat16)
-    full = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=4, dtype=mx.bfloat16)
-    want = x @ full.T + layer.bias
-    mlx_own = nn.QuantizedLinear.__call__(layer, x)
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: False)
-    assert mx.array_equal(layer(x), mlx_own).item()  # no GPU: MLX's own call
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
-    monkeypatch.setattr(qmv, "launch_args", lambda *args: None)  # (the matvec kernel takes no call here)
-    assert mx.array_equal(layer(x), want).item()
-    short = x[:, : rows - 1]
-    assert mx.array_equal(layer(short), nn.QuantizedLinear.__call__(layer, short)).item()
-    wide = x.astype(mx.float32)
-    assert mx.array_equal(layer(wide), nn.QuantizedLinear.__call__(layer, wide)).item()
-
-
-@needs_cuda
-def test_prompt_products_keep_greedy_tokens_on_the_gpu(monkeypatch):
-    """A random 4-bit llama-3.2-1b-shaped model (bf16) reading a 160-token prompt: its prefill products run as 16-bit
-    GEMMs of the dequantized weights, and the greedy tokens after it are those of MLX's quantized_matmul prefill,
-    except at a near-tie (the bounds of test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu)."""
-    import numpy as np
-
-    from mlxcel_core.cache import make_cache
-    from mlxcel_core.loading.shapes import build_random_model
-
-    monkeypatch.undo()
-    model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=2)
-    prompt = mx.array([[(7 * i + 3) % 5000 for i in range(160)]])
-    calls = []
-    real = fast_linear.prompt_product
-
-    def counted(x, *args):
-        y = real(x, *args)
-        calls.append(y is not None)
-        return y
-
-    def run(forced=None):
-        cache = make_cache(len(model.layers))
-        logits = model(prompt, cache)[:, -1]
-        tokens, seen = [], []
-        for i in range(40):
-            seen.append(np.array(logits.astype(mx.float32))[0])
-            tokens.append(int(mx.argmax(logits, axis=-1).item()) if forced is None else forced[i])
-            logits = model(mx.array([[tokens[-1]]]), cache)[:, -1]
-        return tokens, np.stack(seen)
-
-    monkeypatch.setattr(fast_linear, "prompt_product", lambda *args: None)
-    want, want_logits = run()
-    monkeypatch.setattr(fast_linear, "prompt_product", counted)
-    got, _ = run()
-    assert calls.count(True) >= 3 * 16  # gate, up and down of every layer at prefill (q/k/v/o: below MIN_WEIGHT)
-    _, forced = run(want)
-    spread = float(want_logits.std())
-    for step, (r, f) in enumerate(zip(want_logits, forced)):
-        diff = float(abs(r - f).max())
-        assert diff <= 0.25 * spread, f"step {step}: logits differ by {diff:.4g} (std {spread:.4g})"
-        a, b = int(r.argmax()), int(f.argmax())
-        assert a == b or r[a] - r[b] <= 2 * diff, f"step {step}: argmax {a} vs {b}, not a near-tie"
-    print(f"prompt GEMM vs quantized_matmul: {sum(g == w for g, w in zip(got, want))} of 40 tokens identical")
-
-
-def test_a_fused_projection_takes_a_prompt_as_one_gemm(monkeypatch):
-    """Where the 4-bit kernels run a fused projection (q/k/v, gate/up), a prompt's rows take it too: one 16-bit GEMM
-    of the fused weight dequantized, each layer's output a slice of it; short or float32 prompts do not."""
-    from mlxcel_core.backends.cuda.kernels.fused_projections import FusedProjection
-
-    def layer(n):
-        made = nn.QuantizedLinear(256, n, bias=False, group_size=64, bits=4)
-        made.update({"scales": made.scales.astype(mx.float16), "biases": made.biases.astype(mx.float16)})
-        return made
-
-    fused = FusedProjection([layer(128), layer(64), layer(64)])
-    fused.kernel = True  # (as where the 4-bit kernels run it)
-    x = mx.random.normal((2, fast_linear.PROMPT_MIN_ROWS // 2, 256), key=mx.random.key(4)).astype(mx.float16)
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: False)
-    assert not fused.takes(x)  # no GPU
-    monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
-    assert fused.takes(x) and not fused.takes(x[:, :-1]) and not fused.takes(x.astype(mx.float32))
-    p = fused.params
-    full = mx.dequantize(p["weight"], p["scales"], p["biases"], group_size=64, bits=4, dtype=mx.float16)
-    q, k, v = fused.split(x)
-    assert [t.shape for t in (q, k, v)] == [(2, 64, 128), (2, 64, 64), (2, 64, 64)]
-    assert mx.array_equal(mx.concatenate([q, k, v], axis=-1), x @ full.T).item()
+    print(f"mma vs mlx: {agree} of {n} sequences identical over 12 steps")
