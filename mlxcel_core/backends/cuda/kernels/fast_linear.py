@@ -76,7 +76,7 @@ def _layer_supported(layer: nn.Module) -> bool:
 def _kernel_matvec(layer: nn.Module, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:
     """x @ layer's 4-bit weight on the kernel, or None when this call is not for it (too many rows, no CUDA)."""
     w, scales = layer["weight"], layer["scales"]
-    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], layer.group_size, None, matvec_rows(), mode)
+    args = qmv.launch_args(x.shape, x.dtype, scales.dtype, w.shape[0], layer.group_size, None, matvec_rows(x), mode)
     if args is None or not qmv.kernel_ready():
         return None
     return qmv.launch(args, x, w, scales, layer["biases"], mode, extra)
@@ -93,16 +93,19 @@ def decode_rows(x: mx.array) -> bool:
     return x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1
 
 
-def matvec_rows() -> int:
-    """Rows of x up to which a 4-bit decode call takes the matvec kernel (kernels/qmv.py), the batch kernel
-    (kernels/qmm.py) above: LAYER_MAX_ROWS, or fewer under the experiment MLXCEL_QMM_MIN_ROWS."""
+def matvec_rows(x: mx.array) -> int:
+    """Rows of x up to which a 4-bit call takes the matvec kernel (kernels/qmv.py): LAYER_MAX_ROWS; for a decode
+    batch (`decode_rows`), fewer under the experiment MLXCEL_QMM_MIN_ROWS, which sends it to the batch kernel
+    (kernels/qmm.py) from that many rows. A short prompt's rows keep the matvec kernel."""
+    if not decode_rows(x):
+        return LAYER_MAX_ROWS
     return min(LAYER_MAX_ROWS, settings.get("MLXCEL_QMM_MIN_ROWS") - 1)
 
 
 def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array | None:
-    """x @ dequantize(w).T for a decode batch of more than `matvec_rows()` rows on kernels/qmm.py, or None where it
+    """x @ dequantize(w).T for a decode batch of more than `matvec_rows(x)` rows on kernels/qmm.py, or None where it
     does not take this call (a prompt's rows, no CUDA, other types)."""
-    if not decode_rows(x) or x.shape[0] <= matvec_rows():
+    if not decode_rows(x) or x.shape[0] <= matvec_rows(x):
         return None
     step = qmm.MAX_ROWS
     first_shape = (min(x.shape[0], step), *x.shape[1:])  # (no slice op just to ask)
@@ -183,7 +186,7 @@ class _DecodeKernelLayer:
 
 
 class FastQuantizedLinear(_DecodeKernelLayer, nn.QuantizedLinear):
-    """nn.QuantizedLinear whose decode calls (<= matvec_rows() rows of x) run the 4-bit CUDA matvec kernel; larger
+    """nn.QuantizedLinear whose decode calls (<= matvec_rows(x) rows of x) run the 4-bit CUDA matvec kernel; larger
     decode batches run kernels/qmm.py (`batch_product`), a prompt's rows a 16-bit GEMM (`prompt_product`)."""
 
     def _matvec(self, x: mx.array, mode: str = "plain", extra: tuple = ()) -> mx.array | None:

@@ -139,7 +139,7 @@ class FusedProjection:
             p["weight"].shape[0],
             self.group_size,
             None,
-            fast_linear.matvec_rows(),
+            fast_linear.matvec_rows(x),
             mode,
             split,
             eps,
@@ -149,7 +149,7 @@ class FusedProjection:
         """x @ the fused weight (+ bias), every layer's output side by side."""
         p = self.params
         y = None
-        if self.kernel and qmv.rows_of(x.shape) > fast_linear.matvec_rows():  # (a decode batch: qmm.py; a prompt: GEMM)
+        if self.kernel and qmv.rows_of(x.shape) > fast_linear.matvec_rows(x):  # (a decode batch: qmm.py; prompt: GEMM)
             y = fast_linear.batch_product(x, p["weight"], p["scales"], p["biases"], self.group_size)
             if y is None:
                 y = fast_linear.prompt_product(x, p["weight"], p["scales"], p["biases"], self.group_size, self.bits)

@@ -130,7 +130,8 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
 def test_the_batch_kernel_takes_fewer_rows_under_the_experiment(monkeypatch, min_rows):
     """MLXCEL_QMM_MIN_ROWS (experiment): decode batches of that many rows or more take kernels/qmm.py (a stand-in
     here) through a swapped layer, a tied LM head and a fused projection (its q/k/v and swiglu modes then decline);
-    fewer rows keep the matvec kernel. A lone row (the CUDA graph's step) is the matvec kernel's at any setting."""
+    fewer rows keep the matvec kernel. A lone row (the CUDA graph's step) and a short prompt's rows are the matvec
+    kernel's at any setting."""
     from mlxcel_core.backends.cuda.kernels.fused_projections import FusedProjection
     from mlxcel_core.models.activations import swiglu
 
@@ -156,7 +157,8 @@ def test_the_batch_kernel_takes_fewer_rows_under_the_experiment(monkeypatch, min
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     monkeypatch.setattr(qmv, "launch", stand_in)
     monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
-    assert fast_linear.matvec_rows() == min_rows - 1
+    batch, prompt = mx.zeros((min_rows, 1, 256)), mx.zeros((1, min_rows, 256))
+    assert fast_linear.matvec_rows(batch) == min_rows - 1 and fast_linear.matvec_rows(prompt) == qmv.MAX_ROWS
     for rows in (min_rows, min_rows - 1):  # (at min_rows 2, the lone row)
         x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows)).astype(mx.bfloat16)
         launched.clear()
