@@ -132,7 +132,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Experiment (issue 42): the fewest rows of a 4-bit decode batch that the tensor-core batch kernel "
         "(kernels/qmm.py) takes, 2 to 9; a batch of fewer rows takes the matvec kernel (kernels/qmv.py, its modes "
         "with the norm, RoPE, SwiGLU and residual add folded in). 9 (the default): batches of up to 8 rows take the "
-        "matvec kernel. Read at each call.",
+        "matvec kernel. Read as a decode step is built: a compiled step keeps the choice it was traced with.",
         _batch_kernel_rows,
     ),
     Setting(
