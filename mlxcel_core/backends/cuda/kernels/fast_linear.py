@@ -96,8 +96,9 @@ def decode_rows(x: mx.array) -> bool:
 def matvec_rows(x: mx.array) -> int:
     """Rows of x up to which a 4-bit call takes the matvec kernel (kernels/qmv.py): LAYER_MAX_ROWS; for a decode
     batch (`decode_rows`), fewer under the experiment MLXCEL_QMM_MIN_ROWS, which sends it to the batch kernel
-    (kernels/qmm.py) from that many rows. A short prompt's rows keep the matvec kernel."""
-    if not decode_rows(x):
+    (kernels/qmm.py) from that many rows. A short prompt's rows keep the matvec kernel. (The setting is read only for
+    the batches it can move: a step's layers call this for every product of a batch.)"""
+    if not decode_rows(x) or x.shape[0] > LAYER_MAX_ROWS:
         return LAYER_MAX_ROWS
     return min(LAYER_MAX_ROWS, settings.get("MLXCEL_QMM_MIN_ROWS") - 1)
 
