@@ -37,6 +37,31 @@ _EPILOGUE_QKV = _EPILOGUE_ROWS.replace(
     "/*WRITE*/", "            mlxcel_qmv_store_qkv(q_out, k_out, v_out, NQ, NK, m, n, static_cast<OUT>(t));"
 )
 
+
+def _pair_epilogue(index: str, limit: str, first: str, second: str, scale: str, write: str) -> str:
+    """An epilogue over output pairs: pair `index` < `limit` of the block sums weight rows r and r + HALF into
+    `first` and `second`, takes the folded norm's `scale` placeholder, rounds both to OUT (as separate matvecs
+    return them), then runs `write`."""
+    return f"""    for (int i = gtid; i < HALF * M; i += WARPS * 32) {{
+        const int r = i / M;
+        const int m = i % M;
+        const int {index} = n0 + r;
+        if ({index} < {limit}) {{
+            float {first} = 0.0f;
+            float {second} = 0.0f;
+#pragma unroll
+            for (int v = 0; v < WARPS; ++v) {{
+                {first} += red[v][r * M + m];
+                {second} += red[v][(r + HALF) * M + m];
+            }}
+/*{scale}*/
+            {first} = static_cast<float>(static_cast<OUT>({first}));
+            {second} = static_cast<float>(static_cast<OUT>({second}));
+{write}
+        }}
+    }}"""
+
+
 # qkv with RoPE ("qkv_rope", "qkv_norm_rope"): a block takes ROWS / 2 rotation pairs, rows (h HD + i, h HD + i + HD/2)
 # of one head (non-traditional RoPE rotates element i with element i + HD/2), over all of [q; k; v] (v's pairs are
 # written unrotated). Each product is rounded to OUT first, as the separate matvec returns it; then, for q and k rows,
@@ -49,22 +74,13 @@ _ROWS_PAIRS = """    constexpr int HALF = ROWS / 2;
     const int n0 = lblock * HALF;  // first rotation pair of this group"""
 _ROW_MAP_PAIRS = """        const int p = min(n0 + r % HALF, NPAIR - 1);
         const size_t n = size_t((p / (HD / 2)) * HD + p % (HD / 2) + (r < HALF ? 0 : HD / 2));"""
-_EPILOGUE_QKV_ROPE = """    for (int i = gtid; i < HALF * M; i += WARPS * 32) {
-        const int r = i / M;
-        const int m = i % M;
-        const int p = n0 + r;
-        if (p < NPAIR) {
-            float a = 0.0f;
-            float b = 0.0f;
-#pragma unroll
-            for (int v = 0; v < WARPS; ++v) {
-                a += red[v][r * M + m];
-                b += red[v][(r + HALF) * M + m];
-            }
-/*SCALE_AB*/
-            a = static_cast<float>(static_cast<OUT>(a));
-            b = static_cast<float>(static_cast<OUT>(b));
-            const int j = p % (HD / 2);
+_EPILOGUE_QKV_ROPE = _pair_epilogue(
+    "p",
+    "NPAIR",
+    "a",
+    "b",
+    "SCALE_AB",
+    """            const int j = p % (HD / 2);
             const int n = (p / (HD / 2)) * HD + j;
             float oa = a;
             float ob = b;
@@ -77,9 +93,8 @@ _EPILOGUE_QKV_ROPE = """    for (int i = gtid; i < HALF * M; i += WARPS * 32) {
                 ob = b * c + a * s;
             }
             mlxcel_qmv_store_qkv(q_out, k_out, v_out, NQ, NK, m, n, static_cast<OUT>(oa));
-            mlxcel_qmv_store_qkv(q_out, k_out, v_out, NQ, NK, m, n + HD / 2, static_cast<OUT>(ob));
-        }
-    }"""
+            mlxcel_qmv_store_qkv(q_out, k_out, v_out, NQ, NK, m, n + HD / 2, static_cast<OUT>(ob));""",
+)
 
 # y [M, N] = residual + x @ w.T: the product rounded to OUT first, as the separate matvec returns it, then the add
 # in float32 and one rounding to OUT, as a separate add computes it.
@@ -91,24 +106,14 @@ _EPILOGUE_RESIDUAL = _EPILOGUE_ROWS.replace(
 
 # y [M, NOUT] = silu(gate) * up. gate and up are first rounded to OUT, as two separate matvecs would return them,
 # then silu(g) * u = g * sigmoid(g) * u in float32 and one rounding (the unfused path rounds after every op).
-_EPILOGUE_SWIGLU = """    for (int i = gtid; i < HALF * M; i += WARPS * 32) {
-        const int r = i / M;
-        const int m = i % M;
-        const int j = n0 + r;
-        if (j < NOUT) {
-            float g = 0.0f;
-            float u = 0.0f;
-#pragma unroll
-            for (int v = 0; v < WARPS; ++v) {
-                g += red[v][r * M + m];
-                u += red[v][(r + HALF) * M + m];
-            }
-/*SCALE_GU*/
-            g = static_cast<float>(static_cast<OUT>(g));
-            u = static_cast<float>(static_cast<OUT>(u));
-            y[size_t(m) * NOUT + j] = static_cast<OUT>(g / (1.0f + expf(-g)) * u);
-        }
-    }"""
+_EPILOGUE_SWIGLU = _pair_epilogue(
+    "j",
+    "NOUT",
+    "g",
+    "u",
+    "SCALE_GU",
+    "            y[size_t(m) * NOUT + j] = static_cast<OUT>(g / (1.0f + expf(-g)) * u);",
+)
 
 # The "_norm" modes take the RMSNorm before the projection into the launch: x is the raw hidden state, norm_w [K] the
 # norm's weight, the template int EPS_BITS its epsilon's float32 bits (a constant, not a [1] input: see
