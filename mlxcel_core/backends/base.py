@@ -25,7 +25,8 @@ from ..kv.paged_attention import RUNNER_OPS, paged_decode_attention
 
 GPU_PREFILL_BATCH = 8  # waiting prompts one prefill forward takes on a GPU (bandwidth-bound: one pass of the weights)
 # Prompt tokens one prefill forward computes while other rows decode (engine/scheduler.py), so that a long prompt
-# holds the running rows for about a second at most (benchmarks/RESULTS.md, "The prefill chunk beside running rows").
+# holds the running rows for about a second at most (benchmarks/archive/RESULTS-history.md, "The prefill chunk
+# beside running rows").
 # On CPU (cpu_blas.py's float32 products) a chunk of a few dozen rows keeps the running rows' wait near a decode
 # step's while the prompt's tokens share each pass over the weights. On a GPU one
 # forward takes a whole prompt of up to 2048 tokens.
