@@ -64,6 +64,9 @@
 #                     the 4-bit batch kernel, fewer on the matvec kernel; 9 is today's split), a call each: `tests` the
 #                     batch paths' GPU tests at 2; `batch` 8B 4-bit decode batches of 4 and 8 at 9, 5 and 2,
 #                     alternating (batch_decode.py, one process each; REPS rounds, 2 by default)
+#   rows8             where an 8B 4-bit decode batch of 8 rows spends its step: the step's kernels at b=1 and b=8
+#                     (gpu_profile.py), the batch kernel at 8, 32 and 64 rows beside its w16 candidate (qmm_ablate.py),
+#                     and the matvec kernel at 1 and 8 rows (qmv.py) on the same shapes
 #   paged             the paged decode kernel alone (paged_kernel.py, 8B geometry): both bodies at 4k/16k/32k and
 #                     their split counts; the tensor-core body at split counts between powers of two that fill more
 #                     of one wave (48 x 8 heads = 384 blocks of an H200's 396 at three an SM); then the same body
@@ -126,6 +129,15 @@ case "${1:-}" in
           done
         done ;;
     esac ;;
+  rows8)
+    for b in 1 8; do
+      timeout 150 python benchmarks/gpu_profile.py --model-shape llama-3-8b --bits 4 --side mlxcel --batch $b --top 12 \
+        --warm 4 --tokens 8 2>&1 | grep -vi "warn" | tee "${OUT:-/tmp}/profile_8b_q4_b$b.txt"
+    done
+    timeout 150 python benchmarks/qmm_ablate.py --variants full w16 --rows 8 32 64 --shapes "gate/up fused" down_proj \
+      | tee "${OUT:-/tmp}/qmm_w16.txt"
+    timeout 100 python benchmarks/qmv.py --m 1 8 --no-sweep --no-e2e --shapes gate/up_proj down_proj \
+      | tee "${OUT:-/tmp}/qmv_rows8.txt" ;;
   qmmwarps)
     timeout 300 python benchmarks/qmm_ablate.py --variants full warps16 warps4 | tee "${OUT:-/tmp}/qmm_warps.txt"
     timeout 200 python benchmarks/qmm_ablate.py --variants full warps4 --group-size 32 --rows 48 64 \

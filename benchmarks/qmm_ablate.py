@@ -22,6 +22,9 @@ Candidates must give the kernel's products: their largest difference from MLX's 
                source, launched wider (8 warps against 4 won and is the kernel: archive/2026-12-05-h200-session-26/)
   warps4       the kernel's source at 4 warps a block, as before 8 won: at groups of 32 past 32 rows (--group-size 32
                --rows 64), where 8 warps take one block an SM (registers above 128), 4 took three
+  w16          each weight made whole in 16 bits before the product (q s + b, one rounding, as a prompt's products
+               read their dequantized weights), the accumulators carried across groups: no group sums of x, no
+               per-group scaling of the accumulators (its products differ from the kernel's in the last places)
 Groups of 32 and 128 with --group-size (MLX's quantization of the same random weights).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
@@ -65,6 +68,53 @@ _FETCH_SCALES = """        sc[0] = static_cast<float>(scales[size_t(r0) * NG + g
 _SCALE_SUMS = "mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);"
 
 
+_A_FRAGMENTS = """                    const uint32_t a[4] = {mlxcel_qmm_pair4<T>(v0), mlxcel_qmm_pair4<T>(v1),
+                                           mlxcel_qmm_pair4<T>(v0 >> 4), mlxcel_qmm_pair4<T>(v1 >> 4)};
+"""
+_GROUP_ACC = """                float acc[NT][4];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+                }
+"""
+_NEXT_FETCH = "                if (gi + D < gend) {\n"
+_SUMS = """                float sum = 0.0f;
+"""
+_SUM_ADD = """                    sum += mlxcel_qmm_sum2<T>(lo.x) + mlxcel_qmm_sum2<T>(lo.y) + mlxcel_qmm_sum2<T>(hi.x)
+                           + mlxcel_qmm_sum2<T>(hi.y);
+"""
+_SUM_STORE = """                xsum[c & 1][gc][m] = sum;
+"""
+# w16's device function: a pair of nibbles q (exact in T) made q s + b in T, one rounding (fma); s, b packed pairs
+EXTRA_HEADER = {
+    "w16": r"""
+template <typename T>
+__device__ __forceinline__ uint32_t mlxcel_qmm_w16(uint32_t q, uint32_t s, uint32_t b) {
+    if constexpr (mlxcel_qmv_same<T, __half>::value) {
+        __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&q), *reinterpret_cast<const __half2*>(&s),
+                            *reinterpret_cast<const __half2*>(&b));
+        return *reinterpret_cast<uint32_t*>(&r);
+    } else {
+        __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&q),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&s),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
+}
+template <typename T>
+__device__ __forceinline__ uint32_t mlxcel_qmm_pack2(float v) {
+    if constexpr (mlxcel_qmv_same<T, __half>::value) {
+        __half2 r = __floats2half2_rn(v, v);
+        return *reinterpret_cast<uint32_t*>(&r);
+    } else {
+        __nv_bfloat162 r = __floats2bfloat162_rn(v, v);
+        return *reinterpret_cast<uint32_t*>(&r);
+    }
+}
+"""
+}
+
+
 def _prep_pass() -> str:
     """The block's pass that sums and reorders each staged chunk of x, with the barrier after it."""
     start = SOURCE.index("        {  // once for the block's warps")
@@ -106,6 +156,27 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
             "for (int nt = 0; nt < NT; ++nt) { for (int i = 0; i < 4; ++i) { tot[nt][i] += acc[nt][i] * ps[0]; } }",
         )
     ],
+    "w16": [
+        (_SUMS, ""),
+        (_SUM_ADD, ""),
+        (_SUM_STORE, ""),
+        (_GROUP_ACC, "                float (&acc)[NT][4] = tot;\n"),
+        (
+            _NEXT_FETCH,
+            "                const uint32_t s0 = mlxcel_qmm_pack2<T>(ps[0]), s1 = mlxcel_qmm_pack2<T>(ps[1]);\n"
+            "                const uint32_t c0 = mlxcel_qmm_pack2<T>(ps[2]), c1 = mlxcel_qmm_pack2<T>(ps[3]);\n"
+            + _NEXT_FETCH,
+        ),
+        (
+            _A_FRAGMENTS,
+            "                    const uint32_t a[4] = {\n"
+            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v0), s0, c0),\n"
+            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v1), s1, c1),\n"
+            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v0 >> 4), s0, c0),\n"
+            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v1 >> 4), s1, c1)};\n",
+        ),
+        (_SCALE_SUMS, ""),
+    ],
     "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
     "warps4": [],
 }
@@ -122,11 +193,16 @@ def variant_source(name: str) -> str:
     return source
 
 
+def variant_header(name: str) -> str:
+    return HEADER + EXTRA_HEADER.get(name, "")
+
+
 def product(name: str, group_size: int = GROUP_SIZE):
     """The variant's x @ W.T: kernels/qmm.py's own launch and partial sums, its kernel built from the variant's
     source."""
     source = variant_source(name)
-    tag = hashlib.sha256((HEADER + source).encode()).hexdigest()[:8]
+    header = variant_header(name)
+    tag = hashlib.sha256((header + source).encode()).hexdigest()[:8]
 
     base, warps = qmm.WARPS, WARPS_OF.get(name, qmm.WARPS)  # (qmm.WARPS is the candidate's while its call runs)
 
@@ -137,7 +213,7 @@ def product(name: str, group_size: int = GROUP_SIZE):
             input_names=["x", "w", "scales", "biases"],
             output_names=["partial"],
             source=source,
-            header=HEADER,
+            header=header,
             launch_bounds=(warps * 32, max(1, min_blocks * base // warps)),
         )
 
@@ -186,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             cells, base, diffs = [], None, []
             for v in a.variants:
                 fn = product(v, a.group_size)
-                if v == "full" or v in WARPS_OF:  # (correct by design: MLX's product)
+                if v == "full" or v in WARPS_OF or v in EXTRA_HEADER:  # (candidates: MLX's product, or near)
                     diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
                 base = seconds if v == "full" else base

@@ -33,7 +33,7 @@ def test_every_variant_changes_the_kernel():
 def test_variants_compile_for_sm90(tmp_path, name):
     args = qmm.launch_args((32, 4096), mx.bfloat16, mx.bfloat16, 28672, 4096, 64)
     text = kernel_text(
-        "k", qmm_ablate.variant_source(name), qmm_ablate.HEADER, ["x", "w", "scales", "biases"],
+        "k", qmm_ablate.variant_source(name), qmm_ablate.variant_header(name), ["x", "w", "scales", "biases"],
         [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16], [2, 2, 2, 2], ["partial"], [mx.float32],
         args["template"], launch_bounds=(qmm.WARPS * 32, qmm.MIN_BLOCKS),
     )  # fmt: skip
@@ -84,7 +84,9 @@ def test_the_table_prints_every_variant_and_the_kernels_difference(monkeypatch, 
         assert lines[0] == f"group size {group_size}"
         assert lines[1].split()[2:] == list(qmm_ablate.VARIANTS)
         assert lines[2].startswith("tiny") and lines[2].count("|") == len(qmm_ablate.VARIANTS) - 1
-        assert lines[3].strip() == "vs MLX, max rel diff: full 0.00e+00, warps16 0.00e+00, warps4 0.00e+00", lines[3]
+        assert (
+            lines[3].strip() == "vs MLX, max rel diff: full 0.00e+00, w16 0.00e+00, warps16 0.00e+00, warps4 0.00e+00"
+        ), lines[3]
 
 
 def test_candidates_of_16_and_4_warps_launch_256_and_64_weight_rows_a_block(monkeypatch):
