@@ -3,7 +3,8 @@ mode, dtype):
 - `qmv-multirow` / `hmv-multirow`: the launch configuration (ROWS, WARPS, UNROLL) of the matvec kernels
   (mlxcel_core/backends/cuda/kernels/qmv.py for 4-bit weights, hmv.py for 16-bit ones), M 1..8;
 - `qmm-splits`: GPS, the quantization groups of K a split of the tensor-core batched 4-bit product
-  (kernels/qmm.py), M 9..64, in cells of M rounded up to its 8-row tiles.
+  (kernels/qmm.py), M 6..64 (a decode batch of 6 rows or more: kernels/fast_linear.py's DECODE_MATVEC_ROWS), in
+  cells of M rounded up to its 8-row tiles.
 
 Modes: the 4-bit kernel's rule is the same in every mode, so its cells are the plain launch's and its winners serve
 every mode. The 16-bit kernel's SwiGLU modes (gate and up in one launch) follow a rule of their own, so they have
@@ -115,7 +116,7 @@ SPECS = {
         QMM,
         "qmm",
         32,
-        (9, 64),
+        (6, 64),
         ("gps",),
         lambda c: [(gps,) for gps in mc.qmm_candidates(c.n, c.k // c.group_size)],
         lambda c: (mc.qmm_split_k(c.n, c.k // c.group_size)[1],),

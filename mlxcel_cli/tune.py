@@ -172,7 +172,7 @@ def tune(
         typer.Option(
             "--batch-sizes",
             help="Comma-separated batch sizes of the matrix (the product ops: rows of x, 1-8 for the matvecs, "
-            "9-64 for qmm-splits). Default: 1,2,4,8 (qmm-splits: 16,32,64).",
+            "6-64 for qmm-splits). Default: 1,2,4,8 (qmm-splits: 8,16,32,64).",
         ),
     ] = None,
     shapes: Annotated[
@@ -359,7 +359,7 @@ def _matvec_request(op: str, model, shapes, batch_sizes, group_size, dtype: str,
             raise fail(f"-m {model}: {exc}")
     else:
         weights = list(LLAMA_3_8B_SHAPES)
-    rows = _int_list(batch_sizes or ("16,32,64" if op == "qmm-splits" else "1,2,4,8"), "--batch-sizes")
+    rows = _int_list(batch_sizes or ("8,16,32,64" if op == "qmm-splits" else "1,2,4,8"), "--batch-sizes")
     group_size = group_size or (32 if gguf else 64)
     return tune_matvec.Request(op, weights, rows, group_size, dtype, settings, autotune_dir(), as_json)
 

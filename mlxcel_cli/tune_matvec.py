@@ -43,18 +43,18 @@ def parse_shapes(text: str) -> list[tuple[int, int, str]]:
 
 
 def cells(request: Request) -> list:
-    from autotune.matvec_ops import HMV, SPECS, cell_of, validate
+    from autotune.matvec_ops import HMV, SPECS, Cell, cell_of, validate
 
     op = request.op
     group = 0 if op == HMV else request.group_size
     shapes = request.shapes if len(SPECS[op].modes) > 1 else [(n, k, "plain") for n, k, _ in request.shapes]
-    out = list(dict.fromkeys(cell_of(op, n, k, m, group, mode) for n, k, mode in shapes for m in request.rows))
-    for cell in out:
+    asked = [Cell(n, k, m, group, mode) for n, k, mode in shapes for m in request.rows]
+    for cell in asked:  # (the rows as asked: a cell rounds them up to the kernel's tiles)
         try:
             validate(request.op, cell)
         except ValueError as exc:
             raise fail(str(exc))
-    return out
+    return list(dict.fromkeys(cell_of(op, c.n, c.k, c.m, c.group_size, c.mode) for c in asked))
 
 
 def _shape(cell) -> str:

@@ -47,13 +47,6 @@ def _non_negative_int(raw: str) -> int:
     return value
 
 
-def _batch_kernel_rows(raw: str) -> int:
-    value = int(raw)
-    if not 2 <= value <= 9:
-        raise ValueError("must be 2 to 9")
-    return value
-
-
 def _float(raw: str) -> float:
     return float(raw)
 
@@ -124,16 +117,6 @@ SETTINGS: tuple[Setting, ...] = (
         "(a replayed decode step on sm_90 or newer), so that read overlaps the previous kernel's end. 0 leaves it "
         "out. Read when a kernel is first built in a process.",
         _non_negative_int,
-    ),
-    Setting(
-        "MLXCEL_QMM_MIN_ROWS",
-        "int",
-        9,
-        "Experiment (issue 42): the fewest rows of a 4-bit decode batch that the tensor-core batch kernel "
-        "(kernels/qmm.py) takes, 2 to 9; a batch of fewer rows takes the matvec kernel (kernels/qmv.py, its modes "
-        "with the norm, RoPE, SwiGLU and residual add folded in). 9 (the default): batches of up to 8 rows take the "
-        "matvec kernel. Read as a decode step is built: a compiled step keeps the choice it was traced with.",
-        _batch_kernel_rows,
     ),
     Setting(
         "MLXCEL_NET_TIMEOUT",

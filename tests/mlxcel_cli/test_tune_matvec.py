@@ -65,13 +65,14 @@ def test_dry_run_lists_every_cell_with_the_rule_and_its_candidates(capsys, cache
 def test_the_batch_product_splits_k_for_rows_in_8_row_tiles(capsys):
     code, out, _ = cli(capsys, "tune", "--op", "qmm-splits", "--dry-run", "--json", "--shapes", "4096x4096")
     cells = json.loads(out)["cells"]
-    assert code == 0 and [(c["rows"], c["cell"]) for c in cells] == [(16, "n4096xk4096xm16xg64")] + [
+    assert code == 0 and [(c["rows"], c["cell"]) for c in cells] == [(8, "n4096xk4096xm8xg64")] + [
+        (16, "n4096xk4096xm16xg64"),
         (32, "n4096xk4096xm32xg64"),
         (64, "n4096xk4096xm64xg64"),
-    ]  # the default rows: 16, 32, 64
+    ]  # the default rows: 8, 16, 32, 64
     assert cells[0]["default"] == f"gps={qmm_rule(4096, 64)}" and cells[0]["candidates"][0] == "gps=64"
-    code, out, _ = cli(capsys, "tune", "--op", "qmm-splits", "--dry-run", "--json", "--batch-sizes", "9,16,17")
-    assert code == 0 and sorted({c["rows"] for c in json.loads(out)["cells"]}) == [16, 24]
+    code, out, _ = cli(capsys, "tune", "--op", "qmm-splits", "--dry-run", "--json", "--batch-sizes", "6,7,9,16,17")
+    assert code == 0 and sorted({c["rows"] for c in json.loads(out)["cells"]}) == [8, 16, 24]
 
 
 def test_the_16_bit_kernel_has_swiglu_cells(capsys):
@@ -122,7 +123,7 @@ def test_dry_run_imports_no_mlx(cache):
         ("qmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 32 and of the group size"),
         ("hmv-multirow", ["--shapes", "4096x100"], "K must be a multiple of 8"),
         ("qmv-multirow", ["--batch-sizes", "9"], "qmv-multirow's kernel takes 1..8 rows of x"),
-        ("qmm-splits", ["--batch-sizes", "8"], "qmm-splits's kernel takes 9..64 rows of x"),
+        ("qmm-splits", ["--batch-sizes", "5"], "qmm-splits's kernel takes 6..64 rows of x"),
         ("qmv-multirow", ["--group-size", "48"], "--group-size must be one of 32, 64, 128"),
         ("hmv-multirow", ["--dtype", "int8"], "--dtype must be float16, bfloat16 or float32"),
     ],
@@ -150,7 +151,7 @@ def test_a_dry_run_without_op_lists_the_product_ops_too(capsys, tmp_path):
     assert [(o["op"], len(o["cells"])) for o in doc["more_ops"]] == [
         ("qmv-multirow", 24),
         ("hmv-multirow", 24),
-        ("qmm-splits", 18),
+        ("qmm-splits", 24),
     ]
     (tmp_path / "m.gguf").write_bytes(b"GGUF")  # a GGUF file: its product shapes are not read (-m takes a config.json)
     skipped = _other_ops(str(tmp_path / "m.gguf"), None, 64, "float16", ProfileSettings(), False)

@@ -24,14 +24,18 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxcel_core import settings
-
 from . import hmv, qembedding, qmm, qmv
 
 # Rows of x up to which a 4-bit layer call uses the kernel. On the H200 (benchmarks/qmm_batch.py) the kernel beats
 # MLX's quantized_matmul on Llama-3-8B's projections at every M up to 8 but gate/up at 8 (level, 65-70 us): q/o 26 vs
 # 64 us, k/v 11 vs 66, down 73 vs 195; an 8B 4-bit batch of 8 decodes at 887 tok/s with 8 rows, 265 with 2.
 LAYER_MAX_ROWS = qmv.MAX_ROWS
+# Rows of a decode batch ([B, 1, K]) up to which it takes the matvec kernel; from one more it takes the tensor-core
+# batch kernel (kernels/qmm.py), whose dequantization work does not grow with the rows. On an H100, 8B 4-bit
+# (benchmarks/RESULTS.md, "Issue 42 experiments"): b=8 1207.51 / 1181.21 tok/s on the batch kernel against 857.50 /
+# 856.64 on the matvec kernel, b=6 877.36 / 908.76 against 849.57 / 866.32, b=5 705.36 / 771.52 against 820.90 /
+# 825.98.
+DECODE_MATVEC_ROWS = 5
 # The same for the 16-bit kernel, by the model's width (half_rows): on the H200 (benchmarks/RESULTS.md) 8 rows against
 # 2 decode a Llama-3.2-1B bf16 batch of 8 (2048 wide) at 3119 vs 1685 tok/s, and a Llama-3-8B bf16 one (4096 wide) at
 # 717 vs 1108 (b=32: 2628 vs 3111): at 8B the GPU, not the host, bounds the step and MLX's GEMM reads 8 rows' weights
@@ -94,13 +98,10 @@ def decode_rows(x: mx.array) -> bool:
 
 
 def matvec_rows(x: mx.array) -> int:
-    """Rows of x up to which a 4-bit call takes the matvec kernel (kernels/qmv.py): LAYER_MAX_ROWS; for a decode
-    batch (`decode_rows`), fewer under the experiment MLXCEL_QMM_MIN_ROWS, which sends it to the batch kernel
-    (kernels/qmm.py) from that many rows. A short prompt's rows keep the matvec kernel. (The setting is read only for
-    the batches it can move: a step's layers call this for every product of a batch.)"""
-    if not decode_rows(x) or x.shape[0] > LAYER_MAX_ROWS:
-        return LAYER_MAX_ROWS
-    return min(LAYER_MAX_ROWS, settings.get("MLXCEL_QMM_MIN_ROWS") - 1)
+    """Rows of x up to which a 4-bit call takes the matvec kernel (kernels/qmv.py): DECODE_MATVEC_ROWS for a 16-bit
+    decode batch (`decode_rows`; more go to the batch kernel, kernels/qmm.py), LAYER_MAX_ROWS for a short prompt's
+    rows and for float32 x, which the batch kernel does not take."""
+    return DECODE_MATVEC_ROWS if decode_rows(x) and x.dtype in qmm.X_TYPES else LAYER_MAX_ROWS
 
 
 def batch_product(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int) -> mx.array | None:

@@ -1,4 +1,4 @@
-"""4-bit x 16-bit matrix product for decode batches (9..64 rows of x) on the tensor cores, as one CUDA kernel
+"""4-bit x 16-bit matrix product for decode batches (6..64 rows of x) on the tensor cores, as one CUDA kernel
 (``mx.fast.cuda_kernel``), for the 4-bit layers of kernels/fast_linear.py.
 
 Why: at a decode batch of B sequences MLX 0.32 reads every 4-bit weight B times (benchmarks/RESULTS.md), and
@@ -10,7 +10,7 @@ tensor cores take the raw nibbles q (0..15, exact in bf16 / fp16) against x, one
 sums are scaled after. No weight is ever rounded to 16 bits.
 
 Layout of one warp's work: 16 weight rows (the mma's M) against 8 rows of x (its N) per tile, NT = ceil(M / 8) tiles
-(NT is compiled in and M read from x's shape, so batch sizes 9..64 share seven kernels); a k-step is 16 values of K,
+(NT is compiled in and M read from x's shape, so batch sizes 6..64 share eight kernels); a k-step is 16 values of K,
 a group G / 16 steps. Thread (g = lane / 4, t = lane % 4) owns the group's K values t Q .. t Q + Q - 1 (Q = G / 4)
 of weight rows g and g + 8, loaded at once as G / 32 whole packed words a row (one vector load), and step s takes
 the 4 consecutive K values k = t Q + 4 s .. k + 3 of them and of x row g of each tile: four to eight times fewer

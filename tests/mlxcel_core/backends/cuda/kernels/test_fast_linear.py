@@ -126,16 +126,14 @@ def test_mma_takes_a_batch_beyond_its_rows_in_launches_of_max_rows(monkeypatch):
     assert got.shape == want.shape and mx.array_equal(got, want).item()
 
 
-@pytest.mark.parametrize("min_rows", [2, 5])
-def test_the_batch_kernel_takes_fewer_rows_under_the_experiment(monkeypatch, min_rows):
-    """MLXCEL_QMM_MIN_ROWS (experiment): decode batches of that many rows or more take kernels/qmm.py (a stand-in
-    here) through a swapped layer, a tied LM head and a fused projection (its q/k/v and swiglu modes then decline);
-    fewer rows keep the matvec kernel. A lone row (the CUDA graph's step) and a short prompt's rows are the matvec
-    kernel's at any setting."""
+def test_decode_batches_of_six_rows_or_more_take_the_batch_kernel(monkeypatch):
+    """Decode batches of DECODE_MATVEC_ROWS + 1 = 6 rows or more take kernels/qmm.py (a stand-in here) through a
+    swapped layer, a tied LM head and a fused projection (its q/k/v and swiglu modes then decline); 5 rows keep the
+    matvec kernel, and so do a lone row (the CUDA graph's step), a short prompt's rows up to 8 and a float32 batch
+    (which the batch kernel does not take)."""
     from mlxcel_core.backends.cuda.kernels.fused_projections import FusedProjection
     from mlxcel_core.models.activations import swiglu
 
-    monkeypatch.setenv("MLXCEL_QMM_MIN_ROWS", str(min_rows))
     layer = nn.QuantizedLinear(256, 128, bias=False, group_size=64, bits=4)
     emb = nn.QuantizedEmbedding(96, 256, group_size=64, bits=4)
     holder = nn.Module()
@@ -157,16 +155,19 @@ def test_the_batch_kernel_takes_fewer_rows_under_the_experiment(monkeypatch, min
     monkeypatch.setattr(qmv, "kernel_ready", lambda: True)
     monkeypatch.setattr(qmv, "launch", stand_in)
     monkeypatch.setattr(qmm, "quantized_matmul", mma_stand_in)
-    batch, prompt = mx.zeros((min_rows, 1, 256)), mx.zeros((1, min_rows, 256))
-    assert fast_linear.matvec_rows(batch) == min_rows - 1 and fast_linear.matvec_rows(prompt) == qmv.MAX_ROWS
-    for rows in (min_rows, min_rows - 1):  # (at min_rows 2, the lone row)
-        x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows)).astype(mx.bfloat16)
+    assert fast_linear.DECODE_MATVEC_ROWS == 5
+    assert fast_linear.matvec_rows(mx.zeros((6, 1, 256), mx.bfloat16)) == 5
+    assert fast_linear.matvec_rows(mx.zeros((6, 1, 256), mx.float32)) == 8
+    assert fast_linear.matvec_rows(mx.zeros((1, 6, 256))) == fast_linear.matvec_rows(mx.zeros((1, 1, 256))) == 8
+    for shape in [(6, 1, 256), (8, 1, 256), (5, 1, 256), (1, 1, 256), (1, 8, 256)]:
+        x = mx.random.normal(shape, key=mx.random.key(shape[0])).astype(mx.bfloat16)
+        rows = shape[0]  # (what the stand-ins record: x's first dimension)
         launched.clear()
         layer(x), emb.as_linear(x), fused.gated(x, swiglu)
-        if rows == min_rows:
-            assert launched == [("mma", rows)] * 3
+        if shape[0] >= 6:
+            assert launched == [("mma", rows)] * 3, shape
         else:  # the matvec kernel, in the fused swiglu mode too
-            assert launched == [("qmv", "plain", rows), ("qmv", "plain", rows), ("qmv", "swiglu", rows)]
+            assert launched == [("qmv", "plain", rows), ("qmv", "plain", rows), ("qmv", "swiglu", rows)], shape
 
 
 class _Block(nn.Module):
@@ -398,18 +399,16 @@ def _batched_greedy(model, prompts: mx.array, steps: int, forced=None):
 
 
 @needs_cuda
-@pytest.mark.parametrize("n,min_rows", [(12, None), (6, "2")], ids=["12-rows", "6-rows-qmm-min-rows-2"])
-def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch, n, min_rows):
-    """A random 4-bit llama-3.2-1b-shaped model (bf16) decoding n sequences at once (12; and 6 with the experiment
-    MLXCEL_QMM_MIN_ROWS=2, which sends them to the batch kernel too): every decode product runs on kernels/qmm.py
+@pytest.mark.parametrize("n", [12, 6], ids=["12-rows", "6-rows"])
+def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch, n):
+    """A random 4-bit llama-3.2-1b-shaped model (bf16) decoding n sequences at once (12; and 6, the fewest a decode
+    batch takes the batch kernel from): every decode product runs on kernels/qmm.py
     and its greedy tokens are those of MLX's own layers, except at a near-tie: teacher-forced on MLX's tokens, every
     step's logits agree within 0.25 x their std (test_qmv_models' bf16 bound) and where the argmaxes differ MLX's gap
     between them is within 2x that step's difference."""
     from mlxcel_core.loading.shapes import build_random_model
 
     monkeypatch.undo()  # the real thresholds: the layers a 1B model swaps by default
-    if min_rows is not None:
-        monkeypatch.setenv("MLXCEL_QMM_MIN_ROWS", min_rows)
     model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=1)
     prompts = mx.array([[5 + i, 40 + 3 * i, 7, 90 - i] for i in range(n)])
     launched = []
