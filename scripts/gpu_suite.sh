@@ -117,13 +117,15 @@ print(" ".join(f"{p}=={m.version(p)}" for p in names))')
       *) echo "unknown part: ${2}" >&2; exit 2 ;;
     esac
     # Workers a GPU: 14 (16 cores each on these machines) where the card has the memory for them, about 12 GiB a
-    # worker: an H200 (141 GiB) takes 11, an H100 (80 GiB) 6. At 10 GiB a worker (7 on an H100) the device part still
-    # ran an H100 out of memory; a worker whose allocation fails then fails every test after it ("illegal memory
-    # access"). Each worker runs on one GPU (tests/conftest.py).
+    # worker (an H200, 141 GiB, takes 11; an H100, 80 GiB, 6), 16 GiB for the device part (8 and 4): at 7 and then 6
+    # workers the device part ran an H100 out of memory (archive/2026-12-05-h100-session-29 and -30); a worker whose
+    # allocation fails then fails every test after it ("illegal memory access"). Each worker runs on one GPU
+    # (tests/conftest.py).
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
     export GPU_SUITE_GPUS=$(( gpus > 1 ? gpus : 1 ))
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-    per_gpu=$(( ${mib:-143771} / 12288 ))
+    per_worker=12288; [ "${2:-all}" = device ] && per_worker=16384
+    per_gpu=$(( ${mib:-143771} / per_worker ))
     per_gpu=$(( per_gpu > 14 ? 14 : (per_gpu < 1 ? 1 : per_gpu) ))
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n $(( per_gpu * GPU_SUITE_GPUS )))
