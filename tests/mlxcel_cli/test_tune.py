@@ -90,7 +90,7 @@ def test_dry_run_golden_output_writes_nothing_and_is_fast(capsys, cache):
     assert [s.strip().splitlines()[-1] for s in sections] == [
         "dry run: 24 cells, nothing measured or written.",
         "dry run: 24 cells, nothing measured or written.",
-        "dry run: 18 cells, nothing measured or written.",
+        "dry run: 24 cells, nothing measured or written.",
     ]
     code, out, _ = cli(capsys, "tune", "--dry-run", "--op", "paged-decode-splits")
     assert out == golden
