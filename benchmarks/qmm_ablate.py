@@ -50,6 +50,7 @@ from qmv import GROUP_SIZE, L2_BYTES, make_weights, max_rel_diff, mlx_qmm, time_
 from mlxcel_core.backends.cuda.kernels import matvec_config, qmm  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.cubin_cache import cuda_kernel  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.qmm_source import HEADER, SOURCE  # noqa: E402
+from mlxcel_core.backends.cuda.paged_attention_mma import HEADER as PA_HEADER  # noqa: E402
 
 SHAPES = [  # (name, N, K): Llama-3-8B's decode-batch products as the fused layers run them
     ("q/k/v fused", 6144, 4096),
@@ -85,9 +86,18 @@ _SUM_ADD = """                    sum += mlxcel_qmm_sum2<T>(lo.x) + mlxcel_qmm_s
 """
 _SUM_STORE = """                xsum[c & 1][gc][m] = sum;
 """
-# w16's device function: a pair of nibbles q (exact in T) made q s + b in T, one rounding (fma); s, b packed pairs
+
+
+def _pa_pack() -> str:
+    """The paged kernel's pair packing (two floats as a pair of 16-bit values), which w16 packs its scales with."""
+    start = PA_HEADER.index("template <typename KV>\n__device__ __forceinline__ uint32_t mlxcel_pa_pack(")
+    return PA_HEADER[start : PA_HEADER.index("\n}\n", start) + 3]
+
+
+# w16's device functions: a pair of nibbles q (exact in T) made q s + b in T, one rounding (fma); s, b packed pairs
 EXTRA_HEADER = {
-    "w16": r"""
+    "w16": _pa_pack()
+    + r"""
 template <typename T>
 __device__ __forceinline__ uint32_t mlxcel_qmm_w16(uint32_t q, uint32_t s, uint32_t b) {
     if constexpr (mlxcel_qmv_same<T, __half>::value) {
@@ -98,16 +108,6 @@ __device__ __forceinline__ uint32_t mlxcel_qmm_w16(uint32_t q, uint32_t s, uint3
         __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&q),
                                    *reinterpret_cast<const __nv_bfloat162*>(&s),
                                    *reinterpret_cast<const __nv_bfloat162*>(&b));
-        return *reinterpret_cast<uint32_t*>(&r);
-    }
-}
-template <typename T>
-__device__ __forceinline__ uint32_t mlxcel_qmm_pack2(float v) {
-    if constexpr (mlxcel_qmv_same<T, __half>::value) {
-        __half2 r = __floats2half2_rn(v, v);
-        return *reinterpret_cast<uint32_t*>(&r);
-    } else {
-        __nv_bfloat162 r = __floats2bfloat162_rn(v, v);
         return *reinterpret_cast<uint32_t*>(&r);
     }
 }
@@ -163,9 +163,10 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
         (_GROUP_ACC, "                float (&acc)[NT][4] = tot;\n"),
         (
             _NEXT_FETCH,
-            "                const uint32_t s0 = mlxcel_qmm_pack2<T>(ps[0]), s1 = mlxcel_qmm_pack2<T>(ps[1]);\n"
-            "                const uint32_t c0 = mlxcel_qmm_pack2<T>(ps[2]), c1 = mlxcel_qmm_pack2<T>(ps[3]);\n"
-            + _NEXT_FETCH,
+            "                const uint32_t s0 = mlxcel_pa_pack<T>(ps[0], ps[0]);\n"
+            "                const uint32_t s1 = mlxcel_pa_pack<T>(ps[1], ps[1]);\n"
+            "                const uint32_t c0 = mlxcel_pa_pack<T>(ps[2], ps[2]);\n"
+            "                const uint32_t c1 = mlxcel_pa_pack<T>(ps[3], ps[3]);\n" + _NEXT_FETCH,
         ),
         (
             _A_FRAGMENTS,
