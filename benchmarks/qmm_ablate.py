@@ -22,9 +22,9 @@ Candidates must give the kernel's products: their largest difference from MLX's 
                source, launched wider (8 warps against 4 won and is the kernel: archive/2026-12-05-h200-session-26/)
   warps4       the kernel's source at 4 warps a block, as before 8 won: at groups of 32 past 32 rows (--group-size 32
                --rows 64), where 8 warps take one block an SM (registers above 128), 4 took three
-  w16          each weight made whole in 16 bits before the product (q s + b, one rounding, as a prompt's products
-               read their dequantized weights), the accumulators carried across groups: no group sums of x, no
-               per-group scaling of the accumulators (its products differ from the kernel's in the last places)
+  w16          the experiment MLXCEL_QMM_W16's kernel (kernels/qmm_w16.py): each weight made whole in 16 bits before
+               the product, the accumulators carried across groups (its products differ from the kernel's in the
+               last places)
 Groups of 32 and 128 with --group-size (MLX's quantization of the same random weights).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
@@ -47,10 +47,9 @@ os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # calls run one after another
 import mlx.core as mx  # noqa: E402
 from qmv import GROUP_SIZE, L2_BYTES, make_weights, max_rel_diff, mlx_qmm, time_calls, weight_bytes  # noqa: E402
 
-from mlxcel_core.backends.cuda.kernels import matvec_config, qmm  # noqa: E402
+from mlxcel_core.backends.cuda.kernels import matvec_config, qmm, qmm_w16  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.cubin_cache import cuda_kernel  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.qmm_source import HEADER, SOURCE  # noqa: E402
-from mlxcel_core.backends.cuda.paged_attention_mma import HEADER as PA_HEADER  # noqa: E402
 
 SHAPES = [  # (name, N, K): Llama-3-8B's decode-batch products as the fused layers run them
     ("q/k/v fused", 6144, 4096),
@@ -69,50 +68,8 @@ _FETCH_SCALES = """        sc[0] = static_cast<float>(scales[size_t(r0) * NG + g
 _SCALE_SUMS = "mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);"
 
 
-_A_FRAGMENTS = """                    const uint32_t a[4] = {mlxcel_qmm_pair4<T>(v0), mlxcel_qmm_pair4<T>(v1),
-                                           mlxcel_qmm_pair4<T>(v0 >> 4), mlxcel_qmm_pair4<T>(v1 >> 4)};
-"""
-_GROUP_ACC = """                float acc[NT][4];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-                }
-"""
-_NEXT_FETCH = "                if (gi + D < gend) {\n"
-_SUMS = """                float sum = 0.0f;
-"""
-_SUM_ADD = """                    sum += mlxcel_qmm_sum2<T>(lo.x) + mlxcel_qmm_sum2<T>(lo.y) + mlxcel_qmm_sum2<T>(hi.x)
-                           + mlxcel_qmm_sum2<T>(hi.y);
-"""
-_SUM_STORE = """                xsum[c & 1][gc][m] = sum;
-"""
-
-
-def _pa_pack() -> str:
-    """The paged kernel's pair packing (two floats as a pair of 16-bit values), which w16 packs its scales with."""
-    start = PA_HEADER.index("template <typename KV>\n__device__ __forceinline__ uint32_t mlxcel_pa_pack(")
-    return PA_HEADER[start : PA_HEADER.index("\n}\n", start) + 3]
-
-
-# w16's device functions: a pair of nibbles q (exact in T) made q s + b in T, one rounding (fma); s, b packed pairs
-EXTRA_HEADER = {
-    "w16": _pa_pack()
-    + r"""
-template <typename T>
-__device__ __forceinline__ uint32_t mlxcel_qmm_w16(uint32_t q, uint32_t s, uint32_t b) {
-    if constexpr (mlxcel_qmv_same<T, __half>::value) {
-        __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&q), *reinterpret_cast<const __half2*>(&s),
-                            *reinterpret_cast<const __half2*>(&b));
-        return *reinterpret_cast<uint32_t*>(&r);
-    } else {
-        __nv_bfloat162 r = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&q),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&s),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
-        return *reinterpret_cast<uint32_t*>(&r);
-    }
-}
-"""
-}
+# The experiment MLXCEL_QMM_W16's device function (kernels/qmm_w16.py), for its candidate
+EXTRA_HEADER = {"w16": qmm_w16.W16_HEADER}
 
 
 def _prep_pass() -> str:
@@ -156,28 +113,7 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
             "for (int nt = 0; nt < NT; ++nt) { for (int i = 0; i < 4; ++i) { tot[nt][i] += acc[nt][i] * ps[0]; } }",
         )
     ],
-    "w16": [
-        (_SUMS, ""),
-        (_SUM_ADD, ""),
-        (_SUM_STORE, ""),
-        (_GROUP_ACC, "                float (&acc)[NT][4] = tot;\n"),
-        (
-            _NEXT_FETCH,
-            "                const uint32_t s0 = mlxcel_pa_pack<T>(ps[0], ps[0]);\n"
-            "                const uint32_t s1 = mlxcel_pa_pack<T>(ps[1], ps[1]);\n"
-            "                const uint32_t c0 = mlxcel_pa_pack<T>(ps[2], ps[2]);\n"
-            "                const uint32_t c1 = mlxcel_pa_pack<T>(ps[3], ps[3]);\n" + _NEXT_FETCH,
-        ),
-        (
-            _A_FRAGMENTS,
-            "                    const uint32_t a[4] = {\n"
-            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v0), s0, c0),\n"
-            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v1), s1, c1),\n"
-            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v0 >> 4), s0, c0),\n"
-            "                        mlxcel_qmm_w16<T>(mlxcel_qmm_pair4<T>(v1 >> 4), s1, c1)};\n",
-        ),
-        (_SCALE_SUMS, ""),
-    ],
+    "w16": qmm_w16.EDITS,  # (the experiment MLXCEL_QMM_W16's kernel)
     "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
     "warps4": [],
 }

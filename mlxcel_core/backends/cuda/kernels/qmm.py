@@ -62,6 +62,7 @@ from .matvec_config import qmm_split_k as split_k  # the untuned rule
 from .qmm_source import CHUNK_K  # noqa: F401  (values of K a block stages in shared memory at a time)
 from .qmm_source import HEADER as _HEADER
 from .qmm_source import SOURCE as _SOURCE
+from .qmm_w16 import W16_FULL_HEADER, W16_SOURCE
 
 MAX_ROWS = 64  # rows of x one launch takes (8 tiles of 8)
 NARROW_ROWS = 32  # rows of x (4 tiles) up to which every group size fits MIN_BLOCKS blocks an SM
@@ -75,24 +76,40 @@ MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at
 # The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned splits
 # are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py).
 KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE + f'/{WARPS}').encode()).hexdigest()[:8]}"
+# The experiment MLXCEL_QMM_W16's kernel (kernels/qmm_w16.py)
+W16_KERNEL_NAME = (
+    f"mlxcel_qmm_w16_{hashlib.sha256((W16_FULL_HEADER + W16_SOURCE + f'/{WARPS}').encode()).hexdigest()[:8]}"
+)
+
+
+def _w16() -> bool:
+    from mlxcel_core import settings
+
+    return settings.get("MLXCEL_QMM_W16")
 
 
 @functools.cache
 def _kernel(min_blocks: int = MIN_BLOCKS):
-    """The kernel, its registers capped so that `min_blocks` blocks fit an SM."""
+    """The kernel, its registers capped so that `min_blocks` blocks fit an SM (MLXCEL_QMM_W16's where it is on)."""
+    header, source = kernel_source()
     return cuda_kernel(
-        name=KERNEL_NAME,
+        name=kernel_name(),
         input_names=["x", "w", "scales", "biases"],
         output_names=["partial"],
-        source=_SOURCE,
-        header=_HEADER,
+        source=source,
+        header=header,
         launch_bounds=(WARPS * 32, min_blocks),
     )
 
 
+def kernel_name() -> str:
+    return W16_KERNEL_NAME if _w16() else KERNEL_NAME
+
+
 def kernel_source() -> tuple[str, str]:
-    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input)."""
-    return _HEADER, _SOURCE
+    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input); MLXCEL_QMM_W16's where it is
+    on."""
+    return (W16_FULL_HEADER, W16_SOURCE) if _w16() else (_HEADER, _SOURCE)
 
 
 def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:

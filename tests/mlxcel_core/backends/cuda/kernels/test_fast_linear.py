@@ -399,16 +399,21 @@ def _batched_greedy(model, prompts: mx.array, steps: int, forced=None):
 
 
 @needs_cuda
-@pytest.mark.parametrize("n", [12, 6], ids=["12-rows", "6-rows"])
-def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(monkeypatch, n):
+@pytest.mark.parametrize("n,w16", [(12, False), (6, False), (12, True)], ids=["12-rows", "6-rows", "12-rows-w16"])
+def test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu(request, monkeypatch, n, w16):
     """A random 4-bit llama-3.2-1b-shaped model (bf16) decoding n sequences at once (12; and 6, the fewest a decode
-    batch takes the batch kernel from): every decode product runs on kernels/qmm.py
+    batch takes the batch kernel from; and 12 on the experiment MLXCEL_QMM_W16's kernel): every decode product runs
+    on kernels/qmm.py
     and its greedy tokens are those of MLX's own layers, except at a near-tie: teacher-forced on MLX's tokens, every
     step's logits agree within 0.25 x their std (test_qmv_models' bf16 bound) and where the argmaxes differ MLX's gap
     between them is within 2x that step's difference."""
     from mlxcel_core.loading.shapes import build_random_model
 
     monkeypatch.undo()  # the real thresholds: the layers a 1B model swaps by default
+    if w16:
+        monkeypatch.setenv("MLXCEL_QMM_W16", "1")
+        qmm._kernel.cache_clear()
+        request.addfinalizer(qmm._kernel.cache_clear)
     model, _ = build_random_model("llama-3.2-1b", bits=4, dtype="bfloat16", seed=1)
     prompts = mx.array([[5 + i, 40 + 3 * i, 7, 90 - i] for i in range(n)])
     launched = []
