@@ -58,8 +58,7 @@
 # Kernels and profiles:
 #   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
 #   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
-#                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM; then that
-#                     kernel at 4 and 8 rows beside the matvec kernel there (qmv.py), which takes batches up to 8
+#                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM
 #   qmmw16 [tests|batch [REPS]]  the experiment MLXCEL_QMM_W16 (the 4-bit batch kernel with weights made whole in
 #                     16 bits, kernels/qmm_w16.py), a call each: `tests` its own tests, then the batch paths' GPU tests
 #                     with it on; `batch` 8B 4-bit decode batches of 8, 32 and 64, off then on (batch_decode.py, one
@@ -143,9 +142,7 @@ case "${1:-}" in
   qmmwarps)
     timeout 300 python benchmarks/qmm_ablate.py --variants full warps16 warps4 | tee "${OUT:-/tmp}/qmm_warps.txt"
     timeout 200 python benchmarks/qmm_ablate.py --variants full warps4 --group-size 32 --rows 48 64 \
-      | tee "${OUT:-/tmp}/qmm_warps_g32.txt"
-    timeout 100 python benchmarks/qmm_ablate.py --variants full --rows 4 8 | tee "${OUT:-/tmp}/qmm_rows8.txt"
-    timeout 100 python benchmarks/qmv.py --m 4 8 --no-sweep --no-e2e | tee "${OUT:-/tmp}/qmv_rows8.txt" ;;
+      | tee "${OUT:-/tmp}/qmm_warps_g32.txt" ;;
   paged)
     export MLX_USE_CUDA_GRAPHS=0
     timeout 200 python benchmarks/paged_kernel.py --splits 16 32 64 128 | tee "${OUT:-/tmp}/paged_kernel.txt"

@@ -3,9 +3,10 @@ memory and spills (ptxas), and its machine instructions counted by opcode (cuobj
 
     python benchmarks/qmm_sass.py --rows 32 --n 14336 --k 4096 --cuobjdump DIR/cuobjdump
 
-cuobjdump comes with a CUDA toolkit or the package index's nvidia-cuda-cuobjdump wheel (its nvidia/cu13/bin). The
-counts are static (the whole kernel, its loop unrolled over the groups a warp loads ahead), not a profile: they show
-what a change does to the instructions each tensor-core product (HMMA) takes.
+cuobjdump comes with a CUDA toolkit or the package index's nvidia-cuda-cuobjdump wheel (its nvidia/cu13/bin), and
+calls nvdisasm, which must be on PATH (the nvidia-cuda-nvdisasm wheel puts it in the same folder). The counts are
+static (the whole kernel, its loop unrolled over the groups a warp loads ahead), not a profile: they show what a
+change does to the instructions each tensor-core product (HMMA) takes.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def _share_the_gpu_cache() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2 or mx.default_device() != mx.gpu:
         return
-    size = mx.device_info().get("memory_size") if hasattr(mx, "device_info") else None
+    size = mx.device_info().get("memory_size")
     if size:
         mx.set_cache_limit(int(size) * _gpus // workers // 4)
 

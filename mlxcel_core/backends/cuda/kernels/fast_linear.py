@@ -31,10 +31,9 @@ from . import hmv, qembedding, qmm, qmv
 # 64 us, k/v 11 vs 66, down 73 vs 195; an 8B 4-bit batch of 8 decodes at 887 tok/s with 8 rows, 265 with 2.
 LAYER_MAX_ROWS = qmv.MAX_ROWS
 # Rows of a decode batch ([B, 1, K]) up to which it takes the matvec kernel; from one more it takes the tensor-core
-# batch kernel (kernels/qmm.py), whose dequantization work does not grow with the rows. On an H100, 8B 4-bit
-# (benchmarks/RESULTS.md, "Issue 42 experiments"): b=8 1207.51 / 1181.21 tok/s on the batch kernel against 857.50 /
-# 856.64 on the matvec kernel, b=6 877.36 / 908.76 against 849.57 / 866.32, b=5 705.36 / 771.52 against 820.90 /
-# 825.98.
+# batch kernel (kernels/qmm.py), whose dequantization work does not grow with the rows: on an 8B 4-bit model it
+# decodes batches of 6 and 8 faster than the matvec kernel and batches of 5 slower (benchmarks/RESULTS.md, "Issue 42
+# experiments").
 DECODE_MATVEC_ROWS = 5
 # The same for the 16-bit kernel, by the model's width (half_rows): on the H200 (benchmarks/RESULTS.md) 8 rows against
 # 2 decode a Llama-3.2-1B bf16 batch of 8 (2048 wide) at 3119 vs 1685 tok/s, and a Llama-3-8B bf16 one (4096 wide) at

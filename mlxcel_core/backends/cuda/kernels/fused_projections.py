@@ -31,11 +31,12 @@ more. On the H200 a 1B step makes 438 -> 380 ops and takes 7% less host time wit
 Elsewhere (no kernel for the call) the fused projections are the matmul and split above, bit for bit the separate
 layers' results.
 
-A decode batch of more than FUSED_MAX_ROWS rows of a 4-bit model takes the fused projections too, their matmul on
-kernels/qmm.py (fast_linear.batch_product): q/k/v one launch instead of three and gate/up one instead of two, each
-reading one fused weight. The norm and the RoPE stay their own ops there (qmm.py has no such modes); the values are
-the separate launches' up to the order of the float32 sums (another split of K). So does a prompt's rows
-(fast_linear.prompt_rows): one 16-bit GEMM of the fused weight, dequantized (fast_linear.prompt_product).
+A 4-bit model's decode batch of more rows than the matvec kernel takes (fast_linear.matvec_rows: 6 or more of 16-bit
+x) takes the fused projections too, their matmul on kernels/qmm.py (fast_linear.batch_product): q/k/v one launch
+instead of three and gate/up one instead of two, each reading one fused weight. The norm and the RoPE stay their own
+ops there (qmm.py has no such modes); the values are the separate launches' up to the order of the float32 sums
+(another split of K). So does a prompt's rows (fast_linear.prompt_rows): one 16-bit GEMM of the fused weight,
+dequantized (fast_linear.prompt_product).
 """
 
 from __future__ import annotations
