@@ -10,11 +10,16 @@
 #
 # PART splits the suite so each call stays under the device's 10-minute limit (about 4-8 minutes each on an
 # H200's 11 workers; on a machine of several GPUs, that many a GPU; fewer on a card of less memory, see below):
-#   device   tests/mlxcel_core/{backends,engine,server} tests/autotune (the CUDA kernels, the graph, the paged kernel)
+#   kernels  tests/mlxcel_core/backends (the CUDA kernels, the graph, the paged kernel)
+#   engine   tests/mlxcel_core/{engine,server} tests/autotune
+#   device   kernels and engine in one call (an H200 takes it in one; an H100's 4 workers need ~14 minutes: split it)
 #   models   tests/mlxcel_core/models (the families' parity against transformers)
 #   rest     everything else
 #   all      the whole suite in one call
+#   resume PART LOG   PART again without the tests LOG (its gpu_suite_PART.txt from a call cut off by the time
+#                     limit, put in the working tree) shows finished
 #   exec CMD ...  any command in the staged environment (a probe, a benchmark)
+# GPU_SUITE_KEEP_CACHE=0 leaves the kernel cache on that machine (bringing it back costs ~45 s of device time a call).
 # The install happens once a machine: a second `run PART` on the same warm machine reuses /tmp/site.
 #
 # The kernel cache (MLX's compiled kernels and ours, the driver's JIT cache) lives in /tmp/mlxcel-cache there: each
@@ -76,7 +81,7 @@ print(" ".join(f"{p}=={m.version(p)}" for p in names))')
     export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 PATH="/tmp/site/bin:$PATH"
     export MLXCEL_CACHE_DIR="${MLXCEL_CACHE_DIR:-/tmp/mlxcel-cache}"
     keep_cache() {  # (the kernel cache back to this machine in 15 MiB pieces: a call returns files of 16 MiB at most)
-      if [ -n "${OUT:-}" ] && [ -d "$MLXCEL_CACHE_DIR/kernels" ]; then
+      if [ -n "${OUT:-}" ] && [ "${GPU_SUITE_KEEP_CACHE:-1}" != 0 ] && [ -d "$MLXCEL_CACHE_DIR/kernels" ]; then
         du -sh "$MLXCEL_CACHE_DIR"/kernels/* 2>/dev/null | sort -h | tail -4
         local tgz=/tmp/kcache.tgz
         tar czf $tgz -C "$MLXCEL_CACHE_DIR" kernels
@@ -108,29 +113,42 @@ print(" ".join(f"{p}=={m.version(p)}" for p in names))')
     python3 -c "import mlx.core as mx, transformers; print('mlx', mx.__version__, 'transformers', transformers.__version__)"
     status=0
     if [ "${2:-}" = exec ]; then shift 2; "$@" || status=$?; keep_cache; exit $status; fi  # any command, staged
-    case "${2:-all}" in
+    part="${2:-all}"
+    deselect=()
+    if [ "$part" = resume ]; then  # (a finished test's line: "[gwN] [ NN%] PASSED tests/...::name[params]")
+      part="${3:?resume PART LOG}"
+      log="${4:?resume PART LOG}"
+      mapfile -t done_ids < <(grep -oE "^\[gw[0-9]+\] \[ *[0-9]+%\] (PASSED|FAILED|SKIPPED|XFAIL|XPASS|ERROR) tests/.*" "$log" \
+        | sed -E 's/^[^]]*\] \[[^]]*\] [A-Z]+ //; s/ +$//')
+      for id in "${done_ids[@]}"; do deselect+=("--deselect=$id"); done
+      echo "resume $part: ${#deselect[@]} tests finished in $log"
+    fi
+    case "$part" in
+      kernels) paths=(tests/mlxcel_core/backends) ;;
+      engine) paths=(tests/mlxcel_core/engine tests/mlxcel_core/server tests/autotune) ;;
       device) paths=(tests/mlxcel_core/backends tests/mlxcel_core/engine tests/mlxcel_core/server tests/autotune) ;;
       models) paths=(tests/mlxcel_core/models) ;;
       rest) paths=(tests --ignore=tests/mlxcel_core/backends --ignore=tests/mlxcel_core/engine
                    --ignore=tests/mlxcel_core/server --ignore=tests/autotune --ignore=tests/mlxcel_core/models) ;;
       all) paths=(tests) ;;
-      *) echo "unknown part: ${2}" >&2; exit 2 ;;
+      *) echo "unknown part: ${part}" >&2; exit 2 ;;
     esac
     # Workers a GPU: 14 (16 cores each on these machines) where the card has the memory for them, about 12 GiB a
-    # worker (an H200, 141 GiB, takes 11; an H100, 80 GiB, 6), 16 GiB for the device part (8 and 4): at 7 and then 6
+    # worker (an H200, 141 GiB, takes 11; an H100, 80 GiB, 6), 16 GiB for the kernels, engine and device parts (8 and 4): at 7 and then 6
     # workers the device part ran an H100 out of memory (archive/2026-12-05-h100-session-29 and -30); a worker whose
     # allocation fails then fails every test after it ("illegal memory access"). Each worker runs on one GPU
     # (tests/conftest.py).
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU" || true)
     export GPU_SUITE_GPUS=$(( gpus > 1 ? gpus : 1 ))
     mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-    per_worker=12288; [ "${2:-all}" = device ] && per_worker=16384
+    per_worker=12288; case "$part" in kernels|engine|device) per_worker=16384 ;; esac
     per_gpu=$(( ${mib:-143771} / per_worker ))
     per_gpu=$(( per_gpu > 14 ? 14 : (per_gpu < 1 ? 1 : per_gpu) ))
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n $(( per_gpu * GPU_SUITE_GPUS )))
-    python3 -m pytest -v -p no:cacheprovider -rfE -m "not real_model" "${workers[@]}" "${paths[@]}" 2>&1 \
-      | grep -v -e PytestBenchmarkWarning -e "warner(" | tee "${OUT:-/tmp}/gpu_suite_${2:-all}.txt" | grep -v -e " PASSED " -e " SKIPPED " | tail -60 \
+    python3 -m pytest -v -p no:cacheprovider -rfE -m "not real_model" "${workers[@]}" "${paths[@]}" "${deselect[@]}" 2>&1 \
+      | grep -v -e PytestBenchmarkWarning -e "warner(" | tee "${OUT:-/tmp}/gpu_suite_${2:-all}${3:+_$3}.txt" \
+      | grep -v -e " PASSED " -e " SKIPPED " | tail -60 \
       || status=$?
     keep_cache
     exit $status

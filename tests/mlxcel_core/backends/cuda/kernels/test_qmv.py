@@ -60,12 +60,15 @@ def make_operands(m, n, k, dtype, adversarial=False, group_size=64, seed=0, s_dt
     return x, w, scales, biases
 
 
-def reference(x, w, scales, biases, group_size=64):
+def reference(x, w, scales, biases, group_size=64, weights_in=None):
     """(x @ W.T, |x| @ |W|.T) as float64 numpy arrays, W = mx.dequantize(w) from float32 scales and biases
-    (on the CPU stream; exact but for one rounding of q * s + b). float64, not MLX: a float32 matmul is itself
-    off by ~1e-5 of |x| @ |W|.T at K = 14336 (and runs as TF32 on CUDA)."""
+    (on the CPU stream; exact but for one rounding of q * s + b), then rounded to `weights_in` where given (a kernel
+    that makes each weight whole in a 16-bit type). float64, not MLX: a float32 matmul is itself off by ~1e-5 of
+    |x| @ |W|.T at K = 14336 (and runs as TF32 on CUDA)."""
     with mx.stream(mx.cpu):
         deq = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=4)
+        if weights_in is not None:
+            deq = deq.astype(weights_in).astype(mx.float32)
         x32 = x.astype(mx.float32)
         mx.eval(deq, x32)
     deq = np.array(deq).astype(np.float64)
