@@ -6,7 +6,8 @@ OpenBLAS runs the same products 20-60x faster (benchmarks/RESULTS.md, "CPU: MLX'
 Every float32 matmul of a model on the CPU goes through here: projections, attention, the output head. A decode step's
 products (a few rows against each weight) are another matter: OpenBLAS copies the whole weight into its panel format
 at every call, and a lone row pays for a padded tile. csrc/blas_rows.c computes x @ w.T by streaming the weight once,
-on OpenMP threads.
+on OpenMP threads. csrc/blas_packed.c reads a quantized layer's float32 copy (backends/cpu_float32.py) from the packed
+values it was dequantized from, where `register_packed` tied them: a decode step reads an eighth of the bytes.
 
 How: `csrc/blas_tiles.c` defines `cblas_sgemm`. Compiled once with the system's C compiler (with blas_rows.c, with
 OpenMP where the compiler has it) into the cache dir and loaded with RTLD_GLOBAL before MLX's library, it takes MLX's
@@ -52,9 +53,10 @@ CANDIDATE_TILES = (16, 8, 4, 2)  # largest first; 1 row a call, the fallback, is
 CHECK_SHAPES = ((100, 64), (1536, 576), (576, 1536))
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 ACTIVE = ("mlxcel's AVX2 rows", "openblas")  # the beginnings of `status` when the library computes the products
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("blas_tiles.c", "blas_rows.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("blas_tiles.c", "blas_rows.c", "blas_packed.c"))
 
 _status = "not installed"
+_tiles: ctypes.CDLL | None = None  # the loaded library, where it computes the products
 
 
 def status() -> str:
@@ -129,7 +131,9 @@ def _library() -> Path | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [compiler, "-O2", "-shared", "-fPIC", "-o", str(built), *map(str, SOURCES)]
+        # (no contraction: blas_packed.c rounds q s + b twice, as MLX's multiply and add)
+        command = [compiler, "-O2", "-ffp-contract=off", "-shared", "-fPIC", "-pthread", "-o", str(built)]
+        command += list(map(str, SOURCES))
         # with OpenMP where the compiler has it (blas_rows.c's threads), else one thread
         attempts = (command + ["-fopenmp"], command)
         if all(subprocess.run(attempt, capture_output=True, timeout=120).returncode for attempt in attempts):
@@ -148,6 +152,8 @@ def _load() -> str:
         tiles.mlxcel_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         _fit_threads(tiles, openblas, cpu_budget())
         sgemm = ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p)
+        global _tiles
+        _tiles = tiles
         if tiles.mlxcel_rows_available():
             # Every product on blas_rows.c: no tile to pick. OpenBLAS serves only where a thread's scratch cannot
             # grow, one row a call (the same alone by construction).
@@ -266,3 +272,46 @@ def _product(sgemm, ta: int, tb: int, a, b, first: int, m: int, n: int, k: int):
     sgemm.argtypes = [number] * 6 + [scalar, pointer, number, pointer, number, scalar, pointer, number]
     sgemm(*args)
     return c
+
+
+def register_packed(weight, packed, scales, biases, group_size: int, bits: int) -> bool:
+    """Tie a float32 weight [N, K] (an evaluated MLX array, its own buffer) to the packed `bits`-bit values, float32
+    scales and biases it was dequantized from, so that products read those (csrc/blas_packed.c: the same bits, checked
+    here for every weight); False where the library does not take it (not loaded, no AVX2, bits other than 4 and 8,
+    or a weight that is not their dequantization bit for bit)."""
+    if _tiles is None or not _status.startswith(ACTIVE[0]):
+        return False
+    import numpy as np
+
+    def pointer(array, dtype):
+        return np.frombuffer(memoryview(array), dtype=dtype)
+
+    w = pointer(weight, np.float32)
+    if w.size != weight.size:  # (not the array's own whole buffer: nothing to key a product by)
+        return False
+    operands = [np.ascontiguousarray(np.asarray(memoryview(a))) for a in (packed, scales, biases)]
+    if operands[1].dtype != np.float32 or operands[2].dtype != np.float32:
+        return False
+    n, k = weight.shape
+    fn = _tiles.mlxcel_packed_register
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
+    return bool(fn(w.ctypes.data, n, k, *(o.ctypes.data for o in operands), group_size, bits))
+
+
+def unregister_packed(weight) -> bool:
+    """Untie a weight `register_packed` tied (before its memory goes); whether it was tied."""
+    if _tiles is None:
+        return False
+    import numpy as np
+
+    fn = _tiles.mlxcel_packed_unregister
+    fn.argtypes = [ctypes.c_void_p]
+    return bool(fn(np.frombuffer(memoryview(weight), dtype=np.float32).ctypes.data))
+
+
+def packed_products() -> int:
+    """How many products this process computed from registered packed weights (the tests' evidence of the route)."""
+    if _tiles is None:
+        return 0
+    _tiles.mlxcel_packed_hits.restype = ctypes.c_long
+    return int(_tiles.mlxcel_packed_hits())

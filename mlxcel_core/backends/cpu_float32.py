@@ -11,9 +11,12 @@ parameters (a subclass swapped in by `__class__`), so saving, converting, requan
 model as it was; `unprepare` swaps them back and drops the copies.
 
 The copies cost 4 bytes a weight: a model takes them only while they fit in FLOAT32_SHARE of the machine's memory
-(a larger model keeps MLX's own kernels). The product is of the checkpoint's own values in float32 (a quantized
-weight dequantized in float32 from its stored scales and biases), as MLX's CPU kernels compute for a float32 x, in
-another summation order; a half-precision layer's output is rounded to its dtype as before.
+(a larger model keeps MLX's own kernels). A 4- or 8-bit layer's copy is also tied to its packed values
+(cpu_blas.register_packed, csrc/blas_packed.c): products of a few rows then read those, an eighth or a quarter of the
+bytes, with the same bits (every weight checked when tied), for another eighth or quarter of the copy's memory.
+The product is of the checkpoint's own values in float32 (a quantized weight dequantized in float32 from its stored
+scales and biases), as MLX's CPU kernels compute for a float32 x, in another summation order; a half-precision layer's
+output is rounded to its dtype as before.
 """
 
 from __future__ import annotations
@@ -28,10 +31,25 @@ FLOAT32_SHARE = 0.25  # of physical memory, at most, for the float32 copies
 
 
 class _Held:
-    """The float32 weight, held outside the module's parameters (nn.Module keeps arrays it is given as parameters)."""
+    """The float32 weight, held outside the module's parameters (nn.Module keeps arrays it is given as parameters);
+    `packed`: whether cpu_blas.py computes its products from the layer's packed values (untied when this goes)."""
 
     def __init__(self, weight: mx.array):
         self.weight = weight
+        self.packed = False
+
+    def __del__(self):
+        if self.packed:
+            try:
+                _untie(self.weight)
+            except ImportError:  # (the interpreter is shutting down: the process's memory goes with it)
+                pass
+
+
+def _untie(weight: mx.array) -> None:
+    from .. import cpu_blas
+
+    cpu_blas.unregister_packed(weight)
 
 
 def _product(layer: nn.Module, x: mx.array, like: mx.array) -> mx.array:
@@ -69,6 +87,7 @@ SWAPS = {
     nn.Embedding: Float32Embedding,
 }
 HALF = (mx.bfloat16, mx.float16)
+PACKED_BITS = (4, 8)  # widths csrc/blas_packed.c reads
 
 
 def applies() -> bool:
@@ -142,8 +161,23 @@ def prepare(model: nn.Module) -> int:
     for layer in layers:
         layer.float32 = _Held(_float32_weight(layer))
         mx.eval(layer.float32.weight)
+        layer.float32.packed = _tie_packed(layer)
         layer.__class__ = SWAPS[type(layer)]
     return len(layers)
+
+
+def _tie_packed(layer: nn.Module) -> bool:
+    """Let the products of a 4- or 8-bit layer read its packed values rather than the float32 copy (a decode step then
+    reads an eighth or a quarter of the bytes; cpu_blas.register_packed checks that every weight is the copy's value
+    bit for bit, so the products are the same)."""
+    from .. import cpu_blas
+
+    if not is_quantized(layer) or layer.bits not in PACKED_BITS or layer["weight"].ndim != 2:
+        return False
+    scales, biases = (layer[name].astype(mx.float32) for name in ("scales", "biases"))
+    mx.eval(scales, biases)
+    weight = layer.float32.weight
+    return cpu_blas.register_packed(weight, layer["weight"], scales, biases, layer.group_size, layer.bits)
 
 
 def unprepare(model: nn.Module) -> int:

@@ -22,6 +22,8 @@ int mlxcel_rows_available(void);
 int mlxcel_rows_threads(void);
 void mlxcel_rows(int m, int n, const float *a, int lda, const float *b, int ldb, int k, float alpha, float beta,
                  float *c, int ldc);
+int mlxcel_packed_product(int m, int n, const float *a, int lda, const float *b, int ldb, int k, float alpha,
+                          float beta, float *c, int ldc);
 
 /* returns the threads blas_rows.c computes x @ w.T on, 0 where OpenBLAS's tiles compute it */
 int mlxcel_blas_init(void *fn, int rows, int own) {
@@ -77,7 +79,9 @@ static int rows(int ta, int tb, int m, int n, int k, float alpha, const float *a
       for (int j = 0; j < n; j++) copy[(size_t)j * k + p] = b[(size_t)p * ldb + j];
     b = copy, ldb = k;
   }
-  mlxcel_rows(m, n, a, lda, b, ldb, k, alpha, beta, c, ldc);
+  /* (a weight registered with its packed values, blas_packed.c, is read from them: the same bits) */
+  if (!mlxcel_packed_product(m, n, a, lda, b, ldb, k, alpha, beta, c, ldc))
+    mlxcel_rows(m, n, a, lda, b, ldb, k, alpha, beta, c, ldc);
   return 1;
 }
 
