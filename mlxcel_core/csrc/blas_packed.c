@@ -29,6 +29,7 @@ typedef struct {
 } packed_t;
 
 static packed_t table[MAX_WEIGHTS];
+static int used; /* slots 0..used-1 have been taken at some point: a lookup reads no further */
 static pthread_rwlock_t lock = PTHREAD_RWLOCK_INITIALIZER;
 static long hits;
 
@@ -134,7 +135,7 @@ TARGET static void columns(const packed_t *e, int row0, int m, int j0, int j1, c
 
 /* the entry whose weight holds b's rows (row-major, rows of k), or NULL; *row0: b's first row in it */
 static const packed_t *find(const float *b, int ldb, int n, int k, int *row0) {
-  for (int i = 0; i < MAX_WEIGHTS; i++) {
+  for (int i = 0; i < used; i++) {
     const packed_t *e = &table[i];
     if (e->w == NULL || e->k != k || ldb != k || b < e->w || b >= e->w + (size_t)e->n * k) continue;
     size_t offset = (size_t)(b - e->w);
@@ -199,11 +200,14 @@ int mlxcel_packed_register(const float *w, int n, int k, const uint8_t *q, const
   memcpy(e.biases, biases, (size_t)n * (k / group) * 4);
   if (!matches(&e)) return release(&e), 0;
   pthread_rwlock_wrlock(&lock);
-  int slot = 0;
-  while (slot < MAX_WEIGHTS && table[slot].w != NULL && table[slot].w != w) slot++;
+  int slot = 0, free_slot = MAX_WEIGHTS;
+  for (; slot < used && table[slot].w != w; slot++)
+    if (table[slot].w == NULL && free_slot == MAX_WEIGHTS) free_slot = slot;
+  if (slot == used) slot = free_slot < MAX_WEIGHTS ? free_slot : used; /* (a new weight: the first free slot) */
   if (slot < MAX_WEIGHTS) {
     if (table[slot].w != NULL) release(&table[slot]);
     table[slot] = e;
+    if (slot >= used) used = slot + 1;
   }
   pthread_rwlock_unlock(&lock);
   if (slot == MAX_WEIGHTS) release(&e);
@@ -214,7 +218,7 @@ int mlxcel_packed_register(const float *w, int n, int k, const uint8_t *q, const
 int mlxcel_packed_unregister(const float *w) {
   int found = 0;
   pthread_rwlock_wrlock(&lock);
-  for (int i = 0; i < MAX_WEIGHTS; i++)
+  for (int i = 0; i < used; i++)
     if (table[i].w == w) release(&table[i]), found = 1;
   pthread_rwlock_unlock(&lock);
   return found;

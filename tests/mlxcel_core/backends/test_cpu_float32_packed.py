@@ -74,8 +74,11 @@ def test_a_weight_that_is_not_the_dequantization_is_refused():
     other = mx.array(layer.float32.weight * 1.0)  # (another buffer holding the same values)
     mx.eval(scales, biases, other)
     assert not cpu_blas.register_packed(other, layer["weight"], scales, biases, 64, 4)
-    assert cpu_blas.register_packed(other, layer["weight"], layer["scales"].astype(mx.float32), biases, 64, 4)
+    good = layer["scales"].astype(mx.float32)
+    assert cpu_blas.register_packed(other, layer["weight"], good, biases, 64, 4)
+    assert cpu_blas.register_packed(other, layer["weight"], good, biases, 64, 4)  # (again: the one entry replaced)
     assert cpu_blas.unregister_packed(other)
+    assert not cpu_blas.unregister_packed(other)
     assert not cpu_blas.register_packed(other, layer["weight"], scales, biases, 64, 3)  # (widths it reads: 4 and 8)
 
 
