@@ -120,17 +120,56 @@ TARGET static void block(const packed_t *e, int row0, int mr, int nr, int i0, in
 ROW_COLS4(4)
 ROW_COLS4(8)
 
+/* rows i..i+3 against weight rows j, j+1 (r = row0 + j), a group at a time */
+#define ROWS4_COLS2(BITS)                                                                                             \
+  TARGET static void rows4_cols2_##BITS(const packed_t *e, int r, const float *a, int lda, float alpha, float beta,   \
+                                        float *c, int ldc) {                                                          \
+    const int groups = e->k / e->group, row_bytes = e->k * BITS / 8;                                                \
+    const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes;                                          \
+    const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                            \
+    const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;                                                        \
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;    \
+    for (int g = 0, p = 0; g < groups; g++) {                                                                         \
+      const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[groups + g]);                                     \
+      const __m256 b0 = _mm256_set1_ps(b[g]), b1 = _mm256_set1_ps(b[groups + g]);                                     \
+      for (int end = p + e->group; p < end; p += 8) {                                                                 \
+        const size_t at = (size_t)p * BITS / 8;                                                                       \
+        const __m256 w0 = DEQ(values8(q0 + at, BITS), s0, b0), w1 = DEQ(values8(q1 + at, BITS), s1, b1);            \
+        __m256 x = _mm256_loadu_ps(a + p);                                                                            \
+        c00 = _mm256_fmadd_ps(x, w0, c00), c01 = _mm256_fmadd_ps(x, w1, c01);                                         \
+        x = _mm256_loadu_ps(a1 + p);                                                                                  \
+        c10 = _mm256_fmadd_ps(x, w0, c10), c11 = _mm256_fmadd_ps(x, w1, c11);                                         \
+        x = _mm256_loadu_ps(a2 + p);                                                                                  \
+        c20 = _mm256_fmadd_ps(x, w0, c20), c21 = _mm256_fmadd_ps(x, w1, c21);                                         \
+        x = _mm256_loadu_ps(a3 + p);                                                                                  \
+        c30 = _mm256_fmadd_ps(x, w0, c30), c31 = _mm256_fmadd_ps(x, w1, c31);                                         \
+      }                                                                                                               \
+    }                                                                                                                 \
+    store(c, lanes_sum(c00), alpha, beta), store(c + 1, lanes_sum(c01), alpha, beta);                                 \
+    c += ldc, store(c, lanes_sum(c10), alpha, beta), store(c + 1, lanes_sum(c11), alpha, beta);                       \
+    c += ldc, store(c, lanes_sum(c20), alpha, beta), store(c + 1, lanes_sum(c21), alpha, beta);                       \
+    c += ldc, store(c, lanes_sum(c30), alpha, beta), store(c + 1, lanes_sum(c31), alpha, beta);                       \
+  }
+ROWS4_COLS2(4)
+ROWS4_COLS2(8)
+
 TARGET static void columns(const packed_t *e, int row0, int m, int j0, int j1, const float *a, int lda, float alpha,
                            float beta, float *c, int ldc) {
-  if (m == 1) {
+  int i = 0;
+  for (; i + 4 <= m; i += 4) {
     int j = j0;
-    for (; j + 4 <= j1; j += 4) (e->bits == 4 ? row_cols4_4 : row_cols4_8)(e, row0 + j, a, alpha, beta, c + j);
-    for (; j < j1; j++) block(e, row0, 1, 1, 0, j, a, lda, alpha, beta, c, ldc);
-    return;
+    for (; j + 2 <= j1; j += 2)
+      (e->bits == 4 ? rows4_cols2_4 : rows4_cols2_8)(e, row0 + j, a + (size_t)i * lda, lda, alpha, beta,
+                                                     c + (size_t)i * ldc + j, ldc);
+    if (j < j1) block(e, row0, 4, 1, i, j, a, lda, alpha, beta, c, ldc);
   }
-  for (int i = 0; i < m; i += 4)
-    for (int j = j0; j < j1; j += 2)
-      block(e, row0, m - i < 4 ? m - i : 4, j1 - j < 2 ? j1 - j : 2, i, j, a, lda, alpha, beta, c, ldc);
+  for (; i < m; i++) {
+    int j = j0;
+    for (; j + 4 <= j1; j += 4)
+      (e->bits == 4 ? row_cols4_4 : row_cols4_8)(e, row0 + j, a + (size_t)i * lda, alpha, beta,
+                                                 c + (size_t)i * ldc + j);
+    for (; j < j1; j++) block(e, row0, 1, 1, i, j, a, lda, alpha, beta, c, ldc);
+  }
 }
 
 /* the entry whose weight holds b's rows (row-major, rows of k), or NULL; *row0: b's first row in it */
