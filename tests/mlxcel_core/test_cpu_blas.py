@@ -85,7 +85,9 @@ def test_x_at_w_t_on_the_rows_kernel_computes_the_product_for_every_block_edge(m
 
 
 @own_rows
-@pytest.mark.parametrize("m,n,k", [(1, 64, 37), (10, 8, 8), (13, 70, 129)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 64, 37), (10, 8, 8), (13, 70, 129), (1, 33, 64), (3, 7, 16), (9, 100, 5), (2, 64, 200), (40, 90, 300)]
+)
 def test_a_product_has_the_same_bits_however_its_operands_lie_in_memory(m, n, k):
     """x @ w.T with w as rows of k, or as its transpose's rows (the keys of a first chunk against the same keys
     gathered from paged blocks), and x transposed too: one result, bit for bit."""
