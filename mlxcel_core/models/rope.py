@@ -149,11 +149,15 @@ class RoPE(nn.Module):
         # Stored under a private name so it is not mistaken for a checkpoint parameter.
         self._periods = None if inv_freq is None else 1.0 / inv_freq
 
-    def _rope(self, x: mx.array, offset, periods: mx.array | None) -> mx.array:
+    def _rotate(self, x: mx.array, offset, periods: mx.array | None) -> mx.array:
+        """The rotation proper (a backend may compute it otherwise with the same bits: backends/cpu_rope.py)."""
         base = self.base if periods is None else None
-        out = mx.fast.rope(
+        return mx.fast.rope(
             x, self.dims, traditional=self.traditional, base=base, scale=self.scale, offset=offset, freqs=periods
         )
+
+    def _rope(self, x: mx.array, offset, periods: mx.array | None) -> mx.array:
+        out = self._rotate(x, offset, periods)
         if self.mscale == 1.0:
             return out
         if self.dims == x.shape[-1]:
