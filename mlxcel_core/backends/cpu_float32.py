@@ -36,6 +36,8 @@ class _Held:
 
     def __init__(self, weight: mx.array):
         self.weight = weight
+        self.transposed = weight.T  # (a view, made once: a step's graph then has no transpose a product)
+        mx.eval(self.transposed)
         self.packed = False
 
     def __del__(self):
@@ -54,7 +56,7 @@ def _untie(weight: mx.array) -> None:
 
 def _product(layer: nn.Module, x: mx.array, like: mx.array) -> mx.array:
     """`x @ w.T` (+ bias) with the layer's float32 weight, in the dtype the layer's own kernel would give."""
-    y = x.astype(mx.float32) @ layer.float32.weight.T
+    y = x.astype(mx.float32) @ layer.float32.transposed
     if "bias" in layer:
         y = y + layer["bias"]
     return y.astype(mx.result_type(x, like))
