@@ -52,20 +52,23 @@ class Backend:
     def prepare_model(self, model) -> None:
         """What load_model and build_random_model do to every built model: on the CPU with cpu_blas.py, quantized layers
         compute float32 products of their dequantized weights (cpu_float32.py); on the CPU, rotary embeddings share
-        their angles across layers (cpu_rope.py); otherwise nothing."""
-        from . import cpu_float32, cpu_rope
+        their angles across layers (cpu_rope.py) and RMS norms run compiled (cpu_norm.py); otherwise nothing."""
+        from . import cpu_float32, cpu_norm, cpu_rope
 
         if cpu_float32.applies():
             cpu_float32.prepare(model)
         if cpu_rope.applies():
             cpu_rope.prepare(model)
+        if cpu_norm.applies():
+            cpu_norm.prepare(model)
 
     def unprepare_model(self, model) -> None:
         """Undo prepare_model where it changed layers' classes or layout (before a model is requantized)."""
-        from . import cpu_float32, cpu_rope
+        from . import cpu_float32, cpu_norm, cpu_rope
 
         cpu_float32.unprepare(model)
         cpu_rope.unprepare(model)
+        cpu_norm.unprepare(model)
 
     # -- a decode step -----------------------------------------------------------------------------
     def greedy_tokens(self, logits: mx.array) -> tuple[mx.array, mx.array]:

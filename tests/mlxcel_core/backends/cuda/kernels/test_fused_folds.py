@@ -16,6 +16,7 @@ import pytest
 from test_fused_projections import _decode_logits, assert_swiglu_close
 from test_qmv import check_close, make_operands, needs_cuda, reference
 
+from mlxcel_core.backends import cpu_norm
 from mlxcel_core.backends.cuda.kernels import qmv, rope_fold
 from mlxcel_core.backends.cuda.kernels.fused_projections import fuse_projections
 from mlxcel_core.backends.cuda.kernels.rope_fold import fold_frequencies, fold_positions
@@ -52,6 +53,7 @@ def test_emulated_norm_fold_matches_norm_then_matvec(m, n, k):
 
 def test_norm_fold_needs_an_rmsnorm_and_the_kernel():
     model, _ = build_random_model("tiny", bits=4, seed=4)
+    cpu_norm.unprepare(model)  # (the norms as a GPU process builds them: the CPU's compiled norm is not swapped in)
     fuse_projections(model)
     proj, norm = model.layers[0].self_attn.fused_qkv, model.layers[0].input_layernorm
     assert proj.fold_norm == bool(proj.kernel or proj.half_kernel)  # only where a kernel runs the launch

@@ -10,6 +10,7 @@ import mlx.nn as nn
 import pytest
 from test_qmv import needs_cuda
 
+from mlxcel_core.backends import cpu_norm
 from mlxcel_core.backends.cuda.kernels import rms_norm
 from mlxcel_core.backends.cuda.kernels.rms_norm import (
     RecordableRMSNorm,
@@ -36,6 +37,7 @@ def _build(**config):
 
 def test_the_final_rmsnorm_becomes_recordable_with_its_parameters():
     model, _ = build_random_model("tiny", dtype="float32", seed=1)
+    cpu_norm.unprepare(model)  # (the norms as a GPU process builds them: the CPU's compiled norm is not swapped in)
     norm = model.model.norm
     weight = norm.weight
     prompt = mx.array([[3, 1, 4, 1, 5]])

@@ -1,0 +1,73 @@
+"""RMS norms on the CPU as one compiled MLX function.
+
+Why: MLX's CPU backend runs `mx.fast.rms_norm` as its fallback graph, about ten ops a call (the square, the sum, the
+mean, the epsilon, the reciprocal root, the products and their broadcasts); a decode step of a 30-layer model runs 61
+of them, and on a CPU such a step is mostly per-op costs (benchmarks/RESULTS.md, "CPU: mlxcel's AVX2 kernel").
+Compiled, MLX fuses the ops after the sum into one generated kernel: three graph nodes a call.
+
+Exactness: the fused kernel computes the same operations in the same order and types. MLX builds it with its own
+compiler command, which on x86-64 targets no fused multiply-add, so nothing is contracted; elsewhere it could be. So
+`prepare` first checks, once a process, that the compiled norm equals mx.fast.rms_norm bit for bit on a probe of
+every dtype (a thousand rows of widely scaled values), and swaps nothing where it does not
+(tests/mlxcel_core/backends/test_cpu_norm.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import mlx.nn as nn
+
+PROBE_ROWS = 512
+
+
+@functools.partial(mx.compile, shapeless=False)
+def _norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class CompiledRMSNorm(nn.RMSNorm):
+    def __call__(self, x: mx.array) -> mx.array:
+        return _norm(x, self["weight"], self.eps)
+
+
+@functools.cache
+def exact() -> bool:
+    """Whether the compiled norm gives mx.fast.rms_norm's bits on this machine (checked once a process)."""
+    key = mx.random.key(7)
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        for width in (64, 1000):
+            k1, k2, k3, key = mx.random.split(key, 4)
+            spread = mx.exp(mx.random.uniform(-6, 6, (PROBE_ROWS, 1), key=k1))
+            x = (mx.random.normal((PROBE_ROWS, width), key=k2) * spread).astype(dtype)
+            weight = mx.random.normal((width,), key=k3).astype(dtype)
+            if not mx.array_equal(_norm(x, weight, 1e-6), mx.fast.rms_norm(x, weight, 1e-6)).item():
+                return False
+    return True
+
+
+def applies() -> bool:
+    """Whether this process computes on the CPU (where mx.fast.rms_norm is its fallback graph) and the compiled norm
+    is exact here."""
+    return mx.default_device() == mx.cpu and exact()
+
+
+def prepare(model: nn.Module) -> int:
+    """Swap the model's nn.RMSNorm modules for the compiled one; returns how many."""
+    swapped = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.RMSNorm:
+            module.__class__ = CompiledRMSNorm
+            swapped += 1
+    return swapped
+
+
+def unprepare(model: nn.Module) -> int:
+    """Undo `prepare`; returns how many."""
+    restored = 0
+    for _, module in model.named_modules():
+        if type(module) is CompiledRMSNorm:
+            module.__class__ = nn.RMSNorm
+            restored += 1
+    return restored
