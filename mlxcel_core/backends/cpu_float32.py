@@ -26,6 +26,7 @@ import mlx.nn as nn
 
 from ..dequantize import is_quantized
 from ..engine.budget import device_memory_bytes
+from .class_swaps import swap_back
 
 FLOAT32_SHARE = 0.25  # of physical memory, at most, for the float32 copies
 
@@ -184,11 +185,4 @@ def _tie_packed(layer: nn.Module) -> bool:
 
 def unprepare(model: nn.Module) -> int:
     """Undo `prepare`: MLX's quantized classes again, the float32 copies dropped; returns how many."""
-    plain = {fast: slow for slow, fast in SWAPS.items()}
-    restored = 0
-    for _, module in model.named_modules():
-        if type(module) in plain:
-            module.__class__ = plain[type(module)]
-            del module.float32
-            restored += 1
-    return restored
+    return swap_back(model, SWAPS, lambda module: delattr(module, "float32"))

@@ -19,6 +19,8 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
+from .class_swaps import swap_back
+
 PROBE_ROWS = 512
 
 
@@ -65,9 +67,4 @@ def prepare(model: nn.Module) -> int:
 
 def unprepare(model: nn.Module) -> int:
     """Undo `prepare`; returns how many."""
-    restored = 0
-    for _, module in model.named_modules():
-        if type(module) is CompiledRMSNorm:
-            module.__class__ = nn.RMSNorm
-            restored += 1
-    return restored
+    return swap_back(model, {nn.RMSNorm: CompiledRMSNorm})

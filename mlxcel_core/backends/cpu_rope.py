@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..models.rope import LongRoPE, RoPE
+from .class_swaps import swap_back
 
 TABLE_ENTRIES = 16  # (angles of the latest steps' offsets; a step's layers share one)
 _table: OrderedDict[tuple, tuple[mx.array | None, mx.array, mx.array]] = OrderedDict()
@@ -114,10 +115,4 @@ def prepare(model: nn.Module) -> int:
 
 def unprepare(model: nn.Module) -> int:
     """Undo `prepare`'s class swaps; returns how many."""
-    plain = {fast: slow for slow, fast in SWAPS.items()}
-    restored = 0
-    for _, module in model.named_modules():
-        if type(module) in plain:
-            module.__class__ = plain[type(module)]
-            restored += 1
-    return restored
+    return swap_back(model, SWAPS)
