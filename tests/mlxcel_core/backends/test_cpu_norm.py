@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="on the CP
 
 
 def test_the_check_passes_here_and_the_norm_is_mx_fast_rms_norms():
-    assert cpu_norm.exact()
     for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        assert cpu_norm.exact(dtype, dtype) and cpu_norm.exact(mx.float32, dtype)
         plain, swapped = nn.RMSNorm(96, eps=1e-5), nn.RMSNorm(96, eps=1e-5)
         plain.weight = swapped.weight = mx.random.normal((96,), key=mx.random.key(3)).astype(dtype)
         swapped.__class__ = cpu_norm.CompiledRMSNorm
@@ -29,9 +29,11 @@ def test_the_check_passes_here_and_the_norm_is_mx_fast_rms_norms():
 
 
 def test_a_failed_check_swaps_nothing(monkeypatch):
-    monkeypatch.setattr(cpu_norm, "exact", lambda: False)
-    assert not cpu_norm.applies()
-    model, _ = build_random_model("tiny", dtype="float32", seed=3)  # (prepare_model consults applies())
+    asked = []
+    monkeypatch.setattr(cpu_norm, "exact", lambda x, w: asked.append((x, w)) or w != mx.bfloat16)
+    model, _ = build_random_model("tiny", dtype="float32", seed=3)  # (prepare_model runs prepare)
+    assert type(model.model.norm) is cpu_norm.CompiledRMSNorm and asked == [(mx.float32, mx.float32)]
+    model, _ = build_random_model("tiny", dtype="bfloat16", seed=3)
     assert not any(type(m) is cpu_norm.CompiledRMSNorm for _, m in model.named_modules())
 
 
