@@ -54,6 +54,7 @@ CHECK_SHAPES = ((100, 64), (1536, 576), (576, 1536))
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 ACTIVE = ("mlxcel's AVX2 rows", "openblas")  # the beginnings of `status` when the library computes the products
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("blas_tiles.c", "blas_rows.c", "blas_packed.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "blas_rows.h",)  # (in the library's digest, not on the command line)
 
 _status = "not installed"
 _tiles: ctypes.CDLL | None = None  # the loaded library, where it computes the products
@@ -121,7 +122,7 @@ def _library() -> Path | None:
     """The compiled blas_tiles library in the cache dir, compiled first if missing (None: no compiler or it failed)."""
     from .paths import cache_dir
 
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + HEADERS)).hexdigest()[:16]
     target = cache_dir() / "cpu-blas" / digest / "libmlxcel_blas_tiles.so"
     if target.exists():
         return target
@@ -154,6 +155,10 @@ def _load() -> str:
         sgemm = ctypes.cast(openblas.scipy_cblas_sgemm, ctypes.c_void_p)
         global _tiles
         _tiles = tiles
+        pointer, number = ctypes.c_void_p, ctypes.c_int
+        tiles.mlxcel_packed_register.argtypes = [pointer, number, number] + [pointer] * 3 + [number] * 2
+        tiles.mlxcel_packed_unregister.argtypes = [pointer]
+        tiles.mlxcel_packed_hits.restype = ctypes.c_long
         if tiles.mlxcel_rows_available():
             # Every product on blas_rows.c: no tile to pick. OpenBLAS serves only where a thread's scratch cannot
             # grow, one row a call (the same alone by construction).
@@ -283,19 +288,15 @@ def register_packed(weight, packed, scales, biases, group_size: int, bits: int) 
         return False
     import numpy as np
 
-    def pointer(array, dtype):
-        return np.frombuffer(memoryview(array), dtype=dtype)
-
-    w = pointer(weight, np.float32)
+    w = np.frombuffer(memoryview(weight), dtype=np.float32)
     if w.size != weight.size:  # (not the array's own whole buffer: nothing to key a product by)
         return False
     operands = [np.ascontiguousarray(np.asarray(memoryview(a))) for a in (packed, scales, biases)]
     if operands[1].dtype != np.float32 or operands[2].dtype != np.float32:
         return False
     n, k = weight.shape
-    fn = _tiles.mlxcel_packed_register
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2
-    return bool(fn(w.ctypes.data, n, k, *(o.ctypes.data for o in operands), group_size, bits))
+    addresses = (o.ctypes.data for o in operands)
+    return bool(_tiles.mlxcel_packed_register(w.ctypes.data, n, k, *addresses, group_size, bits))
 
 
 def unregister_packed(weight) -> bool:
@@ -304,14 +305,9 @@ def unregister_packed(weight) -> bool:
         return False
     import numpy as np
 
-    fn = _tiles.mlxcel_packed_unregister
-    fn.argtypes = [ctypes.c_void_p]
-    return bool(fn(np.frombuffer(memoryview(weight), dtype=np.float32).ctypes.data))
+    return bool(_tiles.mlxcel_packed_unregister(np.frombuffer(memoryview(weight), dtype=np.float32).ctypes.data))
 
 
 def packed_products() -> int:
     """How many products this process computed from registered packed weights (the tests' evidence of the route)."""
-    if _tiles is None:
-        return 0
-    _tiles.mlxcel_packed_hits.restype = ctypes.c_long
-    return int(_tiles.mlxcel_packed_hits())
+    return int(_tiles.mlxcel_packed_hits()) if _tiles is not None else 0

@@ -12,11 +12,11 @@
 #include <omp.h>
 #endif
 
+#include "blas_rows.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
 #include <math.h>
 
-#define TARGET __attribute__((target("avx2,fma")))
 #define LD(p_) _mm256_loadu_ps(p_)
 #define FMA(x_, w_, c_) c_ = _mm256_fmadd_ps(x_, w_, c_)
 #define Z _mm256_setzero_ps()
@@ -29,12 +29,6 @@
 #define COLUMN_BLOCK 24 /* columns a thread takes at a time: 24 rows of w (55 KB at k = 576) stay in L2 */
 #define PARALLEL_WORK 200000L /* m n k below which one thread computes the product */
 
-TARGET static inline float lanes_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 /* c[i][j] = alpha (lanes of acc[i][j] summed, then the tail k = p..k-1) + beta c[i][j] */
 TARGET static void finish(const __m256 *acc, int mr, int nr, const float *a, int lda, const float *b, int ldb, int p,
                           int k, float alpha, float beta, float *c, int ldc) {
@@ -42,8 +36,7 @@ TARGET static void finish(const __m256 *acc, int mr, int nr, const float *a, int
     for (int j = 0; j < nr; j++) {
       float s = lanes_sum(acc[i * nr + j]);
       for (int q = p; q < k; q++) s = fmaf(a[(size_t)i * lda + q], b[(size_t)j * ldb + q], s);
-      float *out = c + (size_t)i * ldc + j;
-      *out = alpha * s + (beta == 0.0f ? 0.0f : beta * *out);
+      store_sum(c + (size_t)i * ldc + j, s, alpha, beta);
     }
 }
 
