@@ -167,9 +167,9 @@ def runner(op: str, mode: str = "plain") -> str:
     from mlxcel_core.backends.cuda.kernels.qmv_source import kernel_name
 
     if op == QMM:
-        from mlxcel_core.backends.cuda.kernels.qmm import kernel_name as qmm_kernel_name
+        from mlxcel_core.backends.cuda.kernels.qmm import KERNEL_NAME
 
-        return f"cuda-kernel-{qmm_kernel_name()}"
+        return f"cuda-kernel-{KERNEL_NAME}"
     return f"cuda-kernel-{kernel_name(mode, SPECS[op].weights)}"
 
 

@@ -59,13 +59,9 @@
 #   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
 #   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
 #                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM
-#   qmmw16 [tests|batch [REPS]]  the experiment MLXCEL_QMM_W16 (the 4-bit batch kernel with weights made whole in
-#                     16 bits, kernels/qmm_w16.py), a call each: `tests` its own tests, then the batch paths' GPU tests
-#                     with it on; `batch` 8B 4-bit decode batches of 8, 32 and 64, off then on (batch_decode.py, one
-#                     process each; REPS rounds, 2 by default)
 #   rows8             where an 8B 4-bit decode batch of 8 rows spends its step: the step's kernels at b=1 and b=8
-#                     (gpu_profile.py), the batch kernel at 8, 32 and 64 rows beside its w16 candidate (qmm_ablate.py),
-#                     and the matvec kernel at 1 and 8 rows (qmv.py) on the same shapes
+#                     (gpu_profile.py), the batch kernel at 8, 32 and 64 rows beside it without its dequantization
+#                     (qmm_ablate.py), and the matvec kernel at 1 and 8 rows (qmv.py) on the same shapes
 #   paged             the paged decode kernel alone (paged_kernel.py, 8B geometry): both bodies at 4k/16k/32k and
 #                     their split counts; the tensor-core body at split counts between powers of two that fill more
 #                     of one wave (48 x 8 heads = 384 blocks of an H200's 396 at three an SM); then the same body
@@ -112,31 +108,13 @@ case "${1:-}" in
       --gen-tokens 128 --rounds 2 2>&1 | tail -8 ;;
   qmmablate)
     timeout 540 python benchmarks/qmm_ablate.py ;;
-  qmmw16)
-    case "${2:-tests}" in
-      tests)
-        timeout 200 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm_w16.py \
-          "$CUDA_TESTS/kernels/test_fast_linear.py::test_mma_decode_batch_keeps_greedy_tokens_on_the_gpu" --tb=short \
-          -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error"
-        MLXCEL_QMM_W16=1 timeout 350 python -m pytest -q -p no:cacheprovider -n 8 $CUDA_TESTS/kernels/test_qmm.py \
-          $CUDA_TESTS/kernels/test_fused_projections.py $CUDA_TESTS/kernels/test_fused_residual.py \
-          tests/mlxcel_core/engine/test_batching.py --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Fatal|Error" ;;
-      batch)
-        for rep in $(seq "${3:-2}"); do
-          for on in 0 1; do
-            echo "== MLXCEL_QMM_W16=$on: $(MLXCEL_QMM_W16=$on timeout 160 python benchmarks/batch_decode.py \
-              --model-shape llama-3-8b --bits 4 --batches 8,32,64 --reps 1 --no-mlx-lm 2>&1 \
-              | grep -E "b=[0-9]+ +run" | tr -s ' ' | tr '\n' ';')"
-          done
-        done ;;
-    esac ;;
   rows8)
     for b in 1 8; do
       timeout 150 python benchmarks/gpu_profile.py --model-shape llama-3-8b --bits 4 --side mlxcel --batch $b --top 12 \
         --warm 4 --tokens 8 2>&1 | grep -vi "warn" | tee "${OUT:-/tmp}/profile_8b_q4_b$b.txt"
     done
-    timeout 150 python benchmarks/qmm_ablate.py --variants full w16 --rows 8 32 64 --shapes "gate/up fused" down_proj \
-      | tee "${OUT:-/tmp}/qmm_w16.txt"
+    timeout 150 python benchmarks/qmm_ablate.py --variants full no_dequant --rows 8 32 64 \
+      --shapes "gate/up fused" down_proj | tee "${OUT:-/tmp}/qmm_rows.txt"
     timeout 100 python benchmarks/qmv.py --m 1 8 --no-sweep --no-e2e --shapes gate/up_proj down_proj \
       | tee "${OUT:-/tmp}/qmv_rows8.txt" ;;
   qmmwarps)

@@ -9,12 +9,12 @@ printed): each one removes a part and keeps the rest, so the time it saves bound
   no_weights   the packed weights are not read (each warp makes its words from the group index)
   no_scales    the scales and biases are not read (constants)
   no_mma       no tensor-core product (the fragments are still built and folded into one accumulator)
-  no_x         x is neither staged into shared memory nor summed (the buffers keep what they hold)
-  no_epilogue  each group's products are added unscaled (no scale, no bias term)
+  no_x         x is neither staged into shared memory nor reordered (the buffers keep what they hold)
+  no_dequant   the nibbles go to the product as they are (no weight made q s + b)
   l2_weights   every block reads the first 64 rows' weights and scales (from L2 after the first: HBM's latency and
                bandwidth out of the way, the loads' count kept)
-  no_prep      the block's pass over each staged chunk (x's group sums and reorder, and the barrier after it) left
-               out; x is still staged
+  no_prep      the block's pass over each staged chunk (x's reorder, and the barrier after it) left out; x is
+               still staged
   d2           half a chunk of K staged at any row count, so a warp loads 2 groups of weights ahead instead of 4 (as
                past 32 rows): what the depth of the weight prefetch is worth
 Candidates must give the kernel's products: their largest difference from MLX's is printed too.
@@ -22,9 +22,6 @@ Candidates must give the kernel's products: their largest difference from MLX's 
                source, launched wider (8 warps against 4 won and is the kernel: archive/2026-12-05-h200-session-26/)
   warps4       the kernel's source at 4 warps a block, as before 8 won: at groups of 32 past 32 rows (--group-size 32
                --rows 64), where 8 warps take one block an SM (registers above 128), 4 took three
-  w16          the experiment MLXCEL_QMM_W16's kernel (kernels/qmm_w16.py): each weight made whole in 16 bits before
-               the product, the accumulators carried across groups (its products differ from the kernel's in the
-               last places)
 Groups of 32 and 128 with --group-size (MLX's quantization of the same random weights).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
@@ -47,7 +44,7 @@ os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")  # calls run one after another
 import mlx.core as mx  # noqa: E402
 from qmv import GROUP_SIZE, L2_BYTES, make_weights, max_rel_diff, mlx_qmm, time_calls, weight_bytes  # noqa: E402
 
-from mlxcel_core.backends.cuda.kernels import matvec_config, qmm, qmm_w16  # noqa: E402
+from mlxcel_core.backends.cuda.kernels import matvec_config, qmm  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.cubin_cache import cuda_kernel  # noqa: E402
 from mlxcel_core.backends.cuda.kernels.qmm_source import HEADER, SOURCE  # noqa: E402
 
@@ -65,15 +62,10 @@ _FETCH_SCALES = """        sc[0] = static_cast<float>(scales[size_t(r0) * NG + g
         sc[2] = static_cast<float>(biases[size_t(r0) * NG + gg]);
         sc[3] = static_cast<float>(biases[size_t(r1) * NG + gg]);
 """
-_SCALE_SUMS = "mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);"
-
-
-# The experiment MLXCEL_QMM_W16's device function (kernels/qmm_w16.py), for its candidate
-EXTRA_HEADER = {"w16": qmm_w16.W16_HEADER}
 
 
 def _prep_pass() -> str:
-    """The block's pass that sums and reorders each staged chunk of x, with the barrier after it."""
+    """The block's pass that reorders each staged chunk of x, with the barrier after it."""
     start = SOURCE.index("        {  // once for the block's warps")
     end_text = "            __syncthreads();\n        }\n"
     return SOURCE[start : SOURCE.index(end_text, start) + len(end_text)]
@@ -93,8 +85,8 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
     "no_scales": [(_FETCH_SCALES, "        sc[0] = sc[1] = 0.01f * gg; sc[2] = sc[3] = 0.5f;\n")],
     "no_mma": [
         (
-            "mlxcel_qmm_mma<T>(acc[nt], a, b);",
-            "acc[nt][0] += __uint_as_float((a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1]) & 0x3fffffffu);",
+            "mlxcel_qmm_mma<T>(tot[nt], a, b);",
+            "tot[nt][0] += __uint_as_float((a[0] ^ a[1] ^ a[2] ^ a[3] ^ b[0] ^ b[1]) & 0x3fffffffu);",
         )
     ],
     "no_x": [
@@ -107,13 +99,13 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
     ],
     "d2": [("constexpr int CK = NT > 4 ? CHUNK_K / 2 : CHUNK_K;", "constexpr int CK = CHUNK_K / 2;")],
     "no_prep": [(_prep_pass(), "")],
-    "no_epilogue": [
+    "no_dequant": [
         (
-            _SCALE_SUMS,
-            "for (int nt = 0; nt < NT; ++nt) { for (int i = 0; i < 4; ++i) { tot[nt][i] += acc[nt][i] * ps[0]; } }",
+            "mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(" + v + "), ps[" + s + "], ps[" + b + "])",
+            "mlxcel_qmm_pair4<T>(" + v + ")",
         )
+        for v, s, b in [("v0", "0", "2"), ("v1", "1", "3"), ("v0 >> 4", "0", "2"), ("v1 >> 4", "1", "3")]
     ],
-    "w16": qmm_w16.EDITS,  # (the experiment MLXCEL_QMM_W16's kernel)
     "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
     "warps4": [],
 }
@@ -131,7 +123,7 @@ def variant_source(name: str) -> str:
 
 
 def variant_header(name: str) -> str:
-    return HEADER + EXTRA_HEADER.get(name, "")
+    return HEADER
 
 
 def product(name: str, group_size: int = GROUP_SIZE):
@@ -199,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             cells, base, diffs = [], None, []
             for v in a.variants:
                 fn = product(v, a.group_size)
-                if v == "full" or v in WARPS_OF or v in EXTRA_HEADER:  # (candidates: MLX's product, or near)
+                if v == "full" or v in WARPS_OF:  # (candidates: MLX's product, or near)
                     diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
                 base = seconds if v == "full" else base

@@ -119,16 +119,6 @@ SETTINGS: tuple[Setting, ...] = (
         _non_negative_int,
     ),
     Setting(
-        "MLXCEL_QMM_W16",
-        "0/1",
-        False,
-        "Experiment (issue 42): 1 builds the 4-bit batch kernel (decode batches of 6 rows or more, kernels/qmm.py) "
-        "with each weight made q s + b in x's 16-bit type before the tensor-core product, one rounding as a prompt's "
-        "dequantized products have, and no per-group scaling of its sums (kernels/qmm_w16.py). Read when the kernel "
-        "is first built in a process.",
-        _switch,
-    ),
-    Setting(
         "MLXCEL_NET_TIMEOUT",
         "float",
         30.0,

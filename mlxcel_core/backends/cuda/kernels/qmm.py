@@ -5,9 +5,11 @@ Why: at a decode batch of B sequences MLX 0.32 reads every 4-bit weight B times 
 kernels/qmv.py's matvec kernel, whose float32 multiply-adds grow with the rows, stops at 8. Here each
 weight is read once for all rows and the multiply-adds run as ``mma.sync.m16n8k16`` (float32 accumulation).
 
-y[m, n] = sum over groups g of s[n, g] * (sum_k q[n, k] x[m, k]) + b[n, g] * (sum_k x[m, k]), k in group g: the
-tensor cores take the raw nibbles q (0..15, exact in bf16 / fp16) against x, one group at a time, and each group's
-sums are scaled after. No weight is ever rounded to 16 bits.
+y[m, n] = sum_k w[n, k] x[m, k] with w = q s + b made in x's 16-bit type (one fused multiply-add, one rounding, as a
+prompt's products read their dequantized weights and MLX's quantized products do), the sums float32 across all
+groups. Each weight made whole in 16 bits rather than the raw nibbles q multiplied and each group's sums scaled after
+(s (q . x) + b sum(x)) leaves out the block's group sums of x and the per-group scaling of the accumulators: at 64
+rows, where those grow with the rows, that is a tenth of an 8B model's batch product (benchmarks/RESULTS.md).
 
 Layout of one warp's work: 16 weight rows (the mma's M) against 8 rows of x (its N) per tile, NT = ceil(M / 8) tiles
 (NT is compiled in and M read from x's shape, so batch sizes 6..64 share eight kernels); a k-step is 16 values of K,
@@ -30,11 +32,10 @@ warps rather than four a block halve what staging and summing x costs a weight r
 kernels-alone table, has the two side by side). The staging loop finds a piece's row and offset by a power of two (the
 pieces of a whole chunk's row), not a division.
 
-The bias term needs each x row's sum over each group: the block sums each staged chunk's rows once, into shared
-memory behind a second barrier, and each warp reads two sums a tile (rather than every warp adding up its own x
-fragments beside its products). The same pass reorders each 8 staged values of x as x0 x4 x1 x5 x2 x6 x3 x7, so that a
-warp makes a register of two weights from a whole packed word with one AND-OR (nibbles 0 and 4, then 1 and 5, ...:
-mlxcel_qmm_pair4); the tensor cores see the same products, in another order of K within a step. The kernel is
+The block passes once over each staged chunk, behind a second barrier, and reorders each 8 values of x as x0 x4 x1
+x5 x2 x6 x3 x7, so that a warp makes a register of two weights from a whole packed word with one AND-OR (nibbles 0 and
+4, then 1 and 5, ...: mlxcel_qmm_pair4) and one fused multiply-add (mlxcel_qmm_dequant2); the tensor cores see the
+same products, in another order of K within a step. The kernel is
 compiled with __launch_bounds__(256, MIN_BLOCKS), at most 128 registers a thread, so two blocks (16 warps) fit an SM.
 The pass and the reorder cut the sm_90 code a group of 16 tensor-core products takes by half (benchmarks/qmm_sass.py
 counts it) and lift an 8B model's 4-bit decode at 32 and 64 rows by about a tenth (benchmarks/RESULTS.md).
@@ -62,7 +63,6 @@ from .matvec_config import qmm_split_k as split_k  # the untuned rule
 from .qmm_source import CHUNK_K  # noqa: F401  (values of K a block stages in shared memory at a time)
 from .qmm_source import HEADER as _HEADER
 from .qmm_source import SOURCE as _SOURCE
-from .qmm_w16 import W16_FULL_HEADER, W16_SOURCE
 
 MAX_ROWS = 64  # rows of x one launch takes (8 tiles of 8)
 NARROW_ROWS = 32  # rows of x (4 tiles) up to which every group size fits MIN_BLOCKS blocks an SM
@@ -76,24 +76,14 @@ MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at
 # The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned splits
 # are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py).
 KERNEL_NAME = f"mlxcel_qmm_mma_{hashlib.sha256((_HEADER + _SOURCE + f'/{WARPS}').encode()).hexdigest()[:8]}"
-# The experiment MLXCEL_QMM_W16's kernel (kernels/qmm_w16.py)
-W16_KERNEL_NAME = (
-    f"mlxcel_qmm_w16_{hashlib.sha256((W16_FULL_HEADER + W16_SOURCE + f'/{WARPS}').encode()).hexdigest()[:8]}"
-)
-
-
-def _w16() -> bool:
-    from mlxcel_core import settings
-
-    return settings.get("MLXCEL_QMM_W16")
 
 
 @functools.cache
 def _kernel(min_blocks: int = MIN_BLOCKS):
-    """The kernel, its registers capped so that `min_blocks` blocks fit an SM (MLXCEL_QMM_W16's where it is on)."""
+    """The kernel, its registers capped so that `min_blocks` blocks fit an SM."""
     header, source = kernel_source()
     return cuda_kernel(
-        name=kernel_name(),
+        name=KERNEL_NAME,
         input_names=["x", "w", "scales", "biases"],
         output_names=["partial"],
         source=source,
@@ -102,14 +92,9 @@ def _kernel(min_blocks: int = MIN_BLOCKS):
     )
 
 
-def kernel_name() -> str:
-    return W16_KERNEL_NAME if _w16() else KERNEL_NAME
-
-
 def kernel_source() -> tuple[str, str]:
-    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input); MLXCEL_QMM_W16's where it is
-    on."""
-    return (W16_FULL_HEADER, W16_SOURCE) if _w16() else (_HEADER, _SOURCE)
+    """(header, body) as MLX's cuda_kernel assembles them (the compile test's input)."""
+    return _HEADER, _SOURCE
 
 
 def chosen_gps(n: int, k: int, m: int, group_size: int, x_dtype) -> int:

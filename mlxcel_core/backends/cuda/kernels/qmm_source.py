@@ -75,20 +75,31 @@ __device__ __forceinline__ void mlxcel_qmm_words(uint32_t* r, const uint32_t* p)
     }
 }
 
-// A group's sums into the totals: weight rows g and g + 8 times their scales s0, s1, plus their biases c0, c1 times
-// each x row's sum over the group (`sums`: the group's NT * 8 sums in shared memory, x row m's at m): accumulator
-// (i, j) = (weight row g or g + 8, x row nt * 8 + 2t or 2t + 1), the two rows adjacent there, one 8-byte read.
-template <int NT>
-__device__ __forceinline__ void mlxcel_qmm_scale_sums(float (&tot)[NT][4], const float (&acc)[NT][4],
-                                                      const float* sums, float s0, float s1, float c0, float c1,
-                                                      int t) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const float2 xab = *reinterpret_cast<const float2*>(sums + nt * 8 + 2 * t);
-        tot[nt][0] = fmaf(c0, xab.x, fmaf(s0, acc[nt][0], tot[nt][0]));  // (two fused multiply-adds each)
-        tot[nt][1] = fmaf(c0, xab.y, fmaf(s0, acc[nt][1], tot[nt][1]));
-        tot[nt][2] = fmaf(c1, xab.x, fmaf(s1, acc[nt][2], tot[nt][2]));
-        tot[nt][3] = fmaf(c1, xab.y, fmaf(s1, acc[nt][3], tot[nt][3]));
+// A pair of nibbles q (mlxcel_qmm_pair4) made weights q s + b in T, rounded once: where the scales and biases are T
+// (s and b then exact in T), one fused multiply-add of pairs; else (float32 scales) two float32 ones, then rounded.
+// As a prompt's products read their dequantized weights (fast_linear.prompt_product) and MLX's quantized products do.
+template <typename T, typename S>
+__device__ __forceinline__ uint32_t mlxcel_qmm_dequant2(uint32_t q, float s, float b) {
+    if constexpr (mlxcel_qmv_same<T, __half>::value) {
+        const __half2 qh = *reinterpret_cast<const __half2*>(&q);
+        __half2 r;
+        if constexpr (mlxcel_qmv_same<S, T>::value) {
+            r = __hfma2(qh, __float2half2_rn(s), __float2half2_rn(b));
+        } else {
+            const float2 qf = __half22float2(qh);
+            r = __floats2half2_rn(fmaf(qf.x, s, b), fmaf(qf.y, s, b));
+        }
+        return *reinterpret_cast<uint32_t*>(&r);
+    } else {
+        const __nv_bfloat162 qh = *reinterpret_cast<const __nv_bfloat162*>(&q);
+        __nv_bfloat162 r;
+        if constexpr (mlxcel_qmv_same<S, T>::value) {
+            r = __hfma2(qh, __float2bfloat162_rn(s), __float2bfloat162_rn(b));
+        } else {
+            const float2 qf = __bfloat1622float2(qh);
+            r = __floats2bfloat162_rn(fmaf(qf.x, s, b), fmaf(qf.y, s, b));
+        }
+        return *reinterpret_cast<uint32_t*>(&r);
     }
 }
 
@@ -108,17 +119,6 @@ __device__ __forceinline__ void mlxcel_qmm_store(float* out, int M, int N, int n
                 out[size_t(m) * N + n] = tot[nt][i];
             }
         }
-    }
-}
-
-// The two T values packed in v, as floats, summed.
-template <typename T>
-__device__ __forceinline__ float mlxcel_qmm_sum2(uint32_t v) {
-    if constexpr (mlxcel_qmv_same<T, __half>::value) {
-        return __half2float(__ushort_as_half(static_cast<unsigned short>(v & 0xFFFFu)))
-               + __half2float(__ushort_as_half(static_cast<unsigned short>(v >> 16)));
-    } else {
-        return __uint_as_float(v << 16) + __uint_as_float(v & 0xFFFF0000u);
     }
 }
 
@@ -142,7 +142,6 @@ SOURCE = r"""
     constexpr int WORDS = G / 32;
     constexpr int D = CG < 4 ? CG : 4;  // groups of weights a warp loads ahead (divides CG)
     __shared__ __align__(16) T xsh[2][NT * 8][RS];
-    __shared__ __align__(16) float xsum[2][CG][NT * 8];  // each staged group's x row sums
     int M = 1;
     for (int d = 0; d < x_ndim - 1; ++d) {
         M *= x_shape[d];
@@ -227,25 +226,21 @@ SOURCE = r"""
         }
         __syncthreads();
         const int g0 = gbeg + c * CG;
-        {  // once for the block's warps: each x row's sum over each group of the chunk, and each 8 values x0..x7
-            // reordered x0 x4 x1 x5 x2 x6 x3 x7, to pair with nibbles 4 apart (mlxcel_qmm_pair4)
+        {  // once for the block's warps: each 8 values x0..x7 of the chunk reordered x0 x4 x1 x5 x2 x6 x3 x7, to
+            // pair with nibbles 4 apart (mlxcel_qmm_pair4)
             for (int i = threadIdx.x; i < min(CG, gend - g0) * NT * 8; i += blockDim.x) {
                 const int gc = i / (NT * 8);
                 const int m = i - gc * (NT * 8);
                 T* row = &xsh[c & 1][m][gc * G];
-                float sum = 0.0f;
 #pragma unroll
                 for (int j = 0; j < G; j += 8) {
                     const uint2 lo = *reinterpret_cast<const uint2*>(row + j);
                     const uint2 hi = *reinterpret_cast<const uint2*>(row + j + 4);
-                    sum += mlxcel_qmm_sum2<T>(lo.x) + mlxcel_qmm_sum2<T>(lo.y) + mlxcel_qmm_sum2<T>(hi.x)
-                           + mlxcel_qmm_sum2<T>(hi.y);
                     *reinterpret_cast<uint2*>(row + j) =
                         make_uint2(__byte_perm(lo.x, hi.x, 0x5410), __byte_perm(lo.x, hi.x, 0x7632));
                     *reinterpret_cast<uint2*>(row + j + 4) =
                         make_uint2(__byte_perm(lo.y, hi.y, 0x5410), __byte_perm(lo.y, hi.y, 0x7632));
                 }
-                xsum[c & 1][gc][m] = sum;
             }
             __syncthreads();
         }
@@ -257,7 +252,7 @@ SOURCE = r"""
                     break;
                 }
                 uint32_t p0[WORDS], p1[WORDS];
-                float ps[4];
+                float ps[4];  // the group's scales and biases of weight rows g and g + 8
 #pragma unroll
                 for (int i = 0; i < WORDS; ++i) {
                     p0[i] = rq0[d][i];
@@ -270,27 +265,23 @@ SOURCE = r"""
                 if (gi + D < gend) {
                     fetch(gi + D, rq0[d], rq1[d], rsc[d]);
                 }
-                float acc[NT][4];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-                }
 #pragma unroll
                 for (int s = 0; s < STEPS; ++s) {
                     const int kc = (gi - g0) * G + t * Q + 4 * s;  // k within the chunk
                     // K values j, j + 4 and j + 1, j + 5 of the word, j = 2 (s & 1): x's order in shared memory
                     const uint32_t v0 = p0[s >> 1] >> (8 * (s & 1));
                     const uint32_t v1 = p1[s >> 1] >> (8 * (s & 1));
-                    const uint32_t a[4] = {mlxcel_qmm_pair4<T>(v0), mlxcel_qmm_pair4<T>(v1),
-                                           mlxcel_qmm_pair4<T>(v0 >> 4), mlxcel_qmm_pair4<T>(v1 >> 4)};
+                    const uint32_t a[4] = {mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v0), ps[0], ps[2]),
+                                           mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v1), ps[1], ps[3]),
+                                           mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v0 >> 4), ps[0], ps[2]),
+                                           mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v1 >> 4), ps[1], ps[3])};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
                         const uint32_t b[2] = {v.x, v.y};
-                        mlxcel_qmm_mma<T>(acc[nt], a, b);
+                        mlxcel_qmm_mma<T>(tot[nt], a, b);
                     }
                 }
-                mlxcel_qmm_scale_sums<NT>(tot, acc, xsum[c & 1][gi - g0], ps[0], ps[1], ps[2], ps[3], t);
             }
         }
         __syncthreads();  // every warp is done with this buffer before the next stage() refills it

@@ -2,8 +2,9 @@
 
 Everywhere: the kernel's index mapping emulated in numpy, thread by thread, with the PTX fragment layouts of
 mma.m16n8k16 (A: a0a1 at (g, 2t..2t+1), a2a3 at (g+8, 2t..), a4a5 at (g, 2t+8..), a6a7 at (g+8, 2t+8..); B: b0b1 at
-(2t..2t+1, g), b2b3 at (2t+8.., g); C: c0c1 at (g, 2t..2t+1), c2c3 at (g+8, 2t..)), against x @ dequantize(w).T in
-float64; the split of K, the launch arguments, the source compiled for sm_90 without spills (where nvcc is).
+(2t..2t+1, g), b2b3 at (2t+8.., g); C: c0c1 at (g, 2t..2t+1), c2c3 at (g+8, 2t..)), against x @ W.T in float64,
+W = dequantize(w) rounded to x's type as the kernel makes its weights; the split of K, the launch arguments, the
+source compiled for sm_90 without spills (where nvcc is).
 CUDA only: the kernel against the same reference (test_qmv.py's tolerance), 1..32 rows, both 16-bit types.
 """
 
@@ -30,18 +31,25 @@ def _paired(vals: np.ndarray) -> np.ndarray:
     return vals[[0, 4, 1, 5, 2, 6, 3, 7]]
 
 
-def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int) -> np.ndarray:
+def dequantized(scales: np.ndarray, biases: np.ndarray, dtype) -> np.ndarray:
+    """Every weight a nibble q makes, q s + b rounded to dtype (mlxcel_qmm_dequant2), as [N, groups, 16]; rounded
+    through float32 as test_qmv.reference(weights_in=) rounds it (q s + b is exact in float32 for these operands)."""
+    exact = np.arange(16.0)[None, None, :] * scales[:, :, None] + biases[:, :, None]
+    return np.array(mx.array(exact.astype(np.float32)).astype(dtype).astype(mx.float32)).astype(np.float64)
+
+
+def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray, group_size: int, dtype) -> np.ndarray:
     """The kernel's arithmetic for x [M, K] (the 16-bit values, as float64) and packed w [N, K / 8], following its
     source index by index, one warp tile (16 weight rows) at a time and one split (the whole K): nibbles 4 apart
-    paired against x in the block pass's order, x's group sums from that pass."""
+    made weights in dtype, paired against x in the block pass's order."""
     m_rows, k_len = x.shape
     n_rows = w.shape[0]
     ng, nt_count = k_len // group_size, -(-m_rows // 8)
+    table = dequantized(scales, biases, dtype)
     out = np.zeros((m_rows, n_rows))
     for n0 in range(0, n_rows, 16):
         tot = np.zeros((32, nt_count, 4))
         for gi in range(ng):
-            acc = np.zeros((32, nt_count, 4))
             for s in range(group_size // 16):
                 a_tile = np.full((16, 16), np.nan)
                 b_tiles = np.full((nt_count, 16, 8), np.nan)
@@ -55,10 +63,11 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
                     k = gi * group_size + t * (group_size // 4) + 4 * s
                     # nibbles j, j + 4 and j + 1, j + 5 of the whole word, j = 2 (s & 1)
                     v0, v1 = int(w[r0, word]) >> (8 * (s & 1)), int(w[r1, word]) >> (8 * (s & 1))
-                    regs = [_pair4(v0), _pair4(v1), _pair4(v0 >> 4), _pair4(v1 >> 4)]
+                    regs = [(r0, _pair4(v0)), (r1, _pair4(v1)), (r0, _pair4(v0 >> 4)), (r1, _pair4(v1 >> 4))]
                     # PTX A layout: register i holds elements (row, col) as in the docstring
-                    for reg, (row, col) in zip(regs, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-                        a_tile[row, col], a_tile[row, col + 1] = reg
+                    places = [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]
+                    for (r, reg), (row, col) in zip(regs, places):
+                        a_tile[row, col], a_tile[row, col + 1] = table[r, gi, reg[0]], table[r, gi, reg[1]]
                     for nt in range(nt_count):
                         m = nt * 8 + g
                         # the word's 8 values in shared memory, paired; step s reads 4 of them
@@ -71,21 +80,7 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
                     c = a_tile @ b_tiles[nt]
                     for lane in range(32):
                         g, t = lane >> 2, lane & 3
-                        acc[lane, nt] += [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                r0, r1 = min(n0 + g, n_rows - 1), min(n0 + g + 8, n_rows - 1)
-                s0, s1, c0, c1 = scales[r0, gi], scales[r1, gi], biases[r0, gi], biases[r1, gi]
-                for nt in range(nt_count):
-                    # the block pass's sums of x rows nt * 8 + 2t, + 1 over the group
-                    rows = [nt * 8 + 2 * t, nt * 8 + 2 * t + 1]
-                    xa, xb = (x[r, gi * group_size : (gi + 1) * group_size].sum() if r < m_rows else 0 for r in rows)
-                    tot[lane, nt] += [
-                        s0 * acc[lane, nt, 0] + c0 * xa,
-                        s0 * acc[lane, nt, 1] + c0 * xb,
-                        s1 * acc[lane, nt, 2] + c1 * xa,
-                        s1 * acc[lane, nt, 3] + c1 * xb,
-                    ]
+                        tot[lane, nt] += [c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]]
         for lane in range(32):
             g, t = lane >> 2, lane & 3
             for nt in range(nt_count):
@@ -102,13 +97,14 @@ def emulate(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray
 )
 def test_emulated_kernel_matches_the_reference(m, n, k, group_size):
     x, w, scales, biases = make_operands(m, n, k, mx.bfloat16, group_size=group_size, seed=m + n)
-    ref, mag = reference(x, w, scales, biases, group_size)
+    ref, mag = reference(x, w, scales, biases, group_size, weights_in=mx.bfloat16)
     got = emulate(
         np.array(x.astype(mx.float32)).astype(np.float64),
         np.array(w),
         np.array(scales.astype(mx.float32)).astype(np.float64),
         np.array(biases.astype(mx.float32)).astype(np.float64),
         group_size,
+        mx.bfloat16,
     )
     assert np.abs(got - ref).max() <= 1e-9 * max(1.0, mag.max())  # the same sums, in float64
 
@@ -161,13 +157,11 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, x_dtype, s_dtype, m, 
     ]
     text = kernel_file(qmm.KERNEL_NAME, params, dict(args["template"]), source, header)
     report = compile_sm90(tmp_path, text)
-    # two chunk buffers of 8 NT rows in static shared memory (a block may hold at most 48 KiB of it), and each
-    # chunk's float32 sums of those rows a group
+    # two chunk buffers of 8 NT rows in static shared memory (a block may hold at most 48 KiB of it)
     smem = int(re.search(r"(\d+) bytes smem", report).group(1))
     rows = -(-m // 8) * 8
     chunk = qmm.CHUNK_K // 2 if rows > 32 else qmm.CHUNK_K  # (half a chunk past 4 tiles)
-    sums = 2 * (chunk // group_size) * rows * 4
-    assert smem == 2 * rows * (chunk + 4) * 2 + sums <= 48 << 10, report
+    assert smem == 2 * rows * (chunk + 4) * 2 <= 48 << 10, report
 
 
 @needs_nvcc
@@ -212,7 +206,7 @@ def test_the_kernel_fits_two_blocks_an_sm_without_spills(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("n,k,group_size", [(4096, 4096, 64), (1024, 14336, 64), (1000, 512, 32), (333, 1024, 128)])
 def test_kernel_matches_the_reference(dtype, n, k, group_size):
     x, w, scales, biases = make_operands(32, n, k, dtype, group_size=group_size, seed=n)
-    ref, mag = reference(x, w, scales, biases, group_size)
+    ref, mag = reference(x, w, scales, biases, group_size, weights_in=dtype)
     for m in (1, 8, 9, 19, 32):
         y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
         assert y.dtype == dtype and y.shape == (m, n)
@@ -223,10 +217,22 @@ def test_kernel_matches_the_reference(dtype, n, k, group_size):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("s_dtype", [None, mx.float32], ids=["scales-in-x-type", "float32-scales"])
+def test_large_biases_and_float32_scales(dtype, s_dtype):
+    """Biases hundreds of times the scales and x all positive (nothing cancels), with scales and biases in x's type
+    (one 16-bit fused multiply-add a weight pair) and in float32 (float32 ones, then one rounding to x's type)."""
+    x, w, scales, biases = make_operands(40, 1000, 1024, dtype, adversarial=True, seed=7, s_dtype=s_dtype)
+    ref, mag = reference(x, w, scales, biases, weights_in=dtype)
+    for m in (9, 40):
+        check_close(qmm.quantized_matmul(x[:m], w, scales, biases, 64), ref[:m], mag[:m], dtype, f"M={m}")
+
+
+@needs_cuda
 def test_kernel_on_misaligned_views():
     """x and w starting past an aligned address (views into larger arrays): the kernel's narrower loads there."""
     x, w, scales, biases = make_operands(12, 512, 1024, mx.bfloat16, seed=4)
-    ref, mag = reference(x, w, scales, biases)
+    ref, mag = reference(x, w, scales, biases, weights_in=mx.bfloat16)
     flat = mx.concatenate([mx.zeros((1,), mx.bfloat16), x.reshape(-1)])
     check_close(
         qmm.quantized_matmul(flat[1:].reshape(12, 1024), w, scales, biases, 64), ref, mag, mx.bfloat16, "misaligned x"
@@ -293,9 +299,9 @@ def test_kernel_across_tiles_splits_and_chunks(dtype, n, k, group_size, gps):
     chunk of x in shared memory (gps not a multiple of the chunk's groups) and a whole K in one split; and x as a view
     at an odd offset (copied without cp.async). Within the reference's tolerance."""
     x, w, scales, biases = make_operands(33, n, k, dtype, group_size=group_size, seed=n + k)
-    ref, mag = reference(x, w, scales, biases, group_size)
+    ref, mag = reference(x, w, scales, biases, group_size, weights_in=dtype)
     odd = x.reshape(-1)[1 : 1 + 12 * k].reshape(12, k)
-    odd_ref, odd_mag = reference(odd, w, scales, biases, group_size)
+    odd_ref, odd_mag = reference(odd, w, scales, biases, group_size, weights_in=dtype)
     for xs, want, want_mag in [(x[:m], ref[:m], mag[:m]) for m in (1, 8, 9, 19, 32)] + [(odd, odd_ref, odd_mag)]:
         y = qmm.quantized_matmul(xs, w, scales, biases, group_size, gps)
         assert y.dtype == dtype and y.shape == (xs.shape[0], n)
@@ -309,7 +315,7 @@ def test_wide_launches_match_the_reference(dtype, n, k, group_size):
     """33..64 rows in one launch (5..8 tiles, half a chunk of K staged, groups of 32
     compiled for three blocks an SM), within the reference's tolerance."""
     x, w, scales, biases = make_operands(64, n, k, dtype, group_size=group_size, seed=n + 64)
-    ref, mag = reference(x, w, scales, biases, group_size)
+    ref, mag = reference(x, w, scales, biases, group_size, weights_in=dtype)
     for m in (33, 40, 57, 64):
         y = qmm.quantized_matmul(x[:m], w, scales, biases, group_size)
         assert y.dtype == dtype and y.shape == (m, n)
