@@ -6,8 +6,9 @@ OpenBLAS runs the same products 20-60x faster (benchmarks/RESULTS.md, "CPU: MLX'
 Every float32 matmul of a model on the CPU goes through here: projections, attention, the output head. A decode step's
 products (a few rows against each weight) are another matter: OpenBLAS copies the whole weight into its panel format
 at every call, and a lone row pays for a padded tile. csrc/blas_rows.c computes x @ w.T by streaming the weight once,
-on OpenMP threads. csrc/blas_packed.c reads a quantized layer's float32 copy (backends/cpu_float32.py) from the packed
-values it was dequantized from, where `register_packed` tied them: a decode step reads an eighth of the bytes.
+on OpenMP threads (a prompt's blocks of 4 rows on AVX-512 where the CPU has it, with the AVX2 kernel's bits).
+csrc/blas_packed.c reads a quantized layer's float32 copy (backends/cpu_float32.py) from the packed values it was
+dequantized from, where `register_packed` tied them: a decode step reads an eighth of the bytes.
 
 How: `csrc/blas_tiles.c` defines `cblas_sgemm`. Compiled once with the system's C compiler (with blas_rows.c, with
 OpenMP where the compiler has it) into the cache dir and loaded with RTLD_GLOBAL before MLX's library, it takes MLX's
@@ -159,6 +160,7 @@ def _load() -> str:
         tiles.mlxcel_packed_register.argtypes = [pointer, number, number] + [pointer] * 3 + [number] * 2
         tiles.mlxcel_packed_unregister.argtypes = [pointer]
         tiles.mlxcel_packed_hits.restype = ctypes.c_long
+        tiles.mlxcel_rows_set_wide.argtypes = [number]
         if tiles.mlxcel_rows_available():
             # Every product on blas_rows.c: no tile to pick. OpenBLAS serves only where a thread's scratch cannot
             # grow, one row a call (the same alone by construction).
@@ -311,3 +313,25 @@ def unregister_packed(weight) -> bool:
 def packed_products() -> int:
     """How many products this process computed from registered packed weights (the tests' evidence of the route)."""
     return int(_tiles.mlxcel_packed_hits()) if _tiles is not None else 0
+
+
+def _rows() -> bool:
+    return _tiles is not None and _status.startswith(ACTIVE[0])
+
+
+def rows_wide_available() -> bool:
+    """Whether blas_rows.c computes here and the CPU has AVX-512F and DQ for its wide blocks."""
+    return _rows() and bool(_tiles.mlxcel_rows_wide_available())
+
+
+def rows_wide() -> bool:
+    """Whether blas_rows.c's blocks of 4 rows run its AVX-512 kernel (two rows a register, 8 columns a block, the AVX2
+    kernel's bits): where `rows_wide_available()`, unless `set_rows_wide(False)`."""
+    return _rows() and bool(_tiles.mlxcel_rows_wide())
+
+
+def set_rows_wide(on: bool) -> None:
+    """Choose blas_rows.c's AVX-512 kernel (on: only where it is available) or its AVX2 one for blocks of 4 rows (the
+    tests compare the two bit for bit)."""
+    if _rows():
+        _tiles.mlxcel_rows_set_wide(int(bool(on)))

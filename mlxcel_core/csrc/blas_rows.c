@@ -3,10 +3,11 @@
  *
  * Each element of C is one dot product computed the same way wherever its row is: eight lanes accumulate k = 0, 8,
  * 16, ... (lane l takes k = l mod 8) with fused multiply-adds in order, the lanes are summed in a fixed tree, then the
- * k % 8 tail is added one fused multiply-add at a time. The blocking (4 rows x 3 columns, 1 row x 8, and their edges)
- * and the threads (whole column blocks each) only decide which elements are computed together, never how one is, so
- * a row's result is the same alone or in a batch of any size by construction. Nothing is packed: a decode step
- * streams each weight from memory once, where OpenBLAS copies it into its panel format at every call. */
+ * k % 8 tail is added one fused multiply-add at a time. The blocking (4 rows x 3 columns, 4 x 8 where the CPU has
+ * AVX-512, 1 row x 8, and their edges) and the threads (whole column blocks each) only decide which elements are
+ * computed together, never how one is, so a row's result is the same alone or in a batch of any size by
+ * construction. Nothing is packed: a decode step streams each weight from memory once, where OpenBLAS copies it into
+ * its panel format at every call. */
 #include <stddef.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -85,13 +86,68 @@ TARGET static void rows1_cols1(ARGS) {
   FINISH(1, 1, c0)
 }
 
+/* The 4 x 3 block's work on AVX-512, 4 rows x 8 columns: a register holds rows i and i + 1 (lanes 0-7 and 8-15)
+ * against one column, each half accumulating exactly as an AVX2 register does for its row (the same lanes, fused
+ * multiply-adds in the same order), so every element has the AVX2 kernel's bits. The columns are broadcast from memory
+ * (a load, not a shuffle) and a pair of rows is made once a step for all eight columns. */
+#define TARGET512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+
+TARGET512 static inline __m512 two_rows(const float *r0, const float *r1) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(r0)), _mm256_loadu_ps(r1), 1);
+}
+
+TARGET512 static void rows4_cols8_wide(ARGS) {
+  __m512 acc[2][8];
+#pragma GCC unroll 16
+  for (int h = 0; h < 2; h++)
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) acc[h][j] = _mm512_setzero_ps();
+  const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+  int p = 0;
+  for (; p + 8 <= k; p += 8) {
+    const __m512 x01 = two_rows(a + p, a1 + p), x23 = two_rows(a2 + p, a3 + p);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      const __m512 w = _mm512_broadcast_f32x8(_mm256_loadu_ps(b + (size_t)j * ldb + p));
+      acc[0][j] = _mm512_fmadd_ps(x01, w, acc[0][j]);
+      acc[1][j] = _mm512_fmadd_ps(x23, w, acc[1][j]);
+    }
+  }
+  __m256 halves[32]; /* [row i][column j], as `finish` reads them */
+  for (int h = 0; h < 2; h++)
+    for (int j = 0; j < 8; j++) {
+      halves[(2 * h) * 8 + j] = _mm512_castps512_ps256(acc[h][j]);
+      halves[(2 * h + 1) * 8 + j] = _mm512_extractf32x8_ps(acc[h][j], 1);
+    }
+  finish(halves, 4, 8, a, lda, b, ldb, p, k, alpha, beta, c, ldc);
+}
+
+int mlxcel_rows_wide_available(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
+
+/* whether 4-row blocks take rows4_cols8_wide: -1 until the first product asks the CPU */
+static int wide = -1;
+
+void mlxcel_rows_set_wide(int on) { __atomic_store_n(&wide, on && mlxcel_rows_wide_available(), __ATOMIC_RELAXED); }
+
+int mlxcel_rows_wide(void) {
+  int w = __atomic_load_n(&wide, __ATOMIC_RELAXED);
+  if (w < 0) __atomic_store_n(&wide, w = mlxcel_rows_wide_available(), __ATOMIC_RELAXED);
+  return w;
+}
+
 /* columns n0..n1 of every row */
 TARGET static void column_block(int m, int n0, int n1, ARGS) {
 #define AT(kernel, i, j)                                                                                              \
   kernel(a + (size_t)(i) * lda, lda, b + (size_t)(j) * ldb, ldb, k, alpha, beta, c + (size_t)(i) * ldc + (j), ldc)
   int i = 0;
+  const int eights = mlxcel_rows_wide();
   for (; i + 4 <= m; i += 4) {
     int j = n0;
+    if (eights)
+      for (; j + 8 <= n1; j += 8) AT(rows4_cols8_wide, i, j);
     for (; j + 3 <= n1; j += 3) AT(rows4_cols3, i, j);
     for (; j < n1; j++) AT(rows4_cols1, i, j);
   }
@@ -133,6 +189,9 @@ void mlxcel_rows(int m, int n, ARGS) {
 int mlxcel_rows_available(void) { return 0; }
 int mlxcel_rows_threads(void) { return 0; }
 void mlxcel_rows_set_threads(int n) {}
+int mlxcel_rows_wide_available(void) { return 0; }
+int mlxcel_rows_wide(void) { return 0; }
+void mlxcel_rows_set_wide(int on) {}
 void mlxcel_rows(int m, int n, const float *a, int lda, const float *b, int ldb, int k, float alpha, float beta,
                  float *c, int ldc) {}
 #endif

@@ -100,6 +100,37 @@ def test_a_product_has_the_same_bits_however_its_operands_lie_in_memory(m, n, k)
                 assert mx.array_equal(left @ right, want).item()
 
 
+@pytest.fixture
+def rows_wide_back():
+    """Whatever a test chooses, the process's choice of blas_rows.c's AVX-512 blocks afterwards."""
+    before = cpu_blas.rows_wide()
+    yield
+    cpu_blas.set_rows_wide(before)
+
+
+@own_rows
+@pytest.mark.skipif(not cpu_blas.rows_wide_available(), reason="no AVX-512F and DQ on this CPU")
+@pytest.mark.parametrize("m", [4, 5, 8, 13])
+@pytest.mark.parametrize("n,k", [(8, 8), (9, 7), (17, 64), (24, 577), (25, 100), (49, 576), (100, 1536)])
+def test_the_avx512_blocks_give_the_avx2_kernels_bits(rows_wide_back, m, n, k):
+    """Blocks of 4 rows x 8 columns on AVX-512 (two rows a register) against the AVX2 kernel's 4 x 3 blocks: every
+    element the same bits, with column and depth edges, and the product added to C (beta 1)."""
+    rng = np.random.default_rng(m * 100 + n + k)
+    a, w = rng.standard_normal((m, k), dtype=np.float32), rng.standard_normal((n, k), dtype=np.float32)
+    c = rng.standard_normal((m, n), dtype=np.float32)
+    results = {}
+    with mx.stream(mx.cpu):
+        x, weight, base = mx.array(a), mx.array(w), mx.array(c)
+        for wide in (False, True):
+            cpu_blas.set_rows_wide(wide)
+            assert cpu_blas.rows_wide() == wide
+            results[wide] = [np.array(x @ weight.T), np.array(mx.addmm(base, x, weight.T))]
+    for avx2, avx512 in zip(results[False], results[True]):
+        assert avx2.tobytes() == avx512.tobytes()
+    want = a.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(results[True][0], want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
 @own_rows
 def test_x_at_w_t_on_the_rows_kernel_is_the_same_on_one_thread_and_on_two():
     """Threads take whole column blocks: a product large enough to be split comes out bit for bit as on one thread
