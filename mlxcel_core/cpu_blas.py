@@ -6,7 +6,7 @@ OpenBLAS runs the same products 20-60x faster (benchmarks/RESULTS.md, "CPU: MLX'
 Every float32 matmul of a model on the CPU goes through here: projections, attention, the output head. A decode step's
 products (a few rows against each weight) are another matter: OpenBLAS copies the whole weight into its panel format
 at every call, and a lone row pays for a padded tile. csrc/blas_rows.c computes x @ w.T by streaming the weight once,
-on OpenMP threads (a prompt's blocks of 4 rows on AVX-512 where the CPU has it, with the AVX2 kernel's bits).
+on OpenMP threads (blocks of 4 rows on AVX-512 where the CPU has it, with the AVX2 kernel's bits).
 csrc/blas_packed.c reads a quantized layer's float32 copy (backends/cpu_float32.py) from the packed values it was
 dequantized from, where `register_packed` tied them: a decode step reads an eighth of the bytes.
 
@@ -320,18 +320,19 @@ def _rows() -> bool:
 
 
 def rows_wide_available() -> bool:
-    """Whether blas_rows.c computes here and the CPU has AVX-512F and DQ for its wide blocks."""
+    """Whether blas_rows.c computes here and the CPU has AVX-512F and DQ for the wide blocks of 4 rows."""
     return _rows() and bool(_tiles.mlxcel_rows_wide_available())
 
 
 def rows_wide() -> bool:
-    """Whether blas_rows.c's blocks of 4 rows run its AVX-512 kernel (two rows a register, 8 columns a block, the AVX2
-    kernel's bits): where `rows_wide_available()`, unless `set_rows_wide(False)`."""
+    """Whether blocks of 4 rows run on AVX-512 with the AVX2 kernels' bits: blas_rows.c's (two rows of x a register,
+    8 columns a block) and blas_packed.c's (two weight rows a register): where `rows_wide_available()`, unless
+    `set_rows_wide(False)`."""
     return _rows() and bool(_tiles.mlxcel_rows_wide())
 
 
 def set_rows_wide(on: bool) -> None:
-    """Choose blas_rows.c's AVX-512 kernel (on: only where it is available) or its AVX2 one for blocks of 4 rows (the
-    tests compare the two bit for bit)."""
+    """Choose the AVX-512 kernels (on: only where they are available) or the AVX2 ones for blocks of 4 rows (the tests
+    compare the two bit for bit)."""
     if _rows():
         _tiles.mlxcel_rows_set_wide(int(bool(on)))

@@ -54,6 +54,27 @@ def test_the_packed_products_are_the_float32_products_bit_for_bit(bits, group_si
     assert all(mx.array_equal(packed[-1][: len(a)], a).item() for a in packed[:-1])  # each row the same in any batch
 
 
+@pytest.mark.skipif(not cpu_blas.rows_wide_available(), reason="no AVX-512F and DQ on this CPU")
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 32), (8, 128)])
+def test_the_avx512_packed_products_give_the_avx2_ones_bits(bits, group_size):
+    """Blocks of 4 rows against 2 weight rows made in one AVX-512 register, against the AVX2 blocks: every row count
+    a packed product takes (4 rows a block, then one at a time) and an odd number of weight rows."""
+    layer = _layer(37, 256, bits, group_size, seed=bits + group_size)
+    x = mx.random.normal((8, 256), key=mx.random.key(3))
+    xs = [x[:rows] for rows in range(1, 9)]
+    before, was = cpu_blas.packed_products(), cpu_blas.rows_wide()
+    try:
+        results = {}
+        for wide in (False, True):
+            cpu_blas.set_rows_wide(wide)
+            results[wide] = _products(layer, xs)
+    finally:
+        cpu_blas.set_rows_wide(was)
+    assert cpu_blas.packed_products() - before == 16
+    for rows, a, b in zip(range(1, 9), results[False], results[True]):
+        assert mx.array_equal(a, b).item(), f"{rows} rows"
+
+
 def test_a_slice_of_the_weights_rows_reads_the_packed_values():
     layer = _layer(96, 256, 4, 64)
     w = layer.float32.weight
