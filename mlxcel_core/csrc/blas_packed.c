@@ -7,7 +7,7 @@
  * then takes each weight from that copy and otherwise computes exactly as blas_rows.c: eight lanes accumulate
  * k = 0, 8, 16, ... with fused multiply-adds in order and are summed in blas_rows.c's fixed tree (k is a whole number
  * of groups, so of 8). Its results are blas_rows.c's bits on w, whichever of the two computes a product. Blocks of 4
- * rows run on AVX-512 where blas_rows.c's do (mlxcel_rows_wide), two weight rows a register, with the same bits.
+ * and 8 rows run on AVX-512 where blas_rows.c's do (mlxcel_rows_wide), two weight rows a register, with the same bits.
  *
  * The table is read under a read lock by every product and written under the write lock at registration and removal,
  * so a weight dropped while another thread computes waits for that product. */
@@ -143,9 +143,10 @@ ROW_COLS4(8)
 ROWS4_COLS2(4)
 ROWS4_COLS2(8)
 
-/* rows4_cols2 on AVX-512: weight rows j and j + 1 made in one register (lanes 0-7 and 8-15), each half what
- * weights8 gives for its row, against each x row broadcast to both halves; each half accumulates as rows4_cols2's
- * registers do (the same loads, roundings and fused multiply-adds in the same order), so the bits are the same. */
+/* rows4_cols2 on AVX-512, for 4 or 8 rows of x: weight rows j and j + 1 made in one register (lanes 0-7 and 8-15),
+ * each half what weights8 gives for its row, against each x row broadcast to both halves; each half accumulates as
+ * rows4_cols2's registers do (the same loads, roundings and fused multiply-adds in the same order), so the bits are the
+ * same. Eight rows make each weight once for all of them (a decode batch of 8: two blocks of 4 make it twice). */
 #define TARGET512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
 /* eight packed values of row a at `a_at` and eight of row b at `b_at`, as float32 in the low and high halves */
@@ -162,43 +163,50 @@ TARGET512 static inline __m512 values16(const uint8_t *a_at, const uint8_t *b_at
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x((long long)bb, (long long)ba)));
 }
 
-#define ROWS4_COLS2_WIDE(BITS)                                                                                         \
-  TARGET512 static void rows4_cols2_wide_##BITS(const packed_t *e, int r, const float *a, int lda, float alpha,        \
-                                                float beta, float *c, int ldc) {                                       \
+#define ROWS_COLS2_WIDE(R, BITS)                                                                                       \
+  TARGET512 static void rows##R##_cols2_wide_##BITS(const packed_t *e, int r, const float *a, int lda, float alpha,    \
+                                                    float beta, float *c, int ldc) {                                   \
     const int groups = e->k / e->group, row_bytes = e->k * BITS / 8;                                                   \
     const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes;                                            \
     const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                              \
-    const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;                                                         \
-    __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                                                        \
+    __m512 acc[R];                                                                                                     \
+    _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                  \
     for (int g = 0, p = 0; g < groups; g++) {                                                                          \
       const __m512 s01 = _mm512_insertf32x8(_mm512_set1_ps(s[g]), _mm256_set1_ps(s[groups + g]), 1);                  \
       const __m512 b01 = _mm512_insertf32x8(_mm512_set1_ps(b[g]), _mm256_set1_ps(b[groups + g]), 1);                  \
       for (int end = p + e->group; p < end; p += 8) {                                                                  \
         const size_t at = (size_t)p * BITS / 8;                                                                        \
         const __m512 w = _mm512_add_ps(_mm512_mul_ps(values16(q0 + at, q1 + at, BITS), s01), b01);                    \
-        c0 = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(a + p)), w, c0);                                   \
-        c1 = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(a1 + p)), w, c1);                                  \
-        c2 = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(a2 + p)), w, c2);                                  \
-        c3 = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(a3 + p)), w, c3);                                  \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) acc[i] =                                                   \
+            _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(a + (size_t)i * lda + p)), w, acc[i]);              \
       }                                                                                                                \
     }                                                                                                                  \
-    const __m512 acc[4] = {c0, c1, c2, c3};                                                                            \
-    for (int i = 0; i < 4; i++, c += ldc) {                                                                            \
+    for (int i = 0; i < R; i++, c += ldc) {                                                                            \
       store_sum(c, lanes_sum(_mm512_castps512_ps256(acc[i])), alpha, beta);                                            \
       store_sum(c + 1, lanes_sum(_mm512_extractf32x8_ps(acc[i], 1)), alpha, beta);                                     \
     }                                                                                                                  \
   }
-ROWS4_COLS2_WIDE(4)
-ROWS4_COLS2_WIDE(8)
+ROWS_COLS2_WIDE(4, 4)
+ROWS_COLS2_WIDE(4, 8)
+ROWS_COLS2_WIDE(8, 4)
+ROWS_COLS2_WIDE(8, 8)
 
 int mlxcel_rows_wide(void);
 
 TARGET static void columns(const packed_t *e, int row0, int m, int j0, int j1, const float *a, int lda, float alpha,
                            float beta, float *c, int ldc) {
+  const int wide = mlxcel_rows_wide();
   void (*rows4_cols2)(const packed_t *, int, const float *, int, float, float, float *, int) =
-      mlxcel_rows_wide() ? (e->bits == 4 ? rows4_cols2_wide_4 : rows4_cols2_wide_8)
-                         : (e->bits == 4 ? rows4_cols2_4 : rows4_cols2_8);
+      wide ? (e->bits == 4 ? rows4_cols2_wide_4 : rows4_cols2_wide_8) : (e->bits == 4 ? rows4_cols2_4 : rows4_cols2_8);
   int i = 0;
+  for (; wide && i + 8 <= m; i += 8) { /* (8 rows: each weight made once for all of them) */
+    int j = j0;
+    for (; j + 2 <= j1; j += 2)
+      (e->bits == 4 ? rows8_cols2_wide_4 : rows8_cols2_wide_8)(e, row0 + j, a + (size_t)i * lda, lda, alpha, beta,
+                                                                c + (size_t)i * ldc + j, ldc);
+    if (j < j1) block(e, row0, 4, 1, i, j, a, lda, alpha, beta, c, ldc), block(e, row0, 4, 1, i + 4, j, a, lda, alpha,
+                                                                                beta, c, ldc);
+  }
   for (; i + 4 <= m; i += 4) {
     int j = j0;
     for (; j + 2 <= j1; j += 2)

@@ -57,8 +57,8 @@ def test_the_packed_products_are_the_float32_products_bit_for_bit(bits, group_si
 @pytest.mark.skipif(not cpu_blas.rows_wide_available(), reason="no AVX-512F and DQ on this CPU")
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (8, 32), (8, 128)])
 def test_the_avx512_packed_products_give_the_avx2_ones_bits(bits, group_size):
-    """Blocks of 4 rows against 2 weight rows made in one AVX-512 register, against the AVX2 blocks: every row count
-    a packed product takes (4 rows a block, then one at a time) and an odd number of weight rows."""
+    """Blocks of 8 and 4 rows against 2 weight rows made in one AVX-512 register, against the AVX2 blocks: every row
+    count a packed product takes (8 or 4 rows a block, then one at a time) and an odd number of weight rows."""
     layer = _layer(37, 256, bits, group_size, seed=bits + group_size)
     x = mx.random.normal((8, 256), key=mx.random.key(3))
     xs = [x[:rows] for rows in range(1, 9)]
