@@ -3,7 +3,7 @@
 # `mlxcel bench` each: bash ab.sh BEFORE OUT BENCH_ARGS...
 #   ab_prefill.txt: BEFORE at 1e960e9, BENCH_ARGS -p 64,256 -n 0 -r 3
 #   ab_batch4.txt:  BEFORE at 1b3c3f6, BENCH_ARGS -p 0 -n 32 -b 4 -r 3
-#   ab_batch8.txt:  BEFORE at the commit before the 8-row blocks, BENCH_ARGS -p 0 -n 32 -b 8 -r 3
+#   ab_batch8.txt:  BEFORE at 7e60291, BENCH_ARGS -p 0 -n 32 -b 8 -r 3
 set -u
 before=${1:?before tree}; out=${2:?out file}; shift 2
 for round in 1 2; do
