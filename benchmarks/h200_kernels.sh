@@ -59,6 +59,9 @@
 #   qmmablate         where the 4-bit batch kernel's time goes: qmm_ablate.py (8B fused shapes, 16/32/64 rows)
 #   qmmwarps          the 4-bit batch kernel at 8 warps a block against 16 and 4 (groups of 64, 16/32/64 rows), then
 #                     against 4 in groups of 32 at 48 and 64 rows, where 8 warps fit one block an SM
+#   qmmblocks         the 4-bit batch kernel in groups of 32 at 40, 48 and 64 rows, where it runs one block an SM,
+#                     against its registers capped for two (qmm_ablate.py's two_blocks): if two win, delete
+#                     qmm.MIN_BLOCKS_WIDE_G32 (every launch two blocks an SM)
 #   rows8             where an 8B 4-bit decode batch of 8 rows spends its step: the step's kernels at b=1 and b=8
 #                     (gpu_profile.py), the batch kernel at 8, 32 and 64 rows beside it without its dequantization
 #                     (qmm_ablate.py), and the matvec kernel at 1 and 8 rows (qmv.py) on the same shapes
@@ -121,6 +124,9 @@ case "${1:-}" in
     timeout 300 python benchmarks/qmm_ablate.py --variants full warps16 warps4 | tee "${OUT:-/tmp}/qmm_warps.txt"
     timeout 200 python benchmarks/qmm_ablate.py --variants full warps4 --group-size 32 --rows 48 64 \
       | tee "${OUT:-/tmp}/qmm_warps_g32.txt" ;;
+  qmmblocks)
+    timeout 200 python benchmarks/qmm_ablate.py --variants full two_blocks --group-size 32 --rows 40 48 64 \
+      | tee "${OUT:-/tmp}/qmm_blocks_g32.txt" ;;
   paged)
     export MLX_USE_CUDA_GRAPHS=0
     timeout 200 python benchmarks/paged_kernel.py --splits 16 32 64 128 | tee "${OUT:-/tmp}/paged_kernel.txt"

@@ -22,6 +22,9 @@ Candidates must give the kernel's products: their largest difference from MLX's 
                source, launched wider (8 warps against 4 won and is the kernel: archive/2026-12-05-h200-session-26/)
   warps4       the kernel's source at 4 warps a block, as before 8 won: at groups of 32 past 32 rows (--group-size 32
                --rows 64), where 8 warps take one block an SM (registers above 128), 4 took three
+  two_blocks   the kernel with its registers capped for two blocks an SM at every row count: groups of 32 past 32 rows
+               run one block an SM (qmm.MIN_BLOCKS_WIDE_G32), which the kernel needed before it made its weights in
+               16 bits (it spilled at 128 registers; now 124, no spill, on sm_90)
 Groups of 32 and 128 with --group-size (MLX's quantization of the same random weights).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
@@ -108,9 +111,12 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
     ],
     "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
     "warps4": [],
+    "two_blocks": [],  # (the kernel's source, its registers capped for BLOCKS_OF's blocks an SM at every row count)
 }
 # Candidates launched with other than qmm.WARPS warps a block (the kernel's own source)
 WARPS_OF = {"warps16": 16, "warps4": 4}
+# Candidates of the kernel's source and warps with their registers capped for this many blocks an SM at every launch
+BLOCKS_OF = {"two_blocks": 2}
 
 
 def variant_source(name: str) -> str:
@@ -143,7 +149,7 @@ def product(name: str, group_size: int = GROUP_SIZE):
             output_names=["partial"],
             source=source,
             header=header,
-            launch_bounds=(warps * 32, max(1, min_blocks * base // warps)),
+            launch_bounds=(warps * 32, BLOCKS_OF.get(name) or max(1, min_blocks * base // warps)),
         )
 
     def fn(x, w, scales, biases):
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             cells, base, diffs = [], None, []
             for v in a.variants:
                 fn = product(v, a.group_size)
-                if v == "full" or v in WARPS_OF:  # (candidates: MLX's product, or near)
+                if v == "full" or v in WARPS_OF or v in BLOCKS_OF:  # (candidates: MLX's product, or near)
                     diffs.append(f"{v} {max_rel_diff(fn(x, *weights[0]), mlx_qmm(x, *weights[0])):.2e}")
                 seconds, _ = time_calls(fn, x, weights, a.calls, a.reps)
                 base = seconds if v == "full" else base

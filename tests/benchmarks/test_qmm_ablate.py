@@ -23,9 +23,10 @@ from mlxcel_core.backends.cuda.kernels.cubin_cache import kernel_text  # noqa: E
 def test_every_variant_changes_the_kernel():
     sources = {name: qmm_ablate.variant_source(name) for name in qmm_ablate.VARIANTS}
     assert sources["full"] == qmm.kernel_source()[1]
-    edited = {name: text for name, text in sources.items() if name not in qmm_ablate.WARPS_OF}
+    launched = {**qmm_ablate.WARPS_OF, **qmm_ablate.BLOCKS_OF}  # (the kernel's source, launched otherwise)
+    edited = {name: text for name, text in sources.items() if name not in launched}
     assert len(set(edited.values())) == len(edited)  # (each edit took)
-    assert all(sources[name] == sources["full"] for name in qmm_ablate.WARPS_OF)  # (launched wider, same source)
+    assert all(sources[name] == sources["full"] for name in launched)
 
 
 @needs_nvcc
@@ -84,7 +85,8 @@ def test_the_table_prints_every_variant_and_the_kernels_difference(monkeypatch, 
         assert lines[0] == f"group size {group_size}"
         assert lines[1].split()[2:] == list(qmm_ablate.VARIANTS)
         assert lines[2].startswith("tiny") and lines[2].count("|") == len(qmm_ablate.VARIANTS) - 1
-        assert lines[3].strip() == "vs MLX, max rel diff: full 0.00e+00, warps16 0.00e+00, warps4 0.00e+00", lines[3]
+        want = "vs MLX, max rel diff: full 0.00e+00, warps16 0.00e+00, warps4 0.00e+00, two_blocks 0.00e+00"
+        assert lines[3].strip() == want, lines[3]
 
 
 def test_candidates_of_16_and_4_warps_launch_256_and_64_weight_rows_a_block(monkeypatch):
@@ -108,3 +110,24 @@ def test_candidates_of_16_and_4_warps_launch_256_and_64_weight_rows_a_block(monk
     assert bounds == (512, 1) and grid[0] == 4 * 512 and block == (512, 1, 1)
     assert bounds4 == (128, 4) and grid4[0] == 16 * 128 and block4 == (128, 1, 1)  # (4 warps: 64 weight rows a block)
     assert qmm.WARPS == 8 and qmm.ROWS_PER_BLOCK == 128
+
+
+def test_the_two_blocks_candidate_caps_registers_for_two_blocks_where_the_kernel_takes_one(monkeypatch):
+    """Groups of 32 past 32 rows: the kernel's launch is capped for one block an SM (qmm.MIN_BLOCKS_WIDE_G32),
+    two_blocks' for two, with the kernel's own launch shape."""
+    launches = []
+
+    def stand_in(**kwargs):
+        def launch(inputs, output_shapes, **args):
+            launches.append((kwargs["launch_bounds"], args["grid"]))
+            return [mx.zeros(output_shapes[0], mx.float32)]
+
+        return launch
+
+    monkeypatch.setattr(qmm_ablate, "cuda_kernel", stand_in)
+    x, w = mx.ones((48, 256), mx.bfloat16), mx.zeros((1024, 32), mx.uint32)
+    scales = biases = mx.zeros((1024, 8), mx.bfloat16)
+    qmm_ablate.product("full", 32)(x, w, scales, biases)
+    qmm_ablate.product("two_blocks", 32)(x, w, scales, biases)
+    (bounds, grid), (bounds2, grid2) = launches
+    assert bounds == (256, qmm.MIN_BLOCKS_WIDE_G32) == (256, 1) and bounds2 == (256, 2) and grid2 == grid
