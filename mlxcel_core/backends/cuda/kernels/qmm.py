@@ -28,15 +28,15 @@ padded by 8 bytes, so a warp's 8-byte reads of 4 rows by 4 offsets hit 16 differ
 registers, loading a group D groups before its turn. Why: where each warp loads its own x from global memory (8 bytes at
 a time, 8 rows by 4 offsets: 32 sectors touched, a quarter of each used) and a group's weights only when the group
 starts, every warp waits a memory latency a group (benchmarks/RESULTS.md has the whole decode step both ways). Eight
-warps rather than four a block halve what staging and summing x costs a weight row (benchmarks/RESULTS.md, the
+warps rather than four a block halve what staging and reordering x costs a weight row (benchmarks/RESULTS.md, the
 kernels-alone table, has the two side by side). The staging loop finds a piece's row and offset by a power of two (the
 pieces of a whole chunk's row), not a division.
 
 The block passes once over each staged chunk, behind a second barrier, and reorders each 8 values of x as x0 x4 x1
 x5 x2 x6 x3 x7, so that a warp makes a register of two weights from a whole packed word with one AND-OR (nibbles 0 and
 4, then 1 and 5, ...: mlxcel_qmm_pair4) and one fused multiply-add (mlxcel_qmm_dequant2); the tensor cores see the
-same products, in another order of K within a step. The kernel is
-compiled with __launch_bounds__(256, MIN_BLOCKS), at most 128 registers a thread, so two blocks (16 warps) fit an SM.
+same products, in another order of K within a step. The kernel is compiled with __launch_bounds__(256, MIN_BLOCKS), at
+most 128 registers a thread, so two blocks (16 warps) fit an SM.
 The pass and the reorder cut the sm_90 code a group of 16 tensor-core products takes by half (benchmarks/qmm_sass.py
 counts it) and lift an 8B model's 4-bit decode at 32 and 64 rows by about a tenth (benchmarks/RESULTS.md).
 
@@ -71,7 +71,8 @@ ROWS_PER_BLOCK = 16 * WARPS
 X_TYPES = (mx.bfloat16, mx.float16)
 # Blocks an SM: registers capped at 65536 / (256 * 2) = 128 a thread, which the kernel needs no spill for
 MIN_BLOCKS = 2
-MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32 (which spill at 128 registers; 64 and 128 do not)
+MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32, which spilled at 128 registers before the weights
+# were made in 16 bits (now 124, no spill: whether two blocks win there is h200_kernels.sh qmmblocks's question)
 
 # The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned splits
 # are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py).
