@@ -281,12 +281,17 @@ def _product(sgemm, ta: int, tb: int, a, b, first: int, m: int, n: int, k: int):
     return c
 
 
+def _rows() -> bool:
+    """Whether the library is loaded and blas_rows.c computes the products (not OpenBLAS's tiles)."""
+    return _tiles is not None and _status.startswith(ACTIVE[0])
+
+
 def register_packed(weight, packed, scales, biases, group_size: int, bits: int) -> bool:
     """Tie a float32 weight [N, K] (an evaluated MLX array, its own buffer) to the packed `bits`-bit values, float32
     scales and biases it was dequantized from, so that products read those (csrc/blas_packed.c: the same bits, checked
     here for every weight); False where the library does not take it (not loaded, no AVX2, bits other than 4 and 8,
     or a weight that is not their dequantization bit for bit)."""
-    if _tiles is None or not _status.startswith(ACTIVE[0]):
+    if not _rows():
         return False
     import numpy as np
 
@@ -315,24 +320,20 @@ def packed_products() -> int:
     return int(_tiles.mlxcel_packed_hits()) if _tiles is not None else 0
 
 
-def _rows() -> bool:
-    return _tiles is not None and _status.startswith(ACTIVE[0])
-
-
 def rows_wide_available() -> bool:
-    """Whether blas_rows.c computes here and the CPU has AVX-512F and DQ for the wide blocks of 4 rows."""
+    """Whether blas_rows.c computes here and the CPU has AVX-512F and DQ for the wide blocks of rows."""
     return _rows() and bool(_tiles.mlxcel_rows_wide_available())
 
 
 def rows_wide() -> bool:
-    """Whether blocks of 4 rows run on AVX-512 with the AVX2 kernels' bits: blas_rows.c's (two rows of x a register,
-    8 columns a block) and blas_packed.c's (two weight rows a register): where `rows_wide_available()`, unless
+    """Whether blocks of rows run on AVX-512 with the AVX2 kernels' bits: blas_rows.c's 4 (two rows of x a register, 8
+    columns a block) and blas_packed.c's 4 and 8 (two weight rows a register): where `rows_wide_available()`, unless
     `set_rows_wide(False)`."""
     return _rows() and bool(_tiles.mlxcel_rows_wide())
 
 
 def set_rows_wide(on: bool) -> None:
-    """Choose the AVX-512 kernels (on: only where they are available) or the AVX2 ones for blocks of 4 rows (the tests
+    """Choose the AVX-512 kernels (on: only where they are available) or the AVX2 ones for blocks of rows (the tests
     compare the two bit for bit)."""
     if _rows():
         _tiles.mlxcel_rows_set_wide(int(bool(on)))

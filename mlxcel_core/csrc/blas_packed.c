@@ -147,7 +147,6 @@ ROWS4_COLS2(8)
  * each half what weights8 gives for its row, against each x row broadcast to both halves; each half accumulates as
  * rows4_cols2's registers do (the same loads, roundings and fused multiply-adds in the same order), so the bits are the
  * same. Eight rows make each weight once for all of them (a decode batch of 8: two blocks of 4 make it twice). */
-#define TARGET512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
 /* eight packed values of row a at `a_at` and eight of row b at `b_at`, as float32 in the low and high halves */
 TARGET512 static inline __m512 values16(const uint8_t *a_at, const uint8_t *b_at, int bits) {

@@ -90,7 +90,6 @@ TARGET static void rows1_cols1(ARGS) {
  * against one column, each half accumulating exactly as an AVX2 register does for its row (the same lanes, fused
  * multiply-adds in the same order), so every element has the AVX2 kernel's bits. The columns are broadcast from memory
  * (a load, not a shuffle) and a pair of rows is made once a step for all eight columns. */
-#define TARGET512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
 TARGET512 static inline __m512 two_rows(const float *r0, const float *r1) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(r0)), _mm256_loadu_ps(r1), 1);
@@ -127,7 +126,8 @@ int mlxcel_rows_wide_available(void) {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
 
-/* whether 4-row blocks take rows4_cols8_wide: -1 until the first product asks the CPU */
+/* whether blocks of rows run on AVX-512 (here rows4_cols8_wide; blas_packed.c's wide blocks): -1 until the first
+ * product asks the CPU */
 static int wide = -1;
 
 void mlxcel_rows_set_wide(int on) { __atomic_store_n(&wide, on && mlxcel_rows_wide_available(), __ATOMIC_RELAXED); }

@@ -1,11 +1,14 @@
 /* What blas_rows.c and blas_packed.c share, so that an element of x @ w.T has the same bits from either: the AVX2
- * target, the fixed tree that sums a dot product's eight lanes, and how a sum is stored (alpha s + beta c). */
+ * and AVX-512 targets, the fixed tree that sums a dot product's eight lanes, and how a sum is stored (alpha s +
+ * beta c). */
 #ifndef MLXCEL_BLAS_ROWS_H
 #define MLXCEL_BLAS_ROWS_H
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 
 #define TARGET __attribute__((target("avx2,fma")))
+/* the AVX-512 blocks (blas_rows.c, blas_packed.c): two rows a register, each half an AVX2 register's lanes */
+#define TARGET512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
 
 /* ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) */
 TARGET static inline float lanes_sum(__m256 v) {
