@@ -34,7 +34,7 @@ def test_every_variant_changes_the_kernel():
 def test_variants_compile_for_sm90(tmp_path, name):
     args = qmm.launch_args((32, 4096), mx.bfloat16, mx.bfloat16, 28672, 4096, 64)
     text = kernel_text(
-        "k", qmm_ablate.variant_source(name), qmm_ablate.variant_header(name), ["x", "w", "scales", "biases"],
+        "k", qmm_ablate.variant_source(name), qmm_ablate.HEADER, ["x", "w", "scales", "biases"],
         [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16], [2, 2, 2, 2], ["partial"], [mx.float32],
         args["template"], launch_bounds=(qmm.WARPS * 32, qmm.MIN_BLOCKS),
     )  # fmt: skip
