@@ -24,7 +24,7 @@ Candidates must give the kernel's products: their largest difference from MLX's 
                --rows 64), where 8 warps take one block an SM (registers above 128), 4 took three
   two_blocks   the kernel with its registers capped for two blocks an SM at every row count: groups of 32 past 32 rows
                run one block an SM (qmm.MIN_BLOCKS_WIDE_G32), which the kernel needed before it made its weights in
-               16 bits (it spilled at 128 registers; now 124, no spill, on sm_90)
+               16 bits (it spilled at 128 registers; now 122, no spill, on sm_90)
 Groups of 32 and 128 with --group-size (MLX's quantization of the same random weights).
 Timing as benchmarks/qmv.py's: calls one after another on one stream (no CUDA graphs), over enough copies of the
 weights that each call reads them from HBM; GB/s counts the packed weights + scales + biases once a call.
@@ -104,10 +104,10 @@ VARIANTS = {  # name: (text of the kernel, its replacement), ...
     "no_prep": [(_prep_pass(), "")],
     "no_dequant": [
         (
-            "mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(" + v + "), ps[" + s + "], ps[" + b + "])",
-            "mlxcel_qmm_pair4<T>(" + v + ")",
+            f"mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>({v}), s{r}, c{r}, ps[{r}], ps[{r + 2}])",
+            f"mlxcel_qmm_pair4<T>({v})",
         )
-        for v, s, b in [("v0", "0", "2"), ("v1", "1", "3"), ("v0 >> 4", "0", "2"), ("v1 >> 4", "1", "3")]
+        for v, r in [("v0", 0), ("v1", 1), ("v0 >> 4", 0), ("v1 >> 4", 1)]
     ],
     "warps16": [],  # (the kernel's source, launched with WARPS_OF's warps)
     "warps4": [],

@@ -72,7 +72,7 @@ X_TYPES = (mx.bfloat16, mx.float16)
 # Blocks an SM: registers capped at 65536 / (256 * 2) = 128 a thread, which the kernel needs no spill for
 MIN_BLOCKS = 2
 MIN_BLOCKS_WIDE_G32 = 1  # past NARROW_ROWS rows in groups of 32, which spilled at 128 registers before the weights
-# were made in 16 bits (now 124, no spill: whether two blocks win there is h200_kernels.sh qmmblocks's question)
+# were made in 16 bits (now 122, no spill: whether two blocks win there is h200_kernels.sh qmmblocks's question)
 
 # The name carries a hash of the source and of the block's warps (the source reads them from blockDim; tuned splits
 # are keyed on the name): MLX caches compiled kernels on disk by name (see kernels/qmv.py).

@@ -75,16 +75,28 @@ __device__ __forceinline__ void mlxcel_qmm_words(uint32_t* r, const uint32_t* p)
     }
 }
 
+// v in both halves of a pair of T (a group's scale or bias, made once a group).
+template <typename T>
+__device__ __forceinline__ uint32_t mlxcel_qmm_splat(float v) {
+    if constexpr (mlxcel_qmv_same<T, __half>::value) {
+        __half2 h = __float2half2_rn(v);
+        return *reinterpret_cast<uint32_t*>(&h);
+    }
+    __nv_bfloat162 h = __float2bfloat162_rn(v);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
 // A pair of nibbles q (mlxcel_qmm_pair4) made weights q s + b in T, rounded once: where the scales and biases are T
-// (s and b then exact in T), one fused multiply-add of pairs; else (float32 scales) two float32 ones, then rounded.
-// As a prompt's products read their dequantized weights (fast_linear.prompt_product) and MLX's quantized products do.
+// (s and b then exact in T), one fused multiply-add of pairs with s2 and b2 (s and b splat by mlxcel_qmm_splat);
+// else (float32 scales) two float32 ones of s and b, then rounded. As a prompt's products read their dequantized
+// weights (fast_linear.prompt_product) and MLX's quantized products do.
 template <typename T, typename S>
-__device__ __forceinline__ uint32_t mlxcel_qmm_dequant2(uint32_t q, float s, float b) {
+__device__ __forceinline__ uint32_t mlxcel_qmm_dequant2(uint32_t q, uint32_t s2, uint32_t b2, float s, float b) {
     if constexpr (mlxcel_qmv_same<T, __half>::value) {
         const __half2 qh = *reinterpret_cast<const __half2*>(&q);
         __half2 r;
         if constexpr (mlxcel_qmv_same<S, T>::value) {
-            r = __hfma2(qh, __float2half2_rn(s), __float2half2_rn(b));
+            r = __hfma2(qh, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&b2));
         } else {
             const float2 qf = __half22float2(qh);
             r = __floats2half2_rn(fmaf(qf.x, s, b), fmaf(qf.y, s, b));
@@ -94,7 +106,8 @@ __device__ __forceinline__ uint32_t mlxcel_qmm_dequant2(uint32_t q, float s, flo
         const __nv_bfloat162 qh = *reinterpret_cast<const __nv_bfloat162*>(&q);
         __nv_bfloat162 r;
         if constexpr (mlxcel_qmv_same<S, T>::value) {
-            r = __hfma2(qh, __float2bfloat162_rn(s), __float2bfloat162_rn(b));
+            r = __hfma2(qh, *reinterpret_cast<const __nv_bfloat162*>(&s2),
+                        *reinterpret_cast<const __nv_bfloat162*>(&b2));
         } else {
             const float2 qf = __bfloat1622float2(qh);
             r = __floats2bfloat162_rn(fmaf(qf.x, s, b), fmaf(qf.y, s, b));
@@ -262,6 +275,9 @@ SOURCE = r"""
                 for (int i = 0; i < 4; ++i) {
                     ps[i] = rsc[d][i];
                 }
+                // (both halves of a pair: the fused multiply-add's operands where the scales are T, made once a group)
+                const uint32_t s0 = mlxcel_qmm_splat<T>(ps[0]), s1 = mlxcel_qmm_splat<T>(ps[1]);
+                const uint32_t c0 = mlxcel_qmm_splat<T>(ps[2]), c1 = mlxcel_qmm_splat<T>(ps[3]);
                 if (gi + D < gend) {
                     fetch(gi + D, rq0[d], rq1[d], rsc[d]);
                 }
@@ -271,10 +287,11 @@ SOURCE = r"""
                     // K values j, j + 4 and j + 1, j + 5 of the word, j = 2 (s & 1): x's order in shared memory
                     const uint32_t v0 = p0[s >> 1] >> (8 * (s & 1));
                     const uint32_t v1 = p1[s >> 1] >> (8 * (s & 1));
-                    const uint32_t a[4] = {mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v0), ps[0], ps[2]),
-                                           mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v1), ps[1], ps[3]),
-                                           mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v0 >> 4), ps[0], ps[2]),
-                                           mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v1 >> 4), ps[1], ps[3])};
+                    const uint32_t a[4] = {
+                        mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v0), s0, c0, ps[0], ps[2]),
+                        mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v1), s1, c1, ps[1], ps[3]),
+                        mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v0 >> 4), s0, c0, ps[0], ps[2]),
+                        mlxcel_qmm_dequant2<T, S>(mlxcel_qmm_pair4<T>(v1 >> 4), s1, c1, ps[1], ps[3])};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) {
                         const uint2 v = *reinterpret_cast<const uint2*>(&xsh[c & 1][nt * 8 + g][kc]);
