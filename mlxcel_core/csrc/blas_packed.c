@@ -82,15 +82,28 @@ TARGET static void block(const packed_t *e, int row0, int mr, int nr, int i0, in
     for (int jj = 0; jj < nr; jj++) store_sum(c + (size_t)(i0 + i) * ldc + j + jj, lanes_sum(acc[i][jj]), alpha, beta);
 }
 
-/* one row against weight rows j..j+3, a group at a time (BITS a constant: the compiler drops the other width) */
+/* A decode step's weights come from L3 or memory, and the hardware's prefetcher follows the short streams of a block
+ * of rows (a row of k = 576 4-bit values is 288 bytes) too late: the kernels ask for the next block's bytes ahead, a
+ * line every `step` bytes of `count` from `at`. */
+static inline void prefetch_lines(const char *at, int count, int step) {
+  for (int o = 0; o < count; o += step) _mm_prefetch(at + o, _MM_HINT_T0);
+}
+
+/* one row against weight rows j..j+3, a group at a time (BITS a constant: the compiler drops the other width), while
+ * the next four rows' bytes are fetched a slice a group */
 #define ROW_COLS4(BITS)                                                                                                \
   TARGET static void row_cols4_##BITS(const packed_t *e, int r, const float *a, float alpha, float beta, float *c) {   \
     const int groups = e->k / e->group, row_bytes = e->k * BITS / 8;                                                   \
     const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes, *q2 = q1 + row_bytes,                      \
                   *q3 = q2 + row_bytes;                                                                                \
     const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                              \
+    const int ahead = r + 8 <= e->n, group_bytes = e->group * BITS / 8;                                              \
+    if (ahead) prefetch_lines((const char *)(s + 4 * groups), 16 * groups, 64);                                       \
+    if (ahead) prefetch_lines((const char *)(b + 4 * groups), 16 * groups, 64);                                       \
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                                                        \
     for (int g = 0, p = 0; g < groups; g++) {                                                                          \
+      if (ahead && (p * BITS / 8) % 64 < group_bytes) /* (a line boundary in this group) */                            \
+        prefetch_lines((const char *)q3 + row_bytes + p * BITS / 8, 4 * row_bytes, row_bytes);                         \
       const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[groups + g]);                                      \
       const __m256 s2 = _mm256_set1_ps(s[2 * groups + g]), s3 = _mm256_set1_ps(s[3 * groups + g]);                     \
       const __m256 b0 = _mm256_set1_ps(b[g]), b1 = _mm256_set1_ps(b[groups + g]);                                      \
