@@ -131,8 +131,13 @@ ROW_COLS4(8)
     const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes;                                            \
     const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                              \
     const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;                                                         \
+    const int ahead = r + 6 <= e->n, group_bytes = e->group * BITS / 8;                                              \
+    if (ahead) prefetch_lines((const char *)(s + 4 * groups), 8 * groups, 64);                                        \
+    if (ahead) prefetch_lines((const char *)(b + 4 * groups), 8 * groups, 64);                                        \
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;     \
     for (int g = 0, p = 0; g < groups; g++) {                                                                          \
+      if (ahead && (p * BITS / 8) % 64 < group_bytes)                                                                  \
+        prefetch_lines((const char *)q1 + 3 * row_bytes + p * BITS / 8, 2 * row_bytes, row_bytes);                     \
       const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[groups + g]);                                      \
       const __m256 b0 = _mm256_set1_ps(b[g]), b1 = _mm256_set1_ps(b[groups + g]);                                      \
       for (int end = p + e->group; p < end; p += 8) {                                                                  \
@@ -181,9 +186,14 @@ TARGET512 static inline __m512 values16(const uint8_t *a_at, const uint8_t *b_at
     const int groups = e->k / e->group, row_bytes = e->k * BITS / 8;                                                   \
     const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes;                                            \
     const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                              \
+    const int ahead = r + 6 <= e->n, group_bytes = e->group * BITS / 8;                                              \
+    if (ahead) prefetch_lines((const char *)(s + 4 * groups), 8 * groups, 64);                                        \
+    if (ahead) prefetch_lines((const char *)(b + 4 * groups), 8 * groups, 64);                                        \
     __m512 acc[R];                                                                                                     \
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                  \
     for (int g = 0, p = 0; g < groups; g++) {                                                                          \
+      if (ahead && (p * BITS / 8) % 64 < group_bytes)                                                                  \
+        prefetch_lines((const char *)q1 + 3 * row_bytes + p * BITS / 8, 2 * row_bytes, row_bytes);                     \
       const __m512 s01 = _mm512_insertf32x8(_mm512_set1_ps(s[g]), _mm256_set1_ps(s[groups + g]), 1);                  \
       const __m512 b01 = _mm512_insertf32x8(_mm512_set1_ps(b[g]), _mm256_set1_ps(b[groups + g]), 1);                  \
       for (int end = p + e->group; p < end; p += 8) {                                                                  \
