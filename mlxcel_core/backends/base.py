@@ -51,12 +51,15 @@ class Backend:
     # -- models ------------------------------------------------------------------------------------
     def prepare_model(self, model) -> None:
         """What load_model and build_random_model do to every built model: on the CPU with cpu_blas.py, quantized layers
-        compute float32 products of their dequantized weights (cpu_float32.py); on the CPU, rotary embeddings share
+        compute float32 products of their dequantized weights (cpu_float32.py), q/k/v and gate/up as one product each
+        where blas_rows.c computes them (cpu_fused.py); on the CPU, rotary embeddings share
         their angles across layers (cpu_rope.py) and RMS norms run compiled (cpu_norm.py); otherwise nothing."""
-        from . import cpu_float32, cpu_norm, cpu_rope
+        from . import cpu_float32, cpu_fused, cpu_norm, cpu_rope
 
         if cpu_float32.applies():
             cpu_float32.prepare(model)
+            if cpu_fused.applies():
+                cpu_fused.prepare(model)
         if cpu_rope.applies():
             cpu_rope.prepare(model)
         if cpu_norm.applies():
@@ -66,7 +69,7 @@ class Backend:
         """Undo prepare_model where it changed layers' classes or layout (before a model is requantized)."""
         from . import cpu_float32, cpu_norm, cpu_rope
 
-        cpu_float32.unprepare(model)
+        cpu_float32.unprepare(model)  # (the stacks of cpu_fused.py first)
         cpu_rope.unprepare(model)
         cpu_norm.unprepare(model)
 

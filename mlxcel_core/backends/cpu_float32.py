@@ -184,5 +184,9 @@ def _tie_packed(layer: nn.Module) -> bool:
 
 
 def unprepare(model: nn.Module) -> int:
-    """Undo `prepare`: MLX's quantized classes again, the float32 copies dropped; returns how many."""
+    """Undo `prepare`: MLX's quantized classes again, the float32 copies dropped (and first the blocks that stack
+    them, cpu_fused.py); returns how many."""
+    from . import cpu_fused
+
+    cpu_fused.unprepare(model)
     return swap_back(model, SWAPS, lambda module: delattr(module, "float32"))
