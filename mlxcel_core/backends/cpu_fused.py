@@ -4,7 +4,8 @@ as one, of their float32 copies stacked (cpu_float32.py).
 Why: a decode step on the CPU is mostly its products' memory reads and MLX's per-op costs (benchmarks/RESULTS.md,
 "CPU: mlxcel's AVX2 kernel"). One product in place of three (two) drops three products' graph nodes and thread
 fork-and-joins a layer, and the k and v products of a small model (192 x 576 for SmolLM2), each too small to be split
-across threads, run inside a larger one.
+across threads, run inside a larger one. The queries' and keys' heads, side by side in the product, then rotate in one
+call (without per-head norms between).
 
 Exactness: where csrc/blas_rows.c computes MLX's float32 products (cpu_blas.py on a CPU with AVX2 and FMA), every
 element of a product is one dot product computed the same way wherever its weight's row is, and blas_packed.c gives
@@ -25,7 +26,7 @@ import mlx.nn as nn
 
 from ..dequantize import is_quantized
 from ..models.base import normed
-from ..models.transformer import Attention, GatedMLP
+from ..models.transformer import Attention, GatedMLP, heads_first
 from .class_swaps import swap_back
 from .cpu_float32 import PACKED_BITS, SWAPS, _Held
 
@@ -47,25 +48,38 @@ class _Stack:
             mx.eval(self.bias)
         self.like = _like(layers[0])
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
-        """Each layer's output of x, as cpu_float32's product computes it."""
+    def __call__(self, x: mx.array) -> mx.array:
+        """The layers' outputs of x side by side, each as cpu_float32's product computes it."""
         y = x.astype(mx.float32) @ self.held.transposed
         if self.bias is not None:
             y = y + self.bias
-        y = y.astype(mx.result_type(x, self.like))
+        return y.astype(mx.result_type(x, self.like))
+
+    def split(self, y: mx.array) -> list[mx.array]:
         starts = [0] + self.ends[:-1]
         return [y[..., start:end] for start, end in zip(starts, self.ends)]
 
 
 class StackedAttention:
     def project(self, x: mx.array, norm: nn.Module | None = None) -> tuple[mx.array, mx.array, mx.array]:
-        q, k, v = self.qkv_stack(normed(x, norm))
+        q, k, v = self.qkv_stack.split(self.qkv_stack(normed(x, norm)))
         return q, k, v
+
+
+class StackedRotatedAttention(StackedAttention):
+    def project_rotated(self, x: mx.array, norm: nn.Module | None, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Attention.project_rotated's, the queries' and keys' heads rotated together in one call (a rotation of an
+        element depends on its position and dimension only); with per-head norms, the plain method."""
+        if self.qk_norm:
+            return super().project_rotated(x, norm, offset)
+        y, keys_end = self.qkv_stack(normed(x, norm)), self.qkv_stack.ends[1]
+        rotated = self.rope(heads_first(y[..., :keys_end], self.n_heads + self.n_kv_heads), offset)
+        return rotated[:, : self.n_heads], rotated[:, self.n_heads :], heads_first(y[..., keys_end:], self.n_kv_heads)
 
 
 class StackedGatedMLP:
     def project_gated(self, x: mx.array, norm: nn.Module | None = None) -> mx.array:
-        gate, up = self.gate_up_stack(normed(x, norm))
+        gate, up = self.gate_up_stack.split(self.gate_up_stack(normed(x, norm)))
         return self.activation(gate, up)
 
 
@@ -149,6 +163,8 @@ def prepare(model: nn.Module) -> int:
             if not _stackable(module, names):
                 continue
             _stack(module, names, attribute)
+            if mixin is StackedAttention and kind.project_rotated is Attention.project_rotated:
+                mixin = StackedRotatedAttention
             module.__class__ = _swap_class(kind, mixin)
             count += 1
     return count

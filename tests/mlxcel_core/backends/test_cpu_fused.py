@@ -1,6 +1,7 @@
 """On the CPU with blas_rows.c, q/k/v and gate/up projections as one product each (backends/cpu_fused.py): the same
 logits bit for bit as the layers one by one (a prompt, then decode steps; 4-, 8-bit, half precision; biases), the
-layers still computing alone, each block's stack a product a step, and unprepare giving the model back."""
+layers still computing alone, each block's stack a product a step, and unprepare giving the model back. Both tests
+of logits run a prompt and decode steps, so the queries' and keys' heads rotated together (one call) are checked too."""
 
 from __future__ import annotations
 
@@ -40,7 +41,13 @@ def _blocks(model) -> list:
 
 @pytest.mark.parametrize(
     "bits,dtype,model_type",
-    [(4, "float32", "llama"), (8, "float32", "llama"), (None, "bfloat16", "llama"), (4, "float32", "qwen2")],
+    [
+        (4, "float32", "llama"),
+        (8, "float32", "llama"),
+        (None, "bfloat16", "llama"),
+        (4, "float32", "qwen2"),  # (q/k/v biases)
+        (4, "float32", "qwen3"),  # (per-head q/k norms: q and k rotated apart)
+    ],
 )
 def test_the_stacked_products_give_the_layers_logits_bit_for_bit(bits, dtype, model_type):
     stacked = _model(bits, dtype, model_type)
