@@ -55,12 +55,17 @@ def _untie(weight: mx.array) -> None:
     cpu_blas.unregister_packed(weight)
 
 
-def _product(layer: nn.Module, x: mx.array, like: mx.array) -> mx.array:
-    """`x @ w.T` (+ bias) with the layer's float32 weight, in the dtype the layer's own kernel would give."""
-    y = x.astype(mx.float32) @ layer.float32.transposed
-    if "bias" in layer:
-        y = y + layer["bias"]
+def product(x: mx.array, transposed: mx.array, bias: mx.array | None, like: mx.array) -> mx.array:
+    """`x @ w.T` (+ bias) with a float32 weight's transpose, in the dtype the layer's own kernel would give (x's and
+    `like`'s: its scales or weight); cpu_fused.py's stacks compute theirs here too."""
+    y = x.astype(mx.float32) @ transposed
+    if bias is not None:
+        y = y + bias
     return y.astype(mx.result_type(x, like))
+
+
+def _product(layer: nn.Module, x: mx.array, like: mx.array) -> mx.array:
+    return product(x, layer.float32.transposed, layer["bias"] if "bias" in layer else None, like)
 
 
 class Float32QuantizedLinear(nn.QuantizedLinear):

@@ -28,14 +28,14 @@ from ..dequantize import is_quantized
 from ..models.base import normed
 from ..models.transformer import Attention, GatedMLP, heads_first
 from .class_swaps import swap_back
-from .cpu_float32 import PACKED_BITS, SWAPS, _Held
+from .cpu_float32 import PACKED_BITS, SWAPS, _Held, product
 
 _swapped: dict[type, type] = {}  # a block's class -> its stacked subclass (made once a class)
 
 
 class _Stack:
-    """The stacked float32 weight (held outside the module's parameters, as cpu_float32's copies), its transpose, the
-    stacked biases (None: no layer has one), the row where each layer's output ends, and the output's dtype partner."""
+    """The stacked float32 weight (held outside the module's parameters, as cpu_float32's copies), the stacked biases
+    (None: no layer has one), where each layer's rows end and lie, and the output's dtype partner."""
 
     def __init__(self, layers: list[nn.Module]):
         self.held = _Held(mx.concatenate([layer.float32.weight for layer in layers], axis=0))
@@ -43,6 +43,7 @@ class _Stack:
         for layer in layers:
             end += layer.float32.weight.shape[0]
             self.ends.append(end)
+        self.bounds = list(zip([0] + self.ends[:-1], self.ends))
         self.bias = mx.concatenate([layer["bias"] for layer in layers]) if "bias" in layers[0] else None
         if self.bias is not None:
             mx.eval(self.bias)
@@ -50,14 +51,10 @@ class _Stack:
 
     def __call__(self, x: mx.array) -> mx.array:
         """The layers' outputs of x side by side, each as cpu_float32's product computes it."""
-        y = x.astype(mx.float32) @ self.held.transposed
-        if self.bias is not None:
-            y = y + self.bias
-        return y.astype(mx.result_type(x, self.like))
+        return product(x, self.held.transposed, self.bias, self.like)
 
     def split(self, y: mx.array) -> list[mx.array]:
-        starts = [0] + self.ends[:-1]
-        return [y[..., start:end] for start, end in zip(starts, self.ends)]
+        return [y[..., start:end] for start, end in self.bounds]
 
 
 class StackedAttention:
