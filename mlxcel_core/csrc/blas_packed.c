@@ -89,6 +89,22 @@ static inline void prefetch_lines(const char *at, int count, int step) {
   for (int o = 0; o < count; o += step) _mm_prefetch(at + o, _MM_HINT_T0);
 }
 
+/* the scales and biases of rows r..r+count-1 (a block), asked for at the start of the block before it */
+static inline void prefetch_scales(const packed_t *e, int r, int count) {
+  if (r + count > e->n) return;
+  const int groups = e->k / e->group;
+  prefetch_lines((const char *)(e->scales + (size_t)r * groups), 4 * count * groups, 64);
+  prefetch_lines((const char *)(e->biases + (size_t)r * groups), 4 * count * groups, 64);
+}
+
+/* byte `at` of rows r..r+count-1 (a block), asked for by the block before it at its group starting at `at` where that
+ * group holds a line's start */
+static inline void prefetch_rows(const packed_t *e, int r, int count, int at) {
+  const int row_bytes = e->k * e->bits / 8;
+  if (r + count > e->n || at % 64 >= e->group * e->bits / 8) return;
+  prefetch_lines((const char *)e->q + (size_t)r * row_bytes + at, count * row_bytes, row_bytes);
+}
+
 /* one row against weight rows j..j+3, a group at a time (BITS a constant: the compiler drops the other width), while
  * the next four rows' bytes are fetched a slice a group */
 #define ROW_COLS4(BITS)                                                                                                \
@@ -97,13 +113,10 @@ static inline void prefetch_lines(const char *at, int count, int step) {
     const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes, *q2 = q1 + row_bytes,                      \
                   *q3 = q2 + row_bytes;                                                                                \
     const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                              \
-    const int ahead = r + 8 <= e->n, group_bytes = e->group * BITS / 8;                                              \
-    if (ahead) prefetch_lines((const char *)(s + 4 * groups), 16 * groups, 64);                                       \
-    if (ahead) prefetch_lines((const char *)(b + 4 * groups), 16 * groups, 64);                                       \
+    prefetch_scales(e, r + 4, 4);                                                                                      \
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                                                        \
     for (int g = 0, p = 0; g < groups; g++) {                                                                          \
-      if (ahead && (p * BITS / 8) % 64 < group_bytes) /* (a line boundary in this group) */                            \
-        prefetch_lines((const char *)q3 + row_bytes + p * BITS / 8, 4 * row_bytes, row_bytes);                         \
+      prefetch_rows(e, r + 4, 4, p * BITS / 8);                                                                        \
       const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[groups + g]);                                      \
       const __m256 s2 = _mm256_set1_ps(s[2 * groups + g]), s3 = _mm256_set1_ps(s[3 * groups + g]);                     \
       const __m256 b0 = _mm256_set1_ps(b[g]), b1 = _mm256_set1_ps(b[groups + g]);                                      \
@@ -131,13 +144,10 @@ ROW_COLS4(8)
     const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes;                                            \
     const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                              \
     const float *a1 = a + lda, *a2 = a1 + lda, *a3 = a2 + lda;                                                         \
-    const int ahead = r + 6 <= e->n, group_bytes = e->group * BITS / 8;                                              \
-    if (ahead) prefetch_lines((const char *)(s + 4 * groups), 8 * groups, 64);                                        \
-    if (ahead) prefetch_lines((const char *)(b + 4 * groups), 8 * groups, 64);                                        \
+    prefetch_scales(e, r + 4, 2);                                                                                      \
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;     \
     for (int g = 0, p = 0; g < groups; g++) {                                                                          \
-      if (ahead && (p * BITS / 8) % 64 < group_bytes)                                                                  \
-        prefetch_lines((const char *)q1 + 3 * row_bytes + p * BITS / 8, 2 * row_bytes, row_bytes);                     \
+      prefetch_rows(e, r + 4, 2, p * BITS / 8);                                                                        \
       const __m256 s0 = _mm256_set1_ps(s[g]), s1 = _mm256_set1_ps(s[groups + g]);                                      \
       const __m256 b0 = _mm256_set1_ps(b[g]), b1 = _mm256_set1_ps(b[groups + g]);                                      \
       for (int end = p + e->group; p < end; p += 8) {                                                                  \
@@ -186,14 +196,11 @@ TARGET512 static inline __m512 values16(const uint8_t *a_at, const uint8_t *b_at
     const int groups = e->k / e->group, row_bytes = e->k * BITS / 8;                                                   \
     const uint8_t *q0 = e->q + (size_t)r * row_bytes, *q1 = q0 + row_bytes;                                            \
     const float *s = e->scales + (size_t)r * groups, *b = e->biases + (size_t)r * groups;                              \
-    const int ahead = r + 6 <= e->n, group_bytes = e->group * BITS / 8;                                              \
-    if (ahead) prefetch_lines((const char *)(s + 4 * groups), 8 * groups, 64);                                        \
-    if (ahead) prefetch_lines((const char *)(b + 4 * groups), 8 * groups, 64);                                        \
+    prefetch_scales(e, r + 4, 2);                                                                                      \
     __m512 acc[R];                                                                                                     \
     _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();                                  \
     for (int g = 0, p = 0; g < groups; g++) {                                                                          \
-      if (ahead && (p * BITS / 8) % 64 < group_bytes)                                                                  \
-        prefetch_lines((const char *)q1 + 3 * row_bytes + p * BITS / 8, 2 * row_bytes, row_bytes);                     \
+      prefetch_rows(e, r + 4, 2, p * BITS / 8);                                                                        \
       const __m512 s01 = _mm512_insertf32x8(_mm512_set1_ps(s[g]), _mm256_set1_ps(s[groups + g]), 1);                  \
       const __m512 b01 = _mm512_insertf32x8(_mm512_set1_ps(b[g]), _mm256_set1_ps(b[groups + g]), 1);                  \
       for (int end = p + e->group; p < end; p += 8) {                                                                  \
