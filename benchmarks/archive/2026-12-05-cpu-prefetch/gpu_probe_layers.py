@@ -36,7 +36,9 @@ for dtype in sys.argv[1:] or ["float32", "bfloat16"]:
     unfuse_projections(model)
     out = _decode_logits(model, 1)
     a = np.array(out.astype(mx.float32))
-    print(dtype, "logits", out.dtype, "zeros at even places:", float((a[:, ::2] == 0).mean()), "bad products:", len(bad))
+    print(
+        dtype, "logits", out.dtype, "zeros at even places:", float((a[:, ::2] == 0).mean()), "bad products:", len(bad)
+    )
     for b in bad[:6]:
         print("   ", b)
     bad.clear()
