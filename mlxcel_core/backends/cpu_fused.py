@@ -35,15 +35,14 @@ _swapped: dict[type, type] = {}  # a block's class -> its stacked subclass (made
 
 class _Stack:
     """The stacked float32 weight (held outside the module's parameters, as cpu_float32's copies), the stacked biases
-    (None: no layer has one), where each layer's rows end and lie, and the output's dtype partner."""
+    (None: no layer has one), each layer's rows in it (start, end), and the output's dtype partner."""
 
     def __init__(self, layers: list[nn.Module]):
         self.held = _Held(mx.concatenate([layer.float32.weight for layer in layers], axis=0))
-        self.ends, end = [], 0
+        self.bounds, start = [], 0
         for layer in layers:
-            end += layer.float32.weight.shape[0]
-            self.ends.append(end)
-        self.bounds = list(zip([0] + self.ends[:-1], self.ends))
+            self.bounds.append((start, start + layer.float32.weight.shape[0]))
+            start = self.bounds[-1][1]
         self.bias = mx.concatenate([layer["bias"] for layer in layers]) if "bias" in layers[0] else None
         if self.bias is not None:
             mx.eval(self.bias)
@@ -69,7 +68,7 @@ class StackedRotatedAttention(StackedAttention):
         element depends on its position and dimension only); with per-head norms, the plain method."""
         if self.qk_norm:
             return super().project_rotated(x, norm, offset)
-        y, keys_end = self.qkv_stack(normed(x, norm)), self.qkv_stack.ends[1]
+        y, keys_end = self.qkv_stack(normed(x, norm)), self.qkv_stack.bounds[1][1]
         rotated = self.rope(heads_first(y[..., :keys_end], self.n_heads + self.n_kv_heads), offset)
         return rotated[:, : self.n_heads], rotated[:, self.n_heads :], heads_first(y[..., keys_end:], self.n_kv_heads)
 
@@ -135,10 +134,8 @@ def _stack(block: nn.Module, names: tuple[str, ...], attribute: str) -> None:
     stack = _Stack(layers)
     mx.eval(stack.held.weight)
     stack.held.packed = _tie(stack, layers)
-    start = 0
-    for layer, end in zip(layers, stack.ends):
+    for layer, (start, end) in zip(layers, stack.bounds):
         layer.float32 = _Held(stack.held.weight[start:end])  # (the old copy and its packed tie go)
-        start = end
     setattr(block, attribute, stack)
 
 

@@ -89,7 +89,7 @@ static inline void prefetch_lines(const char *at, int count, int step) {
   for (int o = 0; o < count; o += step) _mm_prefetch(at + o, _MM_HINT_T0);
 }
 
-/* the scales and biases of rows r..r+count-1 (a block), asked for at the start of the block before it */
+/* the scales and biases of rows r..r+count-1 (a later block), asked for at the start of a block */
 static inline void prefetch_scales(const packed_t *e, int r, int count) {
   if (r + count > e->n) return;
   const int groups = e->k / e->group;
@@ -97,8 +97,8 @@ static inline void prefetch_scales(const packed_t *e, int r, int count) {
   prefetch_lines((const char *)(e->biases + (size_t)r * groups), 4 * count * groups, 64);
 }
 
-/* byte `at` of rows r..r+count-1 (a block), asked for by the block before it at its group starting at `at` where that
- * group holds a line's start */
+/* byte `at` of rows r..r+count-1 (a later block), asked for by a block at its group starting at `at` where that group
+ * holds a line's start */
 static inline void prefetch_rows(const packed_t *e, int r, int count, int at) {
   const int row_bytes = e->k * e->bits / 8;
   if (r + count > e->n || at % 64 >= e->group * e->bits / 8) return;
