@@ -153,7 +153,9 @@ FOREIGN: tuple[tuple[str, str], ...] = (
     (
         "MLX_PTX_CACHE_DIR",
         "MLX's own setting: where it keeps the CUDA kernels it compiles. Unless it is set, mlxcel "
-        "sets it to $MLXCEL_CACHE_DIR/kernels/mlx-VERSION/GPU, which outlives /tmp (MLX's default).",
+        "uses $MLXCEL_CACHE_DIR/kernels/mlx-VERSION/GPU, which outlives /tmp (MLX's default). Each process's "
+        "MLX then works in a directory of its own inside it (.proc-PID) and publishes the modules it compiles "
+        "whole, so processes starting together never read one another's half-written kernels.",
     ),
     (
         "CUDA_CACHE_PATH",

@@ -34,7 +34,7 @@ def _stderr(msg: str) -> None:
 
 def _holds_nothing(directory: Path) -> bool:
     try:
-        return not any(directory.iterdir())
+        return not any(not path.name.startswith(".") for path in directory.iterdir())  # (processes' own dirs)
     except OSError:  # (an MLX_PTX_CACHE_DIR that MLX has not created yet)
         return True
 

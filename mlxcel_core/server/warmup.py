@@ -19,6 +19,7 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .. import paths
 from ..constraints import Constraint
 from ..engine import Engine, EngineConfig
 from ..sampling import SamplingParams
@@ -136,6 +137,9 @@ def warm_up_ahead(new_engine: Callable[..., Engine], plan: WarmupPlan, model=Non
                 "mlxcel: the warm-up's dry run failed (%s: %s); it compiles as it goes", type(exc).__name__, exc
             )
     warm_up(new_engine(), plan)
+    published = paths.publish_kernels()  # (for the next process even where this one is killed, not ended)
+    if published:
+        log.info("warm-up: %d of MLX's kernel modules compiled here kept in the kernel cache", published)
     return time.perf_counter() - start
 
 

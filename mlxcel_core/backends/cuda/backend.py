@@ -43,19 +43,19 @@ class CudaBackend(Backend):
         return _dry_run(model)
 
     def mlx_modules_ahead(self, model):
-        from ...paths import use_kernel_cache
+        from ...paths import mlx_kernel_dir
         from . import mlx_jit_ahead
 
-        directory = use_kernel_cache()
+        directory = mlx_kernel_dir()
         if directory is None:
             return None
         return mlx_jit_ahead.start(directory, mlx_jit_ahead.modules_of(model))
 
     def mlx_modules_early(self, checkpoint) -> int:
-        from ...paths import use_kernel_cache
+        from ...paths import mlx_kernel_dir
         from . import mlx_jit_ahead
 
-        directory = use_kernel_cache()
+        directory = mlx_kernel_dir()
         if directory is None or not hasattr(mx.fast, "precompiled_cuda_kernel"):
             return 0  # (no warm-up ahead to adopt them: compile_ahead)
         return mlx_jit_ahead.start_early(directory, mlx_jit_ahead.checkpoint_modules(checkpoint))

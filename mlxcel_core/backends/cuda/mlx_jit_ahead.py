@@ -12,8 +12,9 @@ scatters (mlx/backend/cuda/indexing.cpp), one module per (dtype, index dtype, in
 rank, about 3-5 s each on an H200's host core. It compiles them inside mx.eval on the thread that evaluates, so a
 fresh machine's warm-up waits for them one after another. A module's name says everything its source depends on, so
 a helper process can make MLX compile it by running one small op of those dtypes: the helpers run side by side, each
-into a directory of its own, and `wait` moves their files into the cache directory, the cubin last and every file by
-rename, so the serving process reads either no module or a whole one (MLX itself writes its files in place).
+into a directory of its own, and `wait` moves their files into the directory this process's MLX reads (paths.py
+`mlx_kernel_dir`), the cubin last and every file by rename, so MLX reads either no module or a whole one (MLX itself
+writes its files in place); paths.py publishes them into the shared cache.
 
 Which modules: the gathers and scatters the engine's steps run for a model of that dtype (the embedding's row
 gather, the paged prefill's block gathers and KV writes, the logits processors'), the fused SwiGLU and, for a
@@ -35,6 +36,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from ...paths import AHEAD_PREFIX, process_alive
 
 log = logging.getLogger("mlxcel")
 
@@ -237,7 +240,7 @@ def start(directory: Path, names: list[str]) -> Ahead:
     for name in names:
         if name in running or (directory / f"{name}.ptx").exists() or not runs(name):
             continue
-        scratch = directory / f".ahead-{os.getpid()}-{name}"
+        scratch = directory / f"{AHEAD_PREFIX}{os.getpid()}-{name}"
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
         env = dict(os.environ, MLX_PTX_CACHE_DIR=str(scratch))
@@ -257,20 +260,10 @@ def start_early(directory: Path, names: list[str]) -> int:
 
 def _sweep(directory: Path) -> None:
     """Removes the helpers' scratch directories of processes that have ended (one killed while its helpers ran)."""
-    for scratch in directory.glob(".ahead-*-*"):
+    for scratch in directory.glob(f"{AHEAD_PREFIX}*-*"):
         pid = scratch.name.split("-")[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # (another user's process: alive)
-        return True
-    return True
 
 
 def _move_in(scratch: Path, directory: Path) -> int:
