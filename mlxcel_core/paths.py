@@ -55,7 +55,7 @@ def use_kernel_cache() -> Path | None:
             parent = path.parent
             return parent.parent if parent.name.startswith(PRIVATE_PREFIX) else parent
         if path.name.startswith(PRIVATE_PREFIX):  # this process's, or one inherited from the process that began it
-            if path.name == f"{PRIVATE_PREFIX}{os.getpid()}":
+            if path.name == _private_name():
                 return path.parent
             path = path.parent
         if _cuda_available():
@@ -100,9 +100,10 @@ def mlx_kernel_dir() -> Path | None:
 # reads any module whose cubin exists, so a process sharing the directory with another that is compiling the same
 # module can read it half written: "Failed to load compiled ... kernel" or "There is no kernel named ...". Processes
 # that start together on an empty cache do (tensor-parallel ranks on one host, the test suite's workers). So each
-# process's MLX gets a directory of its own, `.proc-<pid>` inside the shared one, holding hard links to the shared
-# modules at its start; the modules it compiles are published into the shared directory by rename (`publish_kernels`:
-# after a warm-up, and at exit), each module's cubin last, so a reader there finds no module or a whole one.
+# process's MLX gets a directory of its own, `.proc-<host>-<pid>` inside the shared one, holding hard links to the
+# shared modules at its start; the modules it compiles are published into the shared directory by rename
+# (`publish_kernels`: after a warm-up, and at exit), each module's cubin last, so a reader there finds no module or a
+# whole one.
 PRIVATE_PREFIX = ".proc-"
 AHEAD_PREFIX = ".ahead-"
 _MLX_SUFFIXES = (".cu", ".txt", ".ptx")  # (the order a module is published in: its cubin, what MLX looks for, last)
@@ -113,7 +114,7 @@ def _enter_private(shared: Path) -> None:
     fails, MLX is pointed at `shared` itself."""
     import atexit
 
-    private = shared / f"{PRIVATE_PREFIX}{os.getpid()}"
+    private = shared / _private_name()
     try:
         _sweep_private(shared)
         private.mkdir(parents=True, exist_ok=True)
@@ -134,7 +135,7 @@ def publish_kernels() -> int:
     """Publish the modules this process's MLX compiled into the shared kernel cache (`_enter_private`); how many. Call
     it where no compile is under way on another thread (a warm-up's end); exit calls it as well."""
     private = Path(os.environ.get(PTX_CACHE_ENV, ""))
-    if not private.name == f"{PRIVATE_PREFIX}{os.getpid()}":
+    if not private.name == _private_name():
         return 0
     return _publish(private, private.parent)
 
@@ -178,11 +179,20 @@ def _leave_private(private: Path, shared: Path) -> None:
         shutil.rmtree(private, ignore_errors=True)
 
 
+def _private_name() -> str:
+    """This process's directory's name: .proc-<host>-<pid>."""
+    import socket
+
+    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
+    return f"{PRIVATE_PREFIX}{host}-{os.getpid()}"
+
+
 def _sweep_private(shared: Path) -> None:
     """Remove the private directories of processes that ended without leaving theirs (killed): a module there may be
     half written, so none is published."""
-    for private in shared.glob(f"{PRIVATE_PREFIX}*"):
-        pid = private.name[len(PRIVATE_PREFIX) :]
+    host = _private_name().rsplit("-", 1)[0]  # (a process of another host or container may hold the same number)
+    for private in shared.glob(f"{host}-*"):
+        pid = private.name.rsplit("-", 1)[1]
         if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             shutil.rmtree(private, ignore_errors=True)
     for temporary in shared.glob(".tmp-*-*"):  # (a publishing process's, killed between its link and rename)

@@ -154,7 +154,7 @@ FOREIGN: tuple[tuple[str, str], ...] = (
         "MLX_PTX_CACHE_DIR",
         "MLX's own setting: where it keeps the CUDA kernels it compiles. Unless it is set, mlxcel "
         "uses $MLXCEL_CACHE_DIR/kernels/mlx-VERSION/GPU, which outlives /tmp (MLX's default). Each process's "
-        "MLX then works in a directory of its own inside it (.proc-PID) and publishes the modules it compiles "
+        "MLX then works in a directory of its own inside it (.proc-HOST-PID) and publishes the modules it compiles "
         "whole, so processes starting together never read one another's half-written kernels.",
     ),
     (

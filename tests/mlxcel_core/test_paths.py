@@ -36,7 +36,7 @@ def cuda(monkeypatch, tmp_path):
 def test_kernels_persist_under_the_cache_dir_per_mlx_version_and_gpu(cuda):
     want = cuda / "kernels" / f"mlx-{mx.__version__}" / "sm_90-NVIDIA_H200__x_"
     assert paths.use_kernel_cache() == want and want.is_dir()
-    own = want / f".proc-{os.getpid()}"
+    own = want / paths._private_name()
     assert os.environ[paths.PTX_CACHE_ENV] == str(own) and own.is_dir()  # what MLX reads at its first compile
     assert paths.use_kernel_cache() == want and paths.mlx_kernel_dir() == own  # (asked again: the same)
 
@@ -45,7 +45,7 @@ def test_an_explicit_mlx_setting_wins(cuda, monkeypatch):
     theirs = cuda / "somewhere" / "else"
     monkeypatch.setenv(paths.PTX_CACHE_ENV, str(theirs))
     assert paths.use_kernel_cache() == theirs
-    assert os.environ[paths.PTX_CACHE_ENV] == str(theirs / f".proc-{os.getpid()}")
+    assert os.environ[paths.PTX_CACHE_ENV] == str(theirs / paths._private_name())
 
 
 def _module(directory, name: str, cubin: bytes = b"cubin") -> None:
@@ -64,7 +64,7 @@ def test_a_process_reads_the_shared_modules_and_publishes_its_own_whole(cuda):
     os.environ[paths.PTX_CACHE_ENV] = str(shared)
     assert paths.use_kernel_cache() == shared
     own = paths.mlx_kernel_dir()
-    assert own == shared / f".proc-{os.getpid()}"
+    assert own == shared / paths._private_name()
     assert (own / "gather_a.ptx").samefile(shared / "gather_a.ptx") and (own / ("G" * 40) / "long.txt").exists()
     assert not (own / "ours.cubin").exists()
     _module(own, "gather_b", b"new")  # MLX compiles one here
@@ -78,20 +78,22 @@ def test_a_process_reads_the_shared_modules_and_publishes_its_own_whole(cuda):
 def test_a_dead_processs_directory_is_swept_unpublished(cuda):
     shared = cuda / "shared"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    _module(shared / f".proc-{int(dead.stdout)}", "half_written")
+    _module(shared / f"{paths._private_name().rsplit('-', 1)[0]}-{int(dead.stdout)}", "half_written")
+    _module(shared / f".proc-elsewhere-{int(dead.stdout)}", "another_hosts")  # (not ours to sweep)
     (shared / f".tmp-{int(dead.stdout)}-x.ptx").write_bytes(b"")
     os.environ[paths.PTX_CACHE_ENV] = str(shared)
     paths.use_kernel_cache()
-    assert sorted(p.name for p in shared.iterdir()) == [f".proc-{os.getpid()}"]
+    assert sorted(p.name for p in shared.iterdir()) == [f".proc-elsewhere-{int(dead.stdout)}", paths._private_name()]
 
 
 def test_a_child_process_gets_a_directory_of_its_own(cuda):
     """Started by an mlxcel process (serve's tests, tensor-parallel ranks), it inherits that one's setting."""
     shared = cuda / "shared"
-    (shared / ".proc-1").mkdir(parents=True)  # (pid 1 lives: not swept)
-    os.environ[paths.PTX_CACHE_ENV] = str(shared / ".proc-1")
-    assert paths.use_kernel_cache() == shared and paths.mlx_kernel_dir() == shared / f".proc-{os.getpid()}"
-    helper = shared / f".proc-{os.getpid()}" / ".ahead-1-gather_a"  # a compile helper's: its own already
+    parents = shared / f"{paths._private_name().rsplit('-', 1)[0]}-1"  # (pid 1 lives: not swept)
+    parents.mkdir(parents=True)
+    os.environ[paths.PTX_CACHE_ENV] = str(parents)
+    assert paths.use_kernel_cache() == shared and paths.mlx_kernel_dir() == shared / paths._private_name()
+    helper = shared / paths._private_name() / ".ahead-1-gather_a"  # a compile helper's: its own already
     os.environ[paths.PTX_CACHE_ENV] = str(helper)
     assert paths.use_kernel_cache() == shared and os.environ[paths.PTX_CACHE_ENV] == str(helper)
 
