@@ -55,6 +55,17 @@ def pytest_configure(config):
     worker busy (the default `load` hands out fixed chunks and can leave one worker alone with a long tail)."""
     if getattr(config.option, "dist", None) == "load":
         config.option.dist = "worksteal"
+    _hear_ctrl_c()
+
+
+def _hear_ctrl_c() -> None:
+    """A suite started in the background of a shell without job control (`pytest &`) has SIGINT ignored, and every
+    process it starts inherits that: the tests that press Ctrl-C on `run` and `serve` would wait on children deaf to
+    it. Python's own handler instead (a process given a Python handler starts again with the default)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
