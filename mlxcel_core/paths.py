@@ -118,11 +118,7 @@ def _enter_private(shared: Path) -> None:
     try:
         _sweep_private(shared)
         private.mkdir(parents=True, exist_ok=True)
-        for module in _modules(shared):
-            (private / module).parent.mkdir(parents=True, exist_ok=True)
-            for part in (module.with_suffix(".txt"), module):
-                if (shared / part).exists() and not (private / part).exists():
-                    os.link(shared / part, private / part)
+        _take(shared, private, copy=False)
     except OSError:
         shutil.rmtree(private, ignore_errors=True)
         os.environ[PTX_CACHE_ENV] = str(shared)
@@ -134,10 +130,44 @@ def _enter_private(shared: Path) -> None:
 def publish_kernels() -> int:
     """Publish the modules this process's MLX compiled into the shared kernel cache (`_enter_private`); how many. Call
     it where no compile is under way on another thread (a warm-up's end); exit calls it as well."""
-    private = Path(os.environ.get(PTX_CACHE_ENV, ""))
-    if not private.name == _private_name():
+    private = _own_private()
+    return 0 if private is None else _publish(private, private.parent)
+
+
+def adopt_kernels() -> int:
+    """Copy into this process's directory the modules other processes published since it began; how many. MLX reads
+    a module's files when it first needs the module, so a long-lived process (a test-suite worker) then compiles
+    none that another has. Copies, each renamed in whole: MLX may be compiling the same module here (in place)."""
+    private = _own_private()
+    try:
+        return 0 if private is None else _take(private.parent, private, copy=True)
+    except OSError:  # (a full disk: MLX compiles what it lacks)
         return 0
-    return _publish(private, private.parent)
+
+
+def _own_private() -> Path | None:
+    private = Path(os.environ.get(PTX_CACHE_ENV, ""))
+    return private if private.name == _private_name() else None
+
+
+def _take(shared: Path, private: Path, copy: bool) -> int:
+    """Link (at the start, before MLX reads anything) or copy the shared modules `private` lacks into it; how many."""
+    taken = 0
+    for module in _modules(shared):
+        if (private / module).exists():
+            continue
+        (private / module).parent.mkdir(parents=True, exist_ok=True)
+        for part in (module.with_suffix(".txt"), module):  # (the cubin last: what MLX looks for)
+            if not (shared / part).exists():
+                continue
+            if copy:
+                temporary = (private / part).with_name(f".tmp-{part.name}")
+                shutil.copyfile(shared / part, temporary)
+                os.replace(temporary, private / part)
+            elif not (private / part).exists():
+                os.link(shared / part, private / part)
+        taken += 1
+    return taken
 
 
 def _publish(private: Path, shared: Path) -> int:

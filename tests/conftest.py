@@ -58,6 +58,25 @@ def pytest_configure(config):
     _hear_ctrl_c()
 
 
+_EXCHANGED = [0.0]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """Between tests (every 5 s at most), a worker on a CUDA machine publishes the MLX modules it compiled and takes
+    those other workers published (mlxcel_core/paths.py; otherwise each worker compiles every MLX module it needs
+    itself until another exits). Only where no other thread of the worker runs: none is compiling, so none of the
+    worker's modules is half written."""
+    import threading
+    import time
+
+    from mlxcel_core import paths
+
+    if threading.active_count() == 1 and time.monotonic() - _EXCHANGED[0] > 5:
+        paths.publish_kernels()
+        paths.adopt_kernels()
+        _EXCHANGED[0] = time.monotonic()
+
+
 def _hear_ctrl_c() -> None:
     """A suite started in the background of a shell without job control (`pytest &`) has SIGINT ignored, and every
     process it starts inherits that: the tests that press Ctrl-C on `run` and `serve` would wait on children deaf to

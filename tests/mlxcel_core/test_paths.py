@@ -75,6 +75,23 @@ def test_a_process_reads_the_shared_modules_and_publishes_its_own_whole(cuda):
     assert paths.publish_kernels() == 0  # (published once)
 
 
+def test_a_process_takes_the_modules_others_published_since_it_began_as_copies(cuda):
+    shared = cuda / "shared"
+    _module(shared, "gather_a")
+    os.environ[paths.PTX_CACHE_ENV] = str(shared)
+    paths.use_kernel_cache()
+    own = paths.mlx_kernel_dir()
+    _module(shared, "gather_b")  # another process publishes one
+    _module(shared, "G" * 40 + "/long")
+    _module(own, "gather_c", b"compiled here")
+    assert paths.adopt_kernels() == 2 and paths.adopt_kernels() == 0
+    copied = own / "gather_b.ptx"
+    assert copied.read_bytes() == b"cubin" and not copied.samefile(shared / "gather_b.ptx")
+    assert (own / "gather_b.txt").exists() and (own / ("G" * 40) / "long.ptx").exists()
+    assert not list(own.rglob(".tmp-*")) and (own / "gather_c.ptx").read_bytes() == b"compiled here"
+    assert paths.publish_kernels() == 1  # (gather_c: the adopted ones are the shared ones)
+
+
 def test_a_dead_processs_directory_is_swept_unpublished(cuda):
     shared = cuda / "shared"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
