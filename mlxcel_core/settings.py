@@ -47,6 +47,13 @@ def _non_negative_int(raw: str) -> int:
     return value
 
 
+def _mma_depth(raw: str) -> int:
+    value = int(raw)
+    if not 2 <= value <= 4:
+        raise ValueError("must be 2, 3 or 4")
+    return value
+
+
 def _float(raw: str) -> float:
     return float(raw)
 
@@ -117,6 +124,16 @@ SETTINGS: tuple[Setting, ...] = (
         "(a replayed decode step on sm_90 or newer), so that read overlaps the previous kernel's end. 0 leaves it "
         "out. Read when a kernel is first built in a process.",
         _non_negative_int,
+    ),
+    Setting(
+        "MLXCEL_PAGED_MMA_DEPTH",
+        "int",
+        2,
+        "Experiment (issue 42): tiles of 8 tokens' keys and values a warp of the paged decode kernel's tensor-core "
+        "body keeps in registers: 2 has the next tile's loads in flight while it takes one, 3 and 4 two and three "
+        "tiles ahead (more bytes in flight at long contexts; the same results bit for bit). Read when a kernel is "
+        "first built in a process.",
+        _mma_depth,
     ),
     Setting(
         "MLXCEL_NET_TIMEOUT",

@@ -122,8 +122,9 @@ def _kernel(
     kind = "one_split" if one_split else ("split_combine" if last_block_combines else "split")
     takes_sinks = sinks and (one_split or last_block_combines)  # (a split's partials never read them)
     early = pdl_prefetch.enabled()
+    depth = mma_depth() if mma else 2
     suffix = f"{'_new_kv' if new_kv else ''}{'_sinks' if takes_sinks else ''}{'_mma' if mma else ''}"
-    suffix += "_early" if early else ""
+    suffix += ("_early" if early else "") + (f"_depth{depth}" if depth != 2 else "")
     return cuda_kernel(
         name=f"paged_decode_{kind}{suffix}",
         input_names=[
@@ -135,9 +136,17 @@ def _kernel(
         output_names=["out"]
         if one_split
         else [*(("out",) if last_block_combines else ()), "o_part", "m_part", "l_part"],
-        source=kernel_source(one_split, new_kv, last_block_combines, takes_sinks, mma, early),
+        source=kernel_source(one_split, new_kv, last_block_combines, takes_sinks, mma, early, depth),
         header=(MMA_HEADER if mma else "") + (PREFETCH_HELPER if early else ""),
     )
+
+
+def mma_depth() -> int:
+    """The experiment MLXCEL_PAGED_MMA_DEPTH (settings.py): tiles of keys and values a warp of the tensor-core body
+    keeps in registers, read where a kernel is first built (`_kernel` caches it)."""
+    from mlxcel_core import settings
+
+    return settings.get("MLXCEL_PAGED_MMA_DEPTH")
 
 
 @functools.cache

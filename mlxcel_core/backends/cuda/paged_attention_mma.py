@@ -25,7 +25,8 @@ c D / 4 ..), 16-byte loads, as 32-bit pairs.
   thread (r, c) the values of tokens 2c and 2c + 1 at one dim. Word 2i gives the A rows 0..7 of product i, word 2i + 1
   rows 8..15: row r of product i is dim (r / 2) D / 4 + 4 i + r % 2, row r + 8 the same + 2. Thread (r, c) accumulates
   heads 2c and 2c + 1 at those two dims (four floats a product).
-- Registers: two tiles' keys and values (the next tile's loads in flight while this one is taken), D / 4 accumulators,
+- Registers: two tiles' keys and values (the next tile's loads in flight while this one is taken; 3 or 4 with the
+  experiment MLXCEL_PAGED_MMA_DEPTH), D / 4 accumulators,
   D / 8 words of Q.
 The warps' (max, sum, output) states go to the block's shared memory as the lane groups' do, and the merge after is
 the same.
@@ -214,6 +215,27 @@ _REGISTER_LOOP = r"""
 
 """
 
+
+def _register_loop(depth: int) -> str:
+    """The token loop keeping `depth` tiles of keys and values in registers: `depth - 1` tiles' loads in flight while
+    one is taken (2: `_REGISTER_LOOP`). The tiles are taken in the same order at every depth, so the results are the
+    same bit for bit."""
+    if depth == 2:
+        return _REGISTER_LOOP
+    if not 2 <= depth <= 4:
+        raise ValueError(f"the tensor-core body keeps 2 to 4 tiles in registers, got {depth}")
+    buffers = ", ".join(f"k{i}[RPT], v{i}[RPT]" for i in range(depth))
+    lines = [f"    alignas(16) uint32_t {buffers};", "    const int first = t0 + vg * 8;"]
+    lines += [f"    load(k{i}, v{i}, first + {i} * STEP);" for i in range(depth - 1)]
+    lines.append(f"    for (int base = first; base < t1; base += {depth} * STEP) {{  // (one trip count a warp)")
+    for i in range(depth):
+        ahead = (i + depth - 1) % depth
+        lines.append(f"        load(k{ahead}, v{ahead}, base + {i + depth - 1} * STEP);")
+        lines.append(f"        take(k{i}, v{i}, base + {i} * STEP);")
+    lines.append("    }")
+    return "\n" + "\n".join(lines) + "\n\n"
+
+
 _TAIL = r"""
     // The warp's state into the block's merge arrays.
     l += __shfl_xor_sync(FULL, l, 1);
@@ -236,3 +258,8 @@ _TAIL = r"""
     }
 """
 BODY = _TAKE + _REGISTER_LOOP + _TAIL
+
+
+def body(depth: int = 2) -> str:
+    """The tensor-core body with `depth` tiles in registers (the experiment MLXCEL_PAGED_MMA_DEPTH; 2: `BODY`)."""
+    return _TAKE + _register_loop(depth) + _TAIL

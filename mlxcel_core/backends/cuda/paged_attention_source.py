@@ -10,6 +10,7 @@ import hashlib
 from .kernels.pdl_prefetch import paged_with_prefetch
 from .paged_attention_mma import BODY as _MMA_BODY
 from .paged_attention_mma import HEADER as MMA_HEADER  # noqa: F401  (paged_attention.py's)
+from .paged_attention_mma import body as _mma_body
 from .paged_attention_tile import TILE_LOOP as _TILE_LOOP
 
 MMA_MAX_GROUP = 8  # query heads a block of the tensor-core body (the columns of its P.V products)
@@ -298,15 +299,18 @@ def kernel_source(
     sinks: bool = False,
     mma: bool = False,
     early: bool = False,
+    depth: int = 2,
 ) -> str:
     """The split kernel's source (partials; with `last_block_combines` also the output, `_LAST_BLOCK_COMBINES`), or
     with one split the output itself; with or without the step's keys and values (`_WITH_NEW_KV`); with `sinks`, the
     output's normalization takes each head's sink (a split's partials never do); with `mma`, the tensor-core body
     (paged_attention_mma.py, compiled with its MMA_HEADER) in place of the lane groups'; with `early`, the prefetch
-    of the experiment MLXCEL_PDL_PREFETCH (kernels/pdl_prefetch.py, compiled with its PREFETCH_HELPER)."""
+    of the experiment MLXCEL_PDL_PREFETCH (kernels/pdl_prefetch.py, compiled with its PREFETCH_HELPER); `depth`, the
+    tensor-core body's tiles in registers (the experiment MLXCEL_PAGED_MMA_DEPTH)."""
     if one_split and last_block_combines:
         raise ValueError("one split writes the output itself: there is nothing to combine")
     source = _MMA_SOURCE if mma else _SOURCE
+    source = _PROLOGUE + _mma_body(depth) + _MERGE if mma and depth != 2 else source
     source = paged_with_prefetch(source) if early else source
     source = source.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else source
     source = _with_sinks(source, "MERGE", sinks and one_split)

@@ -315,3 +315,57 @@ def test_the_emulated_statements_are_bodys():
         "sm_o[vg][2 * lc + 1][d + 2] = o[i][3];",
     ]:
         assert line in BODY, line
+
+
+def _run_loop(loop: str, tiles: int, warps: int = 4) -> list[tuple[int, int]]:
+    """Follow a register loop's loads and takes (tile units: STEP = the warps' count, a warp's first tile = its
+    index): each take's (tile it names, tile its buffer holds), in order, for one warp over `tiles` of the split."""
+    import re
+
+    held: dict[str, int] = {}
+    taken = []
+
+    def run(statement: str, base: int) -> None:
+        if not statement.startswith(("load(", "take(")):
+            return  # (the buffers' declaration, the warp's first token)
+        call = re.fullmatch(
+            r"(load|take)\((k\d|ka|kb), (?:v\d|va|vb), (?:first|base)( \+ (?:(\d+) \* )?STEP)?\);", statement
+        )
+        assert call, statement
+        tile = base + (int(call.group(4) or 1) if call.group(3) else 0) * warps
+        if call.group(1) == "load":
+            held[call.group(2)] = tile
+        else:
+            taken.append((tile, held[call.group(2)]))
+
+    lines = [line.strip() for line in loop.strip().splitlines() if line.strip()]
+    head = lines.index(next(line for line in lines if line.startswith("for (")))
+    step = int(re.search(r"base \+= (\d+) \* STEP", lines[head]).group(1))
+    first = 1  # (the warp's tile: vg = 1)
+    for statement in lines[:head]:
+        run(statement, first)
+    for base in range(first, tiles, step * warps):
+        for statement in lines[head + 1 : lines.index("}", head)]:
+            run(statement, base)
+    return taken
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+@pytest.mark.parametrize("tiles", [1, 2, 5, 12, 33])
+def test_each_depths_loop_takes_every_tile_of_the_warp_once_in_order_from_the_buffer_that_holds_it(depth, tiles):
+    from mlxcel_core.backends.cuda.paged_attention_mma import _register_loop
+
+    taken = _run_loop(_register_loop(depth), tiles)
+    assert all(named == held for named, held in taken)  # (a buffer is never taken before its tile is loaded into it)
+    named = [tile for tile, _ in taken]
+    assert named == sorted(named) and len(set(named)) == len(named)
+    assert [t for t in named if t < tiles] == list(range(1, tiles, 4))  # the warp's tiles, each once
+    assert len(named) % depth == 0 and all(t < tiles + depth * 4 for t in named)  # (tiles past the split: empty)
+
+
+def test_the_depths_are_two_to_four():
+    from mlxcel_core.backends.cuda.paged_attention_mma import body
+
+    assert body(2) == BODY and "k3[RPT]" in body(4)
+    with pytest.raises(ValueError, match="2 to 4"):
+        body(5)
