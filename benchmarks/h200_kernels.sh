@@ -53,6 +53,11 @@
 #                     (4 MiB); `ab` tg128 at 0 (off), 2, 8 and 64 MiB (64: every 8B layer's rows whole), alternating,
 #                     on 8B 4-bit and 1B 4-bit; `ab16` the same on 8B bf16; `long` 8B 4-bit decode at a 32k-token
 #                     context, 0 and 8 MiB, alternating (`mlxcel bench -d 32768`)
+#   mmadepth [tests|kernel|long]  the experiment MLXCEL_PAGED_MMA_DEPTH (the paged kernel's tensor-core body with 3 or
+#                     4 tiles of keys and values in registers a warp, not 2), a call each: `tests` its tests and the
+#                     paged kernel's CUDA tests at depth 4; `kernel` the body alone (paged_kernel.py, 8k and 32k
+#                     tokens, 16/32/64 splits) at depths 2, 3, 4, alternating, twice; `long` 8B 4-bit decode at a
+#                     32k-token context at depths 2 and 4, alternating (`mlxcel bench -d 32768`)
 #   abq SHAPE..       the same pairing with `mlxcel bench` only (tg128 @ d512, 5 reps, three times a tree): a lever's
 #                     A/B in a third of ab's time; claims against mlx-lm still come from compare_mlx_lm
 # Kernels and profiles:
@@ -247,6 +252,32 @@ for line in sys.stdin:
           for on in 0 8; do
             echo "== MLXCEL_PDL_PREFETCH=$on 8B 4-bit @ d32768: $(MLXCEL_PDL_PREFETCH=$on python -m mlxcel_cli bench \
               --model-shape llama-3.1-8b --bits 4 -p 0 -n 64 -d 32768 -r 2 -o jsonl 2>/dev/null | tail -1)"
+          done
+        done ;;
+    esac ;;
+  mmadepth)
+    case "${2:-tests}" in
+      tests)
+        timeout 200 python -m pytest -q -p no:cacheprovider -n 4 $CUDA_TESTS/test_paged_attention_depth.py \
+          $CUDA_TESTS/test_paged_attention_mma.py --tb=short -rf 2>&1 | grep -E "^E |FAILED|passed|failed|Error"
+        MLXCEL_PAGED_MMA_DEPTH=4 timeout 300 python -m pytest -q -p no:cacheprovider -n 8 \
+          $CUDA_TESTS/test_cuda_paged_attention.py $CUDA_TESTS/test_cuda_paged_attention_limits.py --tb=short -rf \
+          2>&1 | grep -E "^E |FAILED|passed|failed|Error" ;;
+      kernel)
+        export MLX_USE_CUDA_GRAPHS=0
+        for rep in 1 2; do
+          for depth in 2 3 4; do
+            echo "== MLXCEL_PAGED_MMA_DEPTH=$depth (round $rep)"
+            MLXCEL_PAGED_MMA_DEPTH=$depth timeout 120 python benchmarks/paged_kernel.py --context 8192 32768 \
+              --splits 16 32 64 --bodies mma --reps 5
+          done
+        done 2>&1 | tee "${OUT:-/tmp}/paged_mma_depth.txt" ;;
+      long)
+        for rep in 1 2; do
+          for depth in 2 4; do
+            echo "== MLXCEL_PAGED_MMA_DEPTH=$depth 8B 4-bit @ d32768: $(MLXCEL_PAGED_MMA_DEPTH=$depth python -m \
+              mlxcel_cli bench --model-shape llama-3.1-8b --bits 4 -p 0 -n 64 -d 32768 -r 2 -o jsonl 2>/dev/null \
+              | tail -1)"
           done
         done ;;
     esac ;;
