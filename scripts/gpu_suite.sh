@@ -84,9 +84,10 @@ print(" ".join(f"{p}=={m.version(p)}" for p in names))')
       if [ -n "${OUT:-}" ] && [ "${GPU_SUITE_KEEP_CACHE:-1}" != 0 ] && [ -d "$MLXCEL_CACHE_DIR/kernels" ]; then
         du -sh "$MLXCEL_CACHE_DIR"/kernels/* 2>/dev/null | sort -h | tail -4
         local tgz=/tmp/kcache.tgz
-        tar czf $tgz -C "$MLXCEL_CACHE_DIR" kernels
+        tar czf $tgz -C "$MLXCEL_CACHE_DIR" --exclude=".proc-*" --exclude=".tmp-*" kernels  # (not processes' own)
         if [ "$(stat -c %s $tgz)" -gt $((56 << 20)) ]; then  # without the driver's JIT cache, then
-          tar czf $tgz -C "$MLXCEL_CACHE_DIR" --exclude=kernels/cuda-driver kernels
+          tar czf $tgz -C "$MLXCEL_CACHE_DIR" --exclude=".proc-*" --exclude=".tmp-*" --exclude=kernels/cuda-driver \
+            kernels
         fi
         if [ "$(stat -c %s $tgz)" -gt $((56 << 20)) ]; then echo "kernel cache too large to bring back"
         else split -b 15M -d -a 1 $tgz "$OUT/kcache.tgz.part" && ls -la "$OUT"/kcache.tgz.part*; fi
