@@ -1,5 +1,6 @@
 """Where mlxcel keeps its files: `MLXCEL_CACHE_DIR`, else the platform's user cache dir."""
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -106,7 +107,7 @@ def mlx_kernel_dir() -> Path | None:
 # whole one.
 PRIVATE_PREFIX = ".proc-"
 AHEAD_PREFIX = ".ahead-"
-_MLX_SUFFIXES = (".cu", ".txt", ".ptx")  # (the order a module is published in: its cubin, what MLX looks for, last)
+MODULE_SUFFIXES = (".cu", ".txt", ".ptx")  # (the order a module is moved in: its cubin, what MLX looks for, last)
 
 
 def _enter_private(shared: Path) -> None:
@@ -177,7 +178,7 @@ def _publish(private: Path, shared: Path) -> int:
             continue
         try:
             (shared / module).parent.mkdir(parents=True, exist_ok=True)
-            for part in (module.with_suffix(suffix) for suffix in _MLX_SUFFIXES):
+            for part in (module.with_suffix(suffix) for suffix in MODULE_SUFFIXES):
                 if (private / part).exists():
                     temporary = (shared / part).with_name(f".tmp-{os.getpid()}-{part.name}")
                     temporary.unlink(missing_ok=True)
@@ -211,10 +212,14 @@ def _leave_private(private: Path, shared: Path) -> None:
 
 def _private_name() -> str:
     """This process's directory's name: .proc-<host>-<pid>."""
+    return f"{PRIVATE_PREFIX}{_host()}-{os.getpid()}"
+
+
+@functools.cache
+def _host() -> str:
     import socket
 
-    host = "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
-    return f"{PRIVATE_PREFIX}{host}-{os.getpid()}"
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())
 
 
 def _sweep_private(shared: Path) -> None:
@@ -222,13 +227,16 @@ def _sweep_private(shared: Path) -> None:
     half written, so none is published."""
     host = _private_name().rsplit("-", 1)[0]  # (a process of another host or container may hold the same number)
     for private in shared.glob(f"{host}-*"):
-        pid = private.name.rsplit("-", 1)[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+        if ended(private.name.rsplit("-", 1)[1]):
             shutil.rmtree(private, ignore_errors=True)
     for temporary in shared.glob(".tmp-*-*"):  # (a publishing process's, killed between its link and rename)
-        pid = temporary.name.split("-")[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+        if ended(temporary.name.split("-")[1]):
             temporary.unlink(missing_ok=True)
+
+
+def ended(pid: str) -> bool:
+    """Whether `pid` (a process number as text in a file name) names another process of this host that has ended."""
+    return pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid))
 
 
 def process_alive(pid: int) -> bool:

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from ...paths import AHEAD_PREFIX, process_alive
+from ...paths import AHEAD_PREFIX, MODULE_SUFFIXES, ended
 
 log = logging.getLogger("mlxcel")
 
@@ -261,8 +261,7 @@ def start_early(directory: Path, names: list[str]) -> int:
 def _sweep(directory: Path) -> None:
     """Removes the helpers' scratch directories of processes that have ended (one killed while its helpers ran)."""
     for scratch in directory.glob(f"{AHEAD_PREFIX}*-*"):
-        pid = scratch.name.split("-")[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+        if ended(scratch.name.split("-")[1]):
             shutil.rmtree(scratch, ignore_errors=True)
 
 
@@ -270,7 +269,7 @@ def _move_in(scratch: Path, directory: Path) -> int:
     """Moves a helper's modules into `directory` by rename: each module's .cu and .txt, then its cubin (.ptx)."""
     cubins = sorted(scratch.glob("*.ptx"))
     for cubin in cubins:
-        for part in (cubin.with_suffix(".cu"), cubin.with_suffix(".txt"), cubin):
+        for part in (cubin.with_suffix(suffix) for suffix in MODULE_SUFFIXES):
             if part.exists():
                 os.replace(part, directory / part.name)
     return len(cubins)

@@ -257,9 +257,11 @@ _TAIL = r"""
         }
     }
 """
-BODY = _TAKE + _REGISTER_LOOP + _TAIL
 
 
 def body(depth: int = 2) -> str:
     """The tensor-core body with `depth` tiles in registers (the experiment MLXCEL_PAGED_MMA_DEPTH; 2: `BODY`)."""
     return _TAKE + _register_loop(depth) + _TAIL
+
+
+BODY = body()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 
 from .kernels.pdl_prefetch import paged_with_prefetch
-from .paged_attention_mma import BODY as _MMA_BODY
 from .paged_attention_mma import HEADER as MMA_HEADER  # noqa: F401  (paged_attention.py's)
 from .paged_attention_mma import body as _mma_body
 from .paged_attention_tile import TILE_LOOP as _TILE_LOOP
@@ -152,7 +151,7 @@ _MERGE = r"""
 /*LAST_BLOCK*/
 """
 _SOURCE = (_PROLOGUE + _LANE_GROUP_BODY + _MERGE).replace("/*TILE_LOOP*/", _TILE_LOOP)
-_MMA_SOURCE = _PROLOGUE + _MMA_BODY + _MERGE
+_MMA_SOURCE = _PROLOGUE + _mma_body() + _MERGE  # (depth 2; the tuned tactics' key)
 
 
 # One split (the whole context in one block per head group): the combine step's arithmetic for S = 1 (its rescale
@@ -309,8 +308,7 @@ def kernel_source(
     tensor-core body's tiles in registers (the experiment MLXCEL_PAGED_MMA_DEPTH)."""
     if one_split and last_block_combines:
         raise ValueError("one split writes the output itself: there is nothing to combine")
-    source = _MMA_SOURCE if mma else _SOURCE
-    source = _PROLOGUE + _mma_body(depth) + _MERGE if mma and depth != 2 else source
+    source = _PROLOGUE + _mma_body(depth) + _MERGE if mma else _SOURCE
     source = paged_with_prefetch(source) if early else source
     source = source.replace(_WRITE_PARTIALS, _WRITE_OUTPUT) if one_split else source
     source = _with_sinks(source, "MERGE", sinks and one_split)
